@@ -1,0 +1,106 @@
+"""The `screener` command line: a thin click group that parses, calls and prints.
+
+Subcommands live in `screener/commands/<area>.py` and are imported only when used, so
+`screener --help` and `screener platform` do not pay for kubernetes or boto3. Every command maps
+ScreenerError to its exit code with one line on stderr and no traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+from typing import Any
+
+import click
+
+from screener import __version__
+
+# name -> (module, attribute, short help). Registering a command is one line here.
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "platform": ("screener.commands.basic", "platform_cmd",
+                 "Show the platform signature of a device and its hash."),
+    "fingerprint": ("screener.commands.basic", "fingerprint_cmd",
+                    "Fingerprint the tensors of a checkpoint, or compare two."),
+    "probe": ("screener.commands.probe", "probe_cmd", "Run the GPU and host health probes once."),
+    "hyperpod": ("screener.commands.remediate", "hyperpod_group", "SageMaker HyperPod: deep health check, reboot, replace."),
+    "correlate": ("screener.commands.remediate", "correlate_cmd", "What a node's DCGM telemetry in Prometheus did around an alarm."),
+    "plan": ("screener.commands.remediate", "plan_cmd", "Checkpoint interval (Young) and goodput from MTTF and restart time."),
+    "node": ("screener.commands.node", "node_group", "Show and steer node lifecycle states."),
+    "lemons": ("screener.commands.node", "lemons_cmd", "List nodes and GPUs that fail repeatedly."),
+}
+
+
+class LazyGroup(click.Group):
+    """A click group whose subcommands are imported on first use."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        spec = COMMANDS.get(name)
+        if spec is None:
+            return None
+        module, attr, _ = spec
+        return getattr(importlib.import_module(module), attr)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        # Listing uses the registry's short help so that `screener --help` imports nothing heavy.
+        rows = [(name, COMMANDS[name][2]) for name in self.list_commands(ctx)]
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
+EXIT_CODES_HELP = """\b
+Exit codes (the same for every command):
+  0   pass
+  1   the screener itself failed (never a hardware verdict)
+  2   usage error or bad input
+  3   inconclusive (nothing to compare against)
+  75  hardware suspect
+  76  numeric failure, not blamed on hardware
+  77  a peer failed"""
+
+
+@click.group(cls=LazyGroup, epilog=EXIT_CODES_HELP,
+             context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="screener")
+@click.option("-v", "--verbose", count=True, help="More log output on stderr (-vv for debug).")
+def main(verbose: int) -> None:
+    """screener: catch GPUs that compute wrong numbers without raising an error.
+
+    Known-answer screening compared bit for bit with golden results and peers, node burn-in,
+    GPU health probes, and the node lifecycle (burnin, healthy, suspect, quarantined, repair).
+    Results go to stdout, logs to stderr.
+    """
+    level = logging.WARNING - 10 * min(verbose, 2)
+    logging.basicConfig(level=level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def run() -> Any:
+    """Console entry point: run the group and turn our own errors into one line and an exit code."""
+    from screener.errors import ScreenerError
+
+    try:
+        rv = main.main(standalone_mode=False)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(1)
+    except click.exceptions.ClickException as e:
+        e.show()
+        sys.exit(2)  # every click error is a usage or bad-input error
+    except ScreenerError as e:
+        click.echo(f"screener: {e}", err=True)
+        sys.exit(int(e.exit_code))
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(1)
+    sys.exit(rv if isinstance(rv, int) else 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    run()

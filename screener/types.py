@@ -1,0 +1,231 @@
+"""The shared vocabulary of screener: findings, verdicts, node states, alarms and the exit-code contract.
+
+Every other module speaks in these types, so this module imports nothing of ours and only the
+standard library. Values that cross a process or machine boundary (alarm files, verdict annotations,
+Kubernetes labels) are defined here once so writer and reader cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping, Optional
+
+
+class ExitCode(enum.IntEnum):
+    """Process exit codes, identical for every command and documented in the README.
+
+    A Kubernetes Job's podFailurePolicy can match on them: 75 fails the Job (exclude the node),
+    77 is ignored (a peer died; requeue without blaming this node).
+    """
+
+    PASS = 0
+    SCREENER_ERROR = 1  # the screener itself failed: never a hardware verdict
+    USAGE = 2  # bad command line or bad input file
+    INCONCLUSIVE = 3  # nothing to compare against
+    HARDWARE_SUSPECT = 75
+    NUMERIC = 76  # non-finite numbers not blamed on hardware
+    PEER_FAILED = 77
+
+
+class Severity(enum.IntEnum):
+    """How bad a finding is; ordered so that max() gives the worst of several."""
+
+    OK = 0
+    INFO = 1
+    WARNING = 2
+    SUSPECT = 3
+    CRITICAL = 4
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+    @classmethod
+    def parse(cls, text: str) -> "Severity":
+        try:
+            return cls[text.upper()]
+        except KeyError:
+            raise ValueError(f"unknown severity {text!r}; expected one of "
+                             f"{', '.join(s.label for s in cls)}") from None
+
+
+class NodeState(str, enum.Enum):
+    """The five lifecycle states; the value is what the `screener.io/state` label holds."""
+
+    BURNIN = "burnin"
+    HEALTHY = "healthy"
+    SUSPECT = "suspect"
+    QUARANTINED = "quarantined"
+    REPAIR = "repair"
+
+    @classmethod
+    def parse(cls, text: str) -> "NodeState":
+        try:
+            return cls(text.strip().lower())
+        except ValueError:
+            raise ValueError(f"unknown node state {text!r}; expected one of "
+                             f"{', '.join(s.value for s in cls)}") from None
+
+
+class Outcome(str, enum.Enum):
+    """The result of a known-answer screen of one device (or of a whole run)."""
+
+    PASS = "pass"
+    SUSPECT = "suspect"
+    INCONCLUSIVE = "inconclusive"
+
+
+# --- Kubernetes conventions shared by the stores, the daemon and the manifests -------------------
+
+LABEL_STATE = "screener.io/state"
+TAINT_STATE_KEY = "screener.io/state"  # value = state, effect NoSchedule, on every state but healthy
+TAINT_SCREENING_KEY = "screener.io/screening"  # value "true", NoSchedule, only during an idle screen
+CONDITION_TYPE = "GPUHardwareSuspect"
+ANNOTATION_VERDICT = "screener.io/verdict"
+ANNOTATION_HISTORY = "screener.io/history"
+ANNOTATION_DIGESTS = "screener.io/kat-digests"
+
+ALARM_DIR_ENV = "SCREENER_ALARM_DIR"
+DEFAULT_ALARM_DIR = "/var/run/screener/alarms"
+NODE_NAME_ENV = "NODE_NAME"
+
+# Condition reasons (CamelCase, as Kubernetes expects).
+REASON_KAT_MISMATCH = "KnownAnswerMismatch"
+REASON_RING_REPLAY = "RingReplayMismatch"
+REASON_WEIGHTS = "WeightFingerprintMismatch"
+REASON_NONFINITE = "NonFiniteGradient"
+REASON_ROW_REMAP = "RowRemapFailure"
+
+ALARM_CHECK_REASONS: Mapping[str, str] = {
+    "nonfinite_local": REASON_NONFINITE,
+    "nonfinite_reduced": REASON_NONFINITE,
+    "ring_replay": REASON_RING_REPLAY,
+    "weights": REASON_WEIGHTS,
+}
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One observation from a probe (NVML, kernel log, host) that the lifecycle can act on."""
+
+    severity: Severity
+    code: str  # short stable identifier, e.g. "row_remap_pending", "xid"
+    message: str
+    gpu: Optional[str] = None  # GPU index, UUID or PCI bus id; None for host-level findings
+    evidence: Mapping[str, Any] = field(default_factory=dict)
+    action: str = ""  # recommended action, in words
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["severity"] = self.severity.label
+        d["evidence"] = dict(self.evidence)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Finding":
+        return cls(severity=Severity.parse(d["severity"]), code=str(d["code"]),
+                   message=str(d["message"]), gpu=d.get("gpu"),
+                   evidence=dict(d.get("evidence") or {}), action=str(d.get("action") or ""))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The outcome of a known-answer screen of one device, with where results first differ."""
+
+    device: str
+    outcome: Outcome
+    reason: str = ""  # e.g. "golden_mismatch", "peer_mismatch", "self_mismatch", "timeout", "crash"
+    job: Optional[str] = None
+    step: Optional[int] = None
+    tensor: Optional[str] = None
+    expected: Any = None
+    observed: Any = None
+    platform_hash: Optional[str] = None
+    evidence: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["outcome"] = self.outcome.value
+        d["evidence"] = dict(self.evidence)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Verdict":
+        return cls(device=str(d["device"]), outcome=Outcome(d["outcome"]),
+                   reason=str(d.get("reason") or ""), job=d.get("job"), step=d.get("step"),
+                   tensor=d.get("tensor"), expected=d.get("expected"), observed=d.get("observed"),
+                   platform_hash=d.get("platform_hash"), evidence=dict(d.get("evidence") or {}))
+
+
+@dataclass(frozen=True)
+class SuspectNode:
+    """Where a suspect rank runs: the Kubernetes node, the host, and the cloud instance if known."""
+
+    node: str
+    hostname: str
+    instance_id: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class AlarmRecord:
+    """The JSON content of one alarm file dropped by an in-job check for the DaemonSet.
+
+    Written by `screener.audit` (temp file, then rename) into SCREENER_ALARM_DIR on the suspect
+    node; read exactly once by the daemon on that node.
+    """
+
+    alarm_id: str  # unique; also the file's stem
+    check: str  # "nonfinite_local", "nonfinite_reduced", "ring_replay" or "weights"
+    step: int
+    settled: bool
+    suspect_ranks: tuple[int, ...]
+    suspect_nodes: tuple[SuspectNode, ...]
+    node: str  # the node this file is about (the one it was dropped on)
+    job: str = ""
+    created: float = 0.0  # unix time
+    evidence: Mapping[str, Any] = field(default_factory=dict)
+
+    SCHEMA = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": self.SCHEMA,
+            "alarm_id": self.alarm_id,
+            "check": self.check,
+            "step": self.step,
+            "settled": self.settled,
+            "suspect_ranks": list(self.suspect_ranks),
+            "suspect_nodes": [asdict(n) for n in self.suspect_nodes],
+            "node": self.node,
+            "job": self.job,
+            "created": self.created,
+            "evidence": dict(self.evidence),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "AlarmRecord":
+        """Parse and validate; raises ValueError naming the first thing that is wrong."""
+        if not isinstance(d, Mapping):
+            raise ValueError("alarm is not a JSON object")
+        if d.get("schema") != cls.SCHEMA:
+            raise ValueError(f"alarm schema {d.get('schema')!r} is not {cls.SCHEMA}")
+        for key in ("alarm_id", "check", "step", "settled", "suspect_ranks", "suspect_nodes", "node"):
+            if key not in d:
+                raise ValueError(f"alarm lacks the field {key!r}")
+        if d["check"] not in ALARM_CHECK_REASONS:
+            raise ValueError(f"alarm check {d['check']!r} is not one of {sorted(ALARM_CHECK_REASONS)}")
+        if not isinstance(d["step"], int) or isinstance(d["step"], bool):
+            raise ValueError(f"alarm step {d['step']!r} is not an integer")
+        if not isinstance(d["settled"], bool):
+            raise ValueError(f"alarm settled {d['settled']!r} is not a boolean")
+        try:
+            nodes = tuple(SuspectNode(node=str(n["node"]), hostname=str(n["hostname"]),
+                                      instance_id=n.get("instance_id")) for n in d["suspect_nodes"])
+            ranks = tuple(int(r) for r in d["suspect_ranks"])
+        except (TypeError, KeyError, ValueError) as e:
+            raise ValueError(f"alarm suspect_ranks/suspect_nodes malformed: {e}") from None
+        return cls(alarm_id=str(d["alarm_id"]), check=str(d["check"]), step=d["step"],
+                   settled=d["settled"], suspect_ranks=ranks, suspect_nodes=nodes,
+                   node=str(d["node"]), job=str(d.get("job") or ""),
+                   created=float(d.get("created") or 0.0), evidence=dict(d.get("evidence") or {}))

@@ -1,0 +1,69 @@
+"""Import contracts: a training job importing screener.fingerprint or screener.audit pays only for
+torch and the standard library, and each vendor client has exactly one importer."""
+
+from __future__ import annotations
+
+import ast
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _top_level_modules_after(statement: str) -> set[str]:
+    code = (f"import sys, json\n{statement}\n"
+            "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=ROOT)
+    return set(json.loads(out.stdout))
+
+
+@pytest.mark.parametrize("module", ["screener.fingerprint", "screener.audit"])
+def test_training_side_modules_load_only_torch_and_stdlib(module):
+    # torch itself may pull in optional packages it finds (numpy, pynvml); we may add only the
+    # standard library and our own package on top of what `import torch` loads.
+    baseline = _top_level_modules_after("import torch")
+    loaded = _top_level_modules_after(f"import {module}")
+    extra = loaded - baseline - set(sys.stdlib_module_names) - {"screener"}
+    assert not extra, f"import {module} loaded {sorted(extra)} beyond torch and the standard library"
+    heavy = loaded & {"kubernetes", "boto3", "botocore", "prometheus_client", "click", "psutil"}
+    assert not heavy, f"import {module} loaded {sorted(heavy)}"
+
+
+def _importers(name: str) -> set[str]:
+    found = set()
+    for path in (ROOT / "screener").rglob("*.py"):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            mods = []
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                mods = [node.module]
+            if any(m == name or m.startswith(name + ".") for m in mods):
+                found.add(str(path.relative_to(ROOT)))
+    return found
+
+
+@pytest.mark.parametrize("client,allowed", [
+    ("kubernetes", {"screener/stores/kube.py"}),
+    ("boto3", {"screener/hyperpod.py"}),
+    ("botocore", {"screener/hyperpod.py"}),
+    ("pynvml", {"screener/health/nvml.py"}),
+])
+def test_each_vendor_client_has_one_importer(client, allowed):
+    assert _importers(client) <= allowed
+
+
+def test_cli_help_imports_nothing_heavy():
+    code = ("import sys, json\nfrom click.testing import CliRunner\nfrom screener.cli import main\n"
+            "r = CliRunner().invoke(main, ['--help'])\nassert r.exit_code == 0, r.output\n"
+            "print(json.dumps(sorted(m.split('.')[0] for m in sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=ROOT)
+    loaded = set(json.loads(out.stdout))
+    assert not loaded & {"torch", "kubernetes", "boto3", "pynvml"}
