@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import threading
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
 import torch
@@ -61,9 +62,11 @@ _SUB_BYTE = {getattr(torch, n) for n in (
     "quint4x2", "quint2x4", "bits1x8", "bits2x4", "bits4x2") if hasattr(torch, n)}
 _QUANTIZED = {getattr(torch, n) for n in ("qint8", "quint8", "qint32") if hasattr(torch, n)}
 
-# Elements per chunk: large enough to amortise Python overhead, small enough that the float buffer
-# stays in cache between the copy and the two reductions.
+# Blocks per chunk. On the CPU: large enough to amortise Python overhead, small enough that the float
+# buffer stays in cache between the copy and the two reductions. On a GPU the limit is kernel-launch
+# overhead, so chunks are much larger (the buffer is 64-256 MiB).
 _CHUNK_BLOCKS = 16
+_CHUNK_BLOCKS_GPU = 256
 
 
 def _check_dtype(t: torch.Tensor) -> int:
@@ -101,6 +104,7 @@ class _Workspace:
     def __init__(self) -> None:
         self._buffers: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         self._ranges: dict[torch.device, torch.Tensor] = {}
+        self._limbs: dict[torch.device, torch.Tensor] = {}
 
     def buffer(self, device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
         key = (device, dtype)
@@ -109,6 +113,14 @@ class _Workspace:
             buf = torch.empty(numel, dtype=dtype, device=device)
             self._buffers[key] = buf
         return buf[:numel]
+
+    def limb_weights(self, device: torch.device) -> torch.Tensor:
+        """int64 [1, 2**32]: the weights of the two 32-bit limbs of an 8-byte element."""
+        w = self._limbs.get(device)
+        if w is None:
+            w = torch.tensor([1, 1 << 32], dtype=torch.int64).to(device)
+            self._limbs[device] = w
+        return w
 
     def arange(self, device: torch.device, n: int) -> torch.Tensor:
         """int64 [0, 1, ..., n-1] on the device (cached, sliced)."""
@@ -119,12 +131,21 @@ class _Workspace:
         return r[:n]
 
 
-_WS = _Workspace()
+_LOCAL = threading.local()
+
+
+def _workspace() -> _Workspace:
+    # One workspace per thread: DDP comm hooks may run on autograd's device threads.
+    ws = getattr(_LOCAL, "ws", None)
+    if ws is None:
+        ws = _LOCAL.ws = _Workspace()
+    return ws
 
 
 def _fingerprint_into(bits: torch.Tensor, size: int, out: torch.Tensor) -> None:
     """Accumulate the fingerprint of flat `bits` (view dtype of the plan) into out (2,) int64."""
     _, fdtype, limbs, rows, cols = _PLANS[size]
+    ws = _workspace()
     n = bits.numel() // limbs  # elements
     if n == 0:
         return
@@ -132,19 +153,19 @@ def _fingerprint_into(bits: torch.Tensor, size: int, out: torch.Tensor) -> None:
     # Small tensors use a smaller block so that padding does not dominate the work.
     rows = min(rows, -(-n // cols))
     block = rows * cols
-    chunk = block * _CHUNK_BLOCKS
-    idx = _WS.arange(device, max(rows, cols) + 1)
+    chunk_blocks = _CHUNK_BLOCKS if device.type == "cpu" else _CHUNK_BLOCKS_GPU
+    chunk = block * chunk_blocks
+    idx = ws.arange(device, max(rows, cols, chunk_blocks) + 1)
     row_w = idx[:rows] * cols  # 0-based element offset of each row inside a block
     col_w = idx[1:cols + 1]  # 1-based position of each column inside a row
-    limb_w = (torch.tensor([1, 1 << 32], dtype=torch.int64, device=device)[:limbs]
-              if limbs > 1 else None)
+    limb_w = ws.limb_weights(device) if limbs > 1 else None
     total = torch.zeros(limbs, dtype=torch.int64, device=device)
     weighted = torch.zeros(limbs, dtype=torch.int64, device=device)
     for start in range(0, n, chunk):
         m = min(chunk, n - start)
         nblocks = -(-m // block)
         padded = nblocks * block
-        buf = _WS.buffer(device, fdtype, padded * limbs)
+        buf = ws.buffer(device, fdtype, padded * limbs)
         buf[:m * limbs].copy_(bits[start * limbs:(start + m) * limbs])
         if padded > m:
             buf[m * limbs:].zero_()  # zeros add nothing to either sum
@@ -153,7 +174,7 @@ def _fingerprint_into(bits: torch.Tensor, size: int, out: torch.Tensor) -> None:
         rowsum = grid.sum(dim=2).to(torch.int64)  # (nblocks, rows, limbs)
         colsum = grid.sum(dim=1).to(torch.int64)  # (nblocks, cols, limbs)
         blocksum = rowsum.sum(dim=1)  # (nblocks, limbs)
-        block_off = idx[:nblocks] * block + start  # nblocks <= _CHUNK_BLOCKS < idx.numel()
+        block_off = idx[:nblocks] * block + start  # nblocks <= chunk_blocks < idx.numel()
         total += blocksum.sum(dim=0)
         weighted += (block_off.unsqueeze(1) * blocksum).sum(dim=0)
         weighted += (row_w.view(1, rows, 1) * rowsum).sum(dim=(0, 1))
