@@ -1,0 +1,237 @@
+"""`screener node status|history|set` and `screener lemons`: read and steer the node lifecycle.
+
+Thin: parse options, open a store (screener.stores.open_store), call the lifecycle, print. Results go
+to stdout (`--json` for machines), logs to stderr.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import functools
+import getpass
+import json
+import os
+import sys
+import time
+from typing import Any, Callable, Optional
+
+import click
+
+from screener.types import ExitCode, NodeState
+
+STORE_HELP = ("Where node states live: 'local' (SQLite, the default outside a cluster) or 'kube' "
+              "(Node labels, taints, conditions, annotations). Default: kube when --kubeconfig is "
+              "given or when running inside a pod, else local.")
+
+
+def store_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """--store, --db, --kubeconfig, --spool: shared by every command here."""
+    @click.option("--store", "store_kind", type=click.Choice(["auto", "local", "kube"]),
+                  default="auto", show_default=True, envvar="SCREENER_STORE", help=STORE_HELP)
+    @click.option("--db", type=click.Path(dir_okay=False), default=None, envvar="SCREENER_DB",
+                  help="SQLite file of the local store [default: $XDG_STATE_HOME/screener/screener.db "
+                       "or ~/.local/state/screener/screener.db].")
+    @click.option("--kubeconfig", type=click.Path(dir_okay=False), default=None,
+                  help="kubeconfig file for the kube store (default: in-cluster configuration inside "
+                       "a pod, else $KUBECONFIG or ~/.kube/config).")
+    @click.option("--spool", type=click.Path(dir_okay=False), default=None,
+                  help="SQLite file where the kube store keeps transitions it could not write yet "
+                       "[default: beside the local database].")
+    @functools.wraps(fn)
+    def wrapper(*args: Any, store_kind: str, db: Optional[str], kubeconfig: Optional[str],
+                spool: Optional[str], **kwargs: Any) -> Any:
+        from screener.stores import open_store
+
+        kind = store_kind
+        if kind == "auto":
+            kind = "kube" if kubeconfig or os.environ.get("KUBERNETES_SERVICE_HOST") else "local"
+        store = (open_store("local", db=db) if kind == "local"
+                 else open_store("kube", kubeconfig=kubeconfig, spool=spool))
+        try:
+            return fn(*args, store=store, **kwargs)
+        finally:
+            store.close()
+
+    return wrapper
+
+
+def _when(ts: Optional[float]) -> str:
+    if ts is None:
+        return "-"
+    return _dt.datetime.fromtimestamp(ts, tz=_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def _emit(obj: Any) -> None:
+    click.echo(json.dumps(obj, indent=2, sort_keys=True))
+
+
+@click.group("node")
+def node_group() -> None:
+    """Show and steer node lifecycle states (burnin, healthy, suspect, quarantined, repair).
+
+    Placement: jobs should require the node label screener.io/state In (healthy); every other
+    state also carries the taint screener.io/state=<state>:NoSchedule.
+    """
+
+
+@node_group.command("status")
+@click.argument("node", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout.")
+@store_options
+def status_cmd(node: Optional[str], as_json: bool, store: Any) -> int:
+    """Show the state of NODE, or of every known node, with the last transition.
+
+    A node the store has never seen shows as 'unknown' (it starts in burnin when first screened).
+    """
+    if node:
+        state = store.get_state(node)
+        hist = store.history(node) if state is not None else []
+        last = hist[-1] if hist else None
+        verdict = store.get_verdict(node)
+        result = {"node": node, "state": state.value if state else None,
+                  "since": last.time if last else None,
+                  "last_transition": last.to_dict() if last else None, "verdict": verdict}
+        if as_json:
+            _emit(result)
+        else:
+            click.echo(f"{node}: {state.value if state else 'unknown (never screened)'}")
+            if last:
+                click.echo(f"  since {_when(last.time)} ({_from_to(last)} by {last.actor})")
+                click.echo(f"  reason: {last.reason}")
+                if last.rollback:
+                    click.echo(f"  rollback to: {_rollback_text(last.rollback)}")
+                if last.actions:
+                    click.echo(f"  actions: {', '.join(last.actions)}")
+            if verdict:
+                click.echo(f"  last verdict: {verdict.get('outcome', '?')} "
+                           f"{verdict.get('reason', '')}".rstrip())
+        return int(ExitCode.PASS)
+
+    states = store.all_states()
+    rows = []
+    for name, state in states.items():
+        hist = store.history(name)
+        last = hist[-1] if hist else None
+        rows.append({"node": name, "state": state.value, "since": last.time if last else None,
+                     "reason": last.reason if last else "", "actor": last.actor if last else ""})
+    if as_json:
+        counts = {s.value: sum(1 for r in rows if r["state"] == s.value) for s in NodeState}
+        _emit({"nodes": rows, "counts": counts})
+    elif not rows:
+        click.echo("no nodes known to this store", err=True)
+    else:
+        width = max(len(r["node"]) for r in rows)
+        click.echo(f"{'NODE':<{width}}  {'STATE':<11}  {'SINCE':<20}  REASON")
+        for r in rows:
+            click.echo(f"{r['node']:<{width}}  {r['state']:<11}  {_when(r['since']):<20}  {r['reason']}")
+    return int(ExitCode.PASS)
+
+
+@node_group.command("history")
+@click.argument("node")
+@click.option("--days", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Only transitions of the last DAYS days.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout.")
+@store_options
+def history_cmd(node: str, days: Optional[float], as_json: bool, store: Any) -> int:
+    """List NODE's transitions, oldest first: time, from, to, actor, reason, rollback hint."""
+    since = time.time() - days * 86400 if days else None
+    hist = store.history(node, since=since)
+    if as_json:
+        _emit({"node": node, "transitions": [t.to_dict() for t in hist]})
+        return int(ExitCode.PASS)
+    if not hist:
+        click.echo(f"{node}: no transitions recorded", err=True)
+    for t in hist:
+        line = f"{_when(t.time)}  {_from_to(t):<24} {t.actor:<8} {t.code or '-':<26} {t.reason}"
+        if t.failure:
+            line += "  [failure]"
+        click.echo(line)
+        if t.rollback and t.to_state in (NodeState.SUSPECT, NodeState.QUARANTINED, NodeState.REPAIR):
+            click.echo(f"{'':20}  rollback to: {_rollback_text(t.rollback)}")
+    return int(ExitCode.PASS)
+
+
+@node_group.command("set")
+@click.argument("node")
+@click.argument("state", type=click.Choice([s.value for s in NodeState]))
+@click.option("--reason", required=True, help="Why (recorded in the history and the Event).")
+@click.option("--json", "as_json", is_flag=True, help="Print the recorded transition as JSON.")
+@store_options
+def set_cmd(node: str, state: str, reason: str, as_json: bool, store: Any) -> int:
+    """Record a person's decision: move NODE to STATE (actor "human").
+
+    The transition table still applies: a node becomes healthy only by passing a known-answer
+    screen (set it to burnin to screen it), and repair is left only to burnin, for example after a
+    GPU was replaced: screener node set gpu-7 burnin --reason "GPU 3 replaced, ticket 1234".
+    """
+    from screener.lifecycle import HumanCommand
+    from screener.stores import apply_event
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = ""
+    decision = apply_event(store, node, HumanCommand(NodeState(state), reason, user=user),
+                           now=time.time())
+    t = decision.transition
+    assert t is not None  # a HumanCommand either transitions or raises TransitionRefused
+    if as_json:
+        _emit(t.to_dict())
+    else:
+        click.echo(f"{node}: {_from_to(t)} ({t.reason})")
+        if t.actions:
+            click.echo(f"  next: {', '.join(t.actions)}")
+    return int(ExitCode.PASS)
+
+
+@click.command("lemons")
+@click.option("--days", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
+              help="Window to count failures in.")
+@click.option("--min-failures", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Failures within the window that make a lemon.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout.")
+@store_options
+def lemons_cmd(days: float, min_failures: int, as_json: bool, store: Any) -> int:
+    """List nodes, and GPUs by serial across nodes, with at least --min-failures confirmed failures
+    in the last --days days: the repeat offenders that go to repair even when diagnostics pass."""
+    from screener.stores import lemon_counts
+
+    failures = store.failures(time.time() - days * 86400)
+    by_node, by_serial = lemon_counts(failures)
+    states = store.all_states()
+    nodes: list[dict[str, Any]] = [
+        {"node": n, "failures": c, "state": states[n].value if n in states else None,
+         "last_failure": max(t.time for t in failures if t.node == n)}
+        for n, c in sorted(by_node.items(), key=lambda kv: (-kv[1], kv[0])) if c >= min_failures]
+    gpus: list[dict[str, Any]] = [
+        {"serial": s, "failures": c, "nodes": sorted({t.node for t in failures if s in t.gpu_serials})}
+        for s, c in sorted(by_serial.items(), key=lambda kv: (-kv[1], kv[0])) if c >= min_failures]
+    if as_json:
+        _emit({"window_days": days, "min_failures": min_failures, "nodes": nodes, "gpus": gpus})
+        return int(ExitCode.PASS)
+    if not nodes and not gpus:
+        click.echo(f"no node or GPU with {min_failures}+ failures in {days:g} days", err=True)
+    for n in nodes:
+        click.echo(f"node {n['node']}: {n['failures']} failures, now {n['state'] or 'unknown'}, "
+                   f"last {_when(n['last_failure'])}")
+    for g in gpus:
+        click.echo(f"gpu {g['serial']}: {g['failures']} failures on {', '.join(g['nodes'])}")
+    return int(ExitCode.PASS)
+
+
+def _from_to(t: Any) -> str:
+    return f"{t.from_state.value if t.from_state else '(new)'} -> {t.to_state.value}"
+
+
+def _rollback_text(rb: dict[str, Any]) -> str:
+    parts = [_when(rb.get("time"))]
+    if rb.get("step") is not None:
+        parts.append(f"step {rb['step']}")
+    if rb.get("job"):
+        parts.append(f"job {rb['job']}")
+    return ", ".join(parts)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(node_group())

@@ -1,0 +1,167 @@
+"""Run every health probe once (NVML, kernel log, host) and turn the observations into Findings.
+
+`run_probes` is what `screener probe` and the daemon call. The daemon keeps one open `NvmlAdapter`
+(its event set catches Xids between probes) and one `KernelLogReader` (it keeps its position), and
+passes the previous report so the rules can see counters rise::
+
+    with NvmlAdapter() as nvml, KernelLogReader(state_file=...) as kmsg:
+        report = None
+        while True:
+            report = run_probes(config, nvml=nvml, kmsg=kmsg, previous=report)
+            act_on(report.findings); idle = all(not g.busy for g in report.gpus)
+
+Our own failures (NVML erroring, an unreadable config path) go to ``report.errors``, never into a
+hardware finding; the exit code is 75 when a finding is suspect or worse, else 1 when a probe
+failed, else 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional, Union
+
+from screener.errors import BadInputError, ScreenerError
+from screener.health.config import ProbeConfig
+from screener.health.host import read_host
+from screener.health.kmsg import KernelLogReader, KmsgUnavailable
+from screener.health.nvml import NvmlAdapter, NvmlError
+from screener.health.rules import evaluate, worst_severity
+from screener.health.snapshot import (GpuSnapshot, HostSnapshot, NvmlSnapshot, ProbeSnapshot,
+                                      XidEvent)
+from screener.health.xid import lookup
+from screener.types import ExitCode, Finding, Severity
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProbeReport:
+    """The findings of one probe run, with the snapshot they came from."""
+
+    snapshot: ProbeSnapshot
+    findings: tuple[Finding, ...]
+    errors: tuple[str, ...] = ()
+
+    @property
+    def gpus(self) -> tuple[GpuSnapshot, ...]:
+        """Per-GPU snapshots: identity, counters, utilisation and running compute processes."""
+        return self.snapshot.nvml.gpus
+
+    @property
+    def worst(self) -> Severity:
+        return worst_severity(self.findings)
+
+    @property
+    def exit_code(self) -> ExitCode:
+        if self.worst >= Severity.SUSPECT:
+            return ExitCode.HARDWARE_SUSPECT
+        if self.errors:
+            return ExitCode.SCREENER_ERROR
+        return ExitCode.PASS
+
+    def to_dict(self) -> dict[str, Any]:
+        snap = self.snapshot
+        return {
+            "taken_at": snap.taken_at,
+            "worst": self.worst.label,
+            "exit_code": int(self.exit_code),
+            "findings": [finding_dict(f) for f in self.findings],
+            "driver_version": snap.nvml.driver_version,
+            "nvml": snap.nvml.to_dict(),
+            "xids": [x.to_dict() for x in snap.xids],
+            "host": snap.host.to_dict() if snap.host is not None else None,
+            "kmsg": {"status": snap.kmsg_status, "reason": snap.kmsg_reason},
+            "errors": list(self.errors),
+        }
+
+
+def finding_dict(f: Finding) -> dict[str, Any]:
+    """A finding as JSON; an Xid finding also carries its catalog entry at the top level."""
+    d = f.to_dict()
+    if f.code == "xid" and "xid" in f.evidence:
+        info = lookup(int(f.evidence["xid"]))
+        d["xid"] = {"code": info.code, "name": info.name, "resolution": info.resolution,
+                    "classification": info.classification.value}
+    return d
+
+
+def _match_gpus(events: tuple[XidEvent, ...], gpus: tuple[GpuSnapshot, ...]) -> list[XidEvent]:
+    """Fill in GPU index and UUID of kernel-log Xids from their PCI address."""
+    by_pci = {g.pci_bus_id: g for g in gpus if g.pci_bus_id}
+    out = []
+    for ev in events:
+        g = by_pci.get(ev.pci_bus_id) if ev.pci_bus_id else None
+        if g is not None and ev.gpu_uuid is None:
+            ev = replace(ev, gpu_index=g.index, gpu_uuid=g.uuid)
+        out.append(ev)
+    return out
+
+
+def run_probes(config: Optional[ProbeConfig] = None, *,
+               nvml: Union[NvmlAdapter, Any, None] = None,
+               kmsg: Optional[KernelLogReader] = None,
+               previous: Union[ProbeReport, ProbeSnapshot, None] = None,
+               psutil_module: Optional[Any] = None,
+               clock: Callable[[], float] = time.time) -> ProbeReport:
+    """Run NVML, kernel-log and host probes once and evaluate every rule.
+
+    nvml: an open `NvmlAdapter` the caller keeps (the daemon), an NVML module to wrap for this
+        one run (tests), or None for pynvml for this one run. An adapter made here is closed
+        here, and registers no events (there would be no time for any to arrive).
+    kmsg: a `KernelLogReader` the caller keeps, or None to read ``config.kmsg_path`` (if set).
+    previous: the last report (or snapshot), for rules that compare (rising counters, a GPU gone).
+    """
+    config = config or ProbeConfig()
+    errors: list[str] = []
+
+    own_nvml = not isinstance(nvml, NvmlAdapter)
+    adapter = NvmlAdapter(nvml, events=False) if own_nvml else nvml
+    try:
+        nv = adapter.snapshot()
+    except NvmlError as e:
+        errors.append(f"NVML: {e}")
+        nv = NvmlSnapshot(available=False, failed=True, reason=str(e))
+    finally:
+        if own_nvml:
+            adapter.close()
+    errors += [f"NVML: {e}" for e in nv.errors]
+
+    xids = list(nv.xid_events)
+    kmsg_status, kmsg_reason = "read", ""
+    own_kmsg = kmsg is None and config.kmsg_path is not None
+    if own_kmsg:
+        kmsg = KernelLogReader(config.kmsg_path or "", state_file=config.kmsg_state_file,
+                               first_read=config.kmsg_first_read,
+                               boot_id_path=config.boot_id_path)
+    if kmsg is None:
+        kmsg_status = "disabled"
+    else:
+        try:
+            xids += kmsg.read_new().events
+        except KmsgUnavailable as e:
+            kmsg_status, kmsg_reason = "unavailable", str(e)
+        except BadInputError:
+            raise
+        except ScreenerError as e:
+            errors.append(f"kernel log: {e}")
+        finally:
+            if own_kmsg:
+                kmsg.close()
+
+    host: Optional[HostSnapshot] = None
+    try:
+        host = read_host(config, psutil_module)
+        errors += [f"host {k}: {v}" for k, v in host.errors.items()]
+    except OSError as e:
+        errors.append(f"host: {e}")
+
+    snapshot = ProbeSnapshot(taken_at=clock(), nvml=nv,
+                             xids=tuple(_match_gpus(tuple(xids), nv.gpus)), host=host,
+                             kmsg_status=kmsg_status, kmsg_reason=kmsg_reason)
+    prev = previous.snapshot if isinstance(previous, ProbeReport) else previous
+    findings = evaluate(snapshot, prev, config)
+    for e in errors:
+        log.warning("%s", e)
+    return ProbeReport(snapshot=snapshot, findings=tuple(findings), errors=tuple(errors))

@@ -1,0 +1,540 @@
+"""The node lifecycle: a pure state machine and its policy (lemon rule, quarantine budget).
+
+States: burnin, healthy, suspect, quarantined, repair (screener.types.NodeState). Plain data in
+(the node's current state, one input event, its history, the fleet's counts, the time), plain data
+out (a Decision: the transitions to record, the new state, and the actions the caller should take).
+Nothing here reads a clock, a file or the network; stores and the daemon do that around it.
+
+Inputs and what they do:
+  * a new node (current state None) starts in burnin;
+  * known-answer verdicts: all pass -> a burnin or suspect node becomes healthy (the only way a node
+    is ever cleared); a mismatch confirmed by a re-run, or a mismatch on a node already suspect (the
+    confirming screen failed) -> quarantined; a single unconfirmed mismatch -> suspect, and a
+    confirming screen is requested; inconclusive changes nothing;
+  * probe findings: critical -> quarantined; warning or suspect -> suspect; ok/info -> nothing (clean
+    telemetry never clears a node);
+  * in-job alarms: settled -> quarantined; unsettled -> suspect;
+  * remediation of a quarantined node (deep health check, GPU reset): passed -> burnin, failed -> repair;
+  * a person's command, checked against the same table; repair is left only this way.
+
+Policy: a confirmed failure that makes `lemon_min_failures` within `lemon_window_days` for the node,
+or for any GPU serial it blames (counted across nodes), sends the node to repair even when every
+diagnostic passes. Automatic quarantines (and repairs) stop at the quarantine budget, a share of the
+fleet (at least one node); past it the node is held in suspect with an alert, and a person decides.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping, Optional, Sequence, Union
+
+from screener.errors import ConfigError, TransitionRefused
+from screener.stores.base import ACTOR_HUMAN, ACTOR_SCREENER, Transition
+from screener.types import (ALARM_CHECK_REASONS, REASON_KAT_MISMATCH, AlarmRecord, Finding, NodeState,
+                            Outcome, Severity, Verdict)
+
+S = NodeState
+
+# Evidence keys other modules use to talk to the lifecycle.
+EVIDENCE_CONFIRMED = "confirmed"  # Verdict.evidence: True when the mismatch repeated on a re-run
+EVIDENCE_GPU_SERIAL = "gpu_serial"  # a single serial (Verdict/Finding/AlarmRecord evidence)
+EVIDENCE_GPU_SERIALS = "gpu_serials"  # a list of serials
+EVIDENCE_HELD_BY_BUDGET = "held_by_budget"  # on a transition into suspect held by the budget
+
+# Condition/Event reasons for transitions that are not about a particular check.
+CODE_NEW_NODE = "NewNode"
+CODE_KAT_PASSED = "KnownAnswerPassed"
+CODE_REPEATED_FAILURES = "RepeatedFailures"
+CODE_BUDGET = "QuarantineBudgetExhausted"
+CODE_REMEDIATED = "RemediationPassed"
+CODE_REMEDIATION_FAILED = "RemediationFailed"
+CODE_MANUAL = "ManualDecision"
+
+
+class Action(str, enum.Enum):
+    """What the caller (the daemon, burn-in, the CLI) should do after a decision."""
+
+    REQUEST_CONFIRMING_SCREEN = "request_confirming_screen"  # re-run known-answer jobs soon
+    ALERT_BUDGET_EXHAUSTED = "alert_budget_exhausted"  # tell a person: the breaker tripped
+    DEEP_HEALTH_CHECK = "deep_health_check"  # diagnostics, row-remap check, GPU reset
+    START_BURNIN = "start_burnin"  # run the burn-in sequence
+    REQUEST_REPAIR = "request_repair"  # out of service; ticket / replacement for a person
+
+
+class Trigger(str, enum.Enum):
+    """Who may make a move in the transition table."""
+
+    AUTO = "auto"
+    HUMAN = "human"
+
+
+A, H = Trigger.AUTO, Trigger.HUMAN
+
+# The transition table: (from, to) -> who may make the move. Anything not listed is refused.
+TRANSITIONS: Mapping[tuple[Optional[NodeState], NodeState], frozenset[Trigger]] = {
+    (None, S.BURNIN): frozenset({A, H}),
+    (None, S.SUSPECT): frozenset({H}),
+    (None, S.QUARANTINED): frozenset({H}),
+    (None, S.REPAIR): frozenset({H}),
+    (S.BURNIN, S.HEALTHY): frozenset({A}),
+    (S.BURNIN, S.SUSPECT): frozenset({A, H}),
+    (S.BURNIN, S.QUARANTINED): frozenset({A, H}),
+    (S.BURNIN, S.REPAIR): frozenset({A, H}),
+    (S.HEALTHY, S.SUSPECT): frozenset({A, H}),
+    (S.HEALTHY, S.QUARANTINED): frozenset({A, H}),
+    (S.HEALTHY, S.REPAIR): frozenset({A, H}),
+    (S.HEALTHY, S.BURNIN): frozenset({H}),
+    (S.SUSPECT, S.HEALTHY): frozenset({A}),
+    (S.SUSPECT, S.QUARANTINED): frozenset({A, H}),
+    (S.SUSPECT, S.REPAIR): frozenset({A, H}),
+    (S.SUSPECT, S.BURNIN): frozenset({H}),
+    (S.QUARANTINED, S.BURNIN): frozenset({A, H}),
+    (S.QUARANTINED, S.REPAIR): frozenset({A, H}),
+    (S.REPAIR, S.BURNIN): frozenset({H}),
+}
+
+OUT_OF_SERVICE = frozenset({S.QUARANTINED, S.REPAIR})
+
+_ENTRY_ACTIONS: Mapping[NodeState, tuple[Action, ...]] = {
+    S.BURNIN: (Action.START_BURNIN,),
+    S.HEALTHY: (),
+    S.SUSPECT: (Action.REQUEST_CONFIRMING_SCREEN,),
+    S.QUARANTINED: (Action.DEEP_HEALTH_CHECK,),
+    S.REPAIR: (Action.REQUEST_REPAIR,),
+}
+
+
+def refusal(from_state: Optional[NodeState], to_state: NodeState, trigger: Trigger) -> Optional[str]:
+    """Why the table refuses this move for this trigger, or None when it is allowed."""
+    name = from_state.value if from_state else "(new node)"
+    if from_state == to_state:
+        return f"the node is already {to_state.value}"
+    allowed = TRANSITIONS.get((from_state, to_state))
+    if allowed and trigger in allowed:
+        return None
+    if to_state == S.HEALTHY:
+        return ("only a passing known-answer screen makes a node healthy; set it to burnin to "
+                "screen it")
+    if from_state == S.REPAIR:
+        return "a node in repair goes back into service only through burnin"
+    if allowed:
+        return f"{name} -> {to_state.value} is made only by the screener, not by a person"
+    return f"{name} -> {to_state.value} is not a move the lifecycle allows"
+
+
+# --- policy --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LifecyclePolicy:
+    """Lemon rule and quarantine budget. Build from config with from_mapping (unknown keys fail)."""
+
+    lemon_window_days: float = 30.0
+    lemon_min_failures: int = 3
+    quarantine_budget: float = 0.10  # share of the fleet that automatic quarantines may take
+    min_budget_nodes: int = 1  # the budget is never below this many nodes
+
+    def __post_init__(self) -> None:
+        if not (self.lemon_window_days > 0 and math.isfinite(self.lemon_window_days)):
+            raise ConfigError(f"lemon_window_days must be positive, not {self.lemon_window_days!r}")
+        if isinstance(self.lemon_min_failures, bool) or not isinstance(self.lemon_min_failures, int) \
+                or self.lemon_min_failures < 1:
+            raise ConfigError(f"lemon_min_failures must be an integer >= 1, "
+                              f"not {self.lemon_min_failures!r}")
+        if not (0.0 <= self.quarantine_budget <= 1.0):
+            raise ConfigError(f"quarantine_budget must be a share between 0 and 1, "
+                              f"not {self.quarantine_budget!r}")
+        if isinstance(self.min_budget_nodes, bool) or not isinstance(self.min_budget_nodes, int) \
+                or self.min_budget_nodes < 0:
+            raise ConfigError(f"min_budget_nodes must be an integer >= 0, not {self.min_budget_nodes!r}")
+
+    @classmethod
+    def from_mapping(cls, d: Mapping[str, Any]) -> "LifecyclePolicy":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"lifecycle policy: unknown keys {unknown}; known: {sorted(known)}")
+        return cls(**dict(d))
+
+    @property
+    def window_seconds(self) -> float:
+        return self.lemon_window_days * 86400.0
+
+    def budget_limit(self, fleet_size: int) -> int:
+        """How many nodes automatic decisions may hold out of service at once."""
+        # The epsilon keeps 0.1 * 30 from flooring to 2 through float error.
+        return max(self.min_budget_nodes, math.floor(self.quarantine_budget * fleet_size + 1e-9))
+
+
+DEFAULT_POLICY = LifecyclePolicy()
+
+
+@dataclass(frozen=True)
+class FleetCounts:
+    """The fleet's size and how many *other* nodes are out of service (quarantined or repair)."""
+
+    total: int
+    out_of_service: int = 0
+
+    @classmethod
+    def from_states(cls, states: Mapping[str, NodeState], node: str) -> "FleetCounts":
+        """Counts from a store's all_states(); `node` itself is included in the total only."""
+        names = set(states) | {node}
+        out = sum(1 for n, s in states.items() if n != node and s in OUT_OF_SERVICE)
+        return cls(total=len(names), out_of_service=out)
+
+
+# --- input events ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeSeen:
+    """The node exists (the daemon started on it); makes an unknown node start in burnin."""
+
+
+@dataclass(frozen=True)
+class KatScreen:
+    """The verdicts of one known-answer screen of the node (one per device).
+
+    confirmed: the runner already re-ran a mismatching job and it mismatched again. A verdict can
+    also say so itself with evidence {"confirmed": true}.
+    """
+
+    verdicts: tuple[Verdict, ...]
+    confirmed: bool = False
+
+
+@dataclass(frozen=True)
+class Findings:
+    """Findings from the node's probes (NVML, kernel log, host)."""
+
+    findings: tuple[Finding, ...]
+
+
+@dataclass(frozen=True)
+class Remediation:
+    """The outcome of remediating a quarantined node (deep health check, GPU reset)."""
+
+    passed: bool
+    detail: str = ""
+    evidence: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class HumanCommand:
+    """A person's decision: move the node to `to_state` for `reason`."""
+
+    to_state: NodeState
+    reason: str
+    user: str = ""  # who, if known; the actor is always "human"
+
+
+Event = Union[NodeSeen, KatScreen, Findings, Remediation, HumanCommand, AlarmRecord, Verdict,
+              Sequence[Verdict], Sequence[Finding]]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the lifecycle decided: transitions to record in order, the state after, the actions.
+
+    `note` says in words why nothing changed when `transitions` is empty.
+    """
+
+    state: Optional[NodeState]
+    transitions: tuple[Transition, ...] = ()
+    actions: tuple[str, ...] = ()
+    note: str = ""
+
+    @property
+    def transition(self) -> Optional[Transition]:
+        """The last transition, or None when nothing changed."""
+        return self.transitions[-1] if self.transitions else None
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.transitions)
+
+
+# --- helpers --------------------------------------------------------------------------------------
+
+
+def camel(code: str) -> str:
+    """row_remap_failure -> RowRemapFailure (Kubernetes condition reasons are CamelCase)."""
+    parts = [p for p in re.split(r"[^0-9A-Za-z]+", code) if p]
+    return "".join(p[:1].upper() + p[1:] for p in parts) or "Unknown"
+
+
+def _serials(evidence: Mapping[str, Any]) -> list[str]:
+    out: list[str] = []
+    one = evidence.get(EVIDENCE_GPU_SERIAL)
+    if one:
+        out.append(str(one))
+    many = evidence.get(EVIDENCE_GPU_SERIALS)
+    if isinstance(many, (list, tuple)):
+        out.extend(str(s) for s in many if s)
+    return out
+
+
+def _dedupe(items: Sequence[str]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(items))
+
+
+@dataclass(frozen=True)
+class _Signal:
+    """An automatic input reduced to what the policy needs."""
+
+    kind: str  # "failure", "ambiguous", "pass", "none"
+    code: str
+    reason: str
+    evidence: Mapping[str, Any]
+    serials: tuple[str, ...] = ()
+    step: Optional[int] = None
+    job: Optional[str] = None
+    since: Optional[float] = None  # when the signal was first seen, if earlier than now
+
+
+def _classify(event: Any, current: Optional[NodeState]) -> _Signal:
+    if isinstance(event, Verdict):
+        event = KatScreen((event,))
+    elif isinstance(event, (list, tuple)) and event and all(isinstance(v, Verdict) for v in event):
+        event = KatScreen(tuple(event))
+    elif isinstance(event, (list, tuple)) and all(isinstance(f, Finding) for f in event):
+        event = Findings(tuple(event))
+
+    if isinstance(event, KatScreen):
+        bad = [v for v in event.verdicts if v.outcome == Outcome.SUSPECT]
+        verdicts = [v.to_dict() for v in event.verdicts]
+        if bad:
+            serials = _dedupe([s for v in bad for s in _serials(v.evidence)])
+            devices = ", ".join(v.device for v in bad)
+            first = bad[0]
+            where = f" (job {first.job}, step {first.step}, tensor {first.tensor})" if first.job else ""
+            confirmed = event.confirmed or any(v.evidence.get(EVIDENCE_CONFIRMED) for v in bad)
+            evidence = {"verdicts": verdicts, "confirmed": bool(confirmed)}
+            if confirmed:
+                return _Signal("failure", REASON_KAT_MISMATCH,
+                               f"known-answer mismatch confirmed by a re-run on {devices}{where}",
+                               evidence, serials)
+            if current == S.SUSPECT:
+                # The node is suspect and this is the confirming screen we asked for: it failed.
+                return _Signal("failure", REASON_KAT_MISMATCH,
+                               f"confirming known-answer screen mismatched on {devices}{where}",
+                               evidence, serials)
+            return _Signal("ambiguous", REASON_KAT_MISMATCH,
+                           f"known-answer mismatch on {devices}{where}, not yet re-run",
+                           evidence, serials)
+        if event.verdicts and all(v.outcome == Outcome.PASS for v in event.verdicts):
+            return _Signal("pass", CODE_KAT_PASSED,
+                           f"known-answer screen passed on {len(event.verdicts)} device(s)",
+                           {"verdicts": verdicts})
+        return _Signal("none", "", "known-answer screen inconclusive; an inconclusive screen "
+                       "never clears or blames a node", {"verdicts": verdicts})
+
+    if isinstance(event, Findings):
+        if not event.findings:
+            return _Signal("none", "", "no findings", {})
+        worst = max(event.findings, key=lambda f: f.severity)
+        relevant = [f for f in event.findings if f.severity >= Severity.WARNING]
+        serials = _dedupe([s for f in relevant for s in _serials(f.evidence)])
+        evidence = {"findings": [f.to_dict() for f in relevant]}
+        text = f"{worst.severity.label} finding {worst.code}" + (f" on GPU {worst.gpu}" if worst.gpu
+                                                                   else "") + f": {worst.message}"
+        if worst.severity >= Severity.CRITICAL:
+            return _Signal("failure", camel(worst.code), text, evidence, serials)
+        if worst.severity >= Severity.WARNING:
+            return _Signal("ambiguous", camel(worst.code), text, evidence, serials)
+        return _Signal("none", "", "clean telemetry never clears or blames a node", {})
+
+    if isinstance(event, AlarmRecord):
+        code = ALARM_CHECK_REASONS.get(event.check, camel(event.check))
+        evidence = {"alarm": event.to_dict()}
+        where = f"in-job alarm {event.check} at step {event.step}" + (f" of job {event.job}"
+                                                                      if event.job else "")
+        since = event.created if event.created > 0 else None
+        if event.settled:
+            return _Signal("failure", code, f"settled {where}", evidence, _dedupe(_serials(event.evidence)),
+                           step=event.step, job=event.job or None, since=since)
+        return _Signal("ambiguous", code, f"unsettled {where}", evidence,
+                       _dedupe(_serials(event.evidence)), step=event.step, job=event.job or None,
+                       since=since)
+
+    raise TypeError(f"not a lifecycle input: {type(event).__name__}")
+
+
+def _rollback(current: Optional[NodeState], history: Sequence[Transition], sig: _Signal,
+              now: float) -> dict[str, Any]:
+    """Where the suspect period began: the first suspect time (and training step, if known)."""
+    last = history[-1] if history else None
+    if current == S.SUSPECT and last is not None and last.to_state == S.SUSPECT:
+        # The suspect period began with the transition into suspect: keep its start.
+        rb = dict(last.rollback or {"time": last.time, "step": None, "job": None})
+        if rb.get("step") is None and sig.step is not None:
+            rb["step"], rb["job"] = sig.step, sig.job
+        return rb
+    t0 = min(now, sig.since) if sig.since is not None else now
+    return {"time": t0, "step": sig.step, "job": sig.job}
+
+
+def _held_by_budget(history: Sequence[Transition]) -> bool:
+    last = history[-1] if history else None
+    return bool(last and last.to_state == S.SUSPECT and last.evidence.get(EVIDENCE_HELD_BY_BUDGET))
+
+
+# --- the decision ---------------------------------------------------------------------------------
+
+
+def decide(node: str, current: Optional[NodeState], event: Any, *, now: float,
+           history: Sequence[Transition] = (), failures: Sequence[Transition] = (),
+           fleet: Optional[FleetCounts] = None,
+           policy: LifecyclePolicy = DEFAULT_POLICY) -> Decision:
+    """Decide what one input does to a node.
+
+    current: the node's state (None: never seen; it starts in burnin).
+    history: the node's transitions, oldest first (for the lemon rule and the rollback hint).
+    failures: recent failure transitions of the whole fleet (for the lemon rule per GPU serial;
+      may include this node's too).
+    fleet: the fleet's counts for the quarantine budget (default: a fleet of this node alone).
+    Raises TransitionRefused for a person's command the table does not allow; automatic inputs
+    that change nothing return a Decision without transitions.
+    """
+    fleet = fleet or FleetCounts(total=1, out_of_service=0)
+    transitions: list[Transition] = []
+
+    if isinstance(event, HumanCommand):
+        why = refusal(current, event.to_state, H)
+        if why:
+            raise TransitionRefused(f"node {node}: {current.value if current else '(new)'} -> "
+                                    f"{event.to_state.value} refused: {why}")
+        if not event.reason.strip():
+            raise TransitionRefused(f"node {node}: a person's decision needs a reason")
+        actions = tuple(a.value for a in _ENTRY_ACTIONS[event.to_state])
+        evidence: dict[str, Any] = {"user": event.user} if event.user else {}
+        t = Transition(node=node, time=now, from_state=current, to_state=event.to_state,
+                       reason=event.reason.strip(), actor=ACTOR_HUMAN, code=CODE_MANUAL,
+                       evidence=evidence, actions=actions)
+        return Decision(state=event.to_state, transitions=(t,), actions=actions)
+
+    if current is None:
+        t = Transition(node=node, time=now, from_state=None, to_state=S.BURNIN,
+                       reason="new node: screened before it takes work", code=CODE_NEW_NODE,
+                       actions=(Action.START_BURNIN.value,))
+        transitions.append(t)
+        current = S.BURNIN
+        history = list(history) + [t]
+        if isinstance(event, NodeSeen):
+            return Decision(state=current, transitions=tuple(transitions),
+                            actions=(Action.START_BURNIN.value,))
+    if isinstance(event, NodeSeen):
+        return Decision(state=current, note="known node")
+
+    def move(to: NodeState, reason: str, code: str, evidence: Mapping[str, Any], *,
+             failure: bool = False, serials: tuple[str, ...] = (),
+             rollback: Optional[Mapping[str, Any]] = None,
+             actions: Optional[tuple[Action, ...]] = None) -> Decision:
+        why = refusal(current, to, A)
+        if why:  # a bug in this module, not a bad node: the policy below must follow the table
+            raise AssertionError(f"lifecycle policy produced a refused move: {why}")
+        acts = tuple(a.value for a in (actions if actions is not None else _ENTRY_ACTIONS[to]))
+        transitions.append(Transition(node=node, time=now, from_state=current, to_state=to,
+                                      reason=reason, actor=ACTOR_SCREENER, code=code,
+                                      evidence=dict(evidence), failure=failure, gpu_serials=serials,
+                                      rollback=rollback, actions=acts))
+        return Decision(state=to, transitions=tuple(transitions), actions=acts)
+
+    def stay(note: str, actions: tuple[Action, ...] = ()) -> Decision:
+        return Decision(state=current, transitions=tuple(transitions),
+                        actions=tuple(a.value for a in actions), note=note)
+
+    if isinstance(event, Remediation):
+        if current != S.QUARANTINED:
+            return stay(f"remediation result ignored: the node is {current.value}, not quarantined")
+        ev = {"remediation": {"passed": event.passed, "detail": event.detail,
+                              **dict(event.evidence)}}
+        if event.passed:
+            return move(S.BURNIN, f"remediation passed{': ' + event.detail if event.detail else ''}; "
+                        "burn-in must prove the node", CODE_REMEDIATED, ev)
+        return move(S.REPAIR, f"remediation failed{': ' + event.detail if event.detail else ''}",
+                    CODE_REMEDIATION_FAILED, ev, failure=True)
+
+    sig = _classify(event, current)
+
+    if sig.kind == "none":
+        return stay(sig.reason)
+
+    if sig.kind == "pass":
+        if current in (S.BURNIN, S.SUSPECT):
+            if current == S.SUSPECT and _held_by_budget(history):
+                return stay("a passing screen does not clear a node held suspect by the quarantine "
+                            "budget: a person decides", (Action.ALERT_BUDGET_EXHAUSTED,))
+            return move(S.HEALTHY, sig.reason, sig.code, sig.evidence)
+        return stay(f"passing screen changes nothing for a {current.value} node")
+
+    if current == S.REPAIR:
+        return stay("a node in repair is left only by a person")
+
+    if sig.kind == "ambiguous":
+        if current in (S.HEALTHY, S.BURNIN):
+            return move(S.SUSPECT, sig.reason, sig.code, sig.evidence, serials=sig.serials,
+                        rollback=_rollback(current, history, sig, now))
+        if current == S.SUSPECT:
+            return stay("already suspect; the confirming screen decides",
+                        (Action.REQUEST_CONFIRMING_SCREEN,))
+        return stay(f"ambiguous signal on a {current.value} node changes nothing")
+
+    # A confirmed failure: quarantine, or repair under the lemon rule, within the budget.
+    assert sig.kind == "failure"
+    lemon = _lemon(node, sig.serials, history, failures, now, policy)
+    target = S.REPAIR if lemon else S.QUARANTINED
+    if current == target:
+        return stay(f"already {current.value}")
+    reason = sig.reason
+    code = sig.code
+    evidence = dict(sig.evidence)
+    if lemon:
+        evidence["lemon"] = lemon
+        reason = f"{lemon['why']}; latest: {sig.reason}"
+        code = CODE_REPEATED_FAILURES
+    rollback = _rollback(current, history, sig, now)
+    if current not in OUT_OF_SERVICE:
+        limit = policy.budget_limit(fleet.total)
+        if fleet.out_of_service + 1 > limit:
+            evidence[EVIDENCE_HELD_BY_BUDGET] = True
+            evidence["wanted"] = target.value
+            evidence["budget"] = {"limit": limit, "out_of_service": fleet.out_of_service,
+                                  "fleet": fleet.total}
+            held = (f"{reason}; held in suspect: the quarantine budget ({limit} of {fleet.total} "
+                    f"nodes) is used up, a person decides")
+            if current == S.SUSPECT:
+                return stay(held, (Action.ALERT_BUDGET_EXHAUSTED,))
+            return move(S.SUSPECT, held, CODE_BUDGET, evidence, failure=True, serials=sig.serials,
+                        rollback=rollback, actions=(Action.ALERT_BUDGET_EXHAUSTED,))
+    return move(target, reason, code, evidence, failure=True, serials=sig.serials, rollback=rollback)
+
+
+def _lemon(node: str, serials: Sequence[str], history: Sequence[Transition],
+           failures: Sequence[Transition], now: float,
+           policy: LifecyclePolicy) -> Optional[dict[str, Any]]:
+    """The lemon rule, counting this failure: the reason to send to repair, or None."""
+    since = now - policy.window_seconds
+    seen: dict[str, Transition] = {}
+    for t in list(history) + list(failures):
+        if t.failure and t.time >= since and t.time <= now:
+            seen[t.id] = t
+    node_count = 1 + sum(1 for t in seen.values() if t.node == node)
+    days = f"{policy.lemon_window_days:g} days"
+    if node_count >= policy.lemon_min_failures:
+        return {"node": node, "count": node_count, "window_days": policy.lemon_window_days,
+                "why": f"lemon rule: {node_count} failures of node {node} within {days}"}
+    for s in serials:
+        hits = [t for t in seen.values() if s in t.gpu_serials]
+        count = 1 + len(hits)
+        if count >= policy.lemon_min_failures:
+            nodes = sorted({t.node for t in hits} | {node})
+            return {"gpu_serial": s, "count": count, "nodes": nodes,
+                    "window_days": policy.lemon_window_days,
+                    "why": f"lemon rule: {count} failures of GPU {s} within {days} "
+                           f"(on {', '.join(nodes)})"}
+    return None

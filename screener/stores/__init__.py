@@ -1,0 +1,80 @@
+"""Stores for node states and their history: `local` (SQLite, the default) and `kube` (Node objects).
+
+`open_store(kind, ...)` is the one way the CLI and the daemon get a store, so that `kubernetes` is
+imported only when a cluster store is asked for.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from screener.errors import ConfigError
+from screener.stores.base import (ACTOR_HUMAN, ACTOR_SCREENER, StaleTransition, Store, Transition,
+                                    lemon_counts)
+
+__all__ = ["ACTOR_HUMAN", "ACTOR_SCREENER", "StaleTransition", "Store", "Transition", "lemon_counts",
+           "open_store", "apply_event",
+           "default_state_dir", "STORE_KINDS"]
+
+STORE_KINDS = ("local", "kube")
+
+
+def default_state_dir() -> Path:
+    """$XDG_STATE_HOME/screener, or ~/.local/state/screener when XDG_STATE_HOME is unset/empty."""
+    base = os.environ.get("XDG_STATE_HOME") or ""
+    root = Path(base) if base and os.path.isabs(base) else Path.home() / ".local" / "state"
+    return root / "screener"
+
+
+def open_store(kind: str = "local", *, db: Optional[os.PathLike[str] | str] = None,
+               kubeconfig: Optional[str] = None, spool: Optional[os.PathLike[str] | str] = None,
+               **kwargs: Any) -> Store:
+    """Open a store by kind.
+
+    local: SQLite at `db` (default: default_state_dir()/screener.db).
+    kube: the cluster's Node objects, via `kubeconfig`, or in-cluster configuration when running in
+      a pod, or ~/.kube/config; transitions that cannot be written yet go to the spool at `spool`
+      (default: default_state_dir()/spool.db). Extra keyword arguments go to KubeStore.
+    """
+    if kind == "local":
+        from screener.stores.local import LocalStore
+
+        if kwargs:
+            raise ConfigError(f"local store: unknown options {sorted(kwargs)}")
+        return LocalStore(db if db is not None else default_state_dir() / "screener.db")
+    if kind == "kube":
+        from screener.stores.kube import KubeStore
+
+        return KubeStore.from_config(kubeconfig=kubeconfig, spool_path=spool, **kwargs)
+    raise ConfigError(f"unknown store kind {kind!r}; expected one of {', '.join(STORE_KINDS)}")
+
+
+def apply_event(store: Store, node: str, event: Any, *, now: float, policy: Any = None,
+                attempts: int = 3) -> Any:
+    """Read what the lifecycle needs from `store`, decide, and record the transitions.
+
+    The glue between the pure lifecycle and a store, for the daemon, burn-in and the CLI. Returns
+    the screener.lifecycle.Decision. If another writer changed the node in between (StaleTransition),
+    it reads and decides again, up to `attempts` times. Raises TransitionRefused for a person's
+    command the table refuses.
+    """
+    from screener import lifecycle
+
+    policy = policy or lifecycle.DEFAULT_POLICY
+    for attempt in range(attempts):
+        current = store.get_state(node)
+        history = store.history(node)
+        failures = store.failures(now - policy.window_seconds)
+        fleet = lifecycle.FleetCounts.from_states(store.all_states(), node)
+        decision = lifecycle.decide(node, current, event, now=now, history=history,
+                                    failures=failures, fleet=fleet, policy=policy)
+        try:
+            for t in decision.transitions:
+                store.record(t)
+            return decision
+        except StaleTransition:
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")

@@ -1,0 +1,219 @@
+"""LocalStore against real SQLite files, a process killed mid-write, and the CLI on top of it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from screener.cli import main
+from screener.errors import BadInputError
+from screener.lifecycle import NodeSeen
+from screener.stores import StaleTransition, Transition, apply_event, open_store
+from screener.stores.local import SCHEMA_VERSION, LocalStore
+from screener.types import AlarmRecord, NodeState, SuspectNode
+
+S = NodeState
+NOW = 1_800_000_000.0
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def t(node: str, frm, to, when: float, failure: bool = False, serials=()) -> Transition:
+    return Transition(node=node, time=when, from_state=frm, to_state=to, reason=f"{frm}->{to}",
+                      code="Test", failure=failure, gpu_serials=tuple(serials),
+                      evidence={"nan": float("nan"), "tuple": (1, 2)})
+
+
+def test_record_and_read_back(tmp_path):
+    path = tmp_path / "s.db"
+    with LocalStore(path) as store:
+        assert store.get_state("a") is None and store.history("a") == [] and store.all_states() == {}
+        chain = [t("a", None, S.BURNIN, NOW), t("a", S.BURNIN, S.HEALTHY, NOW + 1),
+                 t("a", S.HEALTHY, S.QUARANTINED, NOW + 2, True, ["SN1"]),
+                 t("b", None, S.BURNIN, NOW + 3)]
+        for x in chain:
+            store.record(x)
+        store.record(chain[1])  # the same transition again (a replay) is a no-op
+        store.set_verdict("a", {"outcome": "pass", "device": "cuda:0"})
+    with LocalStore(path) as store:  # reopened: everything persisted
+        assert store.get_state("a") == S.QUARANTINED
+        assert store.all_states() == {"a": S.QUARANTINED, "b": S.BURNIN}
+        hist = store.history("a")
+        assert [h.to_state for h in hist] == [S.BURNIN, S.HEALTHY, S.QUARANTINED]
+        assert hist[0].evidence == {"nan": "nan", "tuple": [1, 2]}
+        assert [h.to_state for h in store.history("a", since=NOW + 1)] == [S.HEALTHY, S.QUARANTINED]
+        (f,) = store.failures(NOW - 10)
+        assert f.node == "a" and f.gpu_serials == ("SN1",)
+        assert store.failures(NOW + 5) == []
+        assert store.get_verdict("a") == {"outcome": "pass", "device": "cuda:0"}
+        assert store.get_verdict("b") is None
+        db = sqlite3.connect(path)
+        assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+        db.close()
+
+
+def test_stale_transition_is_refused(tmp_path):
+    a, b = LocalStore(tmp_path / "s.db"), LocalStore(tmp_path / "s.db")
+    a.record(t("n", None, S.BURNIN, NOW))
+    b.record(t("n", S.BURNIN, S.REPAIR, NOW + 1))  # a person, through another connection
+    with pytest.raises(StaleTransition, match="the node is repair now"):
+        a.record(t("n", S.BURNIN, S.HEALTHY, NOW + 2))
+    assert a.get_state("n") == S.REPAIR and len(a.history("n")) == 2
+    a.close(), b.close()
+
+
+def test_apply_event_end_to_end(tmp_path):
+    store = LocalStore(tmp_path / "s.db")
+    apply_event(store, "n1", NodeSeen(), now=NOW)
+    alarm = AlarmRecord(alarm_id="x", check="weights", step=7, settled=True, suspect_ranks=(1,),
+                        suspect_nodes=(SuspectNode("n1", "h1"),), node="n1", created=NOW)
+    d = apply_event(store, "n1", alarm, now=NOW + 10)
+    assert d.state == S.QUARANTINED and store.get_state("n1") == S.QUARANTINED
+    assert store.failures(NOW)[0].code == "WeightFingerprintMismatch"
+    store.close()
+
+
+def test_newer_schema_is_a_clear_error(tmp_path):
+    path = tmp_path / "future.db"
+    db = sqlite3.connect(path)
+    db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    db.commit(), db.close()
+    with pytest.raises(BadInputError, match=rf"future.db: database schema version {SCHEMA_VERSION + 1}"
+                                            " is newer"):
+        LocalStore(path)
+    junk = tmp_path / "junk.db"
+    junk.write_bytes(b"this is not sqlite" * 100)
+    with pytest.raises(BadInputError, match="junk.db"):
+        LocalStore(junk)
+
+
+def test_default_path_follows_xdg(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
+    store = open_store("local")
+    store.record(t("n", None, S.BURNIN, NOW))
+    store.close()
+    assert (tmp_path / "xdg" / "screener" / "screener.db").exists()
+    monkeypatch.delenv("XDG_STATE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    open_store("local").close()
+    assert (tmp_path / "home" / ".local" / "state" / "screener" / "screener.db").exists()
+
+
+WRITER = textwrap.dedent("""
+    import sys, time
+    from screener.stores.local import LocalStore
+    from screener.stores.base import Transition
+    from screener.types import NodeState as S
+    CYCLE = [S.BURNIN, S.HEALTHY, S.SUSPECT, S.QUARANTINED]
+    store = LocalStore(sys.argv[1])
+    i = 0
+    print("ready", flush=True)
+    while True:
+        node = f"n{i % 3}"
+        cur = store.get_state(node)
+        nxt = S.BURNIN if cur is None else CYCLE[(CYCLE.index(cur) + 1) % len(CYCLE)]
+        store.record(Transition(node=node, time=time.time() + i, from_state=cur, to_state=nxt,
+                                reason="x" * (i % 500), failure=nxt == S.QUARANTINED,
+                                evidence={"i": i, "pad": "y" * 2000}))
+        i += 1
+""")
+
+
+def check_consistent(path: Path) -> int:
+    db = sqlite3.connect(path)
+    assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    db.close()
+    store = LocalStore(path)
+    total = 0
+    for node, state in store.all_states().items():
+        hist = store.history(node)
+        total += len(hist)
+        prev = None
+        for h in hist:  # an unbroken chain: every transition starts where the last one ended
+            assert h.from_state == prev
+            prev = h.to_state
+        assert prev == state  # the state and the history were written together
+    store.close()
+    return total
+
+
+def test_process_killed_mid_write_leaves_a_consistent_db(tmp_path):
+    path = tmp_path / "kill.db"
+    counts = []
+    for round_ in range(5):
+        child = subprocess.Popen([sys.executable, "-c", WRITER, str(path)], stdout=subprocess.PIPE,
+                                 env=ENV, text=True)
+        assert child.stdout.readline().strip() == "ready"
+        time.sleep(0.15 + 0.07 * round_)  # land the kill at varying points of the write loop
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        assert child.returncode == -signal.SIGKILL
+        counts.append(check_consistent(path))
+    print("transitions after each kill:", counts)
+    assert counts == sorted(counts) and counts[-1] > counts[0] > 0  # work survived and went on
+
+
+# --- CLI on the local store -----------------------------------------------------------------------
+
+
+def cli(*args: str, db: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "screener.cli", *args, "--db", str(db)],
+                          capture_output=True, text=True, env=ENV, timeout=60)
+
+
+def test_cli_set_status_history_lemons(tmp_path):
+    db = tmp_path / "cli.db"
+    runner = CliRunner()
+    r = runner.invoke(main, ["node", "set", "gpu-1", "burnin", "--reason", "racked", "--db", str(db),
+                             "--store", "local"])
+    assert r.exit_code == 0, r.output
+    assert "(new) -> burnin" in r.output
+    # A person cannot make a node healthy: exit 2, one line on stderr, no traceback.
+    p = cli("node", "set", "gpu-1", "healthy", "--reason", "trust me", db=db)
+    assert p.returncode == 2
+    assert p.stderr.strip().count("\n") == 0 and "only a passing known-answer screen" in p.stderr
+    assert "Traceback" not in p.stderr
+    r = runner.invoke(main, ["node", "set", "gpu-1", "repair", "--reason", "fan noise", "--db", str(db),
+                             "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)["actor"] == "human"
+
+    # Three failures recorded by the screener in the last days make gpu-2 (and its GPU) a lemon.
+    store = LocalStore(db)
+    now = time.time()
+    store.record(t("gpu-2", None, S.BURNIN, now - 9000))
+    prev = S.BURNIN
+    for k in range(3):
+        store.record(t("gpu-2", prev, S.QUARANTINED, now - 8000 + k * 2000, True, ["SN-7"]))
+        store.record(t("gpu-2", S.QUARANTINED, S.BURNIN, now - 7000 + k * 2000))
+        prev = S.BURNIN
+    store.close()
+
+    r = runner.invoke(main, ["node", "status", "--json", "--db", str(db)])
+    assert r.exit_code == 0
+    out = json.loads(r.output)
+    assert {n["node"]: n["state"] for n in out["nodes"]} == {"gpu-1": "repair", "gpu-2": "burnin"}
+    assert out["counts"]["repair"] == 1
+    r = runner.invoke(main, ["node", "status", "gpu-1", "--db", str(db)])
+    assert r.exit_code == 0 and "gpu-1: repair" in r.output and "fan noise" in r.output
+    r = runner.invoke(main, ["node", "history", "gpu-1", "--json", "--db", str(db)])
+    hist = json.loads(r.output)["transitions"]
+    assert [(h["from"], h["to"], h["actor"]) for h in hist] == [(None, "burnin", "human"),
+                                                                ("burnin", "repair", "human")]
+    r = runner.invoke(main, ["lemons", "--json", "--db", str(db)])
+    lem = json.loads(r.output)
+    assert [n["node"] for n in lem["nodes"]] == ["gpu-2"] and lem["nodes"][0]["failures"] == 3
+    assert lem["gpus"] == [{"serial": "SN-7", "failures": 3, "nodes": ["gpu-2"]}]
+    r = runner.invoke(main, ["lemons", "--json", "--min-failures", "4", "--db", str(db)])
+    assert json.loads(r.output)["nodes"] == []
+    r = runner.invoke(main, ["lemons", "--days", "0.05", "--db", str(db)])  # 72 minutes: 2 failures
+    assert r.exit_code == 0 and "gpu-2" not in r.output
