@@ -1,0 +1,464 @@
+"""`screener hyperpod check|reboot|replace`, `screener correlate` and `screener plan`.
+
+The steps after a node is quarantined: corroborate with the GPU's telemetry, run the provider's deep
+health check, replace the node after review, and plan checkpoints so a job loses little when it
+happens. The SageMaker client, the store, the clock and sleep can be handed in through click's
+context object (a dict with keys sagemaker_client, store, clock, sleep), which is how tests give a
+Stubber-wrapped client; otherwise they are built from the options.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import click
+
+from screener.errors import BadInputError
+from screener.types import ExitCode, NodeState
+
+log = logging.getLogger(__name__)
+
+CODE_REPLACED = "NodeReplaced"
+
+
+# --- shared plumbing ------------------------------------------------------------------------------
+
+def _obj(ctx: click.Context) -> dict[str, Any]:
+    found = ctx.find_object(dict)
+    return found if found is not None else {}
+
+
+def _clock(ctx: click.Context) -> Callable[[], float]:
+    return _obj(ctx).get("clock") or time.time
+
+
+def _emit(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+
+
+def _store_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    # The same options, defaults and environment variables as `screener node`.
+    f = click.option("--spool", type=click.Path(dir_okay=False), default=None,
+                     help="SQLite file where the kube store keeps transitions it could not write "
+                          "yet [default: beside the local database].")(f)
+    f = click.option("--kubeconfig", type=click.Path(dir_okay=False), default=None,
+                     help="kubeconfig for the kube store (default: in-cluster configuration inside "
+                          "a pod, else $KUBECONFIG or ~/.kube/config).")(f)
+    f = click.option("--db", type=click.Path(dir_okay=False), default=None, envvar="SCREENER_DB",
+                     help="SQLite file of the local store [default: $XDG_STATE_HOME/screener/"
+                          "screener.db or ~/.local/state/screener/screener.db].")(f)
+    f = click.option("--store", "store_kind", type=click.Choice(["auto", "local", "kube"]),
+                     default="auto", show_default=True, envvar="SCREENER_STORE",
+                     help="Where node states and their history live: local (SQLite) or kube (Node "
+                          "objects). auto: kube with --kubeconfig or inside a pod, else local.")(f)
+    return f
+
+
+def _open_store(ctx: click.Context, kind: str, db: Optional[str], kubeconfig: Optional[str],
+                spool: Optional[str]) -> Any:
+    given = _obj(ctx).get("store")
+    if given is not None:
+        return given
+    from screener.stores import open_store
+
+    if kind == "auto":
+        kind = "kube" if kubeconfig or os.environ.get("KUBERNETES_SERVICE_HOST") else "local"
+    store = (open_store("local", db=db) if kind == "local"
+             else open_store("kube", kubeconfig=kubeconfig, spool=spool))
+    ctx.call_on_close(store.close)
+    return store
+
+
+def _aws_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    f = click.option("--endpoint-url", default=None, envvar="SCREENER_SAGEMAKER_ENDPOINT",
+                     help="SageMaker API endpoint (e.g. a VPC endpoint); default: the region's.")(f)
+    f = click.option("--profile", default=None, help="AWS profile to use.")(f)
+    f = click.option("--region", default=None, help="AWS region (default: from the AWS configuration).")(f)
+    f = click.option("--cluster", envvar="SCREENER_HYPERPOD_CLUSTER", default="",
+                     help="HyperPod cluster name or ARN [env SCREENER_HYPERPOD_CLUSTER].")(f)
+    return f
+
+
+def _client(ctx: click.Context, region: Optional[str], profile: Optional[str],
+            endpoint_url: Optional[str]) -> Any:
+    given = _obj(ctx).get("sagemaker_client")
+    if given is not None:
+        return given
+    from screener.hyperpod import make_client
+
+    return make_client(region, endpoint_url=endpoint_url, profile=profile)
+
+
+def _store_name(store: Any, node: Any) -> tuple[str, Optional[NodeState]]:
+    """The name under which the store knows a HyperPod node, and its state there.
+
+    The store is keyed by Kubernetes node name; a person may have typed the instance ID or the
+    hostname instead, so try each form of the name.
+    """
+    candidates = [node.node, f"hyperpod-{node.instance_id}", node.instance_id, node.hostname]
+    for name in dict.fromkeys(c for c in candidates if c):
+        state = store.get_state(name)
+        if state is not None:
+            return name, state
+    return node.node, None
+
+
+# --- screener hyperpod ----------------------------------------------------------------------------
+
+@click.group("hyperpod")
+def hyperpod_group() -> None:
+    """SageMaker HyperPod remediation: deep health check, reboot and replace of nodes.
+
+    NODE is a Kubernetes node name (hyperpod-i-...), a providerID (aws:///<zone>/i-...), an
+    instance ID (i-...) or a private DNS hostname (ip-...). Anything else is not a HyperPod
+    instance (exit 2). Needs the IAM actions sagemaker:DescribeClusterNode, sagemaker:ListClusterNodes
+    and, per command, sagemaker:StartClusterHealthCheck, sagemaker:BatchRebootClusterNodes or
+    sagemaker:BatchReplaceClusterNodes. Throttled calls are retried with backoff.
+    """
+
+
+@hyperpod_group.command("check")
+@click.argument("nodes", nargs=-1, required=True, metavar="NODE...")
+@_aws_options
+@click.option("--checks", default="InstanceStress,InstanceConnectivity", show_default=True,
+              help="Comma-separated deep health checks: InstanceStress, InstanceConnectivity, "
+                   "MultiNodeTrainingValidation.")
+@click.option("--wait", is_flag=True, help="Poll until the check ends on every node and report.")
+@click.option("--poll", "poll_s", type=click.FloatRange(min=1.0), default=30.0, show_default=True,
+              help="Seconds between polls with --wait.")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=1.0), default=4 * 3600.0,
+              show_default=True, help="Give up waiting after this many seconds (exit 3).")
+@click.option("--dry-run", is_flag=True, help="Print the request without starting the check.")
+@click.option("--record", is_flag=True,
+              help="With --wait, record the result of a quarantined node in its lifecycle "
+                   "(passed: burnin; failed: repair).")
+@_store_options
+@click.option("--json", "as_json", is_flag=True, help="Print JSON results on stdout.")
+@click.pass_context
+def check_cmd(ctx: click.Context, nodes: tuple[str, ...], cluster: str, region: Optional[str],
+              profile: Optional[str], endpoint_url: Optional[str], checks: str, wait: bool,
+              poll_s: float, timeout_s: float, dry_run: bool, record: bool, store_kind: str,
+              db: Optional[str], kubeconfig: Optional[str], spool: Optional[str],
+              as_json: bool) -> None:
+    """Start a SageMaker HyperPod deep health check on NODE... (grouped by instance group).
+
+    While it runs HyperPod keeps the nodes out of scheduling; nodes that fail are rebooted or
+    replaced by HyperPod's automatic node recovery if the cluster has it on. With --wait: exit 0
+    when every node passed, 75 when any failed, 3 when any did not finish in time. A passing deep
+    health check is triage, not proof: it never clears a node (only a known-answer screen does).
+    """
+    from screener import hyperpod
+
+    if record and not wait:
+        raise BadInputError("--record needs --wait (there is no result to record before the check ends)")
+    check_list = [c.strip() for c in checks.split(",") if c.strip()]
+    client = _client(ctx, region, profile, endpoint_url)
+    resolved = hyperpod.resolve_nodes(client, cluster, list(nodes))
+    started = hyperpod.start_health_check(client, resolved, check_list, dry_run=dry_run)
+    out: dict[str, Any] = {"start": started.to_dict(), "results": []}
+    if not as_json:
+        verb = "would start" if dry_run else "started"
+        click.echo(f"deep health check {','.join(check_list)} {verb} on cluster {started.cluster}:")
+        for c in started.configurations:
+            click.echo(f"  instance group {c['InstanceGroupName']}: {', '.join(c['InstanceIds'])}")
+    code = ExitCode.PASS
+    if wait and not dry_run:
+        log.warning("waiting for the deep health check (poll every %gs, up to %gs)", poll_s, timeout_s)
+        sleep = _obj(ctx).get("sleep") or time.sleep
+        mono = _obj(ctx).get("clock") or time.monotonic
+        results = hyperpod.wait_for_health_check(client, resolved, poll_seconds=poll_s,
+                                                 timeout_seconds=timeout_s, clock=mono, sleep=sleep)
+        out["results"] = [r.to_dict() for r in results]
+        outcomes = {r.outcome for r in results}
+        code = (ExitCode.HARDWARE_SUSPECT if "failed" in outcomes else
+                ExitCode.INCONCLUSIVE if outcomes - {"passed"} else ExitCode.PASS)
+        if record:
+            out["recorded"] = _record_remediation(ctx, results, store_kind, db, kubeconfig, spool)
+        if not as_json:
+            for r in results:
+                click.echo(f"  {r.node.node} ({r.node.instance_id}): {r.outcome}"
+                           + (f" - {r.detail}" if r.detail else ""))
+            for name, what in out.get("recorded", {}).items():
+                click.echo(f"  {name}: {what}")
+            if "passed" in outcomes:
+                click.echo("a passed deep health check does not clear a node: only a passing "
+                           "known-answer screen does")
+    if as_json:
+        _emit(out)
+    sys.exit(int(code))
+
+
+def _record_remediation(ctx: click.Context, results: Sequence[Any], store_kind: str,
+                        db: Optional[str], kubeconfig: Optional[str],
+                        spool: Optional[str]) -> dict[str, str]:
+    """Feed finished checks of quarantined nodes to the lifecycle and record its decision."""
+    from screener.lifecycle import Remediation, decide
+
+    store = _open_store(ctx, store_kind, db, kubeconfig, spool)
+    now = _clock(ctx)()
+    done: dict[str, str] = {}
+    for r in results:
+        if r.outcome not in ("passed", "failed"):
+            continue
+        name, state = _store_name(store, r.node)
+        if state is None:
+            done[name] = "unknown to screener: nothing recorded"
+            continue
+        event = Remediation(passed=r.outcome == "passed",
+                            detail=f"SageMaker HyperPod deep health check {r.outcome}",
+                            evidence={"hyperpod": r.to_dict()})
+        decision = decide(name, state, event, now=now, history=store.history(name))
+        for t in decision.transitions:
+            store.record(t)
+        done[name] = (f"{decision.transition.from_state.value if decision.transition.from_state else '(new)'}"
+                      f" -> {decision.state.value}" if decision.changed else decision.note)
+    return done
+
+
+def _confirm_hint(yes: bool) -> str:
+    return "" if yes else " (dry run: nothing was sent; add --yes to do it)"
+
+
+@hyperpod_group.command("reboot")
+@click.argument("nodes", nargs=-1, required=True, metavar="NODE...")
+@_aws_options
+@click.option("--yes", is_flag=True, help="Really reboot; without it, print what would happen.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON results on stdout.")
+@click.pass_context
+def reboot_cmd(ctx: click.Context, nodes: tuple[str, ...], cluster: str, region: Optional[str],
+               profile: Optional[str], endpoint_url: Optional[str], yes: bool, as_json: bool) -> None:
+    """Reboot NODE... through BatchRebootClusterNodes (a dry run unless --yes).
+
+    Exit 0 when SageMaker accepted every node, 1 when it refused any (each refusal is listed).
+    """
+    from screener import hyperpod
+
+    client = _client(ctx, region, profile, endpoint_url)
+    resolved = hyperpod.resolve_nodes(client, cluster, list(nodes))
+    result = hyperpod.reboot_nodes(client, resolved, dry_run=not yes)
+    _report_batch(result, as_json, yes)
+    sys.exit(int(ExitCode.SCREENER_ERROR if result.failed else ExitCode.PASS))
+
+
+def _report_batch(result: Any, as_json: bool, yes: bool, extra: Optional[dict[str, Any]] = None) -> None:
+    if as_json:
+        _emit({**result.to_dict(), **(extra or {})})
+        return
+    verb = {"reboot": "reboot", "replace": "replace"}[result.action]
+    click.echo(f"{'would ' if result.dry_run else ''}{verb} on cluster {result.cluster}"
+               f"{_confirm_hint(yes)}:")
+    for n in result.nodes:
+        click.echo(f"  {n.node}: {n.instance_id} ({n.instance_group}, {n.instance_type}, {n.status})")
+    for iid in result.successful:
+        click.echo(f"  accepted: {iid}")
+    for f in result.failed:
+        click.echo(f"  refused: {f['NodeId']}: {f['ErrorCode']}: {f['Message']}")
+
+
+@hyperpod_group.command("replace")
+@click.argument("nodes", nargs=-1, required=True, metavar="NODE...")
+@_aws_options
+@click.option("--yes", is_flag=True, help="Really replace; without it, print what would happen.")
+@click.option("--reason", default="", help="Why, for the node's history (default: a generic line).")
+@_store_options
+@click.option("--json", "as_json", is_flag=True, help="Print JSON results on stdout.")
+@click.pass_context
+def replace_cmd(ctx: click.Context, nodes: tuple[str, ...], cluster: str, region: Optional[str],
+                profile: Optional[str], endpoint_url: Optional[str], yes: bool, reason: str,
+                store_kind: str, db: Optional[str], kubeconfig: Optional[str], spool: Optional[str],
+                as_json: bool) -> None:
+    """Replace NODE... through BatchReplaceClusterNodes (a dry run unless --yes).
+
+    Refuses (exit 2) a node that screener has not taken out of service (quarantined or repair), and
+    more nodes at once than the quarantine budget allows. Each replaced node's history records the
+    replacement and the node moves to repair. Replacement destroys the instance's root and
+    secondary volumes: resume from a checkpoint on shared storage saved before the suspect window.
+    Replacement is never automatic.
+    """
+    from screener import hyperpod
+    from screener.lifecycle import DEFAULT_POLICY, Action
+
+    client = _client(ctx, region, profile, endpoint_url)
+    resolved = hyperpod.resolve_nodes(client, cluster, list(nodes))
+    store = _open_store(ctx, store_kind, db, kubeconfig, spool)
+    names = {n.instance_id: _store_name(store, n) for n in resolved}
+    budget = DEFAULT_POLICY.budget_limit(len(store.all_states()))
+    result = hyperpod.replace_nodes(client, resolved, state_of=lambda n: names[n.instance_id][1],
+                                    budget=budget, dry_run=not yes)
+    recorded: list[str] = []
+    if not result.dry_run:
+        from screener.stores.base import ACTOR_HUMAN, Transition
+
+        now = _clock(ctx)()
+        why = reason.strip() or "replaced after review"
+        for n in resolved:
+            if n.instance_id not in result.successful:
+                continue
+            name, state = names[n.instance_id]
+            store.record(Transition(
+                node=name, time=now, from_state=state, to_state=NodeState.REPAIR,
+                reason=f"{why}: SageMaker HyperPod BatchReplaceClusterNodes accepted instance "
+                       f"{n.instance_id}", actor=ACTOR_HUMAN, code=CODE_REPLACED,
+                evidence={"hyperpod": {"action": "replace", **n.to_dict()}},
+                actions=(Action.REQUEST_REPAIR.value,)))
+            recorded.append(name)
+    _report_batch(result, as_json, yes, {"budget": budget, "recorded": recorded})
+    if not as_json:
+        for name in recorded:
+            click.echo(f"  history of {name}: replacement recorded, state repair")
+    sys.exit(int(ExitCode.SCREENER_ERROR if result.failed else ExitCode.PASS))
+
+
+# --- screener correlate ---------------------------------------------------------------------------
+
+@click.command("correlate")
+@click.argument("node")
+@click.option("--prometheus", "url", required=True, envvar="SCREENER_PROMETHEUS_URL",
+              help="Prometheus base URL holding dcgm-exporter metrics [env SCREENER_PROMETHEUS_URL].")
+@click.option("--around", default="now", show_default=True,
+              help="Time of the alarm: 'now', unix seconds or ISO 8601 (UTC if no zone).")
+@click.option("--window", default="30m", show_default=True,
+              help="How far before and after --around to look (e.g. 30m, 2h).")
+@click.option("--match", "match", default=None, metavar="LABEL=VALUE",
+              help="Select the node's series by this label instead of trying Hostname, node, "
+                   "kubernetes_node and instance with the node name.")
+@click.option("--header", "headers", multiple=True, metavar="NAME:VALUE",
+              help="Extra HTTP header for Prometheus (e.g. Authorization); repeatable.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON results on stdout.")
+@click.pass_context
+def correlate_cmd(ctx: click.Context, node: str, url: str, around: str, window: str,
+                  match: Optional[str], headers: tuple[str, ...], as_json: bool) -> None:
+    """Correlate NODE's DCGM telemetry in Prometheus with an alarm: what changed around it.
+
+    Reads Xid, ECC, row-remap, retired-page, NVLink/PCIe error counters, clock event (throttle)
+    reasons, temperature, power and SM clock of each GPU. Exit 75 when a hardware counter
+    corroborates a fault, 3 otherwise. It confirms, never clears: clean telemetry does not release
+    a node, since silent data corruption raises no counter.
+    """
+    from screener import correlate as corr
+
+    now = _clock(ctx)()
+    t0 = corr.parse_time(around, now)
+    half = corr.parse_duration(window)
+    start, end = t0 - half, min(t0 + half, now)
+    pair = None
+    if match is not None:
+        label, sep, value = match.partition("=")
+        if not sep or not label.strip() or not value.strip():
+            raise BadInputError(f"--match {match!r} is not LABEL=VALUE")
+        pair = (label.strip(), value.strip())
+    hdrs = {}
+    for h in headers:
+        name, sep, value = h.partition(":")
+        if not sep or not name.strip():
+            raise BadInputError(f"--header {h!r} is not NAME:VALUE")
+        hdrs[name.strip()] = value.strip()
+    client = corr.PrometheusClient(url, headers=hdrs)
+    result = corr.correlate(client, node, start, end, match=pair)
+    if as_json:
+        _emit(result.to_dict())
+    else:
+        for line in corr.describe(result):
+            click.echo(line)
+    sys.exit(int(ExitCode.HARDWARE_SUSPECT if result.confirms else ExitCode.INCONCLUSIVE))
+
+
+# --- screener plan --------------------------------------------------------------------------------
+
+@click.command("plan")
+@click.option("--checkpoint-minutes", "c", type=float, required=True,
+              help="Time to write one checkpoint, in minutes (the time training is blocked).")
+@click.option("--mttf-hours", "m", type=float, default=None,
+              help="The job's mean time between interruptions, in hours.")
+@click.option("--node-mttf-hours", type=float, default=None,
+              help="Mean time between failures of one node, in hours (with --nodes).")
+@click.option("--nodes", type=click.IntRange(min=1), default=None,
+              help="Nodes the job needs (with --node-mttf-hours or --history; default for "
+                   "--history: every node in the store).")
+@click.option("--history", is_flag=True,
+              help="Measure the per-node failure rate from the store's own records.")
+@click.option("--days", type=click.FloatRange(min=0.001), default=30.0, show_default=True,
+              help="How much history --history reads.")
+@click.option("--restart-minutes", "r", type=click.FloatRange(min=0.0), default=0.0,
+              show_default=True, help="Time to detect, exclude, reschedule and reload after an "
+                                      "interruption.")
+@click.option("--interval-minutes", type=float, default=None,
+              help="Also evaluate this checkpoint interval (e.g. the one you use now).")
+@_store_options
+@click.option("--json", "as_json", is_flag=True, help="Print JSON results on stdout.")
+@click.pass_context
+def plan_cmd(ctx: click.Context, c: float, m: Optional[float], node_mttf_hours: Optional[float],
+             nodes: Optional[int], history: bool, days: float, r: float,
+             interval_minutes: Optional[float], store_kind: str, db: Optional[str],
+             kubeconfig: Optional[str], spool: Optional[str], as_json: bool) -> None:
+    """Plan checkpoints: Young's interval sqrt(2*C*M) and the goodput it gives.
+
+    Each interruption loses on average half an interval of work plus the restart time; each
+    interval pays one checkpoint write. Give the job's MTTF as --mttf-hours, or a node's MTTF with
+    --node-mttf-hours and --nodes (job MTTF = 1 / (nodes * per-node failure rate)), or --history to
+    measure the failure rate from the store (failures of in-service nodes per node-hour).
+    """
+    from screener import recovery
+
+    sources = sum(x for x in (m is not None, node_mttf_hours is not None, history))
+    if sources != 1:
+        raise BadInputError("give exactly one of --mttf-hours, --node-mttf-hours (with --nodes) "
+                            "or --history")
+    source: dict[str, Any]
+    if m is not None:
+        mttf_hours = m
+        source = {"kind": "given"}
+        if mttf_hours <= 0:
+            raise BadInputError(f"--mttf-hours {m} must be > 0")
+    elif node_mttf_hours is not None:
+        if nodes is None:
+            raise BadInputError("--node-mttf-hours needs --nodes")
+        if node_mttf_hours <= 0:
+            raise BadInputError(f"--node-mttf-hours {node_mttf_hours} must be > 0")
+        mttf_hours = recovery.job_mttf_hours(nodes, 1.0 / node_mttf_hours)
+        source = {"kind": "node_mttf", "node_mttf_hours": node_mttf_hours, "nodes": nodes}
+    else:
+        store = _open_store(ctx, store_kind, db, kubeconfig, spool)
+        now = _clock(ctx)()
+        since = now - days * 86400.0
+        states = store.all_states()
+        first = {}
+        for name in states:
+            h = store.history(name)
+            if h:
+                first[name] = h[0].time
+        rate = recovery.failure_rate(store.failures(since), now, days * 24.0, first_seen=first)
+        n = nodes if nodes is not None else max(rate.nodes, 1)
+        mttf_hours = recovery.job_mttf_hours(n, rate.per_node_hour)
+        source = {"kind": "history", "nodes": n, **rate.to_dict()}
+    p = recovery.plan(c, mttf_hours * 60.0, r)
+    out: dict[str, Any] = {**p.to_dict(), "mttf_hours": mttf_hours, "mttf_source": source}
+    if interval_minutes is not None:
+        out["given_interval"] = recovery.plan(c, mttf_hours * 60.0, r, interval_minutes).to_dict()
+    if as_json:
+        _emit(out)
+        sys.exit(int(ExitCode.PASS))
+    if source["kind"] == "history":
+        bound = " (upper bound: no failure recorded)" if source["upper_bound"] else ""
+        click.echo(f"measured: {source['failures']} failure(s) in {source['node_hours']:.0f} "
+                   f"node-hours over {source['nodes']} node(s), {source['per_node_hour']:.3g} per "
+                   f"node-hour{bound}; job of {source['nodes'] if nodes is None else nodes} node(s)")
+    click.echo(f"job MTTF {mttf_hours:.3g} h; checkpoint {c:g} min; restart {r:g} min"
+               + ("" if r else " (not given: assumed 0)"))
+    click.echo(f"checkpoint every {p.interval_minutes:.1f} min (Young: sqrt(2 x {c:g} x "
+               f"{p.mttf_minutes:.4g}))")
+    click.echo(f"  each interruption loses {p.lost_per_interruption_minutes:.1f} min "
+               f"({p.interruption_share:.1%} of wall time); checkpoints cost "
+               f"{p.checkpoint_share:.1%}; goodput {p.goodput:.1%}")
+    if interval_minutes is not None:
+        g = out["given_interval"]
+        click.echo(f"at your interval of {interval_minutes:g} min: goodput {g['goodput']:.1%}")
+    if c > 1.0:
+        click.echo("  checkpoints take over a minute: asynchronous saves cut C and the interval")
+    sys.exit(int(ExitCode.PASS))
