@@ -19,7 +19,7 @@ import logging
 import re
 import time as _time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import boto3
@@ -27,6 +27,7 @@ import botocore
 import botocore.config
 import botocore.exceptions
 
+from screener import configs
 from screener.errors import BadInputError, ConfigError, ExternalServiceError
 from screener.types import NodeState
 
@@ -88,6 +89,10 @@ class HyperPodConfig:
     max_attempts: int = 8  # botocore standard retry mode: total attempts including the first
 
     def __post_init__(self) -> None:
+        # A config file gives a list; keep a tuple so the frozen config stays hashable.
+        if isinstance(self.checks, str):
+            raise ConfigError("hyperpod checks must be a list of deep health check names")
+        object.__setattr__(self, "checks", tuple(self.checks))
         _validate_checks(self.checks)
         if self.max_attempts < 1:
             raise ConfigError(f"hyperpod max_attempts {self.max_attempts} must be at least 1")
@@ -95,15 +100,7 @@ class HyperPodConfig:
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any]) -> "HyperPodConfig":
         """Build from a config table; unknown keys are an error, not silently dropped."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ConfigError(f"unknown hyperpod config key(s) {', '.join(unknown)}; "
-                              f"expected {', '.join(sorted(known))}")
-        values = dict(d)
-        if "checks" in values:
-            values["checks"] = tuple(values["checks"])
-        return cls(**values)
+        return configs.from_mapping(cls, d, "hyperpod")
 
 
 def _validate_checks(checks: Sequence[str]) -> tuple[str, ...]:

@@ -28,9 +28,10 @@ from __future__ import annotations
 import enum
 import math
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence, Union
 
+from screener import configs
 from screener.errors import ConfigError, TransitionRefused
 from screener.stores.base import ACTOR_HUMAN, ACTOR_SCREENER, Transition
 from screener.types import (ALARM_CHECK_REASONS, REASON_KAT_MISMATCH, AlarmRecord, Finding, NodeState,
@@ -153,11 +154,7 @@ class LifecyclePolicy:
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any]) -> "LifecyclePolicy":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ConfigError(f"lifecycle policy: unknown keys {unknown}; known: {sorted(known)}")
-        return cls(**dict(d))
+        return configs.from_mapping(cls, d, "lifecycle")
 
     @property
     def window_seconds(self) -> float:

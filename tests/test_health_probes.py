@@ -126,6 +126,27 @@ def test_host_checks_with_real_psutil(tmp_path):
     assert bad_disk.errors and bad_disk.exit_code == ExitCode.SCREENER_ERROR
 
 
+def test_unreadable_mount_table_is_our_error_not_a_missing_mount():
+    import psutil
+
+    class NoMountTable:
+        """psutil, except that the mount table cannot be read (the boundary, not our code)."""
+
+        virtual_memory, disk_usage = staticmethod(psutil.virtual_memory), \
+            staticmethod(psutil.disk_usage)
+
+        @staticmethod
+        def disk_partitions(all: bool = False):
+            raise PermissionError(13, "Permission denied", "/proc/self/mounts")
+
+    config = ProbeConfig(kmsg_path=None, required_mounts=("/fsx",), **QUIET)
+    report = run_probes(config, nvml=FakeNvml([h100(0)]), psutil_module=NoMountTable)
+    assert report.findings == ()  # we could not look, so nothing is reported missing
+    assert report.snapshot.host.mounts == ()
+    assert any("mounts" in e and "Permission denied" in e for e in report.errors)
+    assert report.exit_code == ExitCode.SCREENER_ERROR
+
+
 # --- config -----------------------------------------------------------------------------------
 
 

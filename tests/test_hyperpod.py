@@ -230,7 +230,7 @@ def test_on_quarantine_is_off_by_default_and_checks_when_on(client):
                                           "checks": ["InstanceStress"]})
     started = hp.on_quarantine(client, cfg, "hyperpod-" + IDS[3])
     assert started is not None and started.cluster_arn == ARN
-    with pytest.raises(ConfigError, match="unknown hyperpod config key.*auto_replace"):
+    with pytest.raises(ConfigError, match=r"hyperpod config: unknown key\(s\) auto_replace"):
         hp.HyperPodConfig.from_mapping({"auto_replace": True})
 
 

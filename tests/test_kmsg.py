@@ -142,6 +142,16 @@ def test_corrupt_state_file_is_ignored_with_a_warning(tmp_path, caplog):
     assert json.loads(state.read_text())["kind"] == "file"  # rewritten, valid
 
 
+def test_unwritable_state_keeps_the_events_and_reports_our_error(tmp_path):
+    log = tmp_path / "kern.log"
+    shutil.copy(SAMPLE, log)
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")  # the state file's parent is a file: it cannot be written, even as root
+    res = KernelLogReader(str(log), state_file=str(blocker / "kmsg.json")).read_new()
+    assert len(res.events) == len(EXPECTED)  # read Xids are never dropped
+    assert len(res.errors) == 1 and "cannot write kernel-log state" in res.errors[0]
+
+
 def test_missing_log(tmp_path):
     with pytest.raises(KmsgUnavailable, match="kernel log unavailable"):
         KernelLogReader(str(tmp_path / "nope.log")).read_new()

@@ -287,10 +287,10 @@ def test_rollback_points_at_the_first_suspect_time_and_step():
 def test_policy_config_is_strict():
     p = LifecyclePolicy.from_mapping({"lemon_window_days": 14, "quarantine_budget": 0.2})
     assert p.lemon_window_days == 14 and p.budget_limit(10) == 2
-    with pytest.raises(ConfigError, match="unknown keys"):
+    with pytest.raises(ConfigError, match=r"lifecycle config: unknown key\(s\) lemon_days"):
         LifecyclePolicy.from_mapping({"lemon_days": 14})
     for bad in ({"lemon_min_failures": 0}, {"quarantine_budget": 1.5}, {"lemon_window_days": 0},
-                {"lemon_min_failures": 2.5}, {"min_budget_nodes": -1}):
+                {"lemon_min_failures": 2.5}, {"min_budget_nodes": -1}, {"quarantine_budget": "10%"}):
         with pytest.raises(ConfigError):
             LifecyclePolicy.from_mapping(bad)
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
+from screener import configs
 from screener.errors import ConfigError
 from screener.health.kmsg import DEFAULT_BOOT_ID, DEFAULT_KMSG
 
@@ -83,14 +84,7 @@ class ProbeConfig:
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> "ProbeConfig":
         """Build from a parsed config file section; unknown keys raise ConfigError."""
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"probe config must be a table, not {type(data).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"probe config: unknown key(s) {', '.join(unknown)}; "
-                              f"known: {', '.join(sorted(known))}")
-        return cls(**dict(data))
+        return configs.from_mapping(cls, data, "probes")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

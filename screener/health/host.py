@@ -25,10 +25,11 @@ def read_host(config: ProbeConfig, psutil_module: Optional[Any] = None) -> HostS
             mounted = {os.path.normpath(p.mountpoint)
                        for p in psutil_module.disk_partitions(all=True)}
         except OSError as e:
+            # We could not look: that is our failure, not a missing mount, so no MountChecks.
             errors["mounts"] = str(e)
-            mounted = set()
-        mounts = tuple(MountCheck(path=m, present=os.path.normpath(m) in mounted)
-                       for m in config.required_mounts)
+        else:
+            mounts = tuple(MountCheck(path=m, present=os.path.normpath(m) in mounted)
+                           for m in config.required_mounts)
     disks = []
     for path in config.disk_paths:
         try:

@@ -24,6 +24,7 @@ arrives after the reader starts (the daemon's start).
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
@@ -155,6 +156,7 @@ class KmsgRead:
     events: tuple[XidEvent, ...]
     lines: int  # entries read (not counting ones skipped as already seen)
     restarted: bool = False  # rotation, truncation or a new boot made it start again
+    errors: tuple[str, ...] = ()  # our own failures that did not stop the read (saving state)
 
 
 class KernelLogReader:
@@ -208,7 +210,12 @@ class KernelLogReader:
         """Xid events logged since the last read (or per ``first_read`` on the very first)."""
         result = self._read_kmsg() if self._is_kmsg() else self._read_file()
         if self._state is not None:
-            self._state.save(self.state_file)
+            try:
+                self._state.save(self.state_file)
+            except ScreenerError as e:
+                # The Xids were read and must still be reported; only the position is at risk
+                # (a restart may report them again), which is our failure to surface.
+                result = dataclasses.replace(result, errors=result.errors + (str(e),))
         return result
 
     # --- /dev/kmsg ------------------------------------------------------------------------------

@@ -139,7 +139,9 @@ def run_probes(config: Optional[ProbeConfig] = None, *,
         kmsg_status = "disabled"
     else:
         try:
-            xids += kmsg.read_new().events
+            read = kmsg.read_new()
+            xids += read.events
+            errors += [f"kernel log: {e}" for e in read.errors]
         except KmsgUnavailable as e:
             kmsg_status, kmsg_reason = "unavailable", str(e)
         except BadInputError:

@@ -26,7 +26,7 @@ import os
 import random
 import threading
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, TypeVar
 
 import kubernetes.client
@@ -34,6 +34,7 @@ import kubernetes.config
 import urllib3
 from kubernetes.client.exceptions import ApiException
 
+from screener import configs
 from screener.errors import BadInputError, ConfigError, ExternalServiceError
 from screener.stores.base import StaleTransition, Transition, _json_safe
 from screener.stores.spool import Spool
@@ -84,10 +85,7 @@ class RetryPolicy:
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any]) -> "RetryPolicy":
-        unknown = sorted(set(d) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ConfigError(f"retry policy: unknown keys {unknown}")
-        return cls(**dict(d))
+        return configs.from_mapping(cls, d, "kube retry")
 
     def delay(self, attempt: int, rng: Callable[[], float]) -> float:
         d = min(self.max_delay, self.base_delay * (2 ** attempt))

@@ -1,0 +1,37 @@
+"""Build frozen config dataclasses from parsed config tables, strictly.
+
+Every config section (probes, lifecycle, hyperpod, ...) is a frozen dataclass whose fields are the
+keys it accepts. A key the dataclass does not know is a typo or a setting from another version, and
+silently dropping it would run with a default the operator did not choose, so it is an error that
+names the section and the key. Value checks stay in each dataclass's __post_init__.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+from screener.errors import ConfigError
+
+T = TypeVar("T")
+
+
+def from_mapping(cls: type[T], mapping: Any, section: str) -> T:
+    """cls(**mapping), refusing anything that is not a table and any key cls has no field for.
+
+    Raises ConfigError naming `section`; a value of the wrong type that makes the dataclass's own
+    checks fail with TypeError (comparing a string with a number) is a ConfigError too.
+    """
+    if not isinstance(mapping, Mapping):
+        raise ConfigError(f"{section} config must be a table, not {type(mapping).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(str(k) for k in set(mapping) - known)
+    if unknown:
+        raise ConfigError(f"{section} config: unknown key(s) {', '.join(unknown)}; "
+                          f"known: {', '.join(sorted(known))}")
+    try:
+        return cls(**dict(mapping))
+    except TypeError as e:
+        raise ConfigError(f"{section} config: a value has the wrong type ({e})") from e
+
