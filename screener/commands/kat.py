@@ -1,0 +1,334 @@
+"""`screener kat`, `screener golden` and `screener burnin`: known-answer screening from the shell.
+
+Thin wrappers: parse options, call screener.kat / screener.golden / screener.burnin, print a table
+(or JSON with --json) on stdout, logs and progress on stderr, and exit with the contract's code.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import click
+
+from screener.types import ExitCode
+
+_DEVICE_HELP = "Device to screen: cpu, cuda:N or all (every GPU, or the CPU without one). Repeatable."
+_INJECT_HELP = ("Inject a fault in a device's child, to prove the screen catches it: "
+                "'device=cuda:1,op=mm,call=2,element=7,bit=30' (keys: device, op, call, element, bit, "
+                "mode=flip|scale|nan|inf|set, factor, value, output, parameter, step, job, iteration). "
+                "Repeatable.")
+
+
+def _faults(specs: Sequence[str], devices: Sequence[str]) -> dict[str, list[Any]]:
+    from screener.kat import parse_fault
+
+    out: dict[str, list[Any]] = {}
+    for text in specs:
+        device, fault = parse_fault(text)
+        for d in ([device] if device else devices):
+            out.setdefault(d, []).append(fault)
+    return out
+
+
+def _progress(total: Optional[int], duration: Optional[float], always: bool) -> Any:
+    from screener.burnin import TextProgress
+
+    if not always and not sys.stderr.isatty():
+        return None
+    return TextProgress(total_runs=total, duration=duration, stream=sys.stderr)
+
+
+def _echo_json(obj: Any) -> None:
+    click.echo(json.dumps(obj, indent=2, default=str))
+
+
+# --- kat -----------------------------------------------------------------------------------------
+
+@click.group("kat")
+def kat_group() -> None:
+    """Known-answer screening: deterministic jobs compared bit for bit with golden records,
+    with the device's peers and with its own repeats."""
+
+
+@kat_group.command("run")
+@click.option("--job", "-j", "jobs", multiple=True,
+              help="Job to run (repeatable); default: the quick screen (jobs with quick = true).")
+@click.option("--device", "-d", "devices", multiple=True, default=("all",), show_default=True,
+              help=_DEVICE_HELP)
+@click.option("--golden-dir", type=click.Path(file_okay=False), default=None,
+              help="Folder of golden records (default: $SCREENER_GOLDEN_DIR or golden/).")
+@click.option("--jobs-dir", type=click.Path(file_okay=False), default=None,
+              help="Folder of job specs (default: $SCREENER_JOBS_DIR or jobs/).")
+@click.option("--repeat", "-r", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Runs of each job per device; 2 or more also checks a device against itself.")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=300.0,
+              show_default=True,
+              help="Seconds a device may go without finishing a job (or starting up) before it is "
+                   "killed and reported suspect (timeout).")
+@click.option("--inject", "inject", multiple=True, help=_INJECT_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
+def kat_run(jobs: tuple[str, ...], devices: tuple[str, ...], golden_dir: Optional[str],
+            jobs_dir: Optional[str], repeat: int, timeout: float, inject: tuple[str, ...],
+            as_json: bool) -> None:
+    """Run known-answer jobs on each device (one child process per device) and judge them.
+
+    A device is suspect when its results differ from the golden record of its platform, from a
+    strict majority of the devices of its platform, or from its own repeats; the verdict names
+    the job, step and tensor where results first differ, with expected and observed values.
+    Without a golden and with fewer than three agreeing devices the result is inconclusive
+    (exit 3) and the command that records a golden is printed.
+
+    Exit: 0 pass, 75 a device is suspect, 3 inconclusive, 2 bad input (e.g. a broken golden
+    file), 1 the screener failed (e.g. a job that is nondeterministic on every device).
+    """
+    from screener.kat import format_verdicts, resolve_devices, resolve_jobs, run_screen
+
+    specs = resolve_jobs(list(jobs), jobs_dir)
+    devs = resolve_devices(list(devices))
+    progress = _progress(len(specs) * len(devs) * repeat, None, always=False)
+    try:
+        result = run_screen(specs, devs, golden_dir=golden_dir, jobs_dir=jobs_dir, repeat=repeat,
+                            timeout=timeout, faults=_faults(inject, devs), progress=progress)
+    finally:
+        if progress is not None:
+            progress.close()
+    if as_json:
+        _echo_json(result.to_dict())
+    else:
+        click.echo(format_verdicts(result))
+    sys.exit(int(result.exit_code))
+
+
+@kat_group.command("list")
+@click.option("--jobs-dir", type=click.Path(file_okay=False), default=None,
+              help="Folder of job specs (default: $SCREENER_JOBS_DIR or jobs/).")
+@click.option("--golden-dir", type=click.Path(file_okay=False), default=None,
+              help="Folder of golden records, to show which jobs have one for this machine's CPU.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout.")
+def kat_list(jobs_dir: Optional[str], golden_dir: Optional[str], as_json: bool) -> None:
+    """List the job specs: name, kind, version, quick-screen membership, spec hash, and whether
+    a golden record exists for this machine's CPU platform."""
+    from screener.golden import default_golden_dir, golden_path
+    from screener.kat import local_platform
+    from screener.workloads import describe, load_jobs
+
+    specs = load_jobs(jobs_dir)
+    phash = local_platform("cpu").numeric_hash
+    gdir = golden_dir or str(default_golden_dir())
+    rows = describe(specs)
+    for row in rows:
+        row["cpu_golden"] = golden_path(gdir, row["name"], phash).exists()
+    if as_json:
+        _echo_json({"cpu_platform_hash": phash, "jobs": rows})
+    else:
+        click.echo(f"{'job':14s} {'kind':8s} {'ver':>3s} {'quick':5s} {'spec hash':16s} "
+                   f"{'cpu golden':10s} description")
+        for r in rows:
+            click.echo(f"{r['name']:14s} {r['kind']:8s} {r['version']:3d} "
+                       f"{'yes' if r['quick'] else 'no':5s} {r['spec_hash']:16s} "
+                       f"{'yes' if r['cpu_golden'] else 'no':10s} {r['description']}")
+        click.echo(f"(cpu platform hash {phash})")
+    sys.exit(int(ExitCode.PASS))
+
+
+# --- golden --------------------------------------------------------------------------------------
+
+@click.group("golden")
+def golden_group() -> None:
+    """Golden records: the known answers of each job per platform (golden/<job>.<hash>.json)."""
+
+
+@golden_group.command("record")
+@click.option("--job", "-j", "jobs", multiple=True,
+              help="Job to record (repeatable); default: every job but selftests.")
+@click.option("--device", "-d", "devices", multiple=True, default=("all",), show_default=True,
+              help=_DEVICE_HELP)
+@click.option("--out", "out", type=click.Path(file_okay=False), default=None,
+              help="Folder to write to (default: $SCREENER_GOLDEN_DIR or golden/).")
+@click.option("--jobs-dir", type=click.Path(file_okay=False), default=None,
+              help="Folder of job specs (default: $SCREENER_JOBS_DIR or jobs/).")
+@click.option("--repeat", "-r", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Runs of each job per device; all of them must agree bit for bit.")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=300.0,
+              show_default=True, help="Seconds a device may go without progress.")
+@click.option("--force", is_flag=True,
+              help="Replace an existing valid golden whose results differ from the new runs.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout.")
+def golden_record(jobs: tuple[str, ...], devices: tuple[str, ...], out: Optional[str],
+                  jobs_dir: Optional[str], repeat: int, timeout: float, force: bool,
+                  as_json: bool) -> None:
+    """Run jobs on devices and write their golden records, one file per (job, platform).
+
+    Refuses to write unless every run on every device agrees bit for bit; it prints the
+    disagreement instead (exit 75). An existing golden that is stale (the job changed) or broken
+    is replaced; one that is valid but differs is kept unless --force (a platform change the
+    signature does not capture, or a bad device).
+    """
+    from screener.kat import record_goldens, resolve_devices, resolve_jobs
+
+    specs = resolve_jobs(list(jobs), jobs_dir, quick_only=False)
+    devs = resolve_devices(list(devices))
+    progress = _progress(len(specs) * len(devs) * repeat, None, always=False)
+    try:
+        rec = record_goldens(specs, devs, out_dir=out, repeat=repeat, timeout=timeout, force=force,
+                             progress=progress)
+    finally:
+        if progress is not None:
+            progress.close()
+    if as_json:
+        _echo_json(rec.to_dict())
+    else:
+        for line in rec.lines():
+            click.echo(line)
+    sys.exit(int(rec.exit_code))
+
+
+@golden_group.command("verify")
+@click.argument("golden_dir", required=False, type=click.Path(file_okay=False))
+@click.option("--jobs-dir", type=click.Path(file_okay=False), default=None,
+              help="Folder of job specs to check staleness against (default: jobs/).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout.")
+def golden_verify(golden_dir: Optional[str], jobs_dir: Optional[str], as_json: bool) -> None:
+    """Validate every golden record in GOLDEN_DIR (default: golden/): schema, checksum, file
+    name, and that its job exists and still has the spec hash it was recorded for.
+
+    Exit 0 when all are valid, 2 (one line per problem on stderr) otherwise.
+    """
+    from screener.golden import default_golden_dir, load_dir
+    from screener.workloads import load_jobs
+
+    d = Path(golden_dir) if golden_dir else default_golden_dir()
+    if not d.is_dir():
+        click.echo(f"screener: golden folder {d} does not exist", err=True)
+        sys.exit(int(ExitCode.USAGE))
+    records, errors = load_dir(d)
+    problems = [str(e) for e in errors]
+    specs = {s.name: s for s in load_jobs(jobs_dir)}
+    ok = []
+    for r in records:
+        spec = specs.get(r.job)
+        if spec is None:
+            problems.append(f"golden record {r.path}: no job named {r.job!r} in the jobs folder")
+        elif spec.spec_hash != r.spec_hash:
+            problems.append(f"golden record {r.path}: stale, recorded for spec hash {r.spec_hash} "
+                            f"but job {r.job} now hashes to {spec.spec_hash}; re-record with "
+                            f"`screener golden record --job {r.job}`")
+        else:
+            ok.append(r)
+    if as_json:
+        _echo_json({"folder": str(d), "valid": [r.path for r in ok], "problems": problems})
+    else:
+        for r in ok:
+            click.echo(f"ok      {r.path}")
+    for p in problems:
+        click.echo(f"screener: {p}", err=True)
+    sys.exit(int(ExitCode.USAGE if problems else ExitCode.PASS))
+
+
+@golden_group.command("list")
+@click.argument("golden_dir", required=False, type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout.")
+def golden_list(golden_dir: Optional[str], as_json: bool) -> None:
+    """List the golden records in GOLDEN_DIR (default: golden/); '*' marks records for a
+    platform of this machine. Broken files are listed as problems (exit 2)."""
+    from screener.golden import default_golden_dir, load_dir
+    from screener.kat import local_platform, resolve_devices
+
+    d = Path(golden_dir) if golden_dir else default_golden_dir()
+    records, errors = load_dir(d) if d.is_dir() else ([], [])
+    local = {local_platform(dev).numeric_hash for dev in resolve_devices(["all"])}
+    local.add(local_platform("cpu").numeric_hash)
+    rows = [{"job": r.job, "platform_hash": r.platform_hash,
+             "platform": r.platform.get("name"), "devices": r.recorded.get("devices"),
+             "repeats": r.recorded.get("repeats"), "time": r.recorded.get("time"),
+             "digest": r.digest, "local": r.platform_hash in local, "path": r.path}
+            for r in records]
+    if as_json:
+        _echo_json({"folder": str(d), "records": rows, "problems": [str(e) for e in errors]})
+    else:
+        click.echo(f"  {'job':14s} {'platform hash':16s} {'recorded':20s} {'devices':18s} platform")
+        for r in rows:
+            click.echo(f"{'*' if r['local'] else ' '} {r['job']:14s} {r['platform_hash']:16s} "
+                       f"{r['time']:20s} {','.join(r['devices'] or []):18s} {r['platform']}")
+        for e in errors:
+            click.echo(f"screener: {e}", err=True)
+    sys.exit(int(ExitCode.USAGE if errors else ExitCode.PASS))
+
+
+# --- burnin --------------------------------------------------------------------------------------
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from '90', '90s', '10m', '2h' or '1d'."""
+    m = _DURATION.match(text)
+    if not m:
+        raise click.BadParameter(f"{text!r} is not a duration such as 90s, 10m or 2h")
+    value = float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+    if value <= 0:
+        raise click.BadParameter(f"{text!r} must be positive")
+    return value
+
+
+@click.command("burnin")
+@click.option("--device", "-d", "devices", multiple=True, default=("all",), show_default=True,
+              help=_DEVICE_HELP)
+@click.option("--job", "-j", "jobs", multiple=True, help="Job to run (repeatable); default: all.")
+@click.option("--duration", type=str, default=None,
+              help="Keep repeating the jobs this long (90s, 10m, 2h); the iteration under way "
+                   "finishes. Default: --iterations 10.")
+@click.option("--iterations", "-n", type=click.IntRange(min=1), default=None,
+              help="Repeat every job this many times (default 10 without --duration).")
+@click.option("--golden-dir", type=click.Path(file_okay=False), default=None,
+              help="Folder of golden records (default: $SCREENER_GOLDEN_DIR or golden/).")
+@click.option("--jobs-dir", type=click.Path(file_okay=False), default=None,
+              help="Folder of job specs (default: $SCREENER_JOBS_DIR or jobs/).")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=300.0,
+              show_default=True, help="Seconds a device may go without finishing a job before "
+                                      "it is killed and reported suspect (timeout).")
+@click.option("--report", "report", type=click.Path(dir_okay=False), default=None,
+              help="Also write the JSON report to this file.")
+@click.option("--inject", "inject", multiple=True, help=_INJECT_HELP)
+@click.option("--no-progress", is_flag=True, help="No progress bar on stderr.")
+@click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")
+def burnin_cmd(devices: tuple[str, ...], jobs: tuple[str, ...], duration: Optional[str],
+               iterations: Optional[int], golden_dir: Optional[str], jobs_dir: Optional[str],
+               timeout: float, report: Optional[str], inject: tuple[str, ...], no_progress: bool,
+               as_json: bool) -> None:
+    """Burn in this node: every job on every device, repeated, compared bit for bit with the
+    golden records of each device's platform, with the device's peers and with its own runs.
+
+    Without a GPU it screens the CPU against the committed CPU golden. By default every job runs
+    10 times (well under two minutes on a CPU); ask for longer burn-ins with --duration.
+    Prints a progress bar (stderr) and a final table; exit 0 pass, 75 a device is suspect,
+    3 inconclusive (no golden), 2 bad input, 1 the screener failed.
+    """
+    from screener.burnin import DEFAULT_ITERATIONS, run_burnin
+    from screener.kat import resolve_devices, resolve_jobs
+
+    seconds = parse_duration(duration) if duration is not None else None
+    specs = resolve_jobs(list(jobs), jobs_dir, quick_only=False)
+    devs = resolve_devices(list(devices))
+    n = iterations if iterations is not None else (None if seconds else DEFAULT_ITERATIONS)
+    progress = None if no_progress else _progress(
+        len(specs) * len(devs) * n if n and not seconds else None, seconds, always=True)
+    try:
+        rep = run_burnin(devs, specs, duration=seconds, iterations=iterations,
+                         golden_dir=golden_dir, jobs_dir=jobs_dir, timeout=timeout,
+                         progress=progress, faults=_faults(inject, devs))
+    finally:
+        if progress is not None:
+            progress.close()
+    d = rep.to_dict()
+    if report:
+        Path(report).write_text(json.dumps(d, indent=2, default=str) + "\n")
+    if as_json:
+        _echo_json(d)
+    else:
+        click.echo(rep.table())
+    sys.exit(int(rep.exit_code))

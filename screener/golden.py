@@ -1,0 +1,248 @@
+"""Golden records: the known answers of a job on one platform, as plain diffable JSON files.
+
+One file per (job, platform): `<job>.<platform_hash>.json` in the golden folder. It holds the
+schema version, the job's name, version and spec hash, the platform signature and its numeric hash,
+how it was recorded (devices, repeats, host, time, screener version), the results (per step the loss
+bits in hex and every tensor's fingerprint), their digest, and a sha256 over the canonical content.
+
+Loading validates everything: a file that is truncated, edited, of another schema, misnamed or
+recorded for another version of the job raises GoldenError (exit 2) with one line naming the file
+and the problem. A broken golden is bad input, never a hardware verdict. Golden files are written
+only by `screener golden record` (record_from_results + write), atomically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+from screener.errors import GoldenError
+from screener.workloads import Difference, JobResult, JobSpec, Step, first_difference, steps_digest
+
+SCHEMA = 1
+GOLDEN_DIR_ENV = "SCREENER_GOLDEN_DIR"
+_FIELDS = ("schema", "job", "job_version", "spec_hash", "platform", "platform_hash", "recorded",
+           "digest", "steps", "sha256")
+_RECORDED_FIELDS = ("devices", "repeats", "host", "time", "screener_version")
+
+
+def default_golden_dir() -> Path:
+    """$SCREENER_GOLDEN_DIR, or the golden/ folder next to the package (the repository's)."""
+    env = os.environ.get(GOLDEN_DIR_ENV)
+    return Path(env) if env else Path(__file__).resolve().parent.parent / "golden"
+
+
+def golden_path(golden_dir: str | os.PathLike[str], job: str, platform_hash: str) -> Path:
+    """Where the golden record of `job` on the platform `platform_hash` lives."""
+    return Path(golden_dir) / f"{job}.{platform_hash}.json"
+
+
+def _canonical(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def checksum(content: Mapping[str, Any]) -> str:
+    """sha256 over the canonical JSON of every field but sha256 itself."""
+    return hashlib.sha256(_canonical({k: v for k, v in content.items() if k != "sha256"})).hexdigest()
+
+
+@dataclass(frozen=True)
+class GoldenRecord:
+    """A validated golden record (see the module docstring for the file format)."""
+
+    job: str
+    job_version: int
+    spec_hash: str
+    platform: Mapping[str, Any]
+    platform_hash: str
+    recorded: Mapping[str, Any]
+    steps: tuple[Step, ...]
+    path: str = field(default="", compare=False)
+
+    @property
+    def digest(self) -> str:
+        return steps_digest(self.steps)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "schema": SCHEMA, "job": self.job, "job_version": self.job_version,
+            "spec_hash": self.spec_hash, "platform": dict(self.platform),
+            "platform_hash": self.platform_hash, "recorded": dict(self.recorded),
+            "digest": self.digest, "steps": [s.to_dict() for s in self.steps]}
+        d["sha256"] = checksum(d)
+        return d
+
+    def compare(self, result: JobResult) -> Optional[Difference]:
+        """Where `result` first differs from this record (None: bit-identical)."""
+        return first_difference(self.steps, result.steps)
+
+
+def _fail(path: Path, problem: str) -> GoldenError:
+    return GoldenError(f"golden record {path}: {problem}")
+
+
+def parse(path: str | os.PathLike[str], text: str) -> GoldenRecord:
+    """Validate the text of a golden file; raises GoldenError naming the file and the problem."""
+    p = Path(path)
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise _fail(p, f"not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
+                       f"truncated or corrupted") from None
+    if not isinstance(d, dict):
+        raise _fail(p, "is not a JSON object")
+    if d.get("schema") != SCHEMA:
+        raise _fail(p, f"schema {d.get('schema')!r} is not the supported schema {SCHEMA}")
+    missing = [k for k in _FIELDS if k not in d]
+    if missing:
+        raise _fail(p, f"missing field(s) {', '.join(missing)}")
+    unknown = sorted(set(d) - set(_FIELDS))
+    if unknown:
+        raise _fail(p, f"unknown field(s) {', '.join(unknown)}")
+    if not isinstance(d["sha256"], str) or d["sha256"] != checksum(d):
+        raise _fail(p, "checksum mismatch: the content changed after it was recorded "
+                       "(edited or corrupted); re-record it with `screener golden record`")
+    for key, typ in (("job", str), ("spec_hash", str), ("platform_hash", str), ("digest", str),
+                     ("platform", dict), ("recorded", dict), ("steps", list)):
+        if not isinstance(d[key], typ):
+            raise _fail(p, f"field {key!r} is not a {typ.__name__}")
+    if not isinstance(d["job_version"], int) or isinstance(d["job_version"], bool):
+        raise _fail(p, "field 'job_version' is not an integer")
+    missing = [k for k in _RECORDED_FIELDS if k not in d["recorded"]]
+    if missing:
+        raise _fail(p, f"'recorded' lacks {', '.join(missing)}")
+    try:
+        steps = tuple(Step.from_dict(s) for s in d["steps"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise _fail(p, f"malformed step ({type(e).__name__}: {e})") from None
+    if steps_digest(steps) != d["digest"]:
+        raise _fail(p, "digest does not match its steps")
+    if p.name != golden_path(".", d["job"], d["platform_hash"]).name:
+        raise _fail(p, f"file name does not match its content (job {d['job']!r}, platform "
+                       f"{d['platform_hash']!r}: expected {d['job']}.{d['platform_hash']}.json)")
+    return GoldenRecord(job=d["job"], job_version=d["job_version"], spec_hash=d["spec_hash"],
+                        platform=d["platform"], platform_hash=d["platform_hash"],
+                        recorded=d["recorded"], steps=steps, path=str(p))
+
+
+def load(path: str | os.PathLike[str], *, spec: Optional[JobSpec] = None,
+         platform_hash: Optional[str] = None) -> GoldenRecord:
+    """Load and validate a golden file; with `spec`/`platform_hash`, also check it is for them."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise _fail(p, "is not UTF-8 text; corrupted") from None
+    except OSError as e:
+        raise _fail(p, f"cannot be read: {e.strerror or e}") from e
+    record = parse(p, text)
+    if spec is not None:
+        if record.job != spec.name:
+            raise _fail(p, f"is for job {record.job!r}, not {spec.name!r}")
+        if record.spec_hash != spec.spec_hash:
+            raise _fail(p, f"was recorded for spec hash {record.spec_hash} (version "
+                           f"{record.job_version}) but {spec.path or spec.name} now hashes to "
+                           f"{spec.spec_hash} (version {spec.version}): the job changed; re-record "
+                           f"with `screener golden record --job {spec.name}`")
+    if platform_hash is not None and record.platform_hash != platform_hash:
+        raise _fail(p, f"is for platform {record.platform_hash}, not {platform_hash}")
+    return record
+
+
+def find(golden_dir: str | os.PathLike[str], spec: JobSpec,
+         platform_hash: str) -> Optional[GoldenRecord]:
+    """The golden record of `spec` on `platform_hash`, None when there is none; GoldenError when
+    the file exists but is broken or stale."""
+    p = golden_path(golden_dir, spec.name, platform_hash)
+    if not p.exists():
+        return None
+    return load(p, spec=spec, platform_hash=platform_hash)
+
+
+def load_dir(golden_dir: str | os.PathLike[str]) -> tuple[list[GoldenRecord], list[GoldenError]]:
+    """Every golden record of a folder: the valid ones and one error per broken file."""
+    records, errors = [], []
+    for p in sorted(Path(golden_dir).glob("*.json")):
+        try:
+            records.append(load(p))
+        except GoldenError as e:
+            errors.append(e)
+    return records, errors
+
+
+def record_from_results(spec: JobSpec, platform: Mapping[str, Any], platform_hash: str,
+                        results: Sequence[tuple[str, JobResult]], *, repeats: int,
+                        host: Optional[str] = None, now: Optional[float] = None,
+                        screener_version: Optional[str] = None) -> GoldenRecord:
+    """A golden record from (device, result) runs that must all agree bit for bit.
+
+    Raises GoldenError naming the first disagreement: a golden is never recorded from runs that
+    do not agree (the caller prints the disagreement instead).
+    """
+    if not results:
+        raise GoldenError(f"no results to record for job {spec.name}")
+    ref_device, ref = results[0]
+    for device, r in results[1:]:
+        diff = first_difference(ref.steps, r.steps)
+        if diff is not None:
+            raise GoldenError(f"job {spec.name}: runs disagree, refusing to record: {device} differs "
+                              f"from {ref_device} at step {diff.step} ({diff.label}) tensor "
+                              f"{diff.tensor}: {diff.expected} vs {diff.observed}")
+    if any(r.spec_hash != spec.spec_hash for _, r in results):
+        raise GoldenError(f"job {spec.name}: results are for another spec hash than {spec.spec_hash}")
+    if screener_version is None:
+        from screener import __version__ as screener_version
+    stamp = time.gmtime(time.time() if now is None else now)
+    return GoldenRecord(
+        job=spec.name, job_version=spec.version, spec_hash=spec.spec_hash,
+        platform=dict(platform), platform_hash=platform_hash,
+        recorded={"devices": sorted({d for d, _ in results}), "repeats": repeats,
+                  "host": host or socket.gethostname(),
+                  "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", stamp),
+                  "screener_version": screener_version},
+        steps=ref.steps)
+
+
+def format_record(record: GoldenRecord) -> str:
+    """The file text: one field per line, one tensor per line, so a diff shows what changed."""
+    d = record.to_dict()
+    steps = d.pop("steps")
+    sha = d.pop("sha256")
+    lines = ["{"]
+    lines += [f" {json.dumps(k)}: {json.dumps(v, sort_keys=True)}," for k, v in d.items()]
+    lines.append(' "steps": [')
+    for i, step in enumerate(steps):
+        head = {k: step[k] for k in ("step", "label", "loss")}
+        lines.append(f"  {json.dumps(head)[:-1]}, \"tensors\": [")
+        tensors = step["tensors"]
+        for j, t in enumerate(tensors):
+            lines.append(f"   {json.dumps(t)}{',' if j < len(tensors) - 1 else ''}")
+        lines.append(f"  ]}}{',' if i < len(steps) - 1 else ''}")
+    lines.append(" ],")
+    lines.append(f' "sha256": {json.dumps(sha)}')
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def write(record: GoldenRecord, golden_dir: str | os.PathLike[str]) -> Path:
+    """Write the record to its file in golden_dir (temp file, then rename); returns the path."""
+    d = Path(golden_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    p = golden_path(d, record.job, record.platform_hash)
+    text = format_record(record)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=d)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return p

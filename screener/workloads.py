@@ -1,0 +1,643 @@
+"""Known-answer workloads: job specs (jobs/*.toml) and the deterministic work they describe.
+
+A job spec names a workload kind and its parameters; this module loads and validates specs,
+computes their canonical hash (which keys golden records, so editing a job invalidates its
+goldens) and runs a job on one device, returning a JobResult: per step, the loss bits (if the
+kind has a loss) and the fingerprints of every tensor the step produced. Kinds:
+
+- gemm: a chained GEMM sweep, X_{j+1} = (X_j @ W_j) * 2**-s, in one dtype (float32 with TF32 off
+  or on, float16, bfloat16), fingerprinting every product. On CUDA the size is derived from the
+  SM count so every SM gets several output tiles; on CPU the shapes are fixed in the spec.
+- conv: a chain of 3x3 convolutions (cuDNN on CUDA), fingerprinting every output.
+- train: several AdamW steps of the tiny transformer of screener.synthetic, in float32 or under
+  bf16/fp16 autocast; per step the loss bits, each parameter's gradient fingerprint and each
+  weight fingerprint after the update.
+- replay: forward and backward of the micro-batch of (seed, rank, step) on a fresh model, the same
+  batch construction the in-job ring replay audit uses, so any node can replay a peer's batch.
+- selftest: exercises the runner itself (sleeps, exits or aborts in the child process); for tests
+  of timeout and crash handling, never part of a screen unless named.
+
+All data are generated on the device from integer seeds (screener.synthetic), nothing is
+downloaded. Each kind has an implementation version that enters the spec hash, so a change in the
+code that changes result bits invalidates goldens just as an edit of the spec does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Iterable, Mapping, Optional, Sequence
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+from screener.errors import BadInputError, ConfigError
+
+JOBS_DIR_ENV = "SCREENER_JOBS_DIR"
+SPEC_FIELDS = ("name", "version", "kind", "description", "quick", "params", "cpu", "cuda")
+DTYPES = ("float32", "float16", "bfloat16")
+
+# kind -> (implementation version, {param: (type(s), default)}).
+# Bump a kind's implementation version whenever its code changes the bits it produces.
+_INT, _FLOAT, _BOOL, _STR, _LIST = int, (int, float), bool, str, list
+KINDS: dict[str, tuple[int, dict[str, tuple[Any, Any]]]] = {
+    "gemm": (1, {"dtype": (_STR, "float32"), "tf32": (_BOOL, False), "seed": (_INT, 0),
+                 "chain": (_INT, 4), "shapes": (_LIST, []), "tile": (_INT, 128),
+                 "tiles_per_sm": (_INT, 4)}),
+    "conv": (1, {"dtype": (_STR, "float32"), "tf32": (_BOOL, False), "seed": (_INT, 0),
+                 "batch": (_INT, 2), "channels": (_INT, 16), "size": (_INT, 16),
+                 "layers": (_INT, 4)}),
+    "train": (1, {"seed": (_INT, 0), "steps": (_INT, 4), "batch": (_INT, 4), "seq": (_INT, 16),
+                  "vocab": (_INT, 64), "d_model": (_INT, 32), "n_heads": (_INT, 4),
+                  "d_ff": (_INT, 64), "n_layers": (_INT, 1), "lr": (_FLOAT, 1e-3),
+                  "weight_decay": (_FLOAT, 0.01), "autocast": (_STR, "none")}),
+    "replay": (1, {"seed": (_INT, 0), "ranks": (_INT, 2), "steps": (_INT, 2), "batch": (_INT, 4),
+                   "seq": (_INT, 16), "vocab": (_INT, 64), "d_model": (_INT, 32),
+                   "n_heads": (_INT, 4), "d_ff": (_INT, 64), "n_layers": (_INT, 1)}),
+    "selftest": (1, {"sleep": (_FLOAT, 0.0), "exit": (_INT, -1), "abort": (_BOOL, False),
+                     "raise": (_STR, "")}),
+}
+
+
+def default_jobs_dir() -> Path:
+    """$SCREENER_JOBS_DIR, or the jobs/ folder next to the package (the repository's)."""
+    env = os.environ.get(JOBS_DIR_ENV)
+    return Path(env) if env else Path(__file__).resolve().parent.parent / "jobs"
+
+
+def _canonical(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One validated job spec. `params_for(device)` merges the [cpu] or [cuda] overrides."""
+
+    name: str
+    version: int
+    kind: str
+    description: str = ""
+    quick: bool = False
+    params: Mapping[str, Any] = field(default_factory=dict)
+    cpu: Mapping[str, Any] = field(default_factory=dict)
+    cuda: Mapping[str, Any] = field(default_factory=dict)
+    path: str = ""
+
+    @property
+    def spec_hash(self) -> str:
+        """16 hex digits over what changes result bits: name, version, kind (and its code
+        version) and every parameter; not the description, the quick flag or the path."""
+        blob = _canonical({"name": self.name, "version": self.version, "kind": self.kind,
+                           "impl": KINDS[self.kind][0], "params": dict(self.params),
+                           "cpu": dict(self.cpu), "cuda": dict(self.cuda)})
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def params_for(self, device: str) -> dict[str, Any]:
+        """Defaults, then [params], then the table of the device type (cpu or cuda)."""
+        _, schema = KINDS[self.kind]
+        merged = {k: default for k, (_, default) in schema.items()}
+        merged.update(self.params)
+        dtype = device.split(":")[0]
+        merged.update(self.cuda if dtype == "cuda" else self.cpu)
+        return merged
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "version": self.version, "kind": self.kind,
+                "description": self.description, "quick": self.quick,
+                "params": dict(self.params), "cpu": dict(self.cpu), "cuda": dict(self.cuda),
+                "path": self.path}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], *, source: str = "<job>") -> "JobSpec":
+        """Validate a parsed spec; raises ConfigError naming `source` and the first problem."""
+        d = dict(d)
+        path = str(d.pop("path", source))
+        unknown = sorted(set(d) - set(SPEC_FIELDS))
+        if unknown:
+            raise ConfigError(f"{source}: unknown key(s) {', '.join(unknown)}; "
+                              f"expected {', '.join(SPEC_FIELDS)}")
+        for key in ("name", "version", "kind"):
+            if key not in d:
+                raise ConfigError(f"{source}: missing required key {key!r}")
+        name, version, kind = d["name"], d["version"], d["kind"]
+        if not isinstance(name, str) or not name or not all(c.isalnum() or c in "-_" for c in name):
+            raise ConfigError(f"{source}: name {name!r} must be letters, digits, '-' or '_'")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise ConfigError(f"{source}: version {version!r} must be a positive integer")
+        if kind not in KINDS:
+            raise ConfigError(f"{source}: kind {kind!r} is not one of {', '.join(sorted(KINDS))}")
+        if not isinstance(d.get("description", ""), str):
+            raise ConfigError(f"{source}: description must be a string")
+        if not isinstance(d.get("quick", False), bool):
+            raise ConfigError(f"{source}: quick must be true or false")
+        tables = {}
+        for table in ("params", "cpu", "cuda"):
+            value = d.get(table, {})
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{source}: [{table}] must be a table")
+            tables[table] = _validate_params(kind, dict(value), f"{source} [{table}]")
+        spec = cls(name=name, version=version, kind=kind, description=d.get("description", ""),
+                   quick=d.get("quick", False), path=path, **tables)
+        for device in ("cpu", "cuda"):
+            _validate_values(spec.kind, spec.params_for(device), f"{source} ({device})")
+        return spec
+
+
+def _validate_params(kind: str, params: dict[str, Any], where: str) -> dict[str, Any]:
+    _, schema = KINDS[kind]
+    unknown = sorted(set(params) - set(schema))
+    if unknown:
+        raise ConfigError(f"{where}: unknown parameter(s) {', '.join(unknown)} for kind {kind!r}; "
+                          f"expected {', '.join(sorted(schema))}")
+    for key, value in params.items():
+        types = schema[key][0]
+        if isinstance(value, bool) and types is not bool:
+            raise ConfigError(f"{where}: {key} = {value!r} must be {_type_name(types)}")
+        if not isinstance(value, types):
+            raise ConfigError(f"{where}: {key} = {value!r} must be {_type_name(types)}")
+    return params
+
+
+def _type_name(types: Any) -> str:
+    if isinstance(types, tuple):
+        return " or ".join(t.__name__ for t in types)
+    return types.__name__
+
+
+def _validate_values(kind: str, p: Mapping[str, Any], where: str) -> None:
+    """Range checks on merged parameters, so a bad spec fails at load time, not in a child."""
+    def need(cond: bool, what: str) -> None:
+        if not cond:
+            raise ConfigError(f"{where}: {what}")
+
+    if kind in ("gemm", "conv"):
+        need(p["dtype"] in DTYPES, f"dtype {p['dtype']!r} is not one of {', '.join(DTYPES)}")
+        need(not p["tf32"] or p["dtype"] == "float32", "tf32 = true needs dtype float32")
+    if kind == "gemm":
+        need(p["chain"] >= 1, "chain must be >= 1")
+        need(p["tile"] >= 1 and p["tiles_per_sm"] >= 1, "tile and tiles_per_sm must be >= 1")
+        for s in p["shapes"]:
+            need(isinstance(s, list) and len(s) == 2 and all(isinstance(v, int) and v >= 1
+                                                             for v in s),
+                 f"shape {s!r} must be [rows, cols] of positive integers")
+    if kind == "conv":
+        need(min(p["batch"], p["channels"], p["size"], p["layers"]) >= 1,
+             "batch, channels, size and layers must be >= 1")
+    if kind in ("train", "replay"):
+        need(min(p["steps"], p["batch"], p["seq"], p["vocab"], p["d_model"], p["n_heads"],
+                 p["d_ff"], p["n_layers"]) >= 1, "sizes and steps must be >= 1")
+        need(p["d_model"] % p["n_heads"] == 0, "d_model must be divisible by n_heads")
+    if kind == "train":
+        need(p["autocast"] in ("none", "bfloat16", "float16"),
+             f"autocast {p['autocast']!r} is not none, bfloat16 or float16")
+    if kind == "replay":
+        need(p["ranks"] >= 1, "ranks must be >= 1")
+
+
+def load_job(path: str | os.PathLike[str]) -> JobSpec:
+    """Parse and validate one jobs/*.toml; the job's name must equal the file's stem."""
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read job spec: {e.strerror or e}") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p}: not valid TOML: {e}") from e
+    spec = JobSpec.from_dict({**data, "path": str(p)}, source=str(p))
+    if spec.name != p.stem:
+        raise ConfigError(f"{p}: job name {spec.name!r} differs from the file name {p.stem!r}")
+    return spec
+
+
+def load_jobs(jobs_dir: str | os.PathLike[str] | None = None) -> list[JobSpec]:
+    """Every job spec in the folder (default: default_jobs_dir()), sorted by name."""
+    d = Path(jobs_dir) if jobs_dir is not None else default_jobs_dir()
+    if not d.is_dir():
+        raise ConfigError(f"{d}: jobs folder does not exist")
+    return sorted((load_job(p) for p in d.glob("*.toml")), key=lambda s: s.name)
+
+
+def select_jobs(names: Optional[Sequence[str]] = None, *, jobs_dir: str | os.PathLike[str] | None = None,
+                quick_only: bool = False) -> list[JobSpec]:
+    """The named jobs (in the order given), or all (quick_only: the quick screen) when none named.
+
+    selftest jobs are only ever run when named.
+    """
+    available = load_jobs(jobs_dir)
+    by_name = {s.name: s for s in available}
+    if names:
+        missing = [n for n in names if n not in by_name]
+        if missing:
+            raise BadInputError(f"unknown job(s) {', '.join(missing)}; available: "
+                                f"{', '.join(sorted(by_name)) or 'none'}")
+        return [by_name[n] for n in dict.fromkeys(names)]
+    return [s for s in available if s.kind != "selftest" and (s.quick or not quick_only)]
+
+
+# --- results ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Step:
+    """What one step of a job produced: loss bits (hex, or None) and fingerprints in order."""
+
+    step: int
+    label: str
+    loss: Optional[str]
+    tensors: tuple[tuple[str, tuple[int, int]], ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "label": self.label, "loss": self.loss,
+                "tensors": [[n, a, b] for n, (a, b) in self.tensors]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Step":
+        return cls(step=int(d["step"]), label=str(d.get("label", "")), loss=d.get("loss"),
+                   tensors=tuple((str(n), (int(a), int(b))) for n, a, b in d["tensors"]))
+
+
+def steps_digest(steps: Sequence[Step]) -> str:
+    """16 hex digits over every loss bit pattern and fingerprint, in order."""
+    blob = _canonical([s.to_dict() for s in steps])
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """The outcome of one run of one job on one device. `values` (in-process runs with
+    keep_values) holds CPU copies of the checked tensors for tolerance comparisons."""
+
+    job: str
+    spec_hash: str
+    device: str
+    steps: tuple[Step, ...]
+    seconds: float = 0.0
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    values: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def digest(self) -> str:
+        return steps_digest(self.steps)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"job": self.job, "spec_hash": self.spec_hash, "device": self.device,
+                "seconds": self.seconds, "digest": self.digest, "settings": dict(self.settings),
+                "steps": [s.to_dict() for s in self.steps]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "JobResult":
+        return cls(job=str(d["job"]), spec_hash=str(d["spec_hash"]), device=str(d["device"]),
+                   steps=tuple(Step.from_dict(s) for s in d["steps"]),
+                   seconds=float(d.get("seconds", 0.0)), settings=dict(d.get("settings") or {}))
+
+
+@dataclass(frozen=True)
+class Difference:
+    """Where two results first differ: step, its label, the tensor ("loss" for the loss)."""
+
+    step: int
+    label: str
+    tensor: str
+    expected: Any
+    observed: Any
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "label": self.label, "tensor": self.tensor,
+                "expected": self.expected, "observed": self.observed}
+
+
+def _fp_hex(fp: Optional[tuple[int, int]]) -> Optional[str]:
+    if fp is None:
+        return None
+    return f"{fp[0] & 0xFFFFFFFFFFFFFFFF:016x}:{fp[1] & 0xFFFFFFFFFFFFFFFF:016x}"
+
+
+def first_difference(expected: Sequence[Step], observed: Sequence[Step]) -> Optional[Difference]:
+    """The first place (in execution order: loss, then tensors) where two step lists differ."""
+    for e, o in zip(expected, observed):
+        if e.loss != o.loss:
+            return Difference(e.step, e.label, "loss", e.loss, o.loss)
+        if e.tensors != o.tensors:
+            o_map = dict(o.tensors)
+            for name, fp in e.tensors:
+                if o_map.get(name) != fp:
+                    return Difference(e.step, e.label, name, _fp_hex(fp), _fp_hex(o_map.get(name)))
+            e_names = {n for n, _ in e.tensors}
+            extra = next(n for n, _ in o.tensors if n not in e_names)
+            return Difference(e.step, e.label, extra, None, _fp_hex(o_map[extra]))
+    if len(expected) != len(observed):
+        n = min(len(expected), len(observed))
+        label = (expected[n] if len(expected) > n else observed[n]).label
+        return Difference(n, label, "steps", len(expected), len(observed))
+    return None
+
+
+def all_differences(expected: Sequence[Step], observed: Sequence[Step]) -> list[Difference]:
+    """Every differing loss or tensor (for evidence and for the detection benchmark)."""
+    out = []
+    for e, o in zip(expected, observed):
+        if e.loss != o.loss:
+            out.append(Difference(e.step, e.label, "loss", e.loss, o.loss))
+        o_map = dict(o.tensors)
+        for name, fp in e.tensors:
+            if o_map.get(name) != fp:
+                out.append(Difference(e.step, e.label, name, _fp_hex(fp), _fp_hex(o_map.get(name))))
+    return out
+
+
+def loss_bits(t: Any) -> str:
+    """The raw bits of a scalar float tensor as hex (width of its dtype)."""
+    import torch
+
+    view = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
+            torch.float64: torch.int64}[t.dtype]
+    width = torch.iinfo(view).bits
+    v = int(t.detach().reshape(()).view(view).item()) & ((1 << width) - 1)
+    return f"0x{v:0{width // 4}x}"
+
+
+def loss_value(bits: str, *, bfloat16: bool = False) -> float:
+    """The float a loss bit pattern (as written by loss_bits) stands for; its width gives the
+    type (16-bit patterns are float16 unless `bfloat16`)."""
+    import struct
+
+    v = int(bits, 16)
+    if len(bits) == 10:
+        return struct.unpack("<f", struct.pack("<I", v))[0]
+    if len(bits) == 18:
+        return struct.unpack("<d", struct.pack("<Q", v))[0]
+    if bfloat16:
+        return struct.unpack("<f", struct.pack("<I", v << 16))[0]
+    return struct.unpack("<e", struct.pack("<H", v))[0]
+
+
+# --- running ------------------------------------------------------------------------------------
+
+def _fault_ctx(injector: Optional[ContextManager[Any]]) -> ContextManager[Any]:
+    # The injector is entered around computation only, never around fingerprinting, so a fault
+    # in an op the fingerprint also uses (sum, copy) cannot corrupt the check instead of the work.
+    return injector if injector is not None else contextlib.nullcontext()
+
+
+def _dtype(name: str) -> Any:
+    import torch
+
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+
+
+def _pow2_scale(fan_in: int) -> float:
+    """A power of two near 1/sqrt(fan_in/3): keeps chained products of U(-1,1) data near unit
+    size, and multiplying by it is exact, so it hides no bit of the product."""
+    return 2.0 ** -round(math.log2(math.sqrt(max(fan_in, 1) / 3.0)))
+
+
+def gemm_shapes(p: Mapping[str, Any], device: str) -> list[tuple[int, int]]:
+    """The (rows, inner) shapes of a GEMM job on this device.
+
+    Fixed in the spec on CPU. On CUDA (when the spec gives none): square n x n with
+    n = tile * ceil(sqrt(tiles_per_sm * SMs)), so every SM gets about tiles_per_sm output tiles,
+    plus a ragged (n + tile/2 + 1) x n problem that exercises partial edge tiles.
+    """
+    if p["shapes"]:
+        return [(int(m), int(k)) for m, k in p["shapes"]]
+    import torch
+
+    if not device.startswith("cuda"):
+        return [(256, 256)]
+    sms = torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
+    tile = int(p["tile"])
+    n = tile * math.ceil(math.sqrt(int(p["tiles_per_sm"]) * sms))
+    return [(n, n), (n + tile // 2 + 1, n)]
+
+
+def _run_gemm(spec: JobSpec, p: Mapping[str, Any], device: str, injector: Any,
+              keep_values: bool) -> tuple[list[Step], dict[str, Any]]:
+    import torch
+
+    from screener.fingerprint import fingerprints
+    from screener.synthetic import mix_key, uniform
+
+    dtype = _dtype(p["dtype"])
+    shapes = gemm_shapes(p, device)
+    chain = int(p["chain"])
+    xs, ws = [], []
+    for i, (m, k) in enumerate(shapes):
+        xs.append(uniform(mix_key(p["seed"], 1, i), (m, k), device=device).to(dtype))
+        ws.append([uniform(mix_key(p["seed"], 2, i, j), (k, k), device=device).to(dtype)
+                   for j in range(chain)])
+    names = [f"product[{m}x{k}x{k}]" for m, k in shapes]
+    steps, values = [], {}
+    for j in range(chain):
+        products = []
+        with torch.no_grad(), _fault_ctx(injector):
+            for i, (m, k) in enumerate(shapes):
+                products.append(torch.mm(xs[i], ws[i][j]))
+        rows = fingerprints(products).tolist()
+        for i, (m, k) in enumerate(shapes):
+            if keep_values:
+                values[f"{j}/{names[i]}"] = products[i].detach().float().cpu()
+            xs[i] = products[i] * _pow2_scale(k)  # outside the injector: not a product
+        steps.append(Step(j, f"link {j}", None,
+                          tuple((names[i], (r[0], r[1])) for i, r in enumerate(rows))))
+    return steps, values
+
+
+def _run_conv(spec: JobSpec, p: Mapping[str, Any], device: str, injector: Any,
+              keep_values: bool) -> tuple[list[Step], dict[str, Any]]:
+    import torch
+    import torch.nn.functional as F
+
+    from screener.fingerprint import fingerprints
+    from screener.synthetic import mix_key, uniform
+
+    dtype = _dtype(p["dtype"])
+    b, c, s, layers = int(p["batch"]), int(p["channels"]), int(p["size"]), int(p["layers"])
+    x = uniform(mix_key(p["seed"], 3), (b, c, s, s), device=device).to(dtype)
+    weights = [uniform(mix_key(p["seed"], 4, j), (c, c, 3, 3), device=device).to(dtype)
+               for j in range(layers)]
+    scale = _pow2_scale(c * 9)
+    steps, values = [], {}
+    name = f"conv[{b}x{c}x{s}x{s}]"
+    for j in range(layers):
+        with torch.no_grad(), _fault_ctx(injector):
+            y = F.conv2d(x, weights[j], padding=1)
+        a, bb = fingerprints([y]).tolist()[0]
+        if keep_values:
+            values[f"{j}/{name}"] = y.detach().float().cpu()
+        steps.append(Step(j, f"layer {j}", None, ((name, (a, bb)),)))
+        x = y * scale
+    return steps, values
+
+
+def _model_kwargs(p: Mapping[str, Any]) -> dict[str, int]:
+    return {k: int(p[k]) for k in ("vocab", "d_model", "n_heads", "d_ff", "seq", "n_layers")}
+
+
+class _AdamW:
+    """AdamW (decoupled weight decay, bias-corrected moments), written out per parameter.
+
+    Written here rather than taken from torch.optim so the arithmetic of the known answer is
+    fixed by this file (torch.optim picks foreach/fused kernels by device and version), and
+    because constructing a torch.optim optimizer imports the compiler stack, seconds per child.
+    """
+
+    def __init__(self, params: Sequence[Any], *, lr: float, weight_decay: float,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
+        import torch
+
+        self.params = list(params)
+        self.lr, self.wd, self.betas, self.eps = lr, weight_decay, betas, eps
+        self.m = [torch.zeros_like(p) for p in self.params]
+        self.v = [torch.zeros_like(p) for p in self.params]
+        self.t = 0
+
+    def step(self) -> None:
+        import torch
+
+        self.t += 1
+        b1, b2 = self.betas
+        c1 = 1.0 - b1 ** self.t
+        c2 = 1.0 - b2 ** self.t
+        with torch.no_grad():
+            for p, m, v in zip(self.params, self.m, self.v):
+                if p.grad is None:
+                    continue
+                g = p.grad
+                p.mul_(1.0 - self.lr * self.wd)
+                m.mul_(b1).add_(g, alpha=1.0 - b1)
+                v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
+                denom = (v / c2).sqrt_().add_(self.eps)
+                p.addcdiv_(m, denom, value=-self.lr / c1)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+
+def _run_train(spec: JobSpec, p: Mapping[str, Any], device: str, injector: Any, keep_values: bool,
+               after_step: Optional[Callable[[int, Any], None]]) -> tuple[list[Step], dict[str, Any]]:
+    import torch
+
+    from screener.fingerprint import fingerprints
+    from screener.synthetic import batch_for, compute_loss, make_model
+
+    model = make_model(int(p["seed"]), **_model_kwargs(p)).to(device)
+    opt = _AdamW(list(model.parameters()), lr=float(p["lr"]),
+                 weight_decay=float(p["weight_decay"]))
+    names = [n for n, _ in model.named_parameters()]
+    params = [q for _, q in model.named_parameters()]
+    autocast = p["autocast"]
+    steps, values = [], {}
+    for step in range(int(p["steps"])):
+        batch = batch_for(int(p["seed"]), 0, step, batch=int(p["batch"]), seq=int(p["seq"]),
+                          vocab=int(p["vocab"]), device=device)
+        with _fault_ctx(injector):
+            if autocast != "none":
+                with torch.autocast(device_type=torch.device(device).type, dtype=_dtype(autocast)):
+                    loss = compute_loss(model, batch)
+            else:
+                loss = compute_loss(model, batch)
+            loss.backward()
+        grads = fingerprints([q.grad for q in params]).tolist()
+        with _fault_ctx(injector):
+            opt.step()
+        opt.zero_grad()
+        if after_step is not None:
+            after_step(step, model)
+        weights = fingerprints(params).tolist()
+        bits = loss_bits(loss)
+        if keep_values:
+            values[f"{step}/loss"] = float(loss.detach().float().cpu())
+        tensors = tuple((f"grad/{n}", (g[0], g[1])) for n, g in zip(names, grads)) + tuple(
+            (f"weight/{n}", (w[0], w[1])) for n, w in zip(names, weights))
+        steps.append(Step(step, f"step {step}", bits, tensors))
+    return steps, values
+
+
+def _run_replay(spec: JobSpec, p: Mapping[str, Any], device: str, injector: Any,
+                keep_values: bool) -> tuple[list[Step], dict[str, Any]]:
+    from screener.fingerprint import fingerprints
+    from screener.synthetic import batch_for, compute_loss, make_model
+
+    model = make_model(int(p["seed"]), **_model_kwargs(p)).to(device)
+    names = [n for n, _ in model.named_parameters()]
+    params = [q for _, q in model.named_parameters()]
+    steps, values = [], {}
+    i = 0
+    for rank in range(int(p["ranks"])):
+        for step in range(int(p["steps"])):
+            batch = batch_for(int(p["seed"]), rank, step, batch=int(p["batch"]), seq=int(p["seq"]),
+                              vocab=int(p["vocab"]), device=device)
+            with _fault_ctx(injector):
+                loss = compute_loss(model, batch)
+                loss.backward()
+            rows = fingerprints([batch[0], batch[1]] + [q.grad for q in params]).tolist()
+            model.zero_grad(set_to_none=True)
+            if keep_values:
+                values[f"{i}/loss"] = float(loss.detach().float().cpu())
+            tensors = (("tokens", tuple(rows[0])), ("targets", tuple(rows[1]))) + tuple(
+                (f"grad/{n}", (r[0], r[1])) for n, r in zip(names, rows[2:]))
+            steps.append(Step(i, f"rank {rank} step {step}", loss_bits(loss), tensors))
+            i += 1
+    return steps, values
+
+
+def _run_selftest(p: Mapping[str, Any]) -> tuple[list[Step], dict[str, Any]]:
+    if p["sleep"] > 0:
+        time.sleep(float(p["sleep"]))
+    if p["raise"]:
+        raise RuntimeError(str(p["raise"]))
+    if p["abort"]:
+        os.abort()
+    if p["exit"] >= 0:
+        os._exit(int(p["exit"]))
+    return [Step(0, "selftest", None, ())], {}
+
+
+def run_job(spec: JobSpec, device: str = "cpu", *, injector: Optional[ContextManager[Any]] = None,
+            after_step: Optional[Callable[[int, Any], None]] = None, keep_values: bool = False,
+            threads: int = 1) -> JobResult:
+    """Run one job on one device in this process and return its result.
+
+    Calls make_deterministic first (the job's TF32 setting, `threads` CPU threads). `injector`
+    (e.g. a screener.faults.FaultInjector) is entered around the computation only;
+    `after_step(step, model)` runs after each optimizer step of a train job (to corrupt a
+    parameter, say). Process-wide settings are left changed: the runner's child processes exist
+    for this job; wrap the call in screener.determinism.preserved() in a shared process.
+    """
+    from screener.determinism import make_deterministic
+
+    p = spec.params_for(device)
+    settings = make_deterministic(device, tf32=bool(p.get("tf32", False)), threads=threads)
+    t0 = time.perf_counter()
+    if spec.kind == "gemm":
+        steps, values = _run_gemm(spec, p, device, injector, keep_values)
+    elif spec.kind == "conv":
+        steps, values = _run_conv(spec, p, device, injector, keep_values)
+    elif spec.kind == "train":
+        steps, values = _run_train(spec, p, device, injector, keep_values, after_step)
+    elif spec.kind == "replay":
+        steps, values = _run_replay(spec, p, device, injector, keep_values)
+    elif spec.kind == "selftest":
+        steps, values = _run_selftest(p)
+    else:  # pragma: no cover - JobSpec validation rejects unknown kinds
+        raise ConfigError(f"{spec.path}: unknown kind {spec.kind!r}")
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize(device)
+    return JobResult(job=spec.name, spec_hash=spec.spec_hash, device=device, steps=tuple(steps),
+                     seconds=time.perf_counter() - t0, settings=settings, values=values)
+
+
+def describe(specs: Iterable[JobSpec]) -> list[dict[str, Any]]:
+    """One row per job for listings: name, kind, version, quick, spec hash, description."""
+    return [{"name": s.name, "kind": s.kind, "version": s.version, "quick": s.quick,
+             "spec_hash": s.spec_hash, "description": s.description} for s in specs]

@@ -1,0 +1,94 @@
+"""`screener burnin`: repeated screening with a progress bar, a table, --json and --report."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+import pytest
+
+from screener import burnin, golden, kat
+from screener.commands.kat import parse_duration
+from screener.types import ExitCode, Outcome
+
+ROOT = Path(__file__).resolve().parents[1]
+JOBS = ["gemm-fp32", "train-bf16"]
+
+
+@pytest.fixture(scope="module")
+def golden_dir(tmp_path_factory) -> str:
+    """The committed goldens when they cover this machine's CPU platform, else freshly recorded."""
+    phash = kat.local_platform("cpu").numeric_hash
+    if all(golden.golden_path(ROOT / "golden", j, phash).exists() for j in JOBS):
+        return str(ROOT / "golden")
+    out = tmp_path_factory.mktemp("golden")
+    specs = kat.resolve_jobs(JOBS, str(ROOT / "jobs"))
+    assert kat.record_goldens(specs, ["cpu"], out_dir=str(out), repeat=2).exit_code == 0
+    return str(out)
+
+
+def test_cli_burnin_for_a_duration_passes_with_report(golden_dir, tmp_path):
+    report = tmp_path / "r.json"
+    args = [sys.executable, "-m", "screener.cli", "burnin", "--device", "cpu", "--duration", "1s",
+            "--golden-dir", golden_dir, "--json", "--report", str(report)]
+    for j in JOBS:
+        args += ["--job", j]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout)
+    assert out == json.loads(report.read_text())
+    assert out["outcome"] == "pass" and out["requested"] == {"duration": 1.0, "iterations": None}
+    rows = out["rows"]
+    assert [(x["device"], x["job"], x["result"]) for x in rows] == [("cpu", j, "pass") for j in JOBS]
+    assert rows[0]["runs"] >= 1 and rows[0]["runs"] == rows[1]["runs"]
+    assert "job runs" in r.stderr  # the progress bar went to stderr
+
+
+def test_a_fault_in_a_later_iteration_is_caught(golden_dir):
+    fault = kat.DeviceFault(op="mm", call=2, element=5, bit=4, job="gemm-fp32", iteration=1)
+    rep = burnin.run_burnin(["cpu"], JOBS, iterations=2, golden_dir=golden_dir,
+                            faults={"cpu": [fault]})
+    assert rep.exit_code == ExitCode.HARDWARE_SUSPECT and rep.outcome == Outcome.SUSPECT
+    v = rep.screen.verdict("cpu")
+    assert (v.reason, v.job, v.step) == ("self_mismatch", "gemm-fp32", 1)
+    rows = {r.job: r for r in rep.rows}
+    assert rows["gemm-fp32"].result == "self_mismatch" and rows["gemm-fp32"].runs == 2
+    assert rows["gemm-fp32"].where.startswith("step 1 ")
+    assert rows["train-bf16"].result == "pass"
+    table = rep.table()
+    assert "self_mismatch" in table and "burn-in suspect (exit 75)" in table
+    assert rep.to_dict()["exit_code"] == 75
+
+
+def test_parse_duration():
+    assert parse_duration("90") == 90 and parse_duration("90s") == 90
+    assert parse_duration("10m") == 600 and parse_duration("2h") == 7200
+    assert parse_duration("1.5d") == 1.5 * 86400
+    for bad in ("", "ten", "5y", "0", "-3s"):
+        with pytest.raises(click.BadParameter):
+            parse_duration(bad)
+
+
+def test_bad_arguments():
+    from screener.errors import BadInputError
+
+    with pytest.raises(BadInputError):
+        burnin.run_burnin(["cpu"], JOBS, iterations=0)
+    with pytest.raises(BadInputError):
+        burnin.run_burnin(["cpu"], JOBS, duration=-1)
+    with pytest.raises(BadInputError):
+        burnin.run_burnin(["tpu:0"], JOBS, iterations=1)
+
+
+def test_text_progress():
+    s = io.StringIO()
+    bar = burnin.TextProgress(total_runs=4, stream=s)
+    for i in range(4):
+        bar({"event": "start", "device": "cpu", "job": "j", "iteration": i})
+        bar({"event": "result", "device": "cpu", "job": "j", "iteration": i})
+    bar.close()
+    assert "4/4 job runs" in s.getvalue() and "#" * 30 in s.getvalue()

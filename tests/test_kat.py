@@ -1,0 +1,355 @@
+"""Known-answer screening: detection and location of injected faults, the judgment rules
+(golden, peers, repeats), and the runner's child processes (healthy, fault, hang, crash)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from screener import faults, golden, kat
+from screener import workloads as w
+from screener.determinism import preserved
+from screener.errors import BadInputError, NondeterminismError, ScreenerError
+from screener.faults import FaultSpec, inject
+from screener.types import ExitCode, Outcome
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _restore_process_settings():
+    with preserved():
+        yield
+
+
+def _spec(name: str, **cpu) -> w.JobSpec:
+    spec = next(s for s in w.load_jobs(ROOT / "jobs") if s.name == name)
+    if cpu:
+        spec = w.JobSpec.from_dict({**spec.to_dict(), "cpu": {**spec.cpu, **cpu}})
+    return spec
+
+
+# --- detection and location (in process) ----------------------------------------------------------
+
+@pytest.mark.parametrize("job", ["gemm-fp32", "gemm-bf16", "gemm-fp16", "conv-fp32"])
+def test_every_bit_class_in_fingerprinted_outputs_is_detected_and_located(job):
+    spec = _spec(job)
+    p = spec.params_for("cpu")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[p["dtype"]]
+    op = "convolution" if spec.kind == "conv" else "mm"
+    clean = w.run_job(spec, "cpu")
+    per_step = len(clean.steps[0].tensors)
+    for cls, bit in faults.bit_classes(dtype).items():
+        for call in (0, per_step * len(clean.steps) - 1, per_step + per_step // 2):
+            inj = inject(FaultSpec(op, call=call, element=call * 37 + 3, bit=bit))
+            r = w.run_job(spec, "cpu", injector=inj)
+            assert len(inj.fired) == 1
+            d = w.first_difference(clean.steps, r.steps)
+            assert d is not None, (job, cls, call)
+            assert d.step == call // per_step, (job, cls, call)
+            assert d.tensor == clean.steps[0].tensors[call % per_step][0]
+            assert d.expected != d.observed
+
+
+def _calls_per_step(spec: w.JobSpec, op: str) -> list[int]:
+    counter = inject(FaultSpec(op, call=10 ** 9))
+    ends: list[int] = []
+    w.run_job(spec, "cpu", injector=counter, after_step=lambda s, m: ends.append(counter.counts[0]))
+    return ends
+
+
+def test_training_step_detects_flips_in_every_op_kind_and_names_the_step():
+    # Two steps keep this fast. Elements are taken from the last token of the first sequence:
+    # earlier positions of q and of the attention scores are masked by causal attention (a flip
+    # there changes nothing at all, and no output check could see it).
+    spec = _spec("train-fp32", steps=2)
+    p = spec.params_for("cpu")
+    t, d = p["seq"], p["d_model"]
+    clean = w.run_job(spec, "cpu")
+    last_row = {"addmm": (t - 1) * 3 * d + 1, "bmm": (t - 1) * t + 2, "_softmax": (t - 1) * t + 2,
+                "native_layer_norm": (t - 1) * d + 3, "gelu": (t - 1) * p["d_ff"] + 5,
+                "embedding": (t - 1) * d + 7, "_log_softmax": 11, "mm": 13}
+    for op, element in last_row.items():
+        ends = _calls_per_step(spec, op)
+        for cls, bit in faults.bit_classes(torch.float32).items():
+            if cls == "mant_low" and op != "mm":
+                continue  # may be rounded away downstream; bench_kat.py measures how often
+            call = ends[0]  # the first call of step 1
+            inj = inject(FaultSpec(op, call=call, element=element, bit=bit))
+            r = w.run_job(spec, "cpu", injector=inj)
+            assert inj.fired, (op, cls)
+            diff = w.first_difference(clean.steps, r.steps)
+            assert diff is not None, (op, cls)
+            assert diff.step == 1, (op, cls, diff)
+
+
+def test_parameter_flip_after_the_optimizer_step_is_located():
+    spec = _spec("train-fp32", steps=3)
+    clean = w.run_job(spec, "cpu")
+
+    def flip(step, model):
+        if step == 1:
+            faults.corrupt_parameter(model, "blocks.0.fc1.weight", 17, bit=2)
+
+    r = w.run_job(spec, "cpu", after_step=flip)
+    d = w.first_difference(clean.steps, r.steps)
+    assert (d.step, d.tensor) == (1, "weight/blocks.0.fc1.weight")
+
+
+# --- the judgment (pure) --------------------------------------------------------------------------
+
+def _run(device: str, results: list[w.JobResult], phash: str = "p1") -> kat.DeviceRun:
+    run = kat.DeviceRun(device, platform={"name": "test"}, platform_hash=phash)
+    for i, r in enumerate(results):
+        run.add(i, r)
+    run.iterations = len(results)
+    return run
+
+
+@pytest.fixture(scope="module")
+def results():
+    spec = _spec("gemm-fp32", chain=3)
+    with preserved():
+        good = w.run_job(spec, "cpu")
+        bad = w.run_job(spec, "cpu", injector=inject(FaultSpec("mm", call=3, element=9, bit=1)))
+        other = w.run_job(spec, "cpu", injector=inject(FaultSpec("mm", call=4, element=2, bit=0)))
+    return spec, good, bad, other
+
+
+def _no_golden(spec, phash):
+    return None
+
+
+def test_three_agreeing_peers_pass_without_a_golden(results):
+    spec, good, bad, _ = results
+    runs = {f"cuda:{i}": _run(f"cuda:{i}", [good, good]) for i in range(3)}
+    res = kat.judge(runs, [spec], _no_golden)
+    assert res.outcome == Outcome.PASS and res.exit_code == ExitCode.PASS
+    assert {v.outcome for v in res.verdicts} == {Outcome.PASS}
+
+
+def test_the_device_that_differs_from_the_majority_is_suspect_and_located(results):
+    spec, good, bad, _ = results
+    runs = {f"cuda:{i}": _run(f"cuda:{i}", [good]) for i in range(4)}
+    runs["cuda:2"] = _run("cuda:2", [bad])
+    res = kat.judge(runs, [spec], _no_golden)
+    assert res.exit_code == ExitCode.HARDWARE_SUSPECT
+    v = res.verdict("cuda:2")
+    assert (v.outcome, v.reason, v.job, v.step) == (Outcome.SUSPECT, "peer_mismatch", spec.name, 1)
+    assert v.tensor == good.steps[1].tensors[1][0] and v.expected != v.observed
+    assert all(res.verdict(d).outcome == Outcome.PASS for d in ("cuda:0", "cuda:1", "cuda:3"))
+    # with only two agreeing peers left, they are inconclusive but the odd one is still suspect
+    del runs["cuda:3"]
+    res = kat.judge(runs, [spec], _no_golden)
+    assert res.verdict("cuda:2").reason == "peer_mismatch"
+    assert res.verdict("cuda:0").outcome == Outcome.INCONCLUSIVE
+
+
+def test_two_devices_that_disagree_are_both_suspect(results):
+    spec, good, bad, _ = results
+    res = kat.judge({"a": _run("a", [good]), "b": _run("b", [bad])}, [spec], _no_golden)
+    assert {v.reason for v in res.verdicts} == {"peer_split"}
+    assert res.exit_code == ExitCode.HARDWARE_SUSPECT
+
+
+def test_peers_of_another_platform_are_not_compared(results):
+    spec, good, bad, _ = results
+    runs = {"a": _run("a", [good]), "b": _run("b", [good]), "c": _run("c", [bad], phash="p2")}
+    res = kat.judge(runs, [spec], _no_golden)
+    assert {v.reason for v in res.verdicts} == {"no_golden"}
+    assert res.exit_code == ExitCode.INCONCLUSIVE
+
+
+def test_a_device_that_disagrees_with_itself_is_suspect(results):
+    spec, good, bad, _ = results
+    runs = {"a": _run("a", [good, good]), "b": _run("b", [good, bad, good]),
+            "c": _run("c", [good, good])}
+    res = kat.judge(runs, [spec], _no_golden)
+    v = res.verdict("b")
+    assert (v.reason, v.step) == ("self_mismatch", 1)
+    assert "iteration 1" in v.evidence["detail"]
+
+
+def test_nondeterministic_on_every_device_is_our_bug(results):
+    spec, good, bad, other = results
+    runs = {"a": _run("a", [good, bad]), "b": _run("b", [good, other])}
+    with pytest.raises(NondeterminismError, match="every device") as e:
+        kat.judge(runs, [spec], _no_golden)
+    assert e.value.exit_code == ExitCode.SCREENER_ERROR and spec.name in str(e.value)
+    three = {"a": _run("a", [good]), "b": _run("b", [bad]), "c": _run("c", [other])}
+    with pytest.raises(NondeterminismError, match="different results"):
+        kat.judge(three, [spec], _no_golden)
+
+
+def _golden_of(spec, result, tmp_path, phash="p1"):
+    rec = golden.record_from_results(spec, {"name": "test"}, phash, [("x", result)], repeats=1)
+    golden.write(rec, tmp_path)
+    return kat.golden_lookup(str(tmp_path))
+
+
+def test_golden_comparison(results, tmp_path):
+    spec, good, bad, _ = results
+    lookup = _golden_of(spec, good, tmp_path)
+    res = kat.judge({"cpu": _run("cpu", [good, good])}, [spec], lookup)
+    assert res.exit_code == ExitCode.PASS
+    res = kat.judge({"cpu": _run("cpu", [bad, bad])}, [spec], lookup)
+    v = res.verdict("cpu")
+    assert (v.outcome, v.reason, v.step) == (Outcome.SUSPECT, "golden_mismatch", 1)
+    assert v.platform_hash == "p1"
+    # a single device that reproduced the golden once but not always: suspect, not our bug
+    res = kat.judge({"cpu": _run("cpu", [good, bad])}, [spec], lookup)
+    assert res.verdict("cpu").reason == "self_mismatch"
+    # three peers agreeing with each other against the golden: the golden is in question
+    runs = {d: _run(d, [bad]) for d in ("a", "b", "c")}
+    res = kat.judge(runs, [spec], lookup)
+    assert {v.reason for v in res.verdicts} == {"golden_disagrees_with_peers"}
+    assert res.exit_code == ExitCode.INCONCLUSIVE
+
+
+def test_no_golden_is_inconclusive_with_the_record_command(results):
+    spec, good, _, _ = results
+    res = kat.judge({"cpu": _run("cpu", [good])}, [spec], _no_golden, golden_dir="g")
+    v = res.verdict("cpu")
+    assert (v.outcome, v.reason) == (Outcome.INCONCLUSIVE, "no_golden")
+    assert v.evidence["command"] == f"screener golden record --job {spec.name} --device cpu --out g"
+    assert res.exit_code == ExitCode.INCONCLUSIVE
+
+
+def test_failed_children(results):
+    spec, good, _, _ = results
+    hung = kat.DeviceRun("cuda:1", status="timeout", detail="no progress", current=(spec.name, 0))
+    res = kat.judge({"cuda:0": _run("cuda:0", [good]), "cuda:1": hung}, [spec], _no_golden)
+    v = res.verdict("cuda:1")
+    assert (v.outcome, v.reason, v.job) == (Outcome.SUSPECT, "timeout", spec.name)
+    ours = kat.DeviceRun("cpu", status="screener_error", detail="KeyError: x")
+    with pytest.raises(ScreenerError, match="the screener failed"):
+        kat.judge({"cpu": ours}, [spec], _no_golden)
+    missing = kat.DeviceRun("cuda:7", status="bad_input", detail="start-up: BadInputError: no GPU")
+    with pytest.raises(BadInputError, match="cuda:7"):
+        kat.judge({"cuda:7": missing}, [spec], _no_golden)
+
+
+def test_recording_writes_only_what_all_runs_agree_on(results, tmp_path):
+    spec, good, bad, _ = results
+    out = str(tmp_path)
+    # a device that disagrees with itself: nothing is written, exit 75
+    rec = kat.write_goldens({"a": _run("a", [good, bad]), "b": _run("b", [good, good])}, [spec],
+                            out, repeat=2)
+    assert rec.exit_code == ExitCode.HARDWARE_SUSPECT and not rec.written
+    assert "a: self_mismatch" in rec.refused[0] and not list(tmp_path.iterdir())
+    # agreement: written, then unchanged on a second recording
+    runs = {"a": _run("a", [good, good]), "b": _run("b", [good, good])}
+    rec = kat.write_goldens(runs, [spec], out, repeat=2)
+    assert rec.exit_code == ExitCode.PASS and len(rec.written) == 1
+    assert golden.load(rec.written[0], spec=spec).recorded["devices"] == ["a", "b"]
+    assert kat.write_goldens(runs, [spec], out, repeat=2).unchanged == rec.written
+    # other results against a valid golden: refused unless forced
+    other = {"a": _run("a", [bad, bad])}
+    refused = kat.write_goldens(other, [spec], out, repeat=2)
+    assert refused.exit_code == ExitCode.HARDWARE_SUSPECT and "--force" in refused.refused[0]
+    forced = kat.write_goldens(other, [spec], out, repeat=2, force=True)
+    assert forced.written == rec.written
+    assert golden.load(rec.written[0]).digest == bad.digest
+    # a broken golden is simply replaced
+    Path(rec.written[0]).write_text("{")
+    assert kat.write_goldens(runs, [spec], out, repeat=2).written == rec.written
+
+
+def test_device_errors_are_told_apart_from_ours():
+    assert kat._is_device_error(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert not kat._is_device_error(RuntimeError("shape mismatch"))
+    assert not kat._is_device_error(KeyError("x"))
+
+
+def test_parse_fault():
+    assert kat._FAULT_MODES == faults.MODES
+    device, f = kat.parse_fault("device=cuda:1,op=mm,call=2,element=7,bit=30,job=gemm-fp32")
+    assert device == "cuda:1" and f.fault_spec() == FaultSpec("mm", call=2, element=7, bit=30)
+    assert f.applies("gemm-fp32", 5) and not f.applies("train-fp32", 0)
+    device, f = kat.parse_fault("parameter=head.weight,step=1,element=3,bit=5")
+    assert device is None and f.parameter == "head.weight"
+    for bad in ("op=mm,bit=x", "op=mm,colour=red", "bit=3", "op=mm,mode=melt", "op"):
+        with pytest.raises(Exception) as e:
+            kat.parse_fault(bad)
+        assert getattr(e.value, "exit_code", None) == ExitCode.USAGE, bad
+
+
+# --- child processes ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def golden_dir(tmp_path_factory) -> str:
+    """The committed goldens when they cover this machine's CPU platform, else freshly recorded."""
+    phash = kat.local_platform("cpu").numeric_hash
+    committed = ROOT / "golden"
+    quick = kat.quick_jobs(str(ROOT / "jobs"))
+    if all(golden.golden_path(committed, s.name, phash).exists() for s in quick):
+        return str(committed)
+    out = tmp_path_factory.mktemp("golden")
+    rec = kat.record_goldens(quick, ["cpu"], out_dir=str(out), repeat=2)
+    assert rec.exit_code == ExitCode.PASS, rec.lines()
+    return str(out)
+
+
+def test_healthy_cpu_passes_against_the_golden(golden_dir):
+    res = kat.run_screen(None, ["cpu"], golden_dir=golden_dir, repeat=2)
+    v = res.verdict("cpu")
+    assert res.exit_code == ExitCode.PASS and v.outcome == Outcome.PASS, kat.format_verdicts(res)
+    phash = v.platform_hash
+    for spec in kat.quick_jobs(str(ROOT / "jobs")):
+        rec = golden.find(golden_dir, spec, phash)
+        assert rec is not None and res.digests["cpu"][spec.name] == rec.digest
+        assert v.evidence["jobs"][spec.name]["runs"] == 2
+
+
+def test_injected_fault_in_a_child_is_suspect_with_its_location(golden_dir):
+    spec = _spec("gemm-fp32")
+    shapes = spec.params_for("cpu")["shapes"]
+    r = subprocess.run([sys.executable, "-m", "screener.cli", "kat", "run", "--device", "cpu",
+                        "--job", "gemm-fp32", "--job", "replay-fp32", "--golden-dir", golden_dir,
+                        "--repeat", "1", "--json",
+                        "--inject", "op=mm,call=3,element=11,bit=30,job=gemm-fp32"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == int(ExitCode.HARDWARE_SUSPECT), r.stdout + r.stderr
+    out = json.loads(r.stdout)
+    v = out["verdicts"][0]
+    m, k = shapes[3 % len(shapes)]
+    assert (v["outcome"], v["reason"], v["job"]) == ("suspect", "golden_mismatch", "gemm-fp32")
+    assert (v["step"], v["tensor"]) == (3 // len(shapes), f"product[{m}x{k}x{k}]")
+    assert v["expected"] != v["observed"]
+    fired = v["evidence"]["faults_fired"]["gemm-fp32"]
+    assert fired[0]["bit"] == 30 and fired[0]["element"] == 11
+    issues = {i["job"]: i["reason"] for i in v["evidence"]["issues"]}
+    assert "replay-fp32" not in issues  # the other job still matched its golden
+
+
+def _selftest_dir(tmp_path: Path, **params) -> str:
+    body = "\n".join(f"{k} = {json.dumps(v)}" for k, v in params.items())
+    (tmp_path / "st.toml").write_text(f'name = "st"\nversion = 1\nkind = "selftest"\n[params]\n{body}\n')
+    return str(tmp_path)
+
+
+def test_a_hanging_child_is_suspect_with_reason_timeout(tmp_path):
+    jobs = _selftest_dir(tmp_path, sleep=600.0)
+    t0 = time.monotonic()
+    runs = kat.execute(w.select_jobs(["st"], jobs_dir=jobs), ["cpu"], timeout=2.0)
+    elapsed = time.monotonic() - t0
+    assert runs["cpu"].status == "timeout" and "job st" in runs["cpu"].detail
+    assert elapsed < 60  # killed once it made no progress for the timeout, not after the sleep
+    res = kat.judge(runs, w.select_jobs(["st"], jobs_dir=jobs), _no_golden)
+    v = res.verdict("cpu")
+    assert (v.outcome, v.reason, v.job) == (Outcome.SUSPECT, "timeout", "st")
+    assert res.exit_code == ExitCode.HARDWARE_SUSPECT
+
+
+def test_a_crashing_child_is_suspect_with_reason_crash(tmp_path):
+    jobs = _selftest_dir(tmp_path, abort=True)
+    res = kat.run_screen(["st"], ["cpu"], jobs_dir=jobs, golden_dir=str(tmp_path), timeout=60)
+    v = res.verdict("cpu")
+    assert (v.outcome, v.reason, v.job) == (Outcome.SUSPECT, "crash", "st")
+    assert "SIGABRT" in v.evidence["detail"]
