@@ -294,17 +294,41 @@ def parse_duration(text: str) -> float:
 @click.option("--report", "report", type=click.Path(dir_okay=False), default=None,
               help="Also write the JSON report to this file.")
 @click.option("--inject", "inject", multiple=True, help=_INJECT_HELP)
+@click.option("--node", default=None, help="This node's name (default $NODE_NAME, else the hostname).")
+@click.option("--store", type=click.Choice(["auto", "local", "kube", "none"]), default="auto",
+              show_default=True, help="Where the node's state is moved at the end: the cluster's "
+              "Node (kube: in a pod or with --kubeconfig), the local SQLite store, or nowhere.")
+@click.option("--db", type=click.Path(dir_okay=False), default=None,
+              help="The local store's SQLite file (default: the user's state directory).")
+@click.option("--kubeconfig", type=click.Path(dir_okay=False), default=None,
+              help="kubeconfig for the kube store (default: in-cluster, then ~/.kube/config).")
+@click.option("--hbm-fraction", type=click.FloatRange(0, 0.95, min_open=True), default=0.5,
+              show_default=True, help="Share of each GPU's free memory the HBM pattern test covers.")
+@click.option("--no-hbm", is_flag=True, help="Skip the HBM pattern test.")
+@click.option("--no-collective", is_flag=True, help="Skip the all-reduce check across the GPUs.")
+@click.option("--no-probes", is_flag=True, help="Skip the health probes before and after.")
+@click.option("--peers", is_flag=True, help="Also run the peer burn-in on this machine: a short "
+              "audited DDP training with simulated peer nodes (gloo). In a cluster use the peer "
+              "burn-in Job (manifests/peer-burnin-job.yaml).")
+@click.option("--peer", "peer_names", multiple=True, metavar="NAME",
+              help="A simulated peer node's name for --peers (default: peer-a, peer-b).")
 @click.option("--no-progress", is_flag=True, help="No progress bar on stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")
 def burnin_cmd(devices: tuple[str, ...], jobs: tuple[str, ...], duration: Optional[str],
                iterations: Optional[int], golden_dir: Optional[str], jobs_dir: Optional[str],
-               timeout: float, report: Optional[str], inject: tuple[str, ...], no_progress: bool,
-               as_json: bool) -> None:
+               timeout: float, report: Optional[str], inject: tuple[str, ...], node: Optional[str],
+               store: str, db: Optional[str], kubeconfig: Optional[str], hbm_fraction: float,
+               no_hbm: bool, no_collective: bool, no_probes: bool, peers: bool,
+               peer_names: tuple[str, ...], no_progress: bool, as_json: bool) -> None:
     """Burn in this node: every job on every device, repeated, compared bit for bit with the
     golden records of each device's platform, with the device's peers and with its own runs.
 
     Without a GPU it screens the CPU against the committed CPU golden. By default every job runs
     10 times (well under two minutes on a CPU); ask for longer burn-ins with --duration.
+    Around the known-answer rounds: the health probes before and after, the HBM pattern test on
+    every GPU, the all-reduce check across the GPUs (with its bandwidth), and in a cluster a
+    cross-check of the known-answer digests with other nodes of the same platform. At the end the
+    node is moved through the lifecycle (healthy, suspect, quarantined or repair).
     Prints a progress bar (stderr) and a final table; exit 0 pass, 75 a device is suspect,
     3 inconclusive (no golden), 2 bad input, 1 the screener failed.
     """
@@ -317,18 +341,76 @@ def burnin_cmd(devices: tuple[str, ...], jobs: tuple[str, ...], duration: Option
     n = iterations if iterations is not None else (None if seconds else DEFAULT_ITERATIONS)
     progress = None if no_progress else _progress(
         len(specs) * len(devs) * n if n and not seconds else None, seconds, always=True)
+    from dataclasses import replace
+
+    from screener.burnin_full import BurninPlan, run_full_burnin
+
+    def known_answer() -> Any:
+        try:
+            return run_burnin(devs, specs, duration=seconds, iterations=iterations,
+                              golden_dir=golden_dir, jobs_dir=jobs_dir, timeout=timeout,
+                              progress=progress, faults=_faults(inject, devs))
+        finally:
+            if progress is not None:
+                progress.close()
+
+    def stage(name: str) -> None:
+        if not no_progress:
+            click.echo(f"burn-in: {name}", err=True)
+
+    plan = BurninPlan(probes=not no_probes, hbm=not no_hbm, hbm_fraction=hbm_fraction,
+                      collective=not no_collective)
+    the_store, probe, closers = _burnin_store_and_probe(store, db, kubeconfig, plan.probes)
     try:
-        rep = run_burnin(devs, specs, duration=seconds, iterations=iterations,
-                         golden_dir=golden_dir, jobs_dir=jobs_dir, timeout=timeout,
-                         progress=progress, faults=_faults(inject, devs))
+        full = run_full_burnin(node or _node_name(), devs, known_answer, plan=plan,
+                               store=the_store, probe=probe,
+                               peers=(peer_names or ("peer-a", "peer-b")) if peers else (),
+                               progress=stage)
     finally:
-        if progress is not None:
-            progress.close()
+        for c in closers:
+            c.close()
+    rep = replace(full.kat, extra=full.extra())
     d = rep.to_dict()
     if report:
         Path(report).write_text(json.dumps(d, indent=2, default=str) + "\n")
     if as_json:
         _echo_json(d)
     else:
-        click.echo(rep.table())
-    sys.exit(int(rep.exit_code))
+        click.echo(full.table())
+    sys.exit(int(full.exit_code))
+
+
+def _node_name() -> str:
+    import os
+    import socket
+
+    return os.environ.get("NODE_NAME", "").strip() or socket.gethostname()
+
+
+def _burnin_store_and_probe(kind: str, db: Optional[str], kubeconfig: Optional[str],
+                            probes: bool) -> tuple[Any, Any, list[Any]]:
+    """The store the burn-in moves the node in, and the probe function (see screener.burnin_full)."""
+    import os
+
+    from screener.stores import open_store
+
+    closers: list[Any] = []
+    if kind == "auto":
+        kind = "kube" if kubeconfig or os.environ.get("KUBERNETES_SERVICE_HOST") else "local"
+    the_store = None
+    if kind == "local":
+        the_store = open_store("local", db=db)
+    elif kind == "kube":
+        the_store = open_store("kube", kubeconfig=kubeconfig)
+    if the_store is not None:
+        closers.append(the_store)
+    probe = None
+    if probes:
+        from screener.health.config import ProbeConfig
+        from screener.health.probes import run_probes
+
+        cfg = ProbeConfig()
+
+        def probe(previous: Any) -> Any:
+            return run_probes(cfg, previous=previous)
+    return the_store, probe, closers

@@ -1,0 +1,229 @@
+"""`screener daemon` (the DaemonSet entrypoint) and `screener drill` (an end-to-end fire drill).
+
+Thin wiring: build the configuration, the store, the probes, the screen runner, the metrics
+server and the signal handlers, then hand them to screener.daemon.Daemon (or screener.drill).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+from pathlib import Path
+from typing import Any, Optional
+
+import click
+
+log = logging.getLogger("screener.daemon")
+
+
+def build_daemon(config: Any, *, stop: threading.Event, metrics: Any = None) -> tuple[Any, list[Any]]:
+    """The real Daemon for a config, and the things to close when it stops."""
+    from screener.daemon import Daemon
+    from screener.health.kmsg import KernelLogReader
+    from screener.health.nvml import NvmlAdapter
+    from screener.health.probes import run_probes
+    from screener.idle import own_pids
+    from screener.screening import KatOptions, KatProcessRunner, LocalTaint
+    from screener.stores import default_state_dir, open_store
+
+    closers: list[Any] = []
+    kind = config.resolved_store()
+    state_dir = Path(config.db).parent if config.db else default_state_dir()
+    kwargs: dict[str, Any] = {}
+    if kind == "kube":
+        store = open_store("kube", kubeconfig=config.kubeconfig, spool=config.spool,
+                           event_namespace=config.event_namespace)
+        node = config.node
+        taint: Any = store
+        gpu_pods: Any = lambda: store.gpu_pods(node)  # noqa: E731
+        kwargs.update(publish=store.set_annotations,
+                      replay=lambda: store.replay() if store.pending() else 0)
+    else:
+        store = open_store("local", db=config.db)
+        taint = LocalTaint(state_dir)
+        gpu_pods = None
+    closers.append(store)
+
+    nvml = NvmlAdapter(events=config.probes.nvml_events)
+    try:
+        nvml.open()
+    except Exception as e:  # noqa: BLE001 - the probes report NVML trouble as errors each run
+        log.warning("NVML could not be opened: %s", e)
+    closers.append(nvml)
+    reader = None
+    if config.probes.kmsg_path:
+        reader = KernelLogReader(config.probes.kmsg_path, state_file=config.probes.kmsg_state_file,
+                                 first_read=config.probes.kmsg_first_read,
+                                 boot_id_path=config.probes.boot_id_path)
+        closers.append(reader)
+
+    def probe(previous: Any) -> Any:
+        return run_probes(config.probes, nvml=nvml, kmsg=reader, previous=previous)
+
+    runner = KatProcessRunner(KatOptions(jobs=config.jobs, devices=config.devices,
+                                         golden_dir=config.golden_dir, jobs_dir=config.jobs_dir))
+    if config.hyperpod.get("deep_check_on_quarantine"):
+        from screener import hyperpod
+
+        hp = hyperpod.HyperPodConfig.from_mapping(config.hyperpod)
+        client = hyperpod.make_client(hp.region, endpoint_url=hp.endpoint_url,
+                                      max_attempts=hp.max_attempts)
+        kwargs["on_quarantine"] = lambda node: hyperpod.on_quarantine(client, hp, node)
+    daemon = Daemon(config, store=store, probe=probe, runner=runner, taint=taint,
+                    gpu_pods=gpu_pods, own_pids=own_pids, stop=stop, metrics=metrics, **kwargs)
+    return daemon, closers
+
+
+@click.command("daemon")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=str),
+              help="Config file (TOML if it ends in .toml, else JSON); default $SCREENER_CONFIG.")
+@click.option("--once", is_flag=True, help="One pass (alarm intake, probes, a screen if one is due "
+              "and the GPUs are idle now), then exit with the contract's code.")
+@click.option("--node", help="This node's name (default $NODE_NAME, else the hostname).")
+@click.option("--alarm-dir", help="Alarm drop folder (default $SCREENER_ALARM_DIR, else "
+              "/var/run/screener/alarms).")
+@click.option("--store", type=click.Choice(["auto", "local", "kube"]),
+              help="Where node states live; auto (default): kube in a pod or with --kubeconfig, "
+                   "else the local SQLite store.")
+@click.option("--db", type=click.Path(dir_okay=False, path_type=str),
+              help="The local store's SQLite file.")
+@click.option("--kubeconfig", type=click.Path(dir_okay=False, path_type=str),
+              help="kubeconfig for the kube store (default: in-cluster, then ~/.kube/config).")
+@click.option("--metrics-port", type=click.IntRange(-1, 65535),
+              help="Port for /metrics, /healthz and /readyz (0: any free port, -1: none).")
+@click.option("--json", "as_json", is_flag=True, help="With --once: print the pass report as JSON.")
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["debug", "info", "warning", "error"]))
+def daemon_cmd(config_path: Optional[str], once: bool, node: Optional[str],
+               alarm_dir: Optional[str], store: Optional[str], db: Optional[str],
+               kubeconfig: Optional[str], metrics_port: Optional[int], as_json: bool,
+               log_level: str) -> int:
+    """Run the per-node screener: the DaemonSet's entrypoint.
+
+    Takes in alarm files from in-job checks (each applied exactly once), runs the health probes
+    every probe interval, and when the node's GPUs have been idle for the idle window and a
+    screen is due (at once for a node in burnin or suspect), taints the node
+    screener.io/screening=true:NoSchedule, runs the known-answer screen with a time cap, yields at
+    once if a job lands, and removes the taint again, always. Logs are JSON lines on stderr;
+    metrics, /healthz and /readyz are served on one port. SIGTERM stops it cleanly.
+
+    Without a cluster configured it keeps node states in the local SQLite store.
+    """
+    from screener.config import DaemonConfig
+    from screener.daemon import setup_json_logging
+    from screener.metrics import DaemonMetrics, MetricsServer
+
+    setup_json_logging(getattr(logging, log_level.upper()))
+    config = DaemonConfig.load(config_path, overrides={
+        "node": node, "alarm_dir": alarm_dir, "store": store, "db": db, "kubeconfig": kubeconfig,
+        "metrics_port": metrics_port})
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        log.info("signal %s received: stopping", signal.Signals(signum).name,
+                 extra={"event": "signal"})
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    metrics = DaemonMetrics(config.node)
+    server = None
+    if config.metrics_port >= 0 and not once:
+        server = MetricsServer(metrics, config.metrics_host, config.metrics_port,
+                               liveness_s=config.liveness_s).start()
+        log.info("serving /metrics, /healthz and /readyz on %s:%d", server.host, server.port,
+                 extra={"event": "metrics", "port": server.port})
+    daemon, closers = build_daemon(config, stop=stop, metrics=metrics)
+    try:
+        if once:
+            report = daemon.tick(once=True)
+            if as_json:
+                click.echo(json.dumps(report.to_dict(), indent=2, default=str))
+            else:
+                click.echo(_summary(report))
+            return int(report.exit_code)
+        daemon.run()
+        return 0
+    finally:
+        if server is not None:
+            server.stop()
+        for c in reversed(closers):
+            try:
+                c.close()
+            except Exception as e:  # noqa: BLE001
+                log.warning("closing %s: %s", type(c).__name__, e)
+
+
+def _summary(report: Any) -> str:
+    d = report.to_dict()
+    lines = [f"node       {d['node']}", f"state      {d['state']}"]
+    a = d["alarms"]
+    lines.append(f"alarms     applied {len(a['applied'])}, duplicates {len(a['duplicates'])}, "
+                 f"rejected {len(a['rejected'])}")
+    for t in d["transitions"]:
+        lines.append(f"transition {t['from'] or '(new)'} -> {t['to']}: {t['reason']}")
+    if d["activity"]:
+        lines.append(f"activity   {d['activity']['reason']}")
+    if d["screen"]:
+        s = d["screen"]
+        stopped = f" (stopped: {s['stopped']})" if s["stopped"] else ""
+        lines.append(f"screen     {s['outcome']}{stopped} in {s['seconds']:.1f} s")
+    elif d["screen_due"]:
+        lines.append(f"screen     due ({d['screen_due']}) but the node is not idle")
+    for e in d["errors"]:
+        lines.append(f"error      {e}")
+    lines.append(f"exit       {d['exit_code']}")
+    return "\n".join(lines)
+
+
+@click.command("drill")
+@click.option("--workdir", type=click.Path(file_okay=False, path_type=str),
+              help="Keep the drill's alarm folder and local store here (default: a temporary "
+                   "folder, removed afterwards).")
+@click.option("--kubeconfig", type=click.Path(dir_okay=False, exists=True, path_type=str),
+              help="Record the states on a real cluster's Node objects instead of the local store "
+                   "(give three real node names with --node; the faulty one really ends up "
+                   "quarantined).")
+@click.option("--node", "nodes", multiple=True, metavar="NAME",
+              help="A node taking part (three; default drill-node-a, -b, -c).")
+@click.option("--faulty", metavar="NAME", help="The node whose GPU computes wrong (default: the second).")
+@click.option("--steps", type=click.IntRange(2, 100), default=4, show_default=True,
+              help="Training steps.")
+@click.option("--fault-step", type=click.IntRange(0, 99), default=2, show_default=True,
+              help="The step at which one bit of one matmul output flips.")
+@click.option("--json", "as_json", is_flag=True, help="Print the drill report as JSON.")
+def drill_cmd(workdir: Optional[str], kubeconfig: Optional[str], nodes: tuple[str, ...],
+              faulty: Optional[str], steps: int, fault_step: int, as_json: bool) -> int:
+    """Fire drill: follow an injected fault from a training job to the node's quarantine.
+
+    Runs a small DDP training on the CPU as one process per simulated node (gloo) with the in-job
+    audit checking every step, flips the lowest mantissa bit of one matmul output on the faulty
+    node, and lets the audit raise its alarm and write the alarm file. Then one daemon pass per
+    node takes the files in and records the transitions (local SQLite store, or the cluster with
+    --kubeconfig). Prints the path the alarm took with the time of each hop and the latency from
+    fault to label. Exit 0 when the fault was caught and the faulty node, and only it, ended
+    quarantined; 1 when any of that failed (the pipeline is broken).
+    """
+    import tempfile
+
+    from screener.drill import DEFAULT_NODES, DrillOptions, run_drill, with_nodes
+
+    logging.getLogger().setLevel(logging.ERROR)  # the audit's alarm log lines are expected here
+    if kubeconfig and not nodes:
+        raise click.UsageError("with --kubeconfig, name the three real nodes with --node")
+    options = with_nodes(DrillOptions(steps=steps, fault_step=fault_step), nodes or DEFAULT_NODES,
+                         faulty)
+    if workdir:
+        Path(workdir).mkdir(parents=True, exist_ok=True)
+        report = run_drill(options, workdir, kubeconfig=kubeconfig)
+    else:
+        with tempfile.TemporaryDirectory(prefix="screener-drill-") as tmp:
+            report = run_drill(options, tmp, kubeconfig=kubeconfig)
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2, default=str))
+    else:
+        click.echo("\n".join(report.lines()))
+    return int(report.exit_code)

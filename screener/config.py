@@ -1,0 +1,276 @@
+"""The daemon's configuration: one frozen dataclass, from a TOML or JSON file and the environment.
+
+Sources, later ones winning: the defaults below; the file named by --config or $SCREENER_CONFIG
+(TOML when it ends in .toml, else JSON); then the environment. NODE_NAME and SCREENER_ALARM_DIR
+are the names the rest of the project uses; every other scalar field can be set as
+SCREENER_DAEMON_<FIELD> (e.g. SCREENER_DAEMON_SCREEN_INTERVAL_S=3600). An unknown key in the
+file, or an unknown SCREENER_DAEMON_* variable, is an error: a typo must not silently leave a
+default in force.
+
+Nested tables are handed to their owners' own strict parsers: [probes] to
+screener.health.config.ProbeConfig, [lifecycle] to screener.lifecycle.LifecyclePolicy, [hyperpod]
+to screener.hyperpod.HyperPodConfig (kept as a plain mapping here so that boto3 is imported only
+when a deep health check is switched on).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from screener.errors import ConfigError
+from screener.health.config import ProbeConfig
+from screener.lifecycle import LifecyclePolicy
+from screener.types import ALARM_DIR_ENV, DEFAULT_ALARM_DIR, NODE_NAME_ENV
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - python 3.10
+    import tomli as tomllib
+
+CONFIG_ENV = "SCREENER_CONFIG"
+ENV_PREFIX = "SCREENER_DAEMON_"
+STORE_CHOICES = ("auto", "local", "kube")
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """Everything `screener daemon` needs to know; times in seconds.
+
+    node: this node's name (NODE_NAME from the downward API; the hostname when unset).
+    alarm_dir: where in-job checks drop alarm files (a hostPath shared with job pods).
+    store: "local" (SQLite), "kube" (the Node objects) or "auto": kube when a kubeconfig is given
+        or the daemon runs in a pod ($KUBERNETES_SERVICE_HOST), else local.
+    db: the local store's SQLite file (default: the user's state directory).
+    kubeconfig: a kubeconfig file for the kube store (default: in-cluster, then ~/.kube/config).
+    spool: where the kube store keeps transitions it could not write yet.
+    event_namespace: the namespace Node Events are created in.
+    tick_s: how often the loop wakes (alarm intake runs on every tick).
+    probe_interval_s: how often the health probes run (P).
+    idle_window_s: how long the GPUs must have been idle before a screen may start (T).
+    idle_utilization_pct: a GPU at or above this utilisation is busy.
+    screen_interval_s: how often a healthy node is screened; burnin and suspect nodes at once.
+    retry_inconclusive_s: after an inconclusive screen (a job landed, the time cap), wait this long
+        before trying again.
+    screen_time_cap_s: a screen taking longer is stopped and counts as inconclusive.
+    job_poll_s: how often, during a screen, the daemon looks for a job landing on the node.
+    jobs: known-answer job names to run (empty: all in jobs_dir).
+    jobs_dir, golden_dir: where job specs and golden records live (None: the package defaults).
+    devices: devices to screen (empty: every GPU, or the CPU without one).
+    own_pod: the daemon's own pod name ($POD_NAME), never counted as a job on the node.
+    metrics_host, metrics_port: the one HTTP port serving /metrics, /healthz and /readyz;
+        port 0 picks a free port, -1 serves nothing.
+    liveness_s: /healthz fails when the loop has not made progress for this long.
+    processed_keep: how many applied alarm files to keep in processed/ (oldest removed first).
+    screens: run idle-time known-answer screens at all (off: intake and probes only, as the fire
+        drill and a probe-only deployment want).
+    publish_digests: after a passing screen, publish its known-answer digests on the Node (kube)
+        so burn-in of other nodes of the same platform can cross-check them.
+    probes, lifecycle, hyperpod: the nested tables (see the module docstring).
+    """
+
+    node: str = ""
+    alarm_dir: str = DEFAULT_ALARM_DIR
+    store: str = "auto"
+    db: Optional[str] = None
+    kubeconfig: Optional[str] = None
+    spool: Optional[str] = None
+    event_namespace: str = "default"
+    tick_s: float = 5.0
+    probe_interval_s: float = 60.0
+    idle_window_s: float = 300.0
+    idle_utilization_pct: int = 5
+    screen_interval_s: float = 86400.0
+    retry_inconclusive_s: float = 600.0
+    screen_time_cap_s: float = 1800.0
+    job_poll_s: float = 2.0
+    jobs: tuple[str, ...] = ()
+    jobs_dir: Optional[str] = None
+    golden_dir: Optional[str] = None
+    devices: tuple[str, ...] = ()
+    own_pod: str = ""
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int = 9500
+    liveness_s: float = 300.0
+    processed_keep: int = 1000
+    screens: bool = True
+    publish_digests: bool = True
+    probes: ProbeConfig = field(default_factory=ProbeConfig)
+    lifecycle: LifecyclePolicy = field(default_factory=LifecyclePolicy)
+    hyperpod: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ConfigError:
+            return ConfigError(f"daemon config {name}={getattr(self, name)!r}: {why}")
+
+        if not isinstance(self.node, str):
+            raise bad("node", "must be a string")
+        if self.store not in STORE_CHOICES:
+            raise bad("store", f"must be one of {', '.join(STORE_CHOICES)}")
+        for name in ("tick_s", "probe_interval_s", "screen_time_cap_s", "job_poll_s", "liveness_s"):
+            v = getattr(self, name)
+            if not _is_num(v) or not v > 0:
+                raise bad(name, "must be a positive number of seconds")
+        for name in ("idle_window_s", "screen_interval_s", "retry_inconclusive_s"):
+            v = getattr(self, name)
+            if not _is_num(v) or v < 0:
+                raise bad(name, "must be a number of seconds >= 0")
+        if not isinstance(self.idle_utilization_pct, int) or isinstance(self.idle_utilization_pct, bool) \
+                or not 0 < self.idle_utilization_pct <= 100:
+            raise bad("idle_utilization_pct", "must be an integer percentage 1..100")
+        if not isinstance(self.metrics_port, int) or isinstance(self.metrics_port, bool) \
+                or not -1 <= self.metrics_port <= 65535:
+            raise bad("metrics_port", "must be a port number (0: any free port, -1: none)")
+        if not isinstance(self.processed_keep, int) or self.processed_keep < 0:
+            raise bad("processed_keep", "must be an integer >= 0")
+        for name in ("jobs", "devices"):
+            v = getattr(self, name)
+            if isinstance(v, str) or not all(isinstance(x, str) and x for x in v):
+                raise bad(name, "must be a list of names")
+            object.__setattr__(self, name, tuple(v))
+        for name in ("publish_digests", "screens"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be true or false")
+        if not isinstance(self.hyperpod, Mapping):
+            raise bad("hyperpod", "must be a table")
+        if not self.alarm_dir:
+            raise bad("alarm_dir", "must be a directory")
+
+    # --- building -------------------------------------------------------------------------------
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], *, source: str = "daemon config") -> "DaemonConfig":
+        """Build from a parsed file; unknown keys (also in [probes] and [lifecycle]) are an error."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{source}: must be a table, not {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"{source}: unknown key(s) {', '.join(unknown)}; "
+                              f"known: {', '.join(sorted(known))}")
+        values = dict(data)
+        try:
+            if "probes" in values and not isinstance(values["probes"], ProbeConfig):
+                values["probes"] = ProbeConfig.from_mapping(values["probes"])
+            if "lifecycle" in values and not isinstance(values["lifecycle"], LifecyclePolicy):
+                if not isinstance(values["lifecycle"], Mapping):
+                    raise ConfigError("lifecycle must be a table")
+                values["lifecycle"] = LifecyclePolicy.from_mapping(values["lifecycle"])
+            if "hyperpod" in values:
+                values["hyperpod"] = dict(values["hyperpod"]) \
+                    if isinstance(values["hyperpod"], Mapping) else values["hyperpod"]
+            return cls(**values)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+        except TypeError as e:
+            raise ConfigError(f"{source}: {e}") from None
+
+    @classmethod
+    def load(cls, path: Optional[str | os.PathLike[str]] = None,
+             environ: Optional[Mapping[str, str]] = None,
+             overrides: Optional[Mapping[str, Any]] = None) -> "DaemonConfig":
+        """Defaults, then the file (path, else $SCREENER_CONFIG), then the environment, then
+        `overrides` (command-line options)."""
+        env = os.environ if environ is None else environ
+        data: dict[str, Any] = {}
+        path = path or env.get(CONFIG_ENV) or None
+        source = "daemon config"
+        if path:
+            data = read_file(path)
+            source = str(path)
+        data.update(env_values(env))
+        data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        if not data.get("node"):
+            data["node"] = socket.gethostname()
+        return cls.from_mapping(data, source=source)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["probes"] = self.probes.to_dict()
+        d["lifecycle"] = dataclasses.asdict(self.lifecycle)
+        d["hyperpod"] = dict(self.hyperpod)
+        d["jobs"], d["devices"] = list(self.jobs), list(self.devices)
+        return d
+
+    def resolved_store(self, environ: Optional[Mapping[str, str]] = None) -> str:
+        """"local" or "kube": what "auto" means here (see the class docstring)."""
+        if self.store != "auto":
+            return self.store
+        env = os.environ if environ is None else environ
+        return "kube" if self.kubeconfig or env.get("KUBERNETES_SERVICE_HOST") else "local"
+
+
+def read_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Parse a TOML (*.toml) or JSON config file; bad syntax is a ConfigError naming the file."""
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read the config file: {e.strerror or e}") from e
+    try:
+        data = tomllib.loads(raw.decode()) if p.suffix == ".toml" else json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:  # TOMLDecodeError and JSONDecodeError are ValueErrors
+        raise ConfigError(f"{p}: not valid {'TOML' if p.suffix == '.toml' else 'JSON'}: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: the config must be a table/object at the top level")
+    return data
+
+
+_SCALAR_FIELDS = {f.name: f for f in fields(DaemonConfig) if f.name not in ("probes", "lifecycle",
+                                                                           "hyperpod")}
+
+
+def _parse_env(name: str, text: str, default: Any) -> Any:
+    if isinstance(default, bool):
+        low = text.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"${name}={text!r}: expected true or false")
+    if isinstance(default, tuple):
+        return tuple(x.strip() for x in text.split(",") if x.strip())
+    if isinstance(default, int):
+        try:
+            return int(text)
+        except ValueError:
+            raise ConfigError(f"${name}={text!r}: expected an integer") from None
+    if isinstance(default, float):
+        try:
+            return float(text)
+        except ValueError:
+            raise ConfigError(f"${name}={text!r}: expected a number") from None
+    return text or None if default is None else text
+
+
+def env_values(env: Mapping[str, str]) -> dict[str, Any]:
+    """The settings the environment gives (see the module docstring)."""
+    out: dict[str, Any] = {}
+    if env.get(NODE_NAME_ENV, "").strip():
+        out["node"] = env[NODE_NAME_ENV].strip()
+    if env.get(ALARM_DIR_ENV):
+        out["alarm_dir"] = env[ALARM_DIR_ENV]
+    if env.get("POD_NAME"):
+        out["own_pod"] = env["POD_NAME"]
+    defaults = DaemonConfig.__dataclass_fields__
+    for name, text in env.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        key = name[len(ENV_PREFIX):].lower()
+        if key not in _SCALAR_FIELDS:
+            raise ConfigError(f"${name}: unknown setting {key!r}; known: "
+                              f"{', '.join(sorted(_SCALAR_FIELDS))}")
+        f = defaults[key]
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        out[key] = _parse_env(name, text, default)
+    return out

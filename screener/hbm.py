@@ -1,0 +1,211 @@
+"""The HBM pattern test: write known patterns over a share of a device's free memory, read back.
+
+A memory test in the spirit of memtest86 on GPU memory, done with tensor operations: the memory is
+taken in chunks (int32 tensors) up to `fraction` of what is free, every pattern is written to every
+chunk and only then read back and compared, so each cell holds its value while the rest is
+written. Patterns: all zeros, all ones, the two checkerboards (0xAAAAAAAA and 0x55555555), a
+walking one (bit i % 31 of element i) and the address pattern (each element holds its own index,
+so a fault in addressing shows up as well as a stuck bit). A mismatch is checked again by rewriting
+and re-reading that chunk: a fault that repeats is confirmed (lifecycle evidence "confirmed"); one
+that does not is still reported, unconfirmed.
+
+On the CPU the same code tests host memory (capped small: it is for tests and for laptops).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from screener.errors import BadInputError
+from screener.types import Outcome, Verdict
+
+PATTERNS = ("zeros", "ones", "checker_a", "checker_5", "walking_one", "address")
+CHUNK_BYTES = 256 * 1024 * 1024
+CPU_MAX_BYTES = 64 * 1024 * 1024
+EVIDENCE_CONFIRMED = "confirmed"  # the lifecycle's key (screener.lifecycle.EVIDENCE_CONFIRMED)
+
+# (chunks, pattern name) -> None: fault injection between writing and reading (tests, drills).
+Inject = Callable[[Sequence[torch.Tensor], str], None]
+
+
+def _const(value: int) -> Callable[[torch.Tensor, int], None]:
+    signed = value - (1 << 32) if value >= 1 << 31 else value
+
+    def fill(t: torch.Tensor, base: int) -> None:
+        t.fill_(signed)
+
+    return fill
+
+
+def _walking(t: torch.Tensor, base: int) -> None:
+    idx = torch.arange(base, base + t.numel(), device=t.device, dtype=torch.int64)
+    t.copy_(torch.bitwise_left_shift(torch.ones_like(idx), idx % 31).to(torch.int32))
+
+
+def _address(t: torch.Tensor, base: int) -> None:
+    idx = torch.arange(base, base + t.numel(), device=t.device, dtype=torch.int64)
+    t.copy_((idx & 0x7FFFFFFF).to(torch.int32))
+
+
+FILLERS: dict[str, Callable[[torch.Tensor, int], None]] = {
+    "zeros": _const(0), "ones": _const(0xFFFFFFFF), "checker_a": _const(0xAAAAAAAA),
+    "checker_5": _const(0x55555555), "walking_one": _walking, "address": _address,
+}
+
+
+@dataclass(frozen=True)
+class HbmResult:
+    """What the pattern test found on one device."""
+
+    device: str
+    bytes_tested: int
+    patterns: tuple[str, ...]
+    mismatches: int
+    errors: tuple[dict[str, Any], ...] = ()  # the first few, with address, expected, observed
+    confirmed: bool = False
+    seconds: float = 0.0
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.mismatches == 0
+
+    @property
+    def bandwidth_gbps(self) -> float:
+        """Bytes written plus bytes read per second, over all patterns."""
+        moved = 2 * self.bytes_tested * len(self.patterns)
+        return moved / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def verdict(self) -> Verdict:
+        if self.ok:
+            return Verdict(device=self.device, outcome=Outcome.PASS, job="hbm")
+        first = self.errors[0] if self.errors else {}
+        return Verdict(device=self.device, outcome=Outcome.SUSPECT, reason="hbm_mismatch",
+                       job="hbm", tensor=first.get("pattern"), expected=first.get("expected"),
+                       observed=first.get("observed"),
+                       evidence={"mismatches": self.mismatches, "errors": list(self.errors),
+                                 EVIDENCE_CONFIRMED: self.confirmed,
+                                 "bytes_tested": self.bytes_tested})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"device": self.device, "ok": self.ok, "bytes_tested": self.bytes_tested,
+                "patterns": list(self.patterns), "mismatches": self.mismatches,
+                "errors": list(self.errors), "confirmed": self.confirmed,
+                "seconds": round(self.seconds, 4),
+                "bandwidth_gbps": round(self.bandwidth_gbps, 3), "detail": self.detail}
+
+
+def budget(device: str, fraction: float, max_bytes: Optional[int]) -> int:
+    """Bytes to test: `fraction` of the device's free memory (host: available RAM, capped)."""
+    if not 0 < fraction <= 0.95:
+        raise BadInputError(f"HBM test fraction {fraction} must be in (0, 0.95]")
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        n = int(free * fraction)
+    else:
+        import psutil
+
+        n = min(int(psutil.virtual_memory().available * fraction), CPU_MAX_BYTES)
+    if max_bytes is not None:
+        n = min(n, int(max_bytes))
+    return max(0, n - n % 4)
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def hbm_test(device: str, *, fraction: float = 0.5, max_bytes: Optional[int] = None,
+             chunk_bytes: int = CHUNK_BYTES, patterns: Sequence[str] = PATTERNS,
+             inject: Optional[Inject] = None, max_errors: int = 8) -> HbmResult:
+    """Run every pattern over `fraction` of the device's free memory; see the module docstring."""
+    unknown = [p for p in patterns if p not in FILLERS]
+    if unknown:
+        raise BadInputError(f"unknown HBM pattern(s) {', '.join(unknown)}; known: {', '.join(PATTERNS)}")
+    if chunk_bytes < 4:
+        raise BadInputError("chunk_bytes must be at least 4")
+    dev = torch.device(device)
+    total = budget(device, fraction, max_bytes)
+    chunks: list[torch.Tensor] = []
+    got = 0
+    detail = ""
+    try:
+        while got < total:
+            n = min(chunk_bytes, total - got) // 4
+            if n == 0:
+                break
+            try:
+                chunks.append(torch.empty(n, dtype=torch.int32, device=dev))
+            except torch.OutOfMemoryError:
+                detail = f"allocated {got} of {total} bytes before running out of memory"
+                break
+            got += n * 4
+        bases = []
+        b = 0
+        for c in chunks:
+            bases.append(b)
+            b += c.numel()
+        errors: list[dict[str, Any]] = []
+        mismatches = 0
+        confirmed = False
+        t0 = time.perf_counter()
+        for name in patterns:
+            fill = FILLERS[name]
+            for c, base in zip(chunks, bases):
+                fill(c, base)
+            _sync(dev)
+            if inject is not None:
+                inject(chunks, name)
+            for k, (c, base) in enumerate(zip(chunks, bases)):
+                expected = torch.empty_like(c)
+                fill(expected, base)
+                bad = torch.ne(c, expected)
+                n_bad = int(bad.sum())
+                if n_bad:
+                    mismatches += n_bad
+                    where = bad.nonzero()[: max(0, max_errors - len(errors))].flatten().tolist()
+                    for i in where:
+                        errors.append({"pattern": name, "chunk": k, "offset_bytes": (base + i) * 4,
+                                       "expected": f"0x{int(expected[i]) & 0xFFFFFFFF:08x}",
+                                       "observed": f"0x{int(c[i]) & 0xFFFFFFFF:08x}"})
+                    # Rewrite and re-read the chunk: does the fault repeat?
+                    fill(c, base)
+                    _sync(dev)
+                    if inject is not None:
+                        inject(chunks, name)
+                    if bool(torch.ne(c, expected).any()):
+                        confirmed = True
+                del expected, bad
+        _sync(dev)
+        seconds = time.perf_counter() - t0
+    finally:
+        del chunks
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return HbmResult(device=device, bytes_tested=got, patterns=tuple(patterns),
+                     mismatches=mismatches, errors=tuple(errors), confirmed=confirmed,
+                     seconds=seconds, detail=detail)
+
+
+def stuck_bit(chunk: int, element: int, bit: int, *, value: int = 1,
+              only: Optional[Sequence[str]] = None) -> Inject:
+    """An injector that forces one bit of one element to `value` (a stuck-at fault), after every
+    write of the patterns in `only` (default: all)."""
+    mask = 1 << bit
+
+    def inject(chunks: Sequence[torch.Tensor], pattern: str) -> None:
+        if only is not None and pattern not in only:
+            return
+        t = chunks[chunk % len(chunks)]
+        i = element % t.numel()
+        v = int(t[i]) & 0xFFFFFFFF
+        v = (v | mask) if value else (v & ~mask)
+        t[i] = v - (1 << 32) if v >= 1 << 31 else v
+
+    return inject

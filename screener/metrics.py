@@ -1,0 +1,187 @@
+"""The daemon's Prometheus metrics and its one HTTP port: /metrics, /healthz and /readyz.
+
+Metrics live in a registry of their own (not prometheus_client's global one), so a test or a
+second daemon in one process starts from zero. Names follow Prometheus conventions (a unit suffix,
+_total on counters); every metric carries the node name as a label value set once, so a scrape of
+many nodes sums cleanly.
+
+Health:
+  /healthz (liveness) answers 200 while the loop has made progress within `liveness_s` (the loop,
+    and the screening window while it waits, call `beat()`), else 503: a wedged daemon is
+    restarted by the kubelet;
+  /readyz (readiness) answers 200 once the daemon has started (store opened, stale taint cleared,
+    node state known) and until it begins to shut down, else 503.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable, Iterable, Optional
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from screener.types import NodeState, Outcome, Severity
+
+SCREEN_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, float("inf"))
+
+
+class DaemonMetrics:
+    """Every metric the daemon exports, in one registry."""
+
+    def __init__(self, node: str, *, clock: Callable[[], float] = time.time,
+                 registry: Optional[CollectorRegistry] = None) -> None:
+        self.node = node
+        self.clock = clock
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.screens = Counter("screener_screens", "Known-answer screens run, by overall outcome "
+                               "(pass, suspect, inconclusive).", ["node", "outcome"], registry=r)
+        self.verdicts = Counter("screener_verdicts", "Per-device known-answer verdicts, by result "
+                                "(pass, suspect, inconclusive).", ["node", "result"], registry=r)
+        self.screen_stops = Counter("screener_screen_stops", "Screens stopped before the end, by why "
+                                    "(yielded, time_cap, shutdown, error, taint_failed).",
+                                    ["node", "reason"], registry=r)
+        self.screen_duration = Histogram("screener_screen_duration_seconds", "Wall time of a "
+                                         "screening window, taint to untaint.", ["node"],
+                                         buckets=SCREEN_BUCKETS, registry=r)
+        self.state = Gauge("screener_node_state", "The node's lifecycle state: 1 for the current "
+                           "state, 0 for the others.", ["node", "state"], registry=r)
+        self.alarms = Counter("screener_alarms", "Alarm files taken in, by what became of them "
+                              "(applied, duplicate, rejected).", ["node", "result"], registry=r)
+        self.findings = Counter("screener_findings", "Probe findings, by severity.",
+                                ["node", "severity"], registry=r)
+        self.probes = Counter("screener_probe_runs", "Health probe runs.", ["node"], registry=r)
+        self.transitions = Counter("screener_transitions", "Lifecycle transitions recorded, by the "
+                                   "state entered.", ["node", "to"], registry=r)
+        self.errors = Counter("screener_errors", "Failures of the screener itself, by where.",
+                              ["node", "where"], registry=r)
+        self.last_success = Gauge("screener_last_successful_screen_timestamp_seconds", "Unix time "
+                                  "of the last screen that passed.", ["node"], registry=r)
+        self.idle = Gauge("screener_node_idle", "1 while the node's GPUs have been idle for the "
+                          "idle window.", ["node"], registry=r)
+        self.screening = Gauge("screener_screening", "1 while a screening window is open (the node "
+                               "carries the screening taint).", ["node"], registry=r)
+        self.last_loop = Gauge("screener_last_loop_timestamp_seconds", "Unix time the daemon loop "
+                               "last made progress.", ["node"], registry=r)
+        # Make every labelled series exist from the start: a rate() over a counter that appears
+        # only at its first increment misses that increment.
+        for o in Outcome:
+            self.screens.labels(node, o.value)
+            self.verdicts.labels(node, o.value)
+        for reason in ("yielded", "time_cap", "shutdown", "error", "taint_failed"):
+            self.screen_stops.labels(node, reason)
+        for res in ("applied", "duplicate", "rejected"):
+            self.alarms.labels(node, res)
+        for s in Severity:
+            self.findings.labels(node, s.label)
+        for s in NodeState:
+            self.state.labels(node, s.value).set(0)
+            self.transitions.labels(node, s.value)
+        self.idle.labels(node).set(0)
+        self.screening.labels(node).set(0)
+        self.probes.labels(node)
+        self.screen_duration.labels(node)
+        self._beat = clock()
+        self.last_loop.labels(node).set(self._beat)
+        self.ready = False
+
+    # --- updates ------------------------------------------------------------------------------
+
+    def beat(self) -> None:
+        self._beat = self.clock()
+        self.last_loop.labels(self.node).set(self._beat)
+
+    def set_state(self, state: Optional[NodeState]) -> None:
+        for s in NodeState:
+            self.state.labels(self.node, s.value).set(1 if s == state else 0)
+
+    def screen_done(self, outcome: Outcome, verdict_outcomes: Iterable[Outcome], seconds: float,
+                    stopped: str = "", passed_at: Optional[float] = None) -> None:
+        self.screens.labels(self.node, outcome.value).inc()
+        for v in verdict_outcomes:
+            self.verdicts.labels(self.node, v.value).inc()
+        if stopped:
+            self.screen_stops.labels(self.node, stopped).inc()
+        self.screen_duration.labels(self.node).observe(max(0.0, seconds))
+        if outcome == Outcome.PASS and passed_at is not None:
+            self.last_success.labels(self.node).set(passed_at)
+
+    def alarm(self, result: str, n: int = 1) -> None:
+        if n:
+            self.alarms.labels(self.node, result).inc(n)
+
+    def finding(self, severity: Severity) -> None:
+        self.findings.labels(self.node, severity.label).inc()
+
+    def error(self, where: str) -> None:
+        self.errors.labels(self.node, where).inc()
+
+    def alive(self, liveness_s: float) -> bool:
+        return self.clock() - self._beat <= liveness_s
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class MetricsServer:
+    """One HTTP server for /metrics, /healthz and /readyz, in a daemon thread."""
+
+    def __init__(self, metrics: DaemonMetrics, host: str = "0.0.0.0", port: int = 9500, *,
+                 liveness_s: float = 300.0) -> None:
+        self.metrics = metrics
+        self.liveness_s = liveness_s
+        server_self = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:  # scrapes every 15 s would flood the log
+                pass
+
+            def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+                path = self.path.split("?", 1)[0]
+                if path == "/metrics":
+                    self._send(200, server_self.metrics.exposition(), CONTENT_TYPE_LATEST)
+                elif path == "/healthz":
+                    ok = server_self.metrics.alive(server_self.liveness_s)
+                    self._json(200 if ok else 503, {"alive": ok})
+                elif path == "/readyz":
+                    ok = server_self.metrics.ready
+                    self._json(200 if ok else 503, {"ready": ok})
+                else:
+                    self._json(404, {"error": f"no such path {path}",
+                                     "paths": ["/metrics", "/healthz", "/readyz"]})
+
+            def _json(self, code: int, body: Any) -> None:
+                self._send(code, (json.dumps(body) + "\n").encode(), "application/json")
+
+            def _send(self, code: int, data: bytes, ctype: str) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server.daemon_threads = True
+        self.host, self.port = self._server.server_address[:2]
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> "MetricsServer":
+        self._thread = threading.Thread(target=self._server.serve_forever, name="metrics",
+                                        kwargs={"poll_interval": 0.5}, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.port}"

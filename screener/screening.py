@@ -1,0 +1,384 @@
+"""The screening window: taint the node, screen it with a time cap, yield to jobs, untaint always.
+
+An idle-time screen must never compete with a job for the GPUs, so the daemon opens a window:
+
+1. taints the node `screener.io/screening=true:NoSchedule`, so the scheduler places no new pods;
+2. runs the known-answer screen (the `runner`) while it watches the node: a job that lands anyway
+   (a pod bound before the taint, one that tolerates it, a process started outside Kubernetes)
+   makes it stop the screen at once; so do the time cap and a shutdown (SIGTERM). A stopped screen
+   is inconclusive, never a failure: it says nothing about the hardware;
+3. removes the taint, always: after a pass, a failure, an exception in the runner, a shutdown. At
+   start-up the daemon also removes a screening taint a previous run left (`clear_stale`).
+
+The production runner (`KatProcessRunner`) runs screener.kat.run_screen in a worker process of its
+own (`python -m screener.screening worker`), so stopping it is a kill that takes effect at once,
+and the daemon itself never imports torch. Test runners are plain functions of a ScreenRequest.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
+
+from screener.types import ExitCode, Outcome, Verdict
+
+log = logging.getLogger(__name__)
+
+# Why a screen ended without a verdict.
+YIELDED = "yielded"  # a job landed on the node
+TIME_CAP = "time_cap"
+SHUTDOWN = "shutdown"
+ERROR = "error"  # the runner failed (our problem, exit 1)
+TAINT_FAILED = "taint_failed"  # could not taint the node: no screen without the taint
+
+
+@dataclass(frozen=True)
+class ScreenRequest:
+    """What a runner gets: when to give up, and an event that says stop now."""
+
+    node: str
+    cancel: threading.Event
+    deadline: float  # on the window's clock
+    clock: Callable[[], float] = time.time
+
+    def cancelled(self) -> bool:
+        return self.cancel.is_set() or self.clock() >= self.deadline
+
+
+@dataclass(frozen=True)
+class ScreenOutcome:
+    """The result of one screening window.
+
+    outcome/verdicts/exit_code: the known-answer screen's (inconclusive with no verdicts when it
+    was stopped). stopped: YIELDED, TIME_CAP, SHUTDOWN, ERROR, TAINT_FAILED, or "" when it ran to
+    the end. digests: device -> job -> result digest, for publishing and cross-checks.
+    platforms: device -> platform signature (with its hash) when the runner reports them.
+    """
+
+    outcome: Outcome
+    verdicts: tuple[Verdict, ...] = ()
+    exit_code: ExitCode = ExitCode.INCONCLUSIVE
+    stopped: str = ""
+    detail: str = ""
+    digests: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    platforms: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    started: float = 0.0
+    seconds: float = 0.0
+    taint_removed: bool = True
+
+    @classmethod
+    def inconclusive(cls, stopped: str, detail: str, *, code: ExitCode = ExitCode.INCONCLUSIVE,
+                     started: float = 0.0, seconds: float = 0.0) -> "ScreenOutcome":
+        return cls(outcome=Outcome.INCONCLUSIVE, exit_code=code, stopped=stopped, detail=detail,
+                   started=started, seconds=seconds)
+
+    @classmethod
+    def from_screen_dict(cls, d: Mapping[str, Any]) -> "ScreenOutcome":
+        """From screener.kat.ScreenResult.to_dict()."""
+        return cls(outcome=Outcome(d["outcome"]),
+                   verdicts=tuple(Verdict.from_dict(v) for v in d.get("verdicts") or ()),
+                   exit_code=ExitCode(int(d["exit_code"])),
+                   digests={k: dict(v) for k, v in (d.get("digests") or {}).items()},
+                   platforms={k: dict(v) for k, v in (d.get("platforms") or {}).items()},
+                   seconds=float(d.get("seconds") or 0.0))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"outcome": self.outcome.value, "exit_code": int(self.exit_code),
+                "stopped": self.stopped, "detail": self.detail,
+                "verdicts": [v.to_dict() for v in self.verdicts],
+                "digests": {k: dict(v) for k, v in self.digests.items()},
+                "started": self.started, "seconds": round(self.seconds, 3),
+                "taint_removed": self.taint_removed}
+
+
+ScreenRunner = Callable[[ScreenRequest], ScreenOutcome]
+
+
+class TaintControl(Protocol):
+    """Adds and removes the screening taint (KubeStore has this method)."""
+
+    def set_screening_taint(self, node: str, on: bool) -> None: ...
+
+
+class LocalTaint:
+    """The screening taint outside a cluster: a marker file, so a crash leaves a visible trace
+    that the next start clears, exactly as on a Node."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory)
+
+    def _path(self, node: str) -> Path:
+        return self.directory / f"screening-taint.{node}"
+
+    def set_screening_taint(self, node: str, on: bool) -> None:
+        if on:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._path(node).write_text(f"{time.time()}\n")
+        else:
+            try:
+                self._path(node).unlink()
+            except FileNotFoundError:
+                pass
+
+    def present(self, node: str) -> bool:
+        return self._path(node).exists()
+
+
+JobCheck = Callable[[], Optional[str]]  # a description of a job that landed, or None
+
+
+class ScreeningWindow:
+    """Opens one screening window at a time on `node` (see the module docstring).
+
+    job_check(): called every `poll_s` during the screen; returns a description of a job that
+        landed on the node, or None. An exception from it is logged and counts as "no job".
+    stop: set on shutdown (SIGTERM); the screen is stopped and the taint removed.
+    heartbeat(): called on every poll, so the liveness probe sees the daemon alive mid-screen.
+    """
+
+    def __init__(self, node: str, taint: TaintControl, runner: ScreenRunner, job_check: JobCheck,
+                 *, time_cap_s: float, poll_s: float = 2.0, clock: Callable[[], float] = time.time,
+                 stop: Optional[threading.Event] = None,
+                 heartbeat: Callable[[], None] = lambda: None,
+                 untaint_attempts: int = 5, untaint_delay_s: float = 1.0,
+                 cancel_grace_s: float = 60.0) -> None:
+        self.node = node
+        self.taint = taint
+        self.runner = runner
+        self.job_check = job_check
+        self.time_cap_s = float(time_cap_s)
+        self.poll_s = float(poll_s)
+        self.clock = clock
+        self.stop = stop or threading.Event()
+        self.heartbeat = heartbeat
+        self.untaint_attempts = untaint_attempts
+        self.untaint_delay_s = untaint_delay_s
+        self.cancel_grace_s = cancel_grace_s
+        self.taint_dirty = False  # the taint could not be removed; the daemon retries
+        self.active = False
+
+    def clear_stale(self) -> bool:
+        """Remove a screening taint left by an earlier run (start-up, or after a failed removal).
+
+        Returns True when the node is known to be untainted now."""
+        ok = self._untaint()
+        if ok:
+            log.info("screening taint cleared on %s (start-up / retry)", self.node)
+        return ok
+
+    def _untaint(self) -> bool:
+        for attempt in range(self.untaint_attempts):
+            try:
+                self.taint.set_screening_taint(self.node, False)
+                self.taint_dirty = False
+                return True
+            except Exception as e:  # noqa: BLE001 - keep trying; never leave the node tainted
+                log.warning("removing the screening taint from %s failed (attempt %d): %s",
+                            self.node, attempt + 1, e)
+                if attempt + 1 < self.untaint_attempts:
+                    # A plain sleep, not the stop event: a shutdown must not skip these retries.
+                    time.sleep(self.untaint_delay_s)
+        self.taint_dirty = True
+        log.error("screening taint left on %s after %d attempts; will retry", self.node,
+                  self.untaint_attempts)
+        return False
+
+    def run(self) -> ScreenOutcome:
+        """Taint, screen, untaint. Never raises for a runner failure (that is an outcome)."""
+        started = self.clock()
+        try:
+            self.taint.set_screening_taint(self.node, True)
+        except Exception as e:  # noqa: BLE001
+            log.error("cannot taint %s for a screen: %s", self.node, e)
+            # The taint call may have gone through before the error: make sure it is gone.
+            self._untaint()
+            return ScreenOutcome.inconclusive(TAINT_FAILED, f"cannot taint the node: {e}",
+                                              code=ExitCode.SCREENER_ERROR, started=started)
+        self.active = True
+        try:
+            outcome = self._screen(started)
+        finally:
+            removed = self._untaint()
+            self.active = False
+        seconds = self.clock() - started
+        return _with(outcome, started=started, seconds=seconds, taint_removed=removed)
+
+    def _screen(self, started: float) -> ScreenOutcome:
+        cancel = threading.Event()
+        request = ScreenRequest(node=self.node, cancel=cancel,
+                                deadline=started + self.time_cap_s, clock=self.clock)
+        box: dict[str, Any] = {}
+
+        def work() -> None:
+            try:
+                box["outcome"] = self.runner(request)
+            except BaseException as e:  # noqa: BLE001 - reported as an outcome below
+                box["error"] = e
+
+        worker = threading.Thread(target=work, name="screen", daemon=True)
+        worker.start()
+        stopped, detail = "", ""
+        while worker.is_alive():
+            worker.join(self.poll_s)
+            self.heartbeat()
+            if not worker.is_alive():
+                break
+            if self.stop.is_set():
+                stopped, detail = SHUTDOWN, "the daemon is shutting down"
+            elif self.clock() - started >= self.time_cap_s:
+                stopped, detail = TIME_CAP, f"the screen ran past its time cap of {self.time_cap_s:g} s"
+            else:
+                try:
+                    job = self.job_check()
+                except Exception as e:  # noqa: BLE001 - a failed look is not a job
+                    log.warning("looking for jobs on %s failed: %s", self.node, e)
+                    job = None
+                if job:
+                    stopped, detail = YIELDED, f"a job landed on the node: {job}"
+            if stopped:
+                log.info("stopping the screen on %s: %s", self.node, detail)
+                cancel.set()
+                worker.join(self.cancel_grace_s)
+                if worker.is_alive():
+                    log.error("the screen runner did not stop within %g s", self.cancel_grace_s)
+                return ScreenOutcome.inconclusive(stopped, detail)
+        if "error" in box:
+            e = box["error"]
+            log.error("the screen failed: %s: %s", type(e).__name__, e)
+            code = getattr(e, "exit_code", ExitCode.SCREENER_ERROR)
+            return ScreenOutcome.inconclusive(ERROR, f"{type(e).__name__}: {e}", code=ExitCode(code))
+        return box["outcome"]
+
+
+def _with(o: ScreenOutcome, **changes: Any) -> ScreenOutcome:
+    from dataclasses import replace
+
+    return replace(o, **changes)
+
+
+# --- the production runner: screener.kat in a worker process ------------------------------------
+
+
+@dataclass(frozen=True)
+class KatOptions:
+    """What the worker passes to screener.kat.run_screen."""
+
+    jobs: tuple[str, ...] = ()
+    devices: tuple[str, ...] = ()
+    golden_dir: Optional[str] = None
+    jobs_dir: Optional[str] = None
+    repeat: int = 1
+    job_timeout_s: float = 300.0
+    faults: Mapping[str, Sequence[Mapping[str, Any]]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"jobs": list(self.jobs), "devices": list(self.devices),
+                "golden_dir": self.golden_dir, "jobs_dir": self.jobs_dir, "repeat": self.repeat,
+                "job_timeout_s": self.job_timeout_s,
+                "faults": {k: [dict(f) for f in v] for k, v in self.faults.items()}}
+
+
+class KatProcessRunner:
+    """Runs the known-answer screen in `python -m screener.screening worker`, killable at once."""
+
+    def __init__(self, options: KatOptions, *, python: Optional[str] = None,
+                 poll_s: float = 0.2, kill_grace_s: float = 10.0) -> None:
+        self.options = options
+        self.python = python or sys.executable
+        self.poll_s = poll_s
+        self.kill_grace_s = kill_grace_s
+
+    def __call__(self, request: ScreenRequest) -> ScreenOutcome:
+        with tempfile.TemporaryDirectory(prefix="screener-screen-") as tmp:
+            out = Path(tmp) / "result.json"
+            err = open(Path(tmp) / "stderr", "w+b")
+            proc = subprocess.Popen([self.python, "-m", "screener.screening", "worker", str(out)],
+                                    stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err,
+                                    start_new_session=True)
+            try:
+                assert proc.stdin is not None
+                proc.stdin.write(json.dumps(self.options.to_dict()).encode())
+                proc.stdin.close()
+                while proc.poll() is None:
+                    if request.cancelled():
+                        self._stop(proc)
+                        return ScreenOutcome.inconclusive(
+                            SHUTDOWN if request.cancel.is_set() else TIME_CAP, "screen stopped")
+                    request.cancel.wait(self.poll_s)
+            finally:
+                if proc.poll() is None:
+                    self._stop(proc)
+                err.seek(0)
+                tail = err.read()[-2000:].decode(errors="replace")
+                err.close()
+            if proc.returncode in (0, int(ExitCode.INCONCLUSIVE), int(ExitCode.HARDWARE_SUSPECT)) \
+                    and out.exists():
+                return ScreenOutcome.from_screen_dict(json.loads(out.read_text()))
+            code = proc.returncode if proc.returncode in (1, 2) else 1
+            return ScreenOutcome.inconclusive(ERROR, f"screen worker exited {proc.returncode}: "
+                                              f"{tail.strip()[-500:]}", code=ExitCode(code))
+
+    def _stop(self, proc: subprocess.Popen) -> None:
+        """SIGTERM the worker (its handler kills the per-device children), then make sure."""
+        import psutil
+
+        try:
+            family = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.Error:
+            family = []
+        try:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(self.kill_grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        for child in family:  # the per-device children run in sessions of their own
+            try:
+                child.kill()
+            except psutil.Error:
+                pass
+
+
+def _worker(result_path: str) -> int:
+    """The worker process: read KatOptions as JSON on stdin, screen, write the result JSON."""
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)  # unwinds through kat.execute, which kills its children
+
+    signal.signal(signal.SIGTERM, on_term)
+    from screener import kat
+    from screener.errors import ScreenerError
+
+    opts = json.loads(sys.stdin.read() or "{}")
+    faults = {dev: [kat.DeviceFault(**f) for f in fs] for dev, fs in (opts.get("faults") or {}).items()}
+    try:
+        result = kat.run_screen(opts.get("jobs") or None, opts.get("devices") or None,
+                                golden_dir=opts.get("golden_dir"), jobs_dir=opts.get("jobs_dir"),
+                                repeat=int(opts.get("repeat") or 1),
+                                timeout=float(opts.get("job_timeout_s") or kat.DEFAULT_TIMEOUT),
+                                faults=faults or None)
+    except ScreenerError as e:
+        print(f"screener: {e}", file=sys.stderr)
+        return int(e.exit_code)
+    tmp = result_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result.to_dict(), f)
+    os.replace(tmp, result_path)
+    return int(result.exit_code)
+
+
+if __name__ == "__main__":  # pragma: no cover - exercised through KatProcessRunner
+    if len(sys.argv) == 3 and sys.argv[1] == "worker":
+        sys.exit(_worker(sys.argv[2]))
+    print("usage: python -m screener.screening worker RESULT.json", file=sys.stderr)
+    sys.exit(2)

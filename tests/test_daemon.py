@@ -1,0 +1,368 @@
+"""The daemon loop with a fake clock: real lifecycle, real LocalStore, real probes over a scripted
+NVML, a scripted screen runner standing in for the known-answer child processes.
+
+Helpers here (FakeClock, ScriptedRunner, DaemonRig) are shared with the other test_daemon* files,
+test_screening, test_metrics and test_rbac.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import pytest
+
+from fakes.fake_nvml import FakeNvml, h100
+from screener.config import DaemonConfig
+from screener.daemon import Daemon
+from screener.health.config import ProbeConfig
+from screener.health.nvml import NvmlAdapter
+from screener.health.probes import run_probes
+from screener.metrics import DaemonMetrics
+from screener.screening import LocalTaint, ScreenOutcome, ScreenRequest
+from screener.stores.local import LocalStore
+from screener.types import (AlarmRecord, ExitCode, NodeState, Outcome, SuspectNode, Verdict)
+
+NODE = "gpu-node-1"
+
+
+class FakeClock:
+    def __init__(self, t: float = 1_000_000.0) -> None:
+        self.t = t
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        with self._lock:
+            return self.t
+
+    def advance(self, s: float) -> None:
+        with self._lock:
+            self.t += s
+
+
+def verdicts(outcome: Outcome, devices=("cuda:0", "cuda:1"), reason: str = "") -> tuple[Verdict, ...]:
+    return tuple(Verdict(device=d, outcome=outcome, reason=reason, job="gemm-fp32",
+                         platform_hash="p1") for d in devices)
+
+
+def outcome(kind: Outcome, **kw: Any) -> ScreenOutcome:
+    code = {Outcome.PASS: ExitCode.PASS, Outcome.SUSPECT: ExitCode.HARDWARE_SUSPECT,
+            Outcome.INCONCLUSIVE: ExitCode.INCONCLUSIVE}[kind]
+    vs = kw.pop("verdicts", None)
+    if vs is None:
+        vs = verdicts(kind, reason="golden_mismatch" if kind == Outcome.SUSPECT else "")
+    return ScreenOutcome(outcome=kind, verdicts=vs, exit_code=code,
+                         digests={v.device: {"gemm-fp32": "d1"} for v in vs}, **kw)
+
+
+class ScriptedRunner:
+    """Returns the scripted outcomes in turn; `during(request)` runs inside the screen first
+    (to land a job, raise, or wait for the cancel)."""
+
+    def __init__(self, *outcomes: ScreenOutcome,
+                 during: Optional[Callable[[ScreenRequest], Optional[ScreenOutcome]]] = None) -> None:
+        self.outcomes = list(outcomes)
+        self.during = during
+        self.calls: list[ScreenRequest] = []
+
+    def __call__(self, request: ScreenRequest) -> ScreenOutcome:
+        self.calls.append(request)
+        if self.during is not None:
+            early = self.during(request)
+            if early is not None:
+                return early
+        if not self.outcomes:
+            raise AssertionError("the daemon screened more often than the test expected")
+        return self.outcomes.pop(0)
+
+
+def wait_for_cancel(limit: float = 20.0) -> Callable[[ScreenRequest], Optional[ScreenOutcome]]:
+    def during(request: ScreenRequest) -> Optional[ScreenOutcome]:
+        if not request.cancel.wait(limit):
+            raise AssertionError("the screen was never cancelled")
+        return ScreenOutcome.inconclusive("cancelled", "runner saw the cancel")
+
+    return during
+
+
+class DaemonRig:
+    """A daemon on the fake clock with a scripted NVML (two healthy H100s)."""
+
+    def __init__(self, tmp_path: Path, runner: Any, *, store: Any = None, taint: Any = None,
+                 gpu_pods: Any = None, nvml: Optional[FakeNvml] = None, own_pids=None,
+                 **config: Any) -> None:
+        self.tmp = tmp_path
+        self.clock = FakeClock()
+        self.nvml = nvml or FakeNvml([h100(0), h100(1)])
+        self.adapter = NvmlAdapter(self.nvml, events=False)
+        self.adapter.open()
+        self.probe_calls = 0
+        probe_cfg = ProbeConfig(kmsg_path=None, disk_paths=(str(tmp_path),),
+                                min_free_disk_fraction=0.0, min_free_memory_fraction=0.0)
+
+        def probe(previous: Any) -> Any:
+            self.probe_calls += 1
+            return run_probes(probe_cfg, nvml=self.adapter, previous=previous, clock=self.clock)
+
+        settings = dict(node=NODE, alarm_dir=str(tmp_path / "alarms"), store="local",
+                        tick_s=5.0, probe_interval_s=60.0, idle_window_s=300.0,
+                        screen_interval_s=86400.0, retry_inconclusive_s=600.0,
+                        screen_time_cap_s=900.0, job_poll_s=0.02, metrics_port=-1)
+        settings.update(config)
+        self.config = DaemonConfig.from_mapping(settings)
+        self.store = store if store is not None else LocalStore(tmp_path / "state.db")
+        self.taint = taint if taint is not None else LocalTaint(tmp_path / "taint")
+        self.runner = runner
+        self.metrics = DaemonMetrics(NODE, clock=self.clock)
+        self.stop = threading.Event()
+        self.daemon = Daemon(self.config, store=self.store, probe=probe, runner=runner,
+                             taint=self.taint, gpu_pods=gpu_pods,
+                             own_pids=own_pids or (lambda: set()), metrics=self.metrics,
+                             clock=self.clock, stop=self.stop, untaint_delay_s=0.01)
+
+    def tick(self, advance: float = 0.0, **kw: Any):
+        self.clock.advance(advance)
+        return self.daemon.tick(**kw)
+
+    def drop_alarm(self, alarm_id: str, *, settled: bool = True, node: str = NODE) -> None:
+        from screener.audit.alarms import write_alarm_file
+
+        record = AlarmRecord(alarm_id=alarm_id, check="weights", step=12, settled=settled,
+                             suspect_ranks=(1,) if settled else (),
+                             suspect_nodes=(SuspectNode(node, node),), node=node, job="llm",
+                             created=self.clock() - 2.0)
+        write_alarm_file(record, self.config.alarm_dir)
+
+    def close(self) -> None:
+        self.adapter.close()
+        self.store.close()
+
+
+@pytest.fixture
+def rig_factory(tmp_path):
+    rigs = []
+
+    def make(runner: Any, **kw: Any) -> DaemonRig:
+        rig = DaemonRig(tmp_path, runner, **kw)
+        rigs.append(rig)
+        return rig
+
+    yield make
+    for r in rigs:
+        r.close()
+
+
+# --- tests ----------------------------------------------------------------------------------------
+
+
+def test_a_new_node_starts_in_burnin_and_is_screened_once_idle_for_the_window(rig_factory):
+    runner = ScriptedRunner(outcome(Outcome.PASS))
+    rig = rig_factory(runner)
+    first = rig.tick()
+    assert first.state == NodeState.BURNIN
+    assert first.transitions == [] and rig.store.history(NODE)[0].to_state == NodeState.BURNIN
+    assert first.screen_due and not first.idle and runner.calls == []
+    # Idle, but not yet for the whole window of 300 s.
+    for _ in range(11):
+        rig.tick(advance=25.0)
+    assert runner.calls == []
+    report = rig.tick(advance=25.0)  # 300 s quiet now
+    assert report.idle and len(runner.calls) == 1
+    assert report.state == NodeState.HEALTHY and report.exit_code == ExitCode.PASS
+    assert [t["to"] for t in report.transitions] == ["healthy"]
+    assert not rig.taint.present(NODE)
+    assert rig.store.get_verdict(NODE)["outcome"] == "pass"
+
+
+def test_probes_run_every_interval_and_a_healthy_node_is_rescreened_after_its_interval(rig_factory):
+    runner = ScriptedRunner(outcome(Outcome.PASS), outcome(Outcome.PASS))
+    rig = rig_factory(runner, idle_window_s=0.0, screen_interval_s=3600.0)
+    rig.tick()
+    assert len(runner.calls) == 1 and rig.probe_calls == 1
+    for _ in range(24):  # 120 s at a tick of 5 s: probes at +60 and +120 only
+        rig.tick(advance=5.0)
+    assert rig.probe_calls == 3
+    assert len(runner.calls) == 1
+    rig.tick(advance=3600.0)
+    assert len(runner.calls) == 2
+    assert rig.daemon.state == NodeState.HEALTHY
+
+
+def test_a_busy_gpu_holds_the_screen_off_until_quiet_for_the_window(rig_factory):
+    runner = ScriptedRunner(outcome(Outcome.PASS))
+    rig = rig_factory(runner, idle_window_s=120.0)
+    rig.nvml.gpus[0].processes = [(4242, 10 * 2**30)]  # a training process
+    rig.tick()
+    rig.tick(advance=600.0)
+    assert runner.calls == [] and "4242" in rig.daemon.idle.last.reason
+    rig.nvml.gpus[0].processes = []
+    rig.nvml.gpus[1].utilization = (80, 40)  # no process visible, but kernels running
+    rig.tick(advance=600.0)
+    assert runner.calls == []
+    rig.nvml.gpus[1].utilization = (0, 0)
+    rig.tick(advance=60.0)  # quiet since now
+    rig.tick(advance=60.0)
+    assert runner.calls == []
+    rig.tick(advance=60.0)  # 120 s quiet
+    assert len(runner.calls) == 1
+
+
+def test_a_mismatch_makes_a_healthy_node_suspect_and_the_confirming_screen_quarantines(rig_factory):
+    runner = ScriptedRunner(outcome(Outcome.PASS), outcome(Outcome.SUSPECT), outcome(Outcome.SUSPECT))
+    rig = rig_factory(runner, idle_window_s=0.0, screen_interval_s=3600.0)
+    assert rig.tick().state == NodeState.HEALTHY
+    report = rig.tick(advance=3600.0)
+    assert report.state == NodeState.SUSPECT and report.exit_code == ExitCode.HARDWARE_SUSPECT
+    # Suspect: the confirming screen is due at once (next probe, still idle).
+    report = rig.tick(advance=60.0)
+    assert len(runner.calls) == 3
+    assert report.state == NodeState.QUARANTINED
+    # Quarantined: never screened again by the daemon.
+    rig.tick(advance=100_000.0)
+    assert len(runner.calls) == 3
+
+
+def test_an_inconclusive_screen_is_retried_only_after_the_retry_delay(rig_factory):
+    runner = ScriptedRunner(outcome(Outcome.INCONCLUSIVE), outcome(Outcome.PASS))
+    rig = rig_factory(runner, idle_window_s=0.0, retry_inconclusive_s=600.0)
+    report = rig.tick()
+    assert report.screen.outcome == Outcome.INCONCLUSIVE
+    assert report.state == NodeState.BURNIN and report.exit_code == ExitCode.INCONCLUSIVE
+    for _ in range(9):
+        rig.tick(advance=60.0)
+    assert len(runner.calls) == 1
+    assert rig.tick(advance=60.0).state == NodeState.HEALTHY
+    assert len(runner.calls) == 2
+
+
+def test_a_persistent_finding_is_fed_to_the_lifecycle_once(rig_factory):
+    runner = ScriptedRunner(outcome(Outcome.PASS), outcome(Outcome.PASS))
+    rig = rig_factory(runner, idle_window_s=0.0)
+    assert rig.tick().state == NodeState.HEALTHY
+    rig.nvml.gpus[1].remapped_rows = (0, 0, 1, 0)  # a row remap pending: suspect-level
+    report = rig.tick(advance=60.0)
+    assert [f["code"] for f in report.findings] == ["row_remap_pending"]
+    # Suspect -> confirming screen at once -> passes -> healthy.
+    assert report.state == NodeState.HEALTHY
+    assert [t["to"] for t in report.transitions] == ["suspect", "healthy"]
+    # The same condition in later probes does not flap the node.
+    for _ in range(5):
+        report = rig.tick(advance=60.0)
+        assert report.findings == [] and report.transitions == []
+    assert rig.daemon.state == NodeState.HEALTHY
+
+
+def test_alarms_are_taken_in_on_every_tick_and_a_settled_one_quarantines(rig_factory):
+    runner = ScriptedRunner(outcome(Outcome.PASS))
+    rig = rig_factory(runner, idle_window_s=0.0)
+    rig.tick()
+    rig.drop_alarm("al-1")
+    rig.drop_alarm("al-other", node="gpu-node-9")
+    report = rig.tick(advance=5.0)  # no probe due: intake still runs
+    assert not report.probed
+    assert [r.alarm_id for r in report.intake.applied] == ["al-1"]
+    assert report.state == NodeState.QUARANTINED
+    assert report.exit_code == ExitCode.HARDWARE_SUSPECT
+    assert report.intake.foreign == ["al-other.json"]
+    entry = rig.store.history(NODE)[-1]
+    assert entry.code == "WeightFingerprintMismatch" and entry.evidence["alarm"]["alarm_id"] == "al-1"
+
+
+def test_a_runner_exception_is_our_error_not_a_verdict_and_the_loop_goes_on(rig_factory):
+    def explode(request: ScreenRequest) -> Optional[ScreenOutcome]:
+        raise RuntimeError("CUDA driver went away in our code")
+
+    runner = ScriptedRunner(outcome(Outcome.PASS), during=None)
+    broken = ScriptedRunner(during=explode)
+    rig = rig_factory(broken, idle_window_s=0.0, retry_inconclusive_s=60.0)
+    report = rig.tick()
+    assert report.exit_code == ExitCode.SCREENER_ERROR
+    assert report.state == NodeState.BURNIN  # not blamed on the node
+    assert "RuntimeError" in report.screen.detail and not rig.taint.present(NODE)
+    rig.daemon.window.runner = runner
+    assert rig.tick(advance=60.0).state == NodeState.HEALTHY
+
+
+def test_run_loop_stops_on_the_stop_event(rig_factory):
+    runner = ScriptedRunner(outcome(Outcome.PASS))
+    rig = rig_factory(runner, idle_window_s=0.0, tick_s=0.01)
+    t = threading.Thread(target=rig.daemon.run)
+    t.start()
+    deadline = threading.Event()
+    for _ in range(200):
+        if rig.daemon.state == NodeState.HEALTHY:
+            break
+        deadline.wait(0.02)
+    rig.stop.set()
+    t.join(5)
+    assert not t.is_alive()
+    assert rig.daemon.state == NodeState.HEALTHY and rig.metrics.ready is False
+
+
+def test_config_rejects_unknown_keys_and_reads_env(tmp_path):
+    from screener.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="screen_intervall"):
+        DaemonConfig.from_mapping({"screen_intervall": 5})
+    with pytest.raises(ConfigError, match="probes.*kmsg_pth|kmsg_pth"):
+        DaemonConfig.from_mapping({"probes": {"kmsg_pth": None}})
+    f = tmp_path / "d.toml"
+    f.write_text('screen_interval_s = 7200\njobs = ["gemm-fp32"]\n[probes]\nkmsg_path = "/x"\n'
+                 '[lifecycle]\nquarantine_budget = 0.2\n')
+    cfg = DaemonConfig.load(f, environ={"NODE_NAME": "n7", "SCREENER_ALARM_DIR": "/a",
+                                        "SCREENER_DAEMON_IDLE_WINDOW_S": "30",
+                                        "SCREENER_DAEMON_DEVICES": "cuda:0,cuda:1"})
+    assert (cfg.node, cfg.alarm_dir, cfg.idle_window_s, cfg.screen_interval_s) == ("n7", "/a", 30.0, 7200)
+    assert cfg.devices == ("cuda:0", "cuda:1") and cfg.jobs == ("gemm-fp32",)
+    assert cfg.probes.kmsg_path == "/x" and cfg.lifecycle.quarantine_budget == 0.2
+    with pytest.raises(ConfigError, match="SCREENER_DAEMON_BOGUS"):
+        DaemonConfig.load(None, environ={"SCREENER_DAEMON_BOGUS": "1"})
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    with pytest.raises(ConfigError, match="bad.json"):
+        DaemonConfig.load(bad, environ={})
+    assert DaemonConfig.load(None, environ={}).resolved_store({}) == "local"
+    assert DaemonConfig.load(None, environ={}).resolved_store({"KUBERNETES_SERVICE_HOST": "x"}) == "kube"
+    assert json.loads(json.dumps(cfg.to_dict()))["probes"]["kmsg_path"] == "/x"
+
+
+def test_once_from_the_command_line_uses_the_local_store_and_exits_with_the_contract(tmp_path):
+    """`screener daemon --once` as a user runs it: no cluster configured -> the local store under
+    $XDG_STATE_HOME; a settled alarm -> quarantined -> exit 75; JSON log lines on stderr."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    config = tmp_path / "d.toml"
+    config.write_text('screens = false\nmetrics_port = -1\n[probes]\nkmsg_path = "/nonexistent"\n'
+                      f'disk_paths = ["{tmp_path}"]\nmin_free_disk_fraction = 0.0\n'
+                      'min_free_memory_fraction = 0.0\n')
+    env = {**os.environ, "NODE_NAME": NODE, "SCREENER_ALARM_DIR": str(tmp_path / "alarms"),
+           "XDG_STATE_HOME": str(tmp_path / "state"), "SCREENER_CONFIG": str(config)}
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    cmd = [sys.executable, "-m", "screener.cli", "daemon", "--once", "--json"]
+    first = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert first.returncode == int(ExitCode.INCONCLUSIVE), first.stderr  # a new node: burnin
+    assert json.loads(first.stdout)["state"] == "burnin"
+    assert (tmp_path / "state" / "screener" / "screener.db").exists()
+    from screener.audit.alarms import write_alarm_file
+    write_alarm_file(AlarmRecord(alarm_id="cli-1", check="nonfinite_local", step=3, settled=True,
+                                 suspect_ranks=(0,), suspect_nodes=(SuspectNode(NODE, NODE),),
+                                 node=NODE), tmp_path / "alarms")
+    (tmp_path / "alarms" / "broken.json").write_text("{")
+    second = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert second.returncode == int(ExitCode.HARDWARE_SUSPECT), second.stderr
+    report = json.loads(second.stdout)
+    assert report["state"] == "quarantined" and report["alarms"]["applied"] == ["cli-1"]
+    assert report["alarms"]["rejected"] == ["broken.json"]
+    logs = [json.loads(line) for line in second.stderr.splitlines() if line.strip()]
+    assert {"time", "level", "logger", "msg"} <= set(logs[0])
+    assert any(x.get("event") == "alarm" and x.get("alarm_id") == "cli-1" for x in logs)
+    assert sum("rejected" in x["msg"] for x in logs) == 1
+    # Bad configuration is bad input: one line, exit 2, no traceback.
+    config.write_text("screen_interval = 5\n")
+    bad = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "screen_interval" in bad.stderr and "Traceback" not in bad.stderr

@@ -1,0 +1,132 @@
+"""The full burn-in sequence: real known-answer burn-in on the CPU (a tiny GEMM job with a golden
+recorded here), the real HBM and probe stages, the cross-check against other nodes' annotations on
+the Kubernetes API test server, and the lifecycle move at the end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fakes.fake_nvml import FakeNvml, h100
+from kubeapi import KubeAPI
+from screener.burnin import run_burnin
+from screener.burnin_full import BurninPlan, run_full_burnin
+from screener.health.config import ProbeConfig
+from screener.health.probes import run_probes
+from screener.hbm import stuck_bit
+from screener.kat import DeviceFault, record_goldens
+from screener.stores.kube import KubeStore
+from screener.stores.local import LocalStore
+from screener.types import ANNOTATION_DIGESTS, ExitCode, NodeState, Outcome
+from screener.workloads import select_jobs
+
+JOB = """name = "tiny-gemm"
+version = 1
+kind = "gemm"
+quick = true
+[params]
+dtype = "float32"
+seed = 3
+chain = 3
+[cpu]
+shapes = [[48, 64], [33, 40]]
+"""
+
+PLAN = BurninPlan(hbm_max_bytes=2 << 20)
+
+
+@pytest.fixture(scope="module")
+def kat_env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kat")
+    jobs = root / "jobs"
+    jobs.mkdir()
+    (jobs / "tiny-gemm.toml").write_text(JOB)
+    golden = root / "golden"
+    specs = select_jobs(["tiny-gemm"], jobs_dir=jobs)
+    rec = record_goldens(specs, ["cpu"], out_dir=str(golden), repeat=2)
+    assert rec.exit_code == ExitCode.PASS and rec.written
+
+    def kat(faults=None):
+        return lambda: run_burnin(["cpu"], specs, iterations=2, golden_dir=str(golden),
+                                  jobs_dir=str(jobs), faults=faults)
+
+    clean = kat()()
+    assert clean.screen.outcome == Outcome.PASS
+    return kat, clean
+
+
+def probe_fn(tmp_path):
+    cfg = ProbeConfig(kmsg_path=None, disk_paths=(str(tmp_path),), min_free_disk_fraction=0.0,
+                      min_free_memory_fraction=0.0)
+    nvml = FakeNvml([h100(0)])
+    return lambda previous: run_probes(cfg, nvml=nvml, previous=previous)
+
+
+def test_a_clean_node_ends_healthy(kat_env, tmp_path):
+    _, clean = kat_env
+    store = LocalStore(tmp_path / "s.db")
+    try:
+        rep = run_full_burnin("new-1", ["cpu"], lambda: clean, plan=PLAN, store=store,
+                              probe=probe_fn(tmp_path))
+        assert [s.name for s in rep.stages] == ["probes-before", "known-answer", "hbm",
+                                                "probes-after"]
+        assert rep.outcome == Outcome.PASS and rep.exit_code == ExitCode.PASS
+        assert rep.state_before is None and rep.state_after == NodeState.HEALTHY
+        assert [t["to"] for t in rep.transitions] == ["burnin", "healthy"]
+        assert store.get_verdict("new-1")["kind"] == "burnin"
+        assert "new-1: (new) -> healthy" in rep.table()
+        json.dumps(rep.to_dict())
+    finally:
+        store.close()
+
+
+def test_a_reproduced_known_answer_mismatch_quarantines(kat_env, tmp_path):
+    kat, _ = kat_env
+    fault = {"cpu": [DeviceFault(op="mm", call=1, element=5, bit=0)]}  # every iteration
+    store = LocalStore(tmp_path / "s.db")
+    try:
+        rep = run_full_burnin("bad-1", ["cpu"], kat(fault), plan=PLAN, store=store)
+        kat_stage = rep.stages[0]
+        assert kat_stage.outcome == Outcome.SUSPECT
+        assert kat_stage.verdicts[0].reason == "golden_mismatch"
+        assert kat_stage.verdicts[0].evidence["confirmed"] is True  # both rounds mismatched
+        assert rep.state_after == NodeState.QUARANTINED
+        assert rep.exit_code == ExitCode.HARDWARE_SUSPECT
+    finally:
+        store.close()
+
+
+def test_a_stuck_hbm_bit_quarantines_even_when_the_known_answers_pass(kat_env, tmp_path):
+    _, clean = kat_env
+    store = LocalStore(tmp_path / "s.db")
+    try:
+        rep = run_full_burnin("bad-2", ["cpu"], lambda: clean, plan=PLAN, store=store,
+                              hbm_inject=stuck_bit(0, 123, 30, value=0))
+        hbm = next(s for s in rep.stages if s.name == "hbm")
+        assert hbm.outcome == Outcome.SUSPECT and hbm.verdicts[0].evidence["confirmed"]
+        assert rep.state_after == NodeState.QUARANTINED
+    finally:
+        store.close()
+
+
+def test_digests_that_disagree_with_the_fleet_make_the_node_suspect(kat_env, tmp_path):
+    _, clean = kat_env
+    v = clean.screen.verdicts[0]
+    mine = clean.screen.digests["cpu"]["tiny-gemm"]
+    fleet = json.dumps({v.platform_hash: {"tiny-gemm": "0" * len(mine)}})
+    with KubeAPI() as api:
+        api.add_node("new-3")
+        for n in ("old-1", "old-2", "old-3"):
+            api.add_node(n, annotations={ANNOTATION_DIGESTS: fleet})
+        api.add_node("other-platform", annotations={ANNOTATION_DIGESTS: json.dumps({"p9": {"tiny-gemm": mine}})})
+        store = KubeStore(api.api_client(), sleep=lambda s: None, instance="t")
+        try:
+            rep = run_full_burnin("new-3", ["cpu"], lambda: clean, plan=PLAN, store=store)
+        finally:
+            store.close()
+        cc = next(s for s in rep.stages if s.name == "crosscheck")
+        assert cc.outcome == Outcome.SUSPECT and cc.data["nodes_compared"] == 3
+        assert cc.verdicts[0].reason == "fleet_digest_mismatch"
+        assert rep.state_after == NodeState.SUSPECT  # not confirmed: the daemon screens again
+        assert api.node("new-3")["metadata"]["labels"]["screener.io/state"] == "suspect"

@@ -1,0 +1,195 @@
+"""manifests/: every YAML parses, `kubectl kustomize manifests/` renders, and the rendered objects
+say what the code expects (alarm path, config keys, ports, taints, GPU access without holding a
+GPU, a narrow securityContext, suspended Jobs)."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from screener.config import DaemonConfig
+from screener.types import (DEFAULT_ALARM_DIR, LABEL_STATE, TAINT_SCREENING_KEY, TAINT_STATE_KEY)
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+MANIFESTS = ROOT / "manifests"
+KUBECTL = shutil.which("kubectl")
+
+
+def load_all(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+
+
+def test_every_manifest_parses_and_names_itself():
+    files = sorted(MANIFESTS.glob("*.yaml"))
+    assert len(files) >= 9
+    for f in files:
+        docs = load_all(f)
+        assert docs, f"{f.name} is empty"
+        for d in docs:
+            if f.name == "kustomization.yaml":
+                assert d["kind"] == "Kustomization"
+                continue
+            assert d.get("apiVersion") and d.get("kind"), f.name
+            assert d["metadata"].get("name"), f.name
+
+
+def resolve_kustomization() -> list[dict[str, Any]]:
+    """The second-best renderer, used only where kubectl is missing: the resources listed in
+    kustomization.yaml, its JSON6902 patches and image tags, nothing else of kustomize."""
+    from kubeapi import json_patch
+
+    k = load_all(MANIFESTS / "kustomization.yaml")[0]
+    objs = [d for r in k["resources"] for d in load_all(MANIFESTS / r)]
+    for p in k.get("patches", []):
+        t = p["target"]
+        ops = yaml.safe_load(p["patch"])
+        objs = [json_patch(o, ops) if o["kind"] == t["kind"] and o["metadata"]["name"] == t["name"]
+                else o for o in objs]
+    return objs
+
+
+def rendered() -> list[dict[str, Any]]:
+    if KUBECTL is None:
+        return resolve_kustomization()
+    out = subprocess.run([KUBECTL, "kustomize", str(MANIFESTS)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d is not None]
+
+
+@pytest.mark.skipif(KUBECTL is None, reason="kubectl not installed (the twin below still checks "
+                                            "every resource listed in the kustomization)")
+def test_kubectl_kustomize_renders_every_resource():
+    objs = rendered()
+    kinds = sorted((o["kind"], o["metadata"]["name"]) for o in objs)
+    assert kinds == sorted(
+        (o["kind"], o["metadata"]["name"]) for o in resolve_kustomization()), "renderers disagree"
+    assert ("DaemonSet", "screener") in kinds and ("ClusterRole", "screener") in kinds
+    assert all(o["metadata"].get("labels", {}).get("app.kubernetes.io/part-of") == "screener"
+               for o in objs)
+
+
+def by_kind(objs, kind: str, name: str) -> dict[str, Any]:
+    return next(o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name)
+
+
+@pytest.fixture(scope="module")
+def objs():
+    return rendered()
+
+
+def test_the_daemon_config_in_the_configmap_is_valid(objs):
+    cm = by_kind(objs, "ConfigMap", "screener-config")
+    data = tomllib.loads(cm["data"]["daemon.toml"])
+    cfg = DaemonConfig.from_mapping({**data, "node": "n"})  # strict: unknown keys would raise
+    ds = by_kind(objs, "DaemonSet", "screener")
+    c = ds["spec"]["template"]["spec"]["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports["metrics"] == cfg.metrics_port
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    env = {e["name"]: e for e in c["env"]}
+    assert env["SCREENER_CONFIG"]["value"] == mounts["config"]
+    assert cfg.golden_dir == mounts["golden"]
+    state_dir = mounts["state"]
+    assert cfg.spool.startswith(state_dir) and cfg.probes.kmsg_state_file.startswith(state_dir)
+    assert cfg.probes.kmsg_path == mounts["kmsg"] == "/dev/kmsg"
+
+
+def test_daemonset_reaches_gpus_without_holding_one(objs):
+    ds = by_kind(objs, "DaemonSet", "screener")
+    spec = ds["spec"]["template"]["spec"]
+    c = spec["containers"][0]
+    text = yaml.safe_dump(ds)
+    assert "nvidia.com/gpu:" not in yaml.safe_dump(c.get("resources", {}))
+    assert spec["runtimeClassName"] == "nvidia"
+    env = {e["name"]: e for e in c["env"]}
+    assert env["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
+    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["SCREENER_ALARM_DIR"]["value"] == DEFAULT_ALARM_DIR
+    vols = {v["name"]: v for v in spec["volumes"]}
+    assert vols["alarms"]["hostPath"]["path"] == DEFAULT_ALARM_DIR
+    tol = {t["key"] for t in spec["tolerations"]}
+    assert {TAINT_STATE_KEY, TAINT_SCREENING_KEY, "nvidia.com/gpu"} <= tol
+    assert spec["nodeSelector"] and spec["hostPID"] is True
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert c["livenessProbe"]["httpGet"]["port"] == c["readinessProbe"]["httpGet"]["port"] == "metrics"
+    assert spec["serviceAccountName"] == "screener"
+    assert "image" in c and text
+
+
+def test_daemonset_security_context_is_narrow(objs):
+    spec = by_kind(objs, "DaemonSet", "screener")["spec"]["template"]["spec"]
+    sc = spec["containers"][0]["securityContext"]
+    assert sc["privileged"] is False and sc["allowPrivilegeEscalation"] is False
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["SYSLOG"]}
+    assert spec["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+    assert not spec.get("hostNetwork") and not spec.get("hostIPC")
+    # Writable only where we write: the hostPaths for alarms and state, and /tmp.
+    ro = {m["name"] for m in spec["containers"][0]["volumeMounts"] if m.get("readOnly")}
+    assert {"config", "golden", "kmsg"} <= ro
+
+
+def test_jobs_ship_suspended_and_map_exit_codes(objs):
+    burnin = by_kind(objs, "Job", "screener-burnin")
+    peer = by_kind(objs, "Job", "screener-peer-burnin")
+    train = by_kind(objs, "Job", "llm-train")
+    for job in (burnin, peer, train):
+        assert job["spec"]["suspend"] is True
+    rule = burnin["spec"]["podFailurePolicy"]["rules"][0]
+    assert rule["action"] == "FailJob" and rule["onExitCodes"]["values"] == [75]
+    assert peer["spec"]["completionMode"] == "Indexed"
+    assert peer["spec"]["completions"] == peer["spec"]["parallelism"] == 3
+    args = peer["spec"]["template"]["spec"]["containers"][0]["args"]
+    module = args[args.index("-m") + 1]
+    assert importlib.util.find_spec(module) is not None, f"{module} is not importable"
+    svc = by_kind(objs, "Service", "screener-peer-burnin")
+    assert svc["spec"]["clusterIP"] == "None"
+    assert peer["spec"]["template"]["spec"]["subdomain"] == svc["metadata"]["name"]
+    # The training Job is gated on healthy nodes.
+    terms = train["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert {"key": LABEL_STATE, "operator": "In", "values": ["healthy"]} in terms[0]["matchExpressions"]
+    burn_tol = burnin["spec"]["template"]["spec"]["tolerations"]
+    assert {"key": TAINT_STATE_KEY, "operator": "Equal", "value": "burnin",
+            "effect": "NoSchedule"} in burn_tol
+
+
+def test_commands_in_the_manifests_and_the_dockerfile_exist():
+    from screener.cli import COMMANDS
+
+    docker = (ROOT / "Dockerfile").read_text()
+    assert 'ENTRYPOINT ["screener"]' in docker and 'CMD ["daemon"]' in docker
+    objs = resolve_kustomization()
+    for o in objs:
+        if o["kind"] not in ("DaemonSet", "Job") or o["metadata"]["name"] == "llm-train":
+            continue
+        c = o["spec"]["template"]["spec"]["containers"][0]
+        if c.get("command"):  # torchrun -m screener.peer, checked above
+            continue
+        assert c["args"][0] in COMMANDS, f"{o['metadata']['name']}: unknown command {c['args'][0]}"
+
+
+def test_the_burnin_job_arguments_parse_with_the_burnin_command():
+    from screener.commands.kat import burnin_cmd
+
+    job = next(o for o in resolve_kustomization() if o["metadata"]["name"] == "screener-burnin")
+    args = job["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[0] == "burnin"
+    ctx = burnin_cmd.make_context("burnin", list(args[1:]))
+    assert ctx.params["store"] == "kube" and ctx.params["duration"] == "1h"
+    assert ctx.params["report"] == "/reports/burnin.json"

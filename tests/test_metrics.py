@@ -1,0 +1,115 @@
+"""Metrics, /healthz and /readyz over real HTTP on loopback, parsed with prometheus_client's own
+text parser, after real daemon passes (fake clock, scripted NVML, scripted screen runner)."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from screener.metrics import MetricsServer
+from test_daemon import NODE, DaemonRig, ScriptedRunner, outcome
+from screener.types import Outcome
+
+
+def get(url: str) -> tuple[int, str, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, r.headers.get("Content-Type", ""), r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers.get("Content-Type", ""), e.read().decode()
+
+
+def scrape(server: MetricsServer) -> dict[tuple[str, tuple], float]:
+    status, ctype, body = get(server.url + "/metrics")
+    assert status == 200 and ctype.startswith("text/plain")
+    out = {}
+    for family in text_string_to_metric_families(body):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(samples, name: str, **labels) -> float:
+    key = (name, tuple(sorted({"node": NODE, **labels}.items())))
+    assert key in samples, f"{name}{labels} not exported; have {sorted(k for k in samples if k[0] == name)}"
+    return samples[key]
+
+
+@pytest.fixture
+def served(tmp_path):
+    runner = ScriptedRunner(outcome(Outcome.PASS), outcome(Outcome.SUSPECT))
+    rig = DaemonRig(tmp_path, runner, idle_window_s=0.0, screen_interval_s=3600.0, liveness_s=120.0)
+    server = MetricsServer(rig.metrics, "127.0.0.1", 0, liveness_s=120.0).start()
+    yield rig, server
+    server.stop()
+    rig.close()
+
+
+def test_metrics_health_and_readiness_over_http(served):
+    rig, server = served
+    # Before start: alive (just created) but not ready.
+    assert get(server.url + "/readyz")[0] == 503
+    assert get(server.url + "/healthz")[0] == 200
+    before = scrape(server)
+    assert value(before, "screener_screens_total", outcome="pass") == 0.0
+
+    rig.nvml.gpus[0].remapped_rows = (0, 0, 1, 0)  # a suspect-level finding on the first probe
+    first = rig.tick()  # burnin -> suspect (finding) -> healthy (screen passed)
+    assert first.state.value == "healthy"
+    status, _, body = get(server.url + "/readyz")
+    assert status == 200 and json.loads(body) == {"ready": True}
+    rig.drop_alarm("m-1", settled=False)
+    (rig.tmp / "alarms" / "junk.json").write_text("nope")
+    rig.tick(advance=3600.0)  # alarm -> suspect; screen (suspect verdicts) -> quarantined
+
+    s = scrape(server)
+    assert value(s, "screener_screens_total", outcome="pass") == 1.0
+    assert value(s, "screener_screens_total", outcome="suspect") == 1.0
+    assert value(s, "screener_verdicts_total", result="pass") == 2.0
+    assert value(s, "screener_verdicts_total", result="suspect") == 2.0
+    assert value(s, "screener_screen_duration_seconds_count") == 2.0
+    assert value(s, "screener_node_state", state="quarantined") == 1.0
+    assert value(s, "screener_node_state", state="healthy") == 0.0
+    assert value(s, "screener_alarms_total", result="applied") == 1.0
+    assert value(s, "screener_alarms_total", result="rejected") == 1.0
+    assert value(s, "screener_findings_total", severity="suspect") == 1.0
+    # The probe of the first pass ran at the clock's start; the pass was recorded then.
+    assert value(s, "screener_last_successful_screen_timestamp_seconds") == 1_000_000.0
+    assert value(s, "screener_transitions_total", to="quarantined") == 1.0
+    assert value(s, "screener_probe_runs_total") == 2.0
+    assert value(s, "screener_screening") == 0.0
+
+    # Liveness: the loop stops making progress for longer than liveness_s.
+    rig.clock.advance(121.0)
+    status, _, body = get(server.url + "/healthz")
+    assert status == 503 and json.loads(body) == {"alive": False}
+    rig.tick()
+    assert get(server.url + "/healthz")[0] == 200
+    assert get(server.url + "/nope")[0] == 404
+
+
+def test_screening_gauge_is_one_while_the_window_is_open(tmp_path):
+    seen = []
+
+    def during(request):
+        _, _, body = get(server.url + "/metrics")
+        for fam in text_string_to_metric_families(body):
+            for smp in fam.samples:
+                if smp.name == "screener_screening":
+                    seen.append(smp.value)
+        # /healthz stays alive during a long screen: the window beats.
+        seen.append(get(server.url + "/healthz")[0])
+        return None
+
+    rig = DaemonRig(tmp_path, ScriptedRunner(outcome(Outcome.PASS), during=during), idle_window_s=0.0)
+    server = MetricsServer(rig.metrics, "127.0.0.1", 0).start()
+    try:
+        rig.tick()
+    finally:
+        server.stop()
+        rig.close()
+    assert seen == [1.0, 200]

@@ -1,0 +1,106 @@
+"""The ClusterRole grants exactly what the code calls: every (verb, resource, subresource) the
+daemon and burn-in code paths send to the recording Kubernetes API test server is granted by
+manifests/clusterrole.yaml, and the role grants nothing those paths never use."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from kubeapi import KubeAPI
+from screener.stores.kube import KubeStore
+from screener.types import ANNOTATION_DIGESTS, TAINT_SCREENING_KEY, Outcome
+from test_daemon import NODE, DaemonRig, ScriptedRunner, outcome
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def granted() -> set[tuple[str, str, str]]:
+    role = next(d for d in yaml.safe_load_all((ROOT / "manifests" / "clusterrole.yaml").read_text())
+                if d and d["kind"] == "ClusterRole")
+    out = set()
+    for rule in role["rules"]:
+        assert rule["apiGroups"] == [""], "screener only touches the core API group"
+        for res in rule["resources"]:
+            resource, _, sub = res.partition("/")
+            for verb in rule["verbs"]:
+                assert verb != "*" and resource != "*", "no wildcards"
+                out.add((verb, resource, sub))
+    return out
+
+
+def exercise_daemon(api: KubeAPI, tmp_path: Path) -> None:
+    """Start-up with a stale taint, alarms, probes with pods listed, a screen with the taint and
+    published digests, a transition spooled while the API is down and replayed."""
+    api.mutate(NODE, lambda n: n["spec"]["taints"].append(
+        {"key": TAINT_SCREENING_KEY, "value": "true", "effect": "NoSchedule"}))
+    store = KubeStore(api.api_client(), sleep=lambda s: None, rng=lambda: 0.0, instance="rbac")
+    runner = ScriptedRunner(outcome(Outcome.PASS), outcome(Outcome.SUSPECT))
+    rig = DaemonRig(tmp_path, runner, store=store, taint=store,
+                    gpu_pods=lambda: store.gpu_pods(NODE), idle_window_s=0.0,
+                    screen_interval_s=3600.0)
+    rig.daemon.publish = store.set_annotations
+    rig.daemon.replay = lambda: store.replay() if store.pending() else 0
+    try:
+        rig.tick()  # start-up, probe, pods, screen -> healthy, digests published
+        assert json.loads(api.node(NODE)["metadata"]["annotations"][ANNOTATION_DIGESTS])
+        rig.drop_alarm("rbac-1", settled=False)
+        api.down()
+        rig.tick(advance=5.0)  # cannot even read the node: the alarm stays for the next pass
+        assert store.pending() == 0 and list((tmp_path / "alarms").glob("*.json"))
+        api.up()
+        api.fail_next(10, status=503, verb="patch")  # reads work; writes and the replay fail
+        rig.tick(advance=5.0)  # the transition is spooled; the alarm counts as taken in
+        assert store.pending() == 1 and not list((tmp_path / "alarms").glob("*.json"))
+        rig.tick(advance=5.0)  # replayed
+        assert store.pending() == 0
+        rig.tick(advance=3600.0)  # a screen of the suspect node
+    finally:
+        rig.close()
+
+
+def exercise_burnin_crosscheck(api: KubeAPI) -> None:
+    from screener.crosscheck import peer_digests
+
+    store = KubeStore(api.api_client(), sleep=lambda s: None, instance="rbac")
+    try:
+        peer_digests(store, NODE)
+    finally:
+        store.close()
+
+
+def exercise_cli(api: KubeAPI, tmp_path: Path) -> None:
+    """The real `screener daemon --once` wiring (screens off: their calls are covered above)."""
+    config = tmp_path / "d.json"
+    config.write_text(json.dumps({"store": "kube", "screens": False, "metrics_port": -1,
+                                  "spool": str(tmp_path / "spool.db"),
+                                  "probes": {"kmsg_path": None, "disk_paths": [str(tmp_path)],
+                                             "min_free_disk_fraction": 0,
+                                             "min_free_memory_fraction": 0}}))
+    env = {**os.environ, "NODE_NAME": NODE, "SCREENER_ALARM_DIR": str(tmp_path / "cli-alarms"),
+           "XDG_STATE_HOME": str(tmp_path / "state")}
+    r = subprocess.run([sys.executable, "-m", "screener.cli", "daemon", "--once", "--json",
+                        "--config", str(config), "--kubeconfig",
+                        str(api.write_kubeconfig(tmp_path / "kubeconfig"))],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode in (0, 3, 75), r.stderr
+    assert json.loads(r.stdout)["node"] == NODE
+
+
+def test_the_cluster_role_grants_exactly_what_the_code_calls(tmp_path):
+    with KubeAPI() as api:
+        api.add_node(NODE, labels={"nvidia.com/gpu.present": "true"})
+        api.add_node("gpu-node-2", annotations={ANNOTATION_DIGESTS: json.dumps({"p1": {"j": "d"}})})
+        api.add_pod("cpu-thing", NODE, gpus=0)
+        exercise_daemon(api, tmp_path)
+        exercise_burnin_crosscheck(api)
+        exercise_cli(api, tmp_path)
+        called = {(c.verb, c.resource, c.subresource) for c in api.calls}
+    role = granted()
+    assert called - role == set(), f"called but not granted: {sorted(called - role)}"
+    assert role - called == set(), f"granted but never called: {sorted(role - called)}"
