@@ -18,6 +18,9 @@ from screener import __version__
 
 # name -> (module, attribute, short help). Registering a command is one line here.
 COMMANDS: dict[str, tuple[str, str, str]] = {
+    "kat": ("screener.commands.kat", "kat_group", "Known-answer screen: run jobs, compare bits."),
+    "golden": ("screener.commands.kat", "golden_group", "Record, verify and list golden records."),
+    "burnin": ("screener.commands.kat", "burnin_cmd", "Burn in this node: every job, repeated."),
     "platform": ("screener.commands.basic", "platform_cmd",
                  "Show the platform signature of a device and its hash."),
     "fingerprint": ("screener.commands.basic", "fingerprint_cmd",
@@ -28,6 +31,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "plan": ("screener.commands.remediate", "plan_cmd", "Checkpoint interval (Young) and goodput from MTTF and restart time."),
     "node": ("screener.commands.node", "node_group", "Show and steer node lifecycle states."),
     "lemons": ("screener.commands.node", "lemons_cmd", "List nodes and GPUs that fail repeatedly."),
+    "daemon": ("screener.commands.daemon", "daemon_cmd", "Run the per-node DaemonSet loop (or one pass with --once)."),
+    "drill": ("screener.commands.daemon", "drill_cmd", "Fire drill: an injected fault followed from the job to the node label."),
 }
 
 

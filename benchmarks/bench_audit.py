@@ -1,0 +1,245 @@
+"""What the in-job audit costs: step time with and without the Auditor, side by side in one run.
+
+Runs a real gloo process group on the CPU (default two ranks on two simulated nodes, one intra-op
+thread each) and trains the synthetic tiny LM at two sizes. For each size, four DDP copies of the
+same model are trained in turn, one step each per round (the order rotating every round), so
+machine noise hits all of them alike:
+
+    plain        DDP, no comm hook (torch's built-in all-reduce)
+    hook         DDP with a Python comm hook that only calls torch's allreduce_hook
+    auditor      DDP + Auditor on steps without an audit (check 1 only: bucket norms before and
+                 after the all-reduce, one small all_gather)
+    audit        DDP + Auditor auditing every step (check 1 + ring replay: one extra forward and
+                 backward per replayed micro-batch, gradient fingerprints in the hook and of the
+                 replay)
+
+plus the cost of one weight check (fingerprints of every weight + a tiny all_gather), a plain local
+forward+backward, and the fingerprint speed on the gradients, to explain the audit step's cost.
+Reports median step times (wall clock, and the CPU time of the rank's process, which other load
+on a shared machine disturbs less) and their ratios to `plain`. Targets (issue 4): at most 5 % on
+steps without an audit on the large model (step >= 100 ms); an audit step about one extra
+forward+backward plus fingerprints.
+
+    python benchmarks/bench_audit.py                 # both sizes, table on stdout
+    python benchmarks/bench_audit.py --json          # results as JSON on stdout
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+SIZES = {
+    # ~0.9 M parameters
+    "small": dict(vocab=2048, d_model=128, n_heads=4, d_ff=512, seq=64, n_layers=2, batch=4),
+    # ~9 M parameters, a step of a few hundred ms on one core
+    "large": dict(vocab=8192, d_model=256, n_heads=8, d_ff=1024, seq=64, n_layers=6, batch=2),
+}
+CONFIGS = ("plain", "hook", "auditor", "audit")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def paired(xs: list[float], base: list[float]) -> float:
+    return statistics.median(x / b for x, b in zip(xs, base))
+
+
+def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "NODE_NAME": f"bench-node-{rank}", "OMP_NUM_THREADS": str(args.threads),
+                       "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")})
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from screener import synthetic
+    from screener.audit import Auditor
+    from screener.fingerprint import fingerprints
+
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
+    results: dict[str, Any] = {}
+    for size in args.sizes:
+        shape = dict(SIZES[size])
+        batch = shape.pop("batch")
+
+        def batch_fn(r: int, step: int, shape=shape, batch=batch):
+            return synthetic.batch_for(1, r, step, batch=batch, seq=shape["seq"],
+                                       vocab=shape["vocab"])
+
+        runs: dict[str, Any] = {}
+        for name in CONFIGS:
+            model = synthetic.make_model(1, **shape)
+            ddp = DDP(model)
+            auditor = None
+            if name == "hook":
+                ddp.register_comm_hook(None, allreduce_hook)
+            elif name in ("auditor", "audit"):
+                auditor = Auditor(ddp, loss_fn=synthetic.compute_loss, batch_fn=batch_fn,
+                                  audit_every=1 if name == "audit" else 0, weights_every=0)
+            runs[name] = {"model": model, "ddp": ddp, "auditor": auditor,
+                          "opt": torch.optim.SGD(model.parameters(), lr=1e-3), "times": [],
+                          "cpu": [], "step": 0}
+        params = sum(p.numel() for p in runs["plain"]["model"].parameters())
+
+        def one_step(run: dict[str, Any]) -> None:
+            ddp, opt, auditor, step = run["ddp"], run["opt"], run["auditor"], run["step"]
+            c0, t0 = time.process_time(), time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            loss = synthetic.compute_loss(ddp, batch_fn(rank, step))
+            loss.backward()
+            if auditor is not None:
+                g0 = time.process_time()
+                auditor.check_gradients(step, loss)
+                run.setdefault("check_cpu", []).append(time.process_time() - g0)
+            opt.step()
+            if auditor is not None:
+                auditor.check_weights(step)
+            run["times"].append(time.perf_counter() - t0)
+            run["cpu"].append(time.process_time() - c0)
+            run["step"] += 1
+
+        for run in runs.values():  # warm-up: first iteration, bucket rebuild, allocator
+            for _ in range(2):
+                one_step(run)
+            run["times"].clear()
+            run["cpu"].clear()
+            run.pop("check_cpu", None)
+        for k in range(args.rounds):
+            for j in range(len(CONFIGS)):
+                dist.barrier()
+                one_step(runs[CONFIGS[(j + k) % len(CONFIGS)]])
+
+        # The pieces the auditor's cost is made of, in CPU time of this rank's process.
+        local = runs["plain"]["model"]
+        fwd_bwd, fp_grads, norms, weight_checks = [], [], [], []
+        for i in range(args.pieces):
+            c0 = time.process_time()
+            local.zero_grad(set_to_none=True)
+            synthetic.compute_loss(local, batch_fn(rank, i)).backward()
+            fwd_bwd.append(time.process_time() - c0)
+            grads = [p.grad for p in local.parameters()]
+            c0 = time.process_time()
+            fingerprints(grads)
+            fp_grads.append(time.process_time() - c0)
+            c0 = time.process_time()
+            for _ in range(2):  # the hook's two read passes: before and after the reduction
+                for g in grads:
+                    torch.linalg.vector_norm(g, dtype=torch.float32)
+            norms.append(time.process_time() - c0)
+        checker = runs["auditor"]["auditor"]
+        for i in range(args.pieces):
+            dist.barrier()
+            c0 = time.process_time()
+            checker.check_weights(10_000 + i, force=True)
+            weight_checks.append(time.process_time() - c0)
+
+        med = {n: statistics.median(r["times"]) for n, r in runs.items()}
+        cpu = {n: statistics.median(r["cpu"]) for n, r in runs.items()}
+        fp_s = statistics.median(fp_grads)
+        own = statistics.median(norms) + statistics.median(runs["auditor"]["check_cpu"])
+        results[size] = {
+            "parameters": params,
+            "step_ms": {n: 1e3 * v for n, v in med.items()},
+            # paired: the median over rounds of (this configuration / plain in the same round)
+            "ratio_to_plain": {n: paired(r["times"], runs["plain"]["times"])
+                               for n, r in runs.items()},
+            "cpu_ms": {n: 1e3 * v for n, v in cpu.items()},
+            "cpu_ratio_to_plain": {n: paired(r["cpu"], runs["plain"]["cpu"])
+                                   for n, r in runs.items()},
+            "weight_check_cpu_ms": 1e3 * statistics.median(weight_checks),
+            "weight_check_ratio": statistics.median(weight_checks) / cpu["plain"],
+            "norm_passes_cpu_ms": 1e3 * statistics.median(norms),
+            "check_gradients_cpu_ms": 1e3 * statistics.median(runs["auditor"]["check_cpu"]),
+            "auditor_own_work_ratio": own / cpu["plain"],
+            "local_fwd_bwd_ms": 1e3 * statistics.median(fwd_bwd),
+            "fingerprint_grads_ms": 1e3 * fp_s,
+            "fingerprint_gb_per_s": params * 4 / fp_s / 1e9,
+            # what the issue expects an audit step to cost: one more forward+backward and the
+            # fingerprints of the gradients twice (in the hook and of the replay)
+            "audit_expected_cpu_ms": 1e3 * (cpu["auditor"] + statistics.median(fwd_bwd) + 2 * fp_s),
+            "samples_per_config": len(runs["plain"]["times"]),
+        }
+        del runs
+    dist.destroy_process_group()
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+
+
+def _table(results: dict[str, Any], world: int, threads: int) -> str:
+    lines = [f"screener.audit overhead: gloo on CPU, {world} ranks x {threads} thread(s); "
+             f"median step times, ratios paired per round"]
+    for size, r in results.items():
+        ms, ratio = r["step_ms"], r["ratio_to_plain"]
+        cms, cratio = r["cpu_ms"], r["cpu_ratio_to_plain"]
+        lines.append(f"\n{size}: {r['parameters'] / 1e6:.2f} M parameters, "
+                     f"{r['samples_per_config']} steps per configuration")
+        lines.append(f"  {'':<8} {'wall':>9}    {'ratio':<7} {'cpu':>9}    ratio")
+        for name in CONFIGS:
+            lines.append(f"  {name:<8} {ms[name]:9.1f} ms x{ratio[name]:.3f}  "
+                         f"{cms[name]:9.1f} ms x{cratio[name]:.3f}")
+        lines.append(f"  steps without an audit add {100 * (ratio['auditor'] - 1):+.1f} % wall, "
+                     f"{100 * (cratio['auditor'] - 1):+.1f} % cpu (target <= 5 % on the large "
+                     f"model)")
+        lines.append(f"  the auditor's own work on such a step: 2 norm passes "
+                     f"{r['norm_passes_cpu_ms']:.1f} ms + check_gradients "
+                     f"{r['check_gradients_cpu_ms']:.1f} ms cpu = "
+                     f"{100 * r['auditor_own_work_ratio']:.1f} % of a plain step")
+        lines.append(f"  an audit step adds {cms['audit'] - cms['plain']:.1f} ms cpu; expected "
+                     f"about {r['audit_expected_cpu_ms'] - cms['plain']:.1f} ms = one "
+                     f"forward+backward ({r['local_fwd_bwd_ms']:.1f} ms) + 2 x gradient "
+                     f"fingerprints ({r['fingerprint_grads_ms']:.1f} ms, "
+                     f"{r['fingerprint_gb_per_s']:.2f} GB/s) + the every-step cost")
+        lines.append(f"  a weight check: {r['weight_check_cpu_ms']:.1f} ms cpu "
+                     f"(x{r['weight_check_ratio']:.3f} of a plain step)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="small,large",
+                   help=f"comma-separated, from {', '.join(SIZES)}")
+    p.add_argument("--world", type=int, default=2, help="ranks (one per simulated node)")
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    p.add_argument("--rounds", type=int, default=30,
+                   help="rounds; each trains one step of every configuration")
+    p.add_argument("--pieces", type=int, default=5,
+                   help="repetitions of the local forward+backward, fingerprint, weight check")
+    p.add_argument("--json", action="store_true", help="print results as JSON")
+    args = p.parse_args(argv)
+    args.sizes = [s for s in args.sizes.split(",") if s]
+    unknown = [s for s in args.sizes if s not in SIZES]
+    if unknown or args.world < 2 or args.pieces < 1 or args.rounds < 1:
+        print(f"bad arguments: sizes {unknown or 'ok'}, world >= 2, rounds/pieces >= 1",
+              file=sys.stderr)
+        return 2
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as d:
+        out = str(Path(d) / "results.json")
+        mp.start_processes(_rank_main, args=(args.world, _free_port(), args, out),
+                           nprocs=args.world, start_method="spawn")
+        results = json.loads(Path(out).read_text())
+    print(json.dumps(results, indent=2) if args.json else _table(results, args.world,
+                                                                  args.threads))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""In-job silent data corruption checks for PyTorch DDP: a few lines in an existing training loop.
+
+    from screener.audit import Auditor, SDCAlarm, rollback_target, run_guarded
+
+    def main():
+        auditor = Auditor(ddp_model, loss_fn=compute_loss, batch_fn=batch_for,
+                          audit_every=50, weights_every=100)
+        for step in range(start, total):
+            ...; loss.backward()
+            auditor.check_gradients(step, loss)   # check 1 every step, check 2 on audit steps
+            optimizer.step()
+            auditor.check_weights(step)           # check 3 every weights_every steps
+            if step % ckpt_every == 0:
+                auditor.verified_save(lambda: save(step), step)
+
+    sys.exit(run_guarded(main))   # SDCAlarm -> 75, numeric -> 76, peer lost -> 77
+
+Modules, one job each: topology (rank -> node, host, instance), hooks (the DDP comm hook recording
+local gradients), ring (replay assignment and recomputation), vote (majority over replicas), alarms
+(SDCAlarm and alarm files), checkpoints (verified-save markers, rollback target), guard (exit codes),
+auditor (the checks in order). Imports only torch, the standard library, screener.types and
+screener.fingerprint.
+"""
+
+from __future__ import annotations
+
+from screener.audit.alarms import NumericFailure, SDCAlarm
+from screener.audit.auditor import AuditConfig, AuditError, Auditor
+from screener.audit.checkpoints import rollback_target
+from screener.audit.guard import classify, run_guarded
+from screener.audit.topology import RankInfo, Topology, gather_topology
+
+__all__ = ["Auditor", "AuditConfig", "AuditError", "SDCAlarm", "NumericFailure",
+           "rollback_target", "run_guarded", "classify", "RankInfo", "Topology",
+           "gather_topology"]

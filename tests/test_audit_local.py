@@ -1,0 +1,181 @@
+"""screener.audit on one rank (a real gloo group of size 1, in this process): the comm hook across
+DDP's bucket rebuild, replay hygiene (.grad, RNG, buffers), the reduced-gradient alarm and its file,
+an unwritable alarm directory, verified_save and rollback."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from screener import faults, synthetic
+from screener.audit import Auditor, SDCAlarm, rollback_target
+from screener.audit.hooks import GradientRecorder
+from screener.audit.ring import replay
+from screener.fingerprint import fingerprints
+from screener.types import AlarmRecord
+
+SHAPE = dict(vocab=32, d_model=16, n_heads=2, d_ff=32, seq=8, n_layers=1)
+pytestmark = pytest.mark.timeout(120)
+
+
+def batch_fn(rank: int, step: int):
+    return synthetic.batch_for(3, rank, step, batch=2, seq=8, vocab=32)
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    assert not dist.is_initialized(), "another test left a process group behind"
+    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=30))
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_hook_records_each_local_gradient_by_parameter_across_bucket_rebuilds(group):
+    model = synthetic.make_model(3, **SHAPE)
+    params = list(model.parameters())
+    ddp = DDP(model, bucket_cap_mb=0.002)  # several buckets; rebuilt after the first iteration
+    rec = GradientRecorder(params)
+    ddp.register_comm_hook(None, rec.hook)
+    buckets = []
+    for step in range(4):
+        rec.record_step = step if step != 2 else None
+        ddp.zero_grad(set_to_none=True)
+        loss = synthetic.compute_loss(ddp, batch_fn(0, step))
+        loss.backward()
+        stats = rec.take(torch.device("cpu"))
+        buckets.append(stats.buckets)
+        grads = [p.grad for p in params]  # world size 1: the reduced gradient is the local one
+        want = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        assert torch.allclose(stats.local_norm, want) and torch.allclose(stats.reduced_norm, want)
+        if step == 2:
+            assert stats.grad_fingerprints is None and stats.step is None
+        else:
+            assert stats.step == step
+            assert torch.equal(stats.grad_fingerprints, fingerprints(grads))
+    assert buckets[0] == 1 and buckets[1] > 1  # DDP's first-iteration bucket, then the rebuild
+
+
+def test_replay_matches_the_real_backward_and_leaves_grad_rng_and_buffers_alone(group):
+    model = synthetic.make_model(3, **SHAPE)
+    model.register_buffer("counter", torch.zeros(3))
+    original_forward = model.forward
+
+    def forward(tokens):  # a forward that mutates a buffer and draws random numbers
+        model.counter.add_(1)
+        torch.rand(4)
+        return original_forward(tokens)
+
+    model.forward = forward
+    params = list(model.parameters())
+    batch = batch_fn(0, 5)
+    torch.manual_seed(0)
+    synthetic.compute_loss(model, batch).backward()
+    real = [p.grad.clone() for p in params]
+    sentinel = [torch.full_like(g, 7.0) for g in real]
+    for p, s in zip(params, sentinel):
+        p.grad = s.clone()
+    counter = model.counter.clone()
+    rng = torch.get_rng_state()
+    loss, grads = replay(model, params, synthetic.compute_loss, batch, device=torch.device("cpu"))
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert torch.equal(model.counter, counter)
+    assert all(torch.equal(p.grad, s) for p, s in zip(params, sentinel))
+    assert torch.equal(fingerprints(grads), fingerprints(real))  # bit for bit
+    assert torch.equal(loss, synthetic.compute_loss(model, batch).detach())
+
+
+def _auditor(tmp_path, **kw):
+    model = synthetic.make_model(3, **SHAPE)
+    ddp = DDP(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kw.setdefault("alarm_dir", tmp_path / "alarms")
+    return model, ddp, opt, Auditor(ddp, loss_fn=synthetic.compute_loss, batch_fn=batch_fn,
+                                    audit_every=1, weights_every=1, job="local", **kw)
+
+
+def test_nan_inside_the_allreduce_stops_the_step_and_drops_an_unsettled_alarm(group, tmp_path,
+                                                                             monkeypatch):
+    monkeypatch.setenv("NODE_NAME", "hyperpod-i-0123456789abcdef0")
+    model, ddp, opt, auditor = _auditor(
+        tmp_path, reduce_hook=faults.corrupt_allreduce(rank=0, calls={2}, element=3))
+    assert not auditor.can_replay  # a single rank has nobody to replay
+    with pytest.raises(SDCAlarm) as info:
+        for step in range(5):
+            opt.zero_grad(set_to_none=True)
+            synthetic.compute_loss(ddp, batch_fn(0, step)).backward()
+            before = fingerprints(list(model.parameters()))
+            auditor.check_gradients(step, synthetic.compute_loss(model, batch_fn(0, step)))
+            opt.step()
+            auditor.check_weights(step)
+    alarm = info.value
+    assert (alarm.check, alarm.step, alarm.settled, alarm.suspect_ranks) == (
+        "nonfinite_reduced", 2, False, ())
+    assert torch.equal(fingerprints(list(model.parameters())), before)  # step 2 never applied
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    files = list((tmp_path / "alarms").iterdir())
+    assert len(files) == 1
+    rec = AlarmRecord.from_dict(json.loads(files[0].read_text()))
+    assert rec.node == "hyperpod-i-0123456789abcdef0" and not rec.settled and rec.job == "local"
+    assert rec.suspect_nodes[0].instance_id == "i-0123456789abcdef0"
+    assert rec.evidence["candidate_ranks"] == [0]
+
+
+def test_an_unwritable_alarm_directory_is_logged_and_the_alarm_still_raised(group, tmp_path,
+                                                                          caplog):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    model, ddp, opt, auditor = _auditor(
+        tmp_path, alarm_dir=blocker, reduce_hook=faults.corrupt_allreduce(rank=0, calls={0}))
+    caplog.set_level(logging.ERROR, logger="screener.audit")
+    synthetic.compute_loss(ddp, batch_fn(0, 0)).backward()
+    with pytest.raises(SDCAlarm):
+        auditor.check_gradients(0, torch.tensor(1.0))
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.levelno >= logging.ERROR]
+    failed = [x for x in lines if x["event"] == "alarm_file_failed"]
+    assert failed and failed[0]["directory"] == str(blocker) and failed[0]["rank"] == 0
+    assert [x["event"] for x in lines][-1] == "sdc_alarm"
+
+
+def test_verified_save_marks_checkpoints_that_rollback_trusts(group, tmp_path):
+    model, ddp, opt, auditor = _auditor(tmp_path)
+    saved = []
+
+    def save(step):
+        path = tmp_path / f"step{step}.pt"
+        torch.save(model.state_dict(), path)
+        saved.append(path)
+        return path
+
+    for step in range(6):
+        opt.zero_grad(set_to_none=True)
+        loss = synthetic.compute_loss(ddp, batch_fn(0, step))
+        loss.backward()
+        auditor.check_gradients(step, loss)
+        opt.step()
+        auditor.check_weights(step)
+        if step % 2 == 0:
+            assert auditor.verified_save(lambda: save(step), step) == saved[-1]
+    unverified = tmp_path / "step5.pt"
+    torch.save(model.state_dict(), unverified)
+    assert auditor.counters["weight_checks"] == 6  # verified_save reused each step's passing vote
+    assert rollback_target(saved + [unverified], 5) == saved[2]
+    assert rollback_target(saved + [unverified], 4) == saved[1]
+
+
+def test_auditor_refuses_what_it_cannot_audit(group, tmp_path):
+    with pytest.raises(TypeError):
+        Auditor(synthetic.make_model(3, **SHAPE))
+    ddp = DDP(synthetic.make_model(3, **SHAPE))
+    with pytest.raises(ValueError):
+        Auditor(ddp, audit_every=-1)
+    Auditor(ddp, alarm_dir=tmp_path)
+    with pytest.raises(ValueError, match="reduce_hook"):
+        Auditor(ddp, alarm_dir=tmp_path)  # DDP takes one comm hook
