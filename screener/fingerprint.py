@@ -62,6 +62,9 @@ _SUB_BYTE = {getattr(torch, n) for n in (
     "quint4x2", "quint2x4", "bits1x8", "bits2x4", "bits4x2") if hasattr(torch, n)}
 _QUANTIZED = {getattr(torch, n) for n in ("qint8", "quint8", "qint32") if hasattr(torch, n)}
 
+# Tensors of at most this many elements take the direct int64 path (see _small_fingerprints_into).
+_SMALL = 4096
+
 # Blocks per chunk. On the CPU: large enough to amortise Python overhead, small enough that the float
 # buffer stays in cache between the copy and the two reductions. On a GPU the limit is kernel-launch
 # overhead, so chunks are much larger (the buffer is 64-256 MiB).
@@ -198,20 +201,51 @@ def fingerprints(tensors: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
     tensors = list(tensors)
     sizes = [None if t is None else _check_dtype(t) for t in tensors]
     per_device: dict[torch.device, torch.Tensor] = {}
-    rows_of: dict[torch.device, list[int]] = {}
+    small: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
     for k, (t, size) in enumerate(zip(tensors, sizes)):
         if t is None:
             continue
         dev = t.device
         if dev not in per_device:
             per_device[dev] = torch.zeros(len(tensors), 2, dtype=torch.int64, device=dev)
-            rows_of[dev] = []
-        rows_of[dev].append(k)
-        _fingerprint_into(_flat_bits(t, size), size, per_device[dev][k])
+            small[dev] = []
+        bits = _flat_bits(t, size)
+        if t.numel() <= _SMALL:
+            small[dev].append((k, bits.view(_INT_VIEW[size]) if size == 8 else bits))
+        else:
+            _fingerprint_into(bits, size, per_device[dev][k])
+    for dev, items in small.items():
+        if items:
+            _small_fingerprints_into(items, per_device[dev])
     out = torch.zeros(len(tensors), 2, dtype=torch.int64)
     for dev, acc in per_device.items():
         out += acc.cpu()  # rows of other devices are zero in acc
     return out
+
+
+def _small_fingerprints_into(items: list[tuple[int, torch.Tensor]], out: torch.Tensor) -> None:
+    """Fingerprint many small tensors at once, straight from the definition.
+
+    For a few thousand elements the fixed cost of the blocked float path (a dozen kernel launches
+    per tensor) outweighs its per-byte speed, so small tensors are widened to int64, concatenated,
+    and reduced per segment in one pass: a handful of ops for the whole set instead of per tensor.
+    """
+    device = out.device
+    wide = torch.cat([bits.to(torch.int64) for _, bits in items])
+    if wide.numel() == 0:
+        return
+    lengths = torch.tensor([bits.numel() for _, bits in items], dtype=torch.int64).to(device)
+    rows = torch.tensor([k for k, _ in items], dtype=torch.int64).to(device)
+    ends = torch.cumsum(lengths, 0)
+    starts = ends - lengths
+    pos = torch.arange(1, wide.numel() + 1, dtype=torch.int64, device=device)
+    pos -= torch.repeat_interleave(starts, lengths)
+    # Segment sums as differences of inclusive prefix sums (integer scans are deterministic on
+    # every device, unlike scatter-adds, and int64 wraps exactly modulo 2**64).
+    zero = torch.zeros(1, dtype=torch.int64, device=device)
+    for col, values in ((0, wide), (1, wide * pos)):
+        prefix = torch.cat([zero, torch.cumsum(values, 0)])
+        out[rows, col] += prefix[ends] - prefix[starts]
 
 
 def fingerprint(tensor: Optional[torch.Tensor]) -> tuple[int, int]:
