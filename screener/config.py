@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from screener import configs
 from screener.errors import ConfigError
 from screener.health.config import ProbeConfig
 from screener.lifecycle import LifecyclePolicy
@@ -149,30 +150,23 @@ class DaemonConfig:
     # --- building -------------------------------------------------------------------------------
 
     @classmethod
-    def from_mapping(cls, data: Mapping[str, Any], *, source: str = "daemon config") -> "DaemonConfig":
-        """Build from a parsed file; unknown keys (also in [probes] and [lifecycle]) are an error."""
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"{source}: must be a table, not {type(data).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"{source}: unknown key(s) {', '.join(unknown)}; "
-                              f"known: {', '.join(sorted(known))}")
-        values = dict(data)
+    def from_mapping(cls, data: Mapping[str, Any], *,
+                     source: Optional[str] = None) -> "DaemonConfig":
+        """Build from a parsed file; unknown keys (also in [probes] and [lifecycle]) are an error.
+        `source`, the file the table came from, starts every error message when given."""
         try:
-            if "probes" in values and not isinstance(values["probes"], ProbeConfig):
-                values["probes"] = ProbeConfig.from_mapping(values["probes"])
-            if "lifecycle" in values and not isinstance(values["lifecycle"], LifecyclePolicy):
-                if not isinstance(values["lifecycle"], Mapping):
-                    raise ConfigError("lifecycle must be a table")
-                values["lifecycle"] = LifecyclePolicy.from_mapping(values["lifecycle"])
-            if "hyperpod" in values:
-                values["hyperpod"] = dict(values["hyperpod"]) \
-                    if isinstance(values["hyperpod"], Mapping) else values["hyperpod"]
-            return cls(**values)
+            values = dict(data) if isinstance(data, Mapping) else data
+            if isinstance(values, dict):
+                if "probes" in values and not isinstance(values["probes"], ProbeConfig):
+                    values["probes"] = ProbeConfig.from_mapping(values["probes"])
+                if "lifecycle" in values and not isinstance(values["lifecycle"], LifecyclePolicy):
+                    values["lifecycle"] = LifecyclePolicy.from_mapping(values["lifecycle"])
+                if isinstance(values.get("hyperpod"), Mapping):
+                    values["hyperpod"] = dict(values["hyperpod"])
+            return configs.from_mapping(cls, values, "daemon")
         except ConfigError as e:
-            raise ConfigError(f"{source}: {e}") from None
-        except TypeError as e:
+            if source is None:
+                raise
             raise ConfigError(f"{source}: {e}") from None
 
     @classmethod
@@ -184,7 +178,7 @@ class DaemonConfig:
         env = os.environ if environ is None else environ
         data: dict[str, Any] = {}
         path = path or env.get(CONFIG_ENV) or None
-        source = "daemon config"
+        source = None
         if path:
             data = read_file(path)
             source = str(path)

@@ -15,13 +15,27 @@ import json
 import logging
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from screener.types import ANNOTATION_DIGESTS, Outcome, Verdict
 
 log = logging.getLogger(__name__)
 
 Digests = Mapping[str, Mapping[str, str]]  # platform hash -> job -> digest
+
+
+def platform_digests(verdicts: Sequence[Verdict],
+                     digests: Mapping[str, Mapping[str, str]]) -> dict[str, dict[str, str]]:
+    """{platform hash: {job: digest}} of a screen's passing devices (what a node publishes).
+
+    verdicts/digests: a screen's (screener.kat.ScreenResult or screener.screening.ScreenOutcome).
+    Only passing devices count: a suspect device's digests are not the platform's answer."""
+    out: dict[str, dict[str, str]] = {}
+    for v in verdicts:
+        if v.outcome != Outcome.PASS or not v.platform_hash:
+            continue
+        out.setdefault(v.platform_hash, {}).update(digests.get(v.device) or {})
+    return out
 
 
 def peer_digests(store: Any, node: str, label_selector: str = "") -> dict[str, dict[str, dict[str, str]]]:

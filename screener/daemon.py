@@ -28,10 +28,11 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional
 
 from screener import lifecycle
 from screener.config import DaemonConfig
+from screener.crosscheck import platform_digests
 from screener.errors import BadInputError, ScreenerError
 from screener.health.probes import ProbeReport
 from screener.idle import Activity, IdleTracker, observe
@@ -469,26 +470,10 @@ class Daemon:
             "verdicts": [v.to_dict() for v in outcome.verdicts]})
         if outcome.outcome == Outcome.PASS and self.publish is not None \
                 and self.config.publish_digests:
-            digests = platform_digests(outcome)
+            digests = platform_digests(outcome.verdicts, outcome.digests)
             if digests:
                 self.publish(self.node, {ANNOTATION_DIGESTS: json.dumps(digests, sort_keys=True)})
         if outcome.stopped and outcome.exit_code == ExitCode.USAGE:
             raise BadInputError(f"screen failed: {outcome.detail}")
         if outcome.stopped and outcome.exit_code == ExitCode.SCREENER_ERROR:
             raise ScreenerError(f"screen failed: {outcome.detail}")
-
-
-def platform_digests(outcome: ScreenOutcome) -> dict[str, dict[str, str]]:
-    """{platform hash: {job: digest}} from the passing devices of a screen (for cross-checks)."""
-    out: dict[str, dict[str, str]] = {}
-    for v in outcome.verdicts:
-        if v.outcome != Outcome.PASS or not v.platform_hash:
-            continue
-        jobs = outcome.digests.get(v.device) or {}
-        out.setdefault(v.platform_hash, {}).update(jobs)
-    return out
-
-
-def describe_transitions(transitions: Sequence[Mapping[str, Any]]) -> str:
-    return "; ".join(f"{t.get('from') or '(new)'} -> {t.get('to')} ({t.get('reason')})"
-                     for t in transitions)

@@ -109,6 +109,11 @@ class FaultSpec:
             raise ValueError(f"fault bit {self.bit} must be >= 0")
         if self.device is not None:
             torch.device(self.device)  # raises on a malformed device string
+        # A misspelt op would never fire and a drill would "pass" without testing anything.
+        unknown = sorted(n for n in op_names(self.op) if not hasattr(torch.ops.aten, n))
+        if unknown:
+            raise ValueError(f"fault op {self.op!r}: no aten op named {', '.join(unknown)} "
+                             f"(aliases: {', '.join(sorted(OP_ALIASES))})")
 
 
 def _device_matches(want: Optional[str], t: Tensor) -> bool:

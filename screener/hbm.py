@@ -81,6 +81,11 @@ class HbmResult:
         return moved / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
     def verdict(self) -> Verdict:
+        if self.ok and self.bytes_tested == 0:
+            # Nothing could be allocated (memory held by others): we tested nothing, so we know
+            # nothing; that is not a pass, and not the hardware's fault either.
+            return Verdict(device=self.device, outcome=Outcome.INCONCLUSIVE, reason="hbm_untested",
+                           job="hbm", evidence={"bytes_tested": 0})
         if self.ok:
             return Verdict(device=self.device, outcome=Outcome.PASS, job="hbm")
         first = self.errors[0] if self.errors else {}

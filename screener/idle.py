@@ -89,7 +89,12 @@ def observe(gpus: Sequence[GpuSnapshot], pods: Optional[Iterable[Mapping[str, An
     mine = set(own)
     foreign = []
     busy = []
+    unknown = []
     for g in gpus:
+        if g.processes is None and ("processes" in g.errors or "handle" in g.errors):
+            # NVML failed to list them: a job may be running there, so not idle.
+            unknown.append(f"compute processes on GPU {g.label}: "
+                           f"{g.errors.get('processes') or g.errors.get('handle')}")
         for p in g.processes or ():
             if p.pid not in mine:
                 foreign.append((g.label, int(p.pid)))
@@ -100,9 +105,10 @@ def observe(gpus: Sequence[GpuSnapshot], pods: Optional[Iterable[Mapping[str, An
         if own_pod and pod.get("name") == own_pod:
             continue
         names.append(f"{pod.get('namespace', '')}/{pod.get('name', '')}")
-    unknown = (f"pod list: {pods_error}",) if pods_error else ()
+    if pods_error:
+        unknown.append(f"pod list: {pods_error}")
     return Activity(foreign_processes=tuple(sorted(foreign)), gpu_pods=tuple(sorted(names)),
-                    busy_gpus=tuple(sorted(busy)), unknown=unknown)
+                    busy_gpus=tuple(sorted(busy)), unknown=tuple(unknown))
 
 
 class IdleTracker:

@@ -143,13 +143,18 @@ def _emit(event: Mapping[str, Any]) -> None:
 
 
 def _is_device_error(e: BaseException) -> bool:
-    """A failure of the device (CUDA error, ECC, illegal access), as opposed to one of ours."""
+    """A failure of the device (CUDA error, ECC, illegal access), as opposed to one of ours.
+
+    Running out of memory is not: another process holding the GPU's memory says nothing about
+    the hardware, so it must not become a suspect verdict."""
     import torch
 
+    text = str(e)
+    if isinstance(e, torch.OutOfMemoryError) or "out of memory" in text:
+        return False
     accel = getattr(torch, "AcceleratorError", None)
     if accel is not None and isinstance(e, accel):
         return True
-    text = str(e)
     return isinstance(e, RuntimeError) and any(
         s in text for s in ("CUDA error", "CUBLAS_STATUS", "CUDNN_STATUS", "device-side assert",
                             "uncorrectable ECC", "illegal memory access", "unspecified launch"))
@@ -889,7 +894,18 @@ def _main(argv: Sequence[str]) -> int:
         print("usage: python -m screener.kat child  (internal: reads a JSON request on stdin)",
               file=sys.stderr)
         return 2
-    return child_main(json.loads(sys.stdin.read()))
+    try:
+        return child_main(json.loads(sys.stdin.read()))
+    except Exception as e:  # noqa: BLE001 - see below
+        # Whatever escaped child_main (a bad request, a bad fault, a bug of ours outside a job)
+        # must reach the parent as an error event: a child that merely died would be judged a
+        # crash, and a crash is a hardware verdict.
+        kind = ("usage" if isinstance(e, BadInputError) else
+                "device" if _is_device_error(e) else "screener")
+        _emit({"event": "error", "job": None, "iteration": None, "kind": kind,
+               "type": type(e).__name__, "message": str(e)[:2000],
+               "traceback": traceback.format_exc()[-4000:]})
+        return 0
 
 
 if __name__ == "__main__":

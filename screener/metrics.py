@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable, Optional
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from screener.errors import ConfigError
 from screener.types import NodeState, Outcome, Severity
 
 SCREEN_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, float("inf"))
@@ -166,7 +167,11 @@ class MetricsServer:
                 self.end_headers()
                 self.wfile.write(data)
 
-        self._server = ThreadingHTTPServer((host, port), Handler)
+        try:
+            self._server = ThreadingHTTPServer((host, port), Handler)
+        except OSError as e:  # the port is taken, or the address is not ours: the config's to fix
+            raise ConfigError(f"cannot serve metrics on {host}:{port} (metrics_host, "
+                              f"metrics_port): {e.strerror or e}") from e
         self._server.daemon_threads = True
         self.host, self.port = self._server.server_address[:2]
         self._thread: Optional[threading.Thread] = None

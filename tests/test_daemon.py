@@ -323,6 +323,13 @@ def test_config_rejects_unknown_keys_and_reads_env(tmp_path):
     bad.write_text("{")
     with pytest.raises(ConfigError, match="bad.json"):
         DaemonConfig.load(bad, environ={})
+    typo = tmp_path / "typo.toml"
+    typo.write_text("tick_s = 1\n[lifecycle]\nquarantine_budgt = 0.1\n")
+    with pytest.raises(ConfigError, match=r"^\S*typo\.toml: lifecycle config: unknown key\(s\) "
+                                          r"quarantine_budgt; known: "):
+        DaemonConfig.load(typo, environ={})
+    with pytest.raises(ConfigError, match="daemon config must be a table"):
+        DaemonConfig.from_mapping(["tick_s"])  # type: ignore[arg-type]
     assert DaemonConfig.load(None, environ={}).resolved_store({}) == "local"
     assert DaemonConfig.load(None, environ={}).resolved_store({"KUBERNETES_SERVICE_HOST": "x"}) == "kube"
     assert json.loads(json.dumps(cfg.to_dict()))["probes"]["kmsg_path"] == "/x"

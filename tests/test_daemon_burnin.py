@@ -10,8 +10,7 @@ import pytest
 
 from fakes.fake_nvml import FakeNvml, h100
 from kubeapi import KubeAPI
-from screener.burnin import run_burnin
-from screener.burnin_full import BurninPlan, run_full_burnin
+from screener.burnin import BurninPlan, run_burnin, run_full_burnin
 from screener.health.config import ProbeConfig
 from screener.health.probes import run_probes
 from screener.hbm import stuck_bit
@@ -130,3 +129,16 @@ def test_digests_that_disagree_with_the_fleet_make_the_node_suspect(kat_env, tmp
         assert cc.verdicts[0].reason == "fleet_digest_mismatch"
         assert rep.state_after == NodeState.SUSPECT  # not confirmed: the daemon screens again
         assert api.node("new-3")["metadata"]["labels"]["screener.io/state"] == "suspect"
+
+
+def test_only_passing_devices_publish_digests_by_platform():
+    from screener.crosscheck import platform_digests
+    from screener.types import Verdict
+
+    verdicts = [Verdict("cuda:0", Outcome.PASS, platform_hash="p1"),
+                Verdict("cuda:1", Outcome.SUSPECT, reason="peer_mismatch", platform_hash="p1"),
+                Verdict("cuda:2", Outcome.PASS, platform_hash="p2"),
+                Verdict("cuda:3", Outcome.PASS)]  # no platform: nothing to key it by
+    digests = {"cuda:0": {"j": "aa"}, "cuda:1": {"j": "bb", "k": "cc"}, "cuda:2": {"j": "dd"},
+               "cuda:3": {"j": "ee"}}
+    assert platform_digests(verdicts, digests) == {"p1": {"j": "aa"}, "p2": {"j": "dd"}}

@@ -132,6 +132,10 @@ def test_spec_validation():
         FaultSpec("mm", device="gpu0")
     assert faults.op_names("matmul") == {"mm", "bmm"}
     assert faults.op_names("native_layer_norm") == {"native_layer_norm"}
+    with pytest.raises(ValueError, match="no aten op named matmull"):
+        FaultSpec("matmull")  # a misspelt op would never fire: refuse it
+    for alias in faults.OP_ALIASES:
+        FaultSpec(alias)  # every documented alias names real aten ops
 
 
 def test_corrupt_parameter():

@@ -43,6 +43,13 @@ def test_a_fault_that_does_not_repeat_is_reported_unconfirmed():
     assert r.errors[0]["expected"] == "0x00000005" and r.errors[0]["observed"] == "0x00003039"
 
 
+def test_nothing_tested_is_inconclusive_not_a_pass():
+    r = hbm_test("cpu", max_bytes=0)
+    assert r.bytes_tested == 0
+    v = r.verdict()
+    assert v.outcome == Outcome.INCONCLUSIVE and v.reason == "hbm_untested"
+
+
 def test_bad_arguments_are_bad_input():
     with pytest.raises(BadInputError, match="fraction"):
         hbm_test("cpu", fraction=0.99)

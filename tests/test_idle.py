@@ -54,6 +54,19 @@ def test_a_pod_list_that_fails_means_not_idle():
     assert a.busy and not a.job_present and "connection refused" in a.reason
 
 
+def test_a_process_list_nvml_cannot_read_means_not_idle():
+    from pynvml import NVML_ERROR_NO_PERMISSION, NVML_ERROR_NOT_SUPPORTED
+
+    nvml = FakeNvml([h100(0)])
+    nvml.gpus[0].errors["nvmlDeviceGetComputeRunningProcesses"] = NVML_ERROR_NO_PERMISSION
+    a = observe(snapshot(nvml), None)
+    assert a.busy and not a.job_present and "compute processes on GPU" in a.reason
+    # a GPU that does not support the call at all is judged by utilisation alone
+    nvml.gpus[0].errors.clear()
+    nvml.gpus[0].unsupported.add("nvmlDeviceGetComputeRunningProcesses")
+    assert not observe(snapshot(nvml), None).busy
+
+
 def test_the_tracker_needs_quiet_for_the_whole_window():
     quiet = observe((), [])
     busy = observe((), [{"name": "x", "namespace": "ml"}])

@@ -265,6 +265,9 @@ def test_device_errors_are_told_apart_from_ours():
     assert kat._is_device_error(RuntimeError("CUDA error: an illegal memory access was encountered"))
     assert not kat._is_device_error(RuntimeError("shape mismatch"))
     assert not kat._is_device_error(KeyError("x"))
+    # another process holding the memory is not a hardware fault
+    assert not kat._is_device_error(RuntimeError("CUDA error: out of memory"))
+    assert not kat._is_device_error(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate"))
 
 
 def test_parse_fault():
@@ -345,6 +348,22 @@ def test_a_hanging_child_is_suspect_with_reason_timeout(tmp_path):
     v = res.verdict("cpu")
     assert (v.outcome, v.reason, v.job) == (Outcome.SUSPECT, "timeout", "st")
     assert res.exit_code == ExitCode.HARDWARE_SUSPECT
+
+
+@pytest.mark.parametrize("request_, kind", [
+    ({"device": "cpu", "jobs": [], "faults": [{"op": "mm", "mode": "melt"}]}, "usage"),
+    ({"jobs": []}, "screener"),  # no device: a KeyError of ours
+])
+def test_an_error_of_ours_in_the_child_is_reported_not_a_crash(request_, kind):
+    """What escapes child_main (a bad request, a bug of ours) must reach the parent as an error
+    event; a child that merely died would be judged a crash, i.e. a hardware verdict."""
+    r = subprocess.run([sys.executable, "-m", "screener.kat", "child"], input=json.dumps(request_),
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    events = [json.loads(line[len(kat.PROTOCOL_PREFIX):]) for line in r.stdout.splitlines()
+              if line.startswith(kat.PROTOCOL_PREFIX)]
+    errors = [e for e in events if e["event"] == "error"]
+    assert len(errors) == 1 and errors[0]["kind"] == kind, events
 
 
 def test_a_crashing_child_is_suspect_with_reason_crash(tmp_path):

@@ -113,3 +113,11 @@ def test_screening_gauge_is_one_while_the_window_is_open(tmp_path):
         server.stop()
         rig.close()
     assert seen == [1.0, 200]
+
+
+def test_a_taken_metrics_port_is_a_config_error_naming_it(served):
+    from screener.errors import ConfigError
+
+    rig, server = served
+    with pytest.raises(ConfigError, match=f"127.0.0.1:{server.port}.*metrics_port"):
+        MetricsServer(rig.metrics, "127.0.0.1", server.port)

@@ -7,6 +7,7 @@ Thin wrappers: parse options, call screener.kat / screener.golden / screener.bur
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any, Optional, Sequence
 
 import click
 
+from screener.errors import BadInputError
 from screener.types import ExitCode
 
 _DEVICE_HELP = "Device to screen: cpu, cuda:N or all (every GPU, or the CPU without one). Repeatable."
@@ -336,6 +338,8 @@ def burnin_cmd(devices: tuple[str, ...], jobs: tuple[str, ...], duration: Option
     from screener.kat import resolve_devices, resolve_jobs
 
     seconds = parse_duration(duration) if duration is not None else None
+    if report and not os.access(Path(report).resolve().parent, os.W_OK):
+        raise BadInputError(f"--report {report}: its folder does not exist or is not writable")
     specs = resolve_jobs(list(jobs), jobs_dir, quick_only=False)
     devs = resolve_devices(list(devices))
     n = iterations if iterations is not None else (None if seconds else DEFAULT_ITERATIONS)
@@ -343,7 +347,7 @@ def burnin_cmd(devices: tuple[str, ...], jobs: tuple[str, ...], duration: Option
         len(specs) * len(devs) * n if n and not seconds else None, seconds, always=True)
     from dataclasses import replace
 
-    from screener.burnin_full import BurninPlan, run_full_burnin
+    from screener.burnin import BurninPlan, run_full_burnin
 
     def known_answer() -> Any:
         try:
@@ -372,7 +376,10 @@ def burnin_cmd(devices: tuple[str, ...], jobs: tuple[str, ...], duration: Option
     rep = replace(full.kat, extra=full.extra())
     d = rep.to_dict()
     if report:
-        Path(report).write_text(json.dumps(d, indent=2, default=str) + "\n")
+        try:
+            Path(report).write_text(json.dumps(d, indent=2, default=str) + "\n")
+        except OSError as e:  # the burn-in itself is done; say so, without a traceback
+            raise BadInputError(f"--report {report}: cannot write it: {e.strerror or e}") from e
     if as_json:
         _echo_json(d)
     else:
@@ -381,7 +388,6 @@ def burnin_cmd(devices: tuple[str, ...], jobs: tuple[str, ...], duration: Option
 
 
 def _node_name() -> str:
-    import os
     import socket
 
     return os.environ.get("NODE_NAME", "").strip() or socket.gethostname()
@@ -389,9 +395,8 @@ def _node_name() -> str:
 
 def _burnin_store_and_probe(kind: str, db: Optional[str], kubeconfig: Optional[str],
                             probes: bool) -> tuple[Any, Any, list[Any]]:
-    """The store the burn-in moves the node in, and the probe function (see screener.burnin_full)."""
-    import os
-
+    """The store the burn-in moves the node in, and the probe function (see
+    screener.burnin.run_full_burnin)."""
     from screener.stores import open_store
 
     closers: list[Any] = []
