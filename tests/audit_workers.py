@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from screener import faults, synthetic
 from screener.audit import Auditor, NumericFailure, SDCAlarm, rollback_target
-from screener.fingerprint import digest, module_fingerprints
+from screener.fingerprint import digest, fingerprints
 
 SEED = 7
 SHAPE = dict(vocab=32, d_model=16, n_heads=2, d_ff=32, seq=8, n_layers=1)
@@ -51,14 +51,15 @@ def train(rank: int, *, steps: int, audit_every: int, weights_every: int, alarm_
           fault: Optional[Fault] = None, after_step: Optional[Callable[..., Any]] = None,
           reduce_hook: Optional[Callable] = None, group: Optional[dist.ProcessGroup] = None,
           loss_fn: Callable = compute_loss, batches: Callable = batch_fn,
-          start: int = 0, lr: float = 0.05, save_every: int = 0) -> dict[str, Any]:
+          start: int = 0, lr: float = 0.05, save_every: int = 0,
+          start_step: Optional[int] = None) -> dict[str, Any]:
     """Train the tiny LM under an Auditor; report the alarm (if any) and the state after it."""
     model = synthetic.make_model(SEED, **SHAPE)
     ddp = DDP(model, process_group=group)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     auditor = Auditor(ddp, loss_fn=loss_fn, batch_fn=batches, audit_every=audit_every,
                       weights_every=weights_every, process_group=group, reduce_hook=reduce_hook,
-                      alarm_dir=alarm_dir, job="t")
+                      alarm_dir=alarm_dir, job="t", start_step=start_step)
     out: dict[str, Any] = {"rank": rank, "alarm": None, "numeric": None, "steps_done": 0,
                            "weights_before_alarm": None, "saved": [], "rollback": None}
     ckpt_dir = Path(alarm_dir).parent / (Path(alarm_dir).name + "-ckpt")
@@ -73,6 +74,7 @@ def train(rank: int, *, steps: int, audit_every: int, weights_every: int, alarm_
         return path
 
     step = start
+    before: list[torch.Tensor] = []
     try:
         for step in range(start, start + steps):
             opt.zero_grad(set_to_none=True)
@@ -80,7 +82,7 @@ def train(rank: int, *, steps: int, audit_every: int, weights_every: int, alarm_
             with ctx:
                 loss = loss_fn(ddp, batches(rank, step))
                 loss.backward()
-            out["weights_before_alarm"] = digest(module_fingerprints(model))
+            before = [p.detach().clone() for p in model.parameters()]  # cheaper than a digest
             auditor.check_gradients(step, loss)
             opt.step()
             if after_step is not None:
@@ -98,7 +100,8 @@ def train(rank: int, *, steps: int, audit_every: int, weights_every: int, alarm_
     except NumericFailure as e:
         out["numeric"] = {"step": e.step, "ranks": list(e.ranks)}
     out["stopped_at"] = step
-    out["weights_after"] = digest(module_fingerprints(model))
+    out["weights_before_alarm"] = digest(fingerprints(before))
+    out["weights_after"] = digest(fingerprints(list(model.parameters())))
     out["weights_finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
     out["counters"] = dict(auditor.counters)
     out["replays"] = list(auditor._my_replays)
@@ -155,6 +158,11 @@ def fault_matrix(rank: int, world: int, root: str) -> dict[str, Any]:
     # A loss that is NaN because of the data: every replay reproduces it (numeric, not hardware).
     run("numeric", steps=6, audit_every=0, weights_every=0, loss_fn=poisoned_loss,
         batches=poisoned_batch_fn)
+
+    # Rank 3 alone is told training starts at step 1, so it records no fingerprints for audit
+    # step 0: every rank must skip that audit alike (not wait in a differently shaped gather).
+    run("uneven_start", steps=6, audit_every=2, weights_every=3,
+        start_step=1 if rank == 3 else None)
 
     # Only two nodes: a sub-group of ranks 0-3; ranks 4 and 5 sit this one out.
     sub = dist.new_group([0, 1, 2, 3])

@@ -4,21 +4,48 @@ Each rank gets NODE_NAME from `nodes` (so several simulated nodes share this mac
 its index on that node, one intra-op thread, and a gloo group rendezvousing on a free loopback port.
 The function runs as fn(rank, world_size, **kwargs); what it returns (picklable) comes back in rank
 order. A rank that raises fails the run with its traceback; a run past `timeout` is killed.
+
+Ranks are forked from this process, which has already imported torch, torch.distributed and
+torch._dynamo (DDP's constructor imports it): a spawned rank spends seconds importing them again.
+Forking is only safe from a single-threaded parent without a process group, so a parent that has
+either (another test left a group or its threads behind) spawns instead: slower, same result.
 """
 
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import pickle
 import socket
 import tempfile
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import torch
+import torch._dynamo  # noqa: F401 - imported once here, inherited by forked ranks
+import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel  # noqa: F401 - same
+
+
+def start_method() -> str:
+    """"fork" when this process can fork safely (one thread, no process group), else "spawn"."""
+    if "fork" not in mp.get_all_start_methods() or dist.is_initialized():
+        return "spawn"
+    gc.collect()  # a dead process group's threads go with its last reference
+    try:
+        threads = len(os.listdir("/proc/self/task"))
+    except OSError:
+        return "spawn"
+    if threads == 1:
+        return "fork"
+    warnings.warn(f"ddp_util: this process runs {threads} threads, so ranks are spawned (slow); "
+                  f"a test before this one left threads behind", stacklevel=3)
+    return "spawn"
 
 
 def free_port() -> int:
@@ -35,9 +62,6 @@ def _entry(rank: int, fn: Callable[..., Any], nodes: Sequence[str], port: int, o
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world), "LOCAL_RANK": str(local), "NODE_NAME": node,
                        "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", **env})
-    import torch
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
@@ -60,7 +84,7 @@ def run_ranks(fn: Callable[..., Any], nodes: Sequence[str], *, timeout: float = 
     with tempfile.TemporaryDirectory() as outdir:
         ctx = mp.start_processes(_entry, args=(fn, list(nodes), free_port(), outdir, env or {},
                                                kwargs),
-                                 nprocs=len(nodes), join=False, start_method="spawn")
+                                 nprocs=len(nodes), join=False, start_method=start_method())
         deadline = time.monotonic() + timeout
         try:
             while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):

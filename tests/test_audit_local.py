@@ -63,17 +63,22 @@ def test_hook_records_each_local_gradient_by_parameter_across_bucket_rebuilds(gr
     assert buckets[0] == 1 and buckets[1] > 1  # DDP's first-iteration bucket, then the rebuild
 
 
-def test_replay_matches_the_real_backward_and_leaves_grad_rng_and_buffers_alone(group):
-    model = synthetic.make_model(3, **SHAPE)
-    model.register_buffer("counter", torch.zeros(3))
-    original_forward = model.forward
+class _Stateful(torch.nn.Module):
+    """A model whose forward mutates a buffer and draws random numbers, as dropout/BatchNorm do."""
 
-    def forward(tokens):  # a forward that mutates a buffer and draws random numbers
-        model.counter.add_(1)
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = synthetic.make_model(3, **SHAPE)
+        self.register_buffer("counter", torch.zeros(3))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.counter.add_(1)
         torch.rand(4)
-        return original_forward(tokens)
+        return self.lm(tokens)
 
-    model.forward = forward
+
+def test_replay_matches_the_real_backward_and_leaves_grad_rng_and_buffers_alone(group):
+    model = _Stateful()
     params = list(model.parameters())
     batch = batch_fn(0, 5)
     torch.manual_seed(0)

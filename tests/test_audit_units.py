@@ -257,6 +257,9 @@ def test_rollback_target_takes_the_newest_verified_checkpoint_before_the_suspect
     paths[40].unlink()  # a verified checkpoint that is gone does not count
     assert rollback_target(listing, 41) == paths[20]
     assert read_marker(paths[20])["step"] == 20
+    later = marker_path(paths[20]).stat().st_mtime_ns + 2_000_000_000
+    os.utime(paths[20], ns=(later, later))  # the same path saved again, without verified_save
+    assert read_marker(paths[20]) is None and rollback_target(listing, 41) == paths[10]
     marker_path(paths[10]).write_text(json.dumps({"schema": 1, "checkpoint": "other", "step": 10}))
     assert read_marker(paths[10]) is None  # a marker copied next to another file is not trusted
 

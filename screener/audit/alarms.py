@@ -40,7 +40,7 @@ from typing import Any, Mapping, Optional, Sequence
 from screener.types import ALARM_DIR_ENV, DEFAULT_ALARM_DIR, AlarmRecord, SuspectNode
 
 __all__ = ["SDCAlarm", "NumericFailure", "CHECKS", "alarm_dir", "node_records",
-           "write_alarm_file", "log_json"]
+           "write_alarm_file", "write_atomic", "log_json"]
 
 log = logging.getLogger("screener.audit")
 
@@ -168,13 +168,10 @@ def node_records(alarm: SDCAlarm, node_of: Mapping[int, str],
     return records
 
 
-def write_alarm_file(record: AlarmRecord, directory: str | os.PathLike[str]) -> Path:
-    """Write `<alarm_id>.json` atomically into directory (created if missing); raises OSError."""
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    final = d / f"{record.alarm_id}.json"
-    data = json.dumps(record.to_dict(), sort_keys=True, default=str).encode()
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{record.alarm_id}.", suffix=".tmp")
+def write_atomic(final: Path, data: bytes) -> None:
+    """Write a file so readers see all of it or nothing: temp file in the same directory, fsync,
+    os.replace, then fsync of the directory. Raises OSError."""
+    fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -188,13 +185,21 @@ def write_alarm_file(record: AlarmRecord, directory: str | os.PathLike[str]) -> 
             pass
         raise
     try:  # make the rename itself durable; not every filesystem lets a directory be opened
-        dfd = os.open(d, os.O_RDONLY)
+        dfd = os.open(final.parent, os.O_RDONLY)
         try:
             os.fsync(dfd)
         finally:
             os.close(dfd)
     except OSError:
         pass
+
+
+def write_alarm_file(record: AlarmRecord, directory: str | os.PathLike[str]) -> Path:
+    """Write `<alarm_id>.json` atomically into directory (created if missing); raises OSError."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    final = d / f"{record.alarm_id}.json"
+    write_atomic(final, json.dumps(record.to_dict(), sort_keys=True, default=str).encode())
     return final
 
 

@@ -72,6 +72,7 @@ log = logging.getLogger("screener.audit")
 _UNKNOWN = -1  # fingerprints recorded for a backward whose step was not known in advance
 _GROUP = object()  # reduce_state default: the auditor's process group
 _MAX_NAMES = 8  # parameter names listed in evidence per disagreement
+_OK, _FAILED, _NOT_RECORDED = 0, 1, 2  # a rank's status on an audit step
 
 
 class AuditError(RuntimeError):
@@ -252,23 +253,31 @@ class Auditor:
         head = torch.stack([self._loss_value(loss),
                             stats.local_norm.to(self._comm, torch.float64),
                             stats.reduced_norm.to(self._comm, torch.float64)])
-        audit = self.is_audit_step(step)
-        if audit and (stats.grad_fingerprints is None or stats.step not in (step, _UNKNOWN)):
-            self.counters["audits_skipped"] += 1
-            log.info("screener.audit: step %d not audited (gradient fingerprints were not "
-                     "recorded for it: steps not consecutive?)", step)
-            audit = False
-        if not audit:
+        if not self.is_audit_step(step):
             self._judge_nonfinite(step, gather(head, self.group, self._comm))  # (world, 3)
             return
-        assert stats.grad_fingerprints is not None
-        mine, error = self._replay_mine(step, loss, stats.grad_fingerprints)
-        first = torch.cat([head.cpu().view(torch.int64),
-                           torch.tensor([1 if error is not None else 0], dtype=torch.int64)])
+        # Every rank sends the same shape on an audit step, whatever happened here: a rank whose
+        # fingerprints were not recorded says so, and all ranks skip the comparison alike (a
+        # rank-local decision to send less would leave the others waiting in a different gather).
+        recorded = stats.grad_fingerprints is not None and stats.step in (step, _UNKNOWN)
+        error: Optional[BaseException] = None
+        if recorded:
+            assert stats.grad_fingerprints is not None
+            mine, error = self._replay_mine(step, loss, stats.grad_fingerprints)
+        else:
+            mine = torch.zeros(1 + self._max_replays, 1 + len(self._grad_params), 2,
+                               dtype=torch.int64)
+        status = _NOT_RECORDED if not recorded else _FAILED if error is not None else _OK
+        first = torch.cat([head.cpu().view(torch.int64), torch.tensor([status])])
         payload = torch.cat([first.unsqueeze(0), ring.record_digest(mine)])  # (2 + M, 4)
         got = gather(payload, self.group, self._comm)  # (world, 2 + M, 4)
         self._judge_nonfinite(step, got[:, 0, :3].contiguous().view(torch.float64))
-        self._check_errors(got[:, 0, 3], error, step, "the ring replay")
+        self._check_errors(got[:, 0, 3] == _FAILED, error, step, "the ring replay")
+        if bool((got[:, 0, 3] == _NOT_RECORDED).any()):
+            self.counters["audits_skipped"] += 1
+            log.info("screener.audit: step %d not audited (gradient fingerprints were not "
+                     "recorded for it on some rank: steps not consecutive?)", step)
+            return
         index = self.topology.index_of
         digests = got[:, 1:]
         mismatched = [o for o, r in sorted(self._plan.items()) if r is not None
@@ -451,13 +460,14 @@ class Auditor:
             assert r is not None
             a, b = got[index(o), 0], got[index(r), 1 + self._slot[o]]
             c = got[index(ref), 1 + m + ref_slot[o]] if ref is not None else None
+            differ = ring.differing_rows(a, b)
             case: dict[str, Any] = {
                 "owner": o, "replayer": r, "referee": ref,
                 "loss": {"owner": ring.bits_to_float(int(a[0, 0])),
                          "replayer": ring.bits_to_float(int(b[0, 0]))},
                 "loss_bits": {"owner": _hex64(int(a[0, 0])), "replayer": _hex64(int(b[0, 0]))},
-                "differs": self._row_names(ring.differing_rows(a, b)),
-                "n_differ": len(ring.differing_rows(a, b)),
+                "differs": self._row_names(differ),
+                "n_differ": len(differ),
             }
             if c is not None:
                 case["loss"]["referee"] = ring.bits_to_float(int(c[0, 0]))

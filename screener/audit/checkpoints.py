@@ -4,17 +4,18 @@
 the path it wrote, drops a marker file next to it: `<checkpoint>.screener-verified.json` holding the
 step and the digest of the verified weight fingerprints. The marker is written after the save
 returns, atomically, so a save that crashed halfway leaves no marker. `rollback_target` trusts only
-checkpoints with a marker.
+checkpoints with a marker at least as new as the checkpoint itself.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterable, Optional, Union
+
+from screener.audit.alarms import write_atomic
 
 __all__ = ["MARKER_SUFFIX", "marker_path", "write_marker", "read_marker", "rollback_target"]
 
@@ -35,26 +36,19 @@ def write_marker(checkpoint: PathLike, *, step: int, weights_digest: str, job: s
     body = json.dumps({"schema": _SCHEMA, "checkpoint": Path(checkpoint).name, "step": int(step),
                        "weights_digest": weights_digest, "job": job, "created": time.time()},
                       sort_keys=True).encode()
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(body)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    write_atomic(target, body)
     return target
 
 
 def read_marker(checkpoint: PathLike) -> Optional[dict[str, Any]]:
-    """The marker of a checkpoint, or None when it has none or the marker is not for it."""
+    """The marker of a checkpoint, or None when it has none, the marker is not for it, or the
+    checkpoint was written again after its marker (a path reused by a save that was not verified,
+    such as `latest.pt`)."""
+    marker = marker_path(checkpoint)
     try:
-        d = json.loads(marker_path(checkpoint).read_text())
+        d = json.loads(marker.read_text())
+        if Path(checkpoint).stat().st_mtime_ns > marker.stat().st_mtime_ns:
+            return None
     except (OSError, ValueError):
         return None
     if not isinstance(d, dict) or d.get("schema") != _SCHEMA:

@@ -15,7 +15,9 @@ Replay computes loss and gradients of another rank's micro-batch on the unwrappe
 `torch.autograd.grad`, so the real .grad is untouched; it runs under `torch.random.fork_rng`, so the
 training loop's RNG streams do not move, and restores every buffer afterwards (a BatchNorm forward in
 training mode would otherwise update running statistics). For the bits to match, the forward must be
-a deterministic function of weights and batch (no dropout, or dropout seeded from the batch), with
+a deterministic function of weights and batch (no dropout, or dropout seeded from the batch), and
+loss_fn must hold everything the training step wraps the forward in (torch.autocast, for one: a
+replay runs outside the training loop's context managers, and the loss is not rescaled), with
 deterministic kernels (CUDA: torch.use_deterministic_algorithms and CUBLAS_WORKSPACE_CONFIG) and the
 same intra-op thread count on every rank (CPU).
 

@@ -211,17 +211,23 @@ def drill_cmd(workdir: Optional[str], kubeconfig: Optional[str], nodes: tuple[st
 
     from screener.drill import DEFAULT_NODES, DrillOptions, run_drill, with_nodes
 
-    logging.getLogger().setLevel(logging.ERROR)  # the audit's alarm log lines are expected here
     if kubeconfig and not nodes:
         raise click.UsageError("with --kubeconfig, name the three real nodes with --node")
     options = with_nodes(DrillOptions(steps=steps, fault_step=fault_step), nodes or DEFAULT_NODES,
                          faulty)
-    if workdir:
-        Path(workdir).mkdir(parents=True, exist_ok=True)
-        report = run_drill(options, workdir, kubeconfig=kubeconfig)
-    else:
-        with tempfile.TemporaryDirectory(prefix="screener-drill-") as tmp:
-            report = run_drill(options, tmp, kubeconfig=kubeconfig)
+    # The audit's alarm log lines are expected here: quiet them for the drill, and only for it.
+    audit_log = logging.getLogger("screener.audit")
+    saved_level = audit_log.level
+    audit_log.setLevel(logging.ERROR)
+    try:
+        if workdir:
+            Path(workdir).mkdir(parents=True, exist_ok=True)
+            report = run_drill(options, workdir, kubeconfig=kubeconfig)
+        else:
+            with tempfile.TemporaryDirectory(prefix="screener-drill-") as tmp:
+                report = run_drill(options, tmp, kubeconfig=kubeconfig)
+    finally:
+        audit_log.setLevel(saved_level)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2, default=str))
     else:
