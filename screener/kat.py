@@ -488,7 +488,9 @@ def judge(runs: Mapping[str, DeviceRun], specs: Sequence[JobSpec], golden: Golde
     """
     for run in runs.values():
         if run.status == "bad_input":
-            raise BadInputError(f"device {run.device}: {run.detail.split(': ', 2)[-1]}")
+            msg = run.detail.split(": ", 2)[-1]
+            named = msg.startswith((f"device {run.device}", f"device {run.device!r}"))
+            raise BadInputError(msg if named else f"device {run.device}: {msg}")
         if run.status == "screener_error":
             raise ScreenerError(f"device {run.device}: the screener failed: {run.detail}\n"
                                 f"{run.stderr_tail}".rstrip())
