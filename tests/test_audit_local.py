@@ -133,6 +133,35 @@ def test_nan_inside_the_allreduce_stops_the_step_and_drops_an_unsettled_alarm(gr
     assert rec.evidence["candidate_ranks"] == [0]
 
 
+def test_the_clip_norm_can_stand_in_for_the_hooks_reduced_check(group, tmp_path):
+    """check_reduced=False plus grad_norm from clip_grad_norm_: one gradient pass per step, and a
+    NaN made inside the all-reduce is still caught before the optimizer step."""
+    model, ddp, opt, auditor = _auditor(
+        tmp_path, check_reduced=False,
+        reduce_hook=faults.corrupt_allreduce(rank=0, calls={2}, element=3))
+    with pytest.raises(SDCAlarm) as info:
+        for step in range(5):
+            opt.zero_grad(set_to_none=True)
+            loss = synthetic.compute_loss(ddp, batch_fn(0, step))
+            loss.backward()
+            before = fingerprints(list(model.parameters()))
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e9)
+            auditor.check_gradients(step, loss, grad_norm=norm)
+            opt.step()
+    alarm = info.value
+    assert (alarm.check, alarm.step, alarm.settled) == ("nonfinite_reduced", 2, False)
+    assert torch.equal(fingerprints(list(model.parameters())), before)  # step 2 never applied
+    # Without the clip norm and with the hook's check off, nothing looks at the reduced gradient:
+    # the option really does remove the hook's pass (the clip norm is what caught it above).
+    model, ddp, opt, auditor = _auditor(
+        tmp_path, check_reduced=False, alarm_dir=tmp_path / "alarms2",
+        reduce_hook=faults.corrupt_allreduce(rank=0, calls={0}, element=3))
+    synthetic.compute_loss(ddp, batch_fn(0, 0)).backward()
+    auditor.check_gradients(0, torch.tensor(1.0))
+    with pytest.raises(ValueError, match="scalar grad_norm"):
+        auditor.check_gradients(1, torch.tensor(1.0), grad_norm=torch.ones(2))
+
+
 def test_an_unwritable_alarm_directory_is_logged_and_the_alarm_still_raised(group, tmp_path,
                                                                           caplog):
     blocker = tmp_path / "not-a-dir"

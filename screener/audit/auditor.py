@@ -237,8 +237,14 @@ class Auditor:
 
     # ---- check 1 and check 2 -----------------------------------------------------------------
 
-    def check_gradients(self, step: int, loss: torch.Tensor | float) -> None:
+    def check_gradients(self, step: int, loss: torch.Tensor | float,
+                        grad_norm: torch.Tensor | float | None = None) -> None:
         """After backward, before optimizer.step(): check 1, and check 2 on audit steps.
+
+        grad_norm: the total norm of the reduced gradient when the loop already computes it
+        (the return value of clip_grad_norm_). Given it, construct the Auditor with
+        check_reduced=False: the hook then skips its own pass over the reduced buckets, so a
+        step without an audit reads the gradients once.
 
         Collective: every rank of the group calls it at every step. Raises SDCAlarm (or
         NumericFailure for a non-finite loss no hardware explains) on every rank alike.
@@ -250,9 +256,10 @@ class Auditor:
         stats = self._recorder.take(self.device)
         self._recorder.record_step = step + 1 if self.is_audit_step(step + 1) else None
         self.counters["steps"] += 1
+        reduced = stats.reduced_norm if grad_norm is None else self._scalar(grad_norm, "grad_norm")
         head = torch.stack([self._loss_value(loss),
                             stats.local_norm.to(self._comm, torch.float64),
-                            stats.reduced_norm.to(self._comm, torch.float64)])
+                            reduced.to(self._comm, torch.float64)])
         if not self.is_audit_step(step):
             self._judge_nonfinite(step, gather(head, self.group, self._comm))  # (world, 3)
             return
@@ -288,12 +295,15 @@ class Auditor:
         self.counters["audits"] += 1
 
     def _loss_value(self, loss: torch.Tensor | float) -> torch.Tensor:
-        if isinstance(loss, torch.Tensor):
-            if loss.numel() != 1:
-                raise ValueError(f"check_gradients needs the scalar loss, got shape "
-                                 f"{tuple(loss.shape)}")
-            return loss.detach().reshape(()).to(self._comm, torch.float64)
-        return torch.tensor(float(loss), dtype=torch.float64, device=self._comm)
+        return self._scalar(loss, "loss")
+
+    def _scalar(self, value: torch.Tensor | float, what: str) -> torch.Tensor:
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                raise ValueError(f"check_gradients needs the scalar {what}, got shape "
+                                 f"{tuple(value.shape)}")
+            return value.detach().reshape(()).to(self._comm, torch.float64)
+        return torch.tensor(float(value), dtype=torch.float64, device=self._comm)
 
     def _per_rank(self, column: torch.Tensor, ranks: Sequence[int]) -> dict[str, Any]:
         index = self.topology.index_of
