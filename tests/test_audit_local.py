@@ -4,6 +4,8 @@ an unwritable alarm directory, verified_save and rollback."""
 
 from __future__ import annotations
 
+import gc
+
 import datetime
 import json
 import logging
@@ -35,6 +37,10 @@ def group(tmp_path_factory):
     dist.init_process_group("gloo", store=store, rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=30))
     yield dist.group.WORLD
+    # DDP models and auditors of this module sit in reference cycles (hooks, closures): free them
+    # while their process group is alive, not in some later test's garbage collection, where a
+    # Reducer's destructor would tear down a gloo group that is already destroyed.
+    gc.collect()
     dist.destroy_process_group()
 
 

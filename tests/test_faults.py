@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import socket
 
 import pytest
@@ -193,4 +194,6 @@ def test_corrupt_allreduce_hook_in_ddp():
         grads, fired = results[1]  # another rank is targeted: nothing happens here
         assert not fired and all(torch.isfinite(g).all() for g in grads)
     finally:
+        model = hook = None
+        gc.collect()  # free the DDP reducers while their process group is still alive
         dist.destroy_process_group()
