@@ -7,12 +7,22 @@ Nothing here reads a clock, a file or the network; stores and the daemon do that
 
 Inputs and what they do:
   * a new node (current state None) starts in burnin;
-  * known-answer verdicts: all pass -> a burnin or suspect node becomes healthy (the only way a node
-    is ever cleared); a mismatch confirmed by a re-run, or a mismatch on a node already suspect (the
+  * known-answer verdicts: all pass -> a suspect node that had earned healthy becomes healthy again
+    (the quick screen re-verifies); a burnin node, or a suspect node that never earned healthy since
+    it last entered burnin, becomes healthy only on a FULL burn-in (KatScreen.kind == "full"); a
+    partial burn-in or a quick screen never clears it. While a persisting condition
+    (KatScreen.conditions: a pending row remap, a remap failure, retired pages over the threshold,
+    a GPU off the bus, an unrecovered critical Xid) is present, no pass clears anything. A mismatch confirmed by a re-run, or a mismatch on a node already suspect (the
     confirming screen failed) -> quarantined; a single unconfirmed mismatch -> suspect, and a
     confirming screen is requested; inconclusive changes nothing;
-  * probe findings: critical -> quarantined; warning or suspect -> suspect; ok/info -> nothing (clean
-    telemetry never clears a node);
+  * probe findings: critical -> quarantined, or repair for the codes that mean the GPU must leave
+    service (row remap failure, recurring uncorrectable ECC, retired pages over the threshold);
+    warning or suspect -> suspect (a pending row remap or pending page retirement: reason "reset
+    required"); ok/info -> nothing (clean telemetry never clears a node). The daemon re-applies a
+    persisting condition on every probe (level-triggered), which is a no-op while the node is out;
+  * a straggler alarm (check "straggler") -> suspect with the detector's figures as evidence;
+  * adoption (Adopted): a node found serving on a running fleet with no state -> healthy, marked
+    unscreened; its first quick screen follows at its next idle window;
   * in-job alarms: settled -> quarantined; unsettled -> suspect;
   * remediation of a quarantined node (deep health check, GPU reset): passed -> burnin, failed -> repair;
   * a person's command, checked against the same table; repair is left only this way.
@@ -44,6 +54,22 @@ EVIDENCE_CONFIRMED = "confirmed"  # Verdict.evidence: True when the mismatch rep
 EVIDENCE_GPU_SERIAL = "gpu_serial"  # a single serial (Verdict/Finding/AlarmRecord evidence)
 EVIDENCE_GPU_SERIALS = "gpu_serials"  # a list of serials
 EVIDENCE_HELD_BY_BUDGET = "held_by_budget"  # on a transition into suspect held by the budget
+EVIDENCE_SERIAL = "serial"  # where probe findings (GpuSnapshot.identity) carry the GPU's serial
+
+# What a known-answer screen was (KatScreen.kind; also in the verdict annotation).
+KIND_QUICK = "quick"  # the daemon's idle-time screen: re-verifies a node that earned healthy
+KIND_FULL = "full"  # a complete burn-in (every stage, the configured duration): earns healthy
+KIND_PARTIAL = "partial"  # a burn-in with a stage or the duration missing: clears nothing
+SCREEN_KINDS = (KIND_QUICK, KIND_FULL, KIND_PARTIAL)
+
+# Finding codes that mean the GPU must leave service for repair (the seeds: "a remap failure, or
+# an uncorrectable error that keeps coming back, means remove the GPU from service").
+REPAIR_CODES = frozenset({"row_remap_failure", "ecc_uncorrectable_recurring",
+                          "retired_pages_over_threshold"})
+# Finding codes that a GPU reset (or reboot) clears: the node stays out until they are gone.
+RESET_CODES = frozenset({"row_remap_pending", "retired_pages_pending"})
+# Alarm check of a persistent straggler (screener.straggler.write_straggler_alarm).
+STRAGGLER_CHECK = "straggler"
 
 # Condition/Event reasons for transitions that are not about a particular check.
 CODE_NEW_NODE = "NewNode"
@@ -53,6 +79,9 @@ CODE_BUDGET = "QuarantineBudgetExhausted"
 CODE_REMEDIATED = "RemediationPassed"
 CODE_REMEDIATION_FAILED = "RemediationFailed"
 CODE_MANUAL = "ManualDecision"
+CODE_RESET_REQUIRED = "ResetRequired"
+CODE_ADOPTED = "AdoptedUnscreened"
+CODE_STRAGGLER = "Straggler"
 
 
 class Action(str, enum.Enum):
@@ -80,6 +109,7 @@ TRANSITIONS: Mapping[tuple[Optional[NodeState], NodeState], frozenset[Trigger]] 
     (None, S.SUSPECT): frozenset({H}),
     (None, S.QUARANTINED): frozenset({H}),
     (None, S.REPAIR): frozenset({H}),
+    (None, S.HEALTHY): frozenset({A}),  # adoption of a node already serving (Adopted)
     (S.BURNIN, S.HEALTHY): frozenset({A}),
     (S.BURNIN, S.SUSPECT): frozenset({A, H}),
     (S.BURNIN, S.QUARANTINED): frozenset({A, H}),
@@ -198,10 +228,16 @@ class KatScreen:
 
     confirmed: the runner already re-ran a mismatching job and it mismatched again. A verdict can
     also say so itself with evidence {"confirmed": true}.
+    kind: KIND_QUICK (the daemon's screen), KIND_FULL (a complete burn-in) or KIND_PARTIAL (a
+      burn-in missing a stage or its duration). Only a full one makes a burnin node healthy.
+    conditions: persisting conditions present when the screen ended (findings whose cause is still
+      there); while any is present a pass clears nothing.
     """
 
     verdicts: tuple[Verdict, ...]
     confirmed: bool = False
+    kind: str = KIND_QUICK
+    conditions: tuple[Finding, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -209,6 +245,14 @@ class Findings:
     """Findings from the node's probes (NVML, kernel log, host)."""
 
     findings: tuple[Finding, ...]
+
+
+@dataclass(frozen=True)
+class Adopted:
+    """A node with no state found already serving on a running fleet (the daemon's adoption rule):
+    it becomes healthy without a screen, marked unscreened, and is screened at its next idle window."""
+
+    why: str
 
 
 @dataclass(frozen=True)
@@ -229,7 +273,7 @@ class HumanCommand:
     user: str = ""  # who, if known; the actor is always "human"
 
 
-Event = Union[NodeSeen, KatScreen, Findings, Remediation, HumanCommand, AlarmRecord, Verdict,
+Event = Union[NodeSeen, Adopted, KatScreen, Findings, Remediation, HumanCommand, AlarmRecord, Verdict,
               Sequence[Verdict], Sequence[Finding]]
 
 
@@ -279,6 +323,44 @@ def _dedupe(items: Sequence[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(items))
 
 
+def local_serials(evidence: Mapping[str, Any], known: Sequence[str]) -> dict[str, Any]:
+    """Evidence with its GPU serials reduced to those this node's NVML reports (`known`).
+
+    The serial a probe finding names (under "serial", from GpuSnapshot.identity) or an alarm names
+    (under "gpu_serial"/"gpu_serials") becomes "gpu_serials", the key the lemon rule reads, only
+    when it is one of `known`; a serial of another node's GPU is dropped (and noted under
+    "foreign_serials") so it can never count against a GPU here.
+    """
+    out = dict(evidence)
+    named: list[str] = []
+    for key in (EVIDENCE_SERIAL, EVIDENCE_GPU_SERIAL):
+        v = out.pop(key, None) if key == EVIDENCE_GPU_SERIAL else out.get(key)
+        if isinstance(v, (str, int)) and str(v):
+            named.append(str(v))
+    many = out.pop(EVIDENCE_GPU_SERIALS, None)
+    if isinstance(many, (list, tuple)):
+        named.extend(str(x) for x in many if isinstance(x, (str, int)) and str(x))
+    mine = set(str(k) for k in known if k)
+    ok = _dedupe([x for x in named if x in mine])
+    foreign = _dedupe([x for x in named if x not in mine])
+    if ok:
+        out[EVIDENCE_GPU_SERIALS] = list(ok)
+    if foreign:
+        out["foreign_serials"] = list(foreign)
+    return out
+
+
+def earned_healthy(history: Sequence[Transition]) -> bool:
+    """Whether the node has been healthy since it last entered burnin (by a full burn-in, a pass
+    that cleared it, or adoption): only then may the quick screen clear it again."""
+    for t in reversed(history):
+        if t.to_state == S.HEALTHY:
+            return True
+        if t.to_state == S.BURNIN:
+            return False
+    return False
+
+
 @dataclass(frozen=True)
 class _Signal:
     """An automatic input reduced to what the policy needs."""
@@ -324,9 +406,11 @@ def _classify(event: Any, current: Optional[NodeState]) -> _Signal:
                            f"known-answer mismatch on {devices}{where}, not yet re-run",
                            evidence, serials)
         if event.verdicts and all(v.outcome == Outcome.PASS for v in event.verdicts):
+            what = {KIND_FULL: "full burn-in", KIND_PARTIAL: "partial burn-in"}.get(
+                event.kind, "known-answer screen")
             return _Signal("pass", CODE_KAT_PASSED,
-                           f"known-answer screen passed on {len(event.verdicts)} device(s)",
-                           {"verdicts": verdicts})
+                           f"{what} passed on {len(event.verdicts)} device(s)",
+                           {"verdicts": verdicts, "screen_kind": event.kind})
         return _Signal("none", "", "known-answer screen inconclusive; an inconclusive screen "
                        "never clears or blames a node", {"verdicts": verdicts})
 
@@ -342,8 +426,28 @@ def _classify(event: Any, current: Optional[NodeState]) -> _Signal:
         if worst.severity >= Severity.CRITICAL:
             return _Signal("failure", camel(worst.code), text, evidence, serials)
         if worst.severity >= Severity.WARNING:
+            reset = [f for f in relevant if f.code in RESET_CODES]
+            if reset:
+                # A pending remap takes effect only at a GPU reset: the node stays out until then.
+                return _Signal("ambiguous", CODE_RESET_REQUIRED,
+                               f"reset required: {reset[0].message}", evidence, serials)
             return _Signal("ambiguous", camel(worst.code), text, evidence, serials)
         return _Signal("none", "", "clean telemetry never clears or blames a node", {})
+
+    if isinstance(event, AlarmRecord) and event.check == STRAGGLER_CHECK:
+        # A straggler is slow, not wrong: never a failure, always the confirming screen.
+        figures = {k: event.evidence.get(k) for k in ("slowdown", "score", "consecutive",
+                                                      "median", "duration", "window", "k")
+                   if k in event.evidence}
+        evidence = {"alarm": event.to_dict(), "straggler": figures}
+        slow = figures.get("slowdown")
+        text = (f"straggler at step {event.step}" + (f" of job {event.job}" if event.job else "")
+                + (f": {float(slow):.0%} slower than the median" if isinstance(slow, (int, float))
+                   else "") + (f" for {figures['consecutive']} steps" if "consecutive" in figures
+                               else ""))
+        return _Signal("ambiguous", CODE_STRAGGLER, text, evidence,
+                       _dedupe(_serials(event.evidence)), step=event.step, job=event.job or None,
+                       since=event.created if event.created > 0 else None)
 
     if isinstance(event, AlarmRecord):
         code = ALARM_CHECK_REASONS.get(event.check, camel(event.check))
@@ -414,6 +518,15 @@ def decide(node: str, current: Optional[NodeState], event: Any, *, now: float,
                        evidence=evidence, actions=actions)
         return Decision(state=event.to_state, transitions=(t,), actions=actions)
 
+    if isinstance(event, Adopted):
+        if current is not None:
+            return Decision(state=current, note="known node: adoption applies only to a new one")
+        t = Transition(node=node, time=now, from_state=None, to_state=S.HEALTHY,
+                       reason=f"adopted as healthy but not yet screened: {event.why}; screened at "
+                              "its next idle window", code=CODE_ADOPTED,
+                       evidence={"adopted": True, "why": event.why, "screen_kind": "unscreened"})
+        return Decision(state=S.HEALTHY, transitions=(t,))
+
     if current is None:
         t = Transition(node=node, time=now, from_state=None, to_state=S.BURNIN,
                        reason="new node: screened before it takes work", code=CODE_NEW_NODE,
@@ -462,12 +575,20 @@ def decide(node: str, current: Optional[NodeState], event: Any, *, now: float,
         return stay(sig.reason)
 
     if sig.kind == "pass":
-        if current in (S.BURNIN, S.SUSPECT):
-            if current == S.SUSPECT and _held_by_budget(history):
-                return stay("a passing screen does not clear a node held suspect by the quarantine "
-                            "budget: a person decides", (Action.ALERT_BUDGET_EXHAUSTED,))
-            return move(S.HEALTHY, sig.reason, sig.code, sig.evidence)
-        return stay(f"passing screen changes nothing for a {current.value} node")
+        kind = event.kind if isinstance(event, KatScreen) else KIND_QUICK
+        conditions = event.conditions if isinstance(event, KatScreen) else ()
+        if current not in (S.BURNIN, S.SUSPECT):
+            return stay(f"passing screen changes nothing for a {current.value} node")
+        if current == S.SUSPECT and _held_by_budget(history):
+            return stay("a passing screen does not clear a node held suspect by the quarantine "
+                        "budget: a person decides", (Action.ALERT_BUDGET_EXHAUSTED,))
+        if conditions:
+            what = "; ".join(f"{c.code}" + (f" on GPU {c.gpu}" if c.gpu else "") for c in conditions)
+            return stay(f"a passing screen clears nothing while a condition persists: {what}")
+        if kind != KIND_FULL and not (current == S.SUSPECT and earned_healthy(history)):
+            return stay(f"a {kind} screen passed, but only a full burn-in makes a node healthy "
+                        f"that has not earned it since it entered burnin", (Action.START_BURNIN,))
+        return move(S.HEALTHY, sig.reason, sig.code, sig.evidence)
 
     if current == S.REPAIR:
         return stay("a node in repair is left only by a person")
@@ -484,7 +605,9 @@ def decide(node: str, current: Optional[NodeState], event: Any, *, now: float,
     # A confirmed failure: quarantine, or repair under the lemon rule, within the budget.
     assert sig.kind == "failure"
     lemon = _lemon(node, sig.serials, history, failures, now, policy)
-    target = S.REPAIR if lemon else S.QUARANTINED
+    must_repair = isinstance(event, Findings) and any(
+        f.code in REPAIR_CODES and f.severity >= Severity.CRITICAL for f in event.findings)
+    target = S.REPAIR if lemon or must_repair else S.QUARANTINED
     if current == target:
         return stay(f"already {current.value}")
     reason = sig.reason

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from screener.errors import ConfigError, TransitionRefused
 from screener.lifecycle import (DEFAULT_POLICY, TRANSITIONS, Action, FleetCounts, Findings,
                                 HumanCommand, KatScreen, LifecyclePolicy, NodeSeen, Remediation,
-                                Trigger, camel, decide)
+                                Trigger, camel, decide, earned_healthy)
 from screener.stores.base import Transition
 from screener.types import (AlarmRecord, Finding, NodeState, Outcome, Severity, SuspectNode,
                             Verdict)
@@ -37,6 +37,9 @@ def finding(sev: Severity, code: str = "row_remap_failure", **evidence: object) 
 
 
 KAT_PASS = KatScreen((verdict(Outcome.PASS), verdict(Outcome.PASS, "cuda:1")))
+FULL_PASS = KatScreen(KAT_PASS.verdicts, kind="full")
+PARTIAL_PASS = KatScreen(KAT_PASS.verdicts, kind="partial")
+PENDING = Finding(Severity.SUSPECT, "row_remap_pending", "GPU 1: a row remap is pending", gpu="1")
 KAT_MISMATCH = KatScreen((verdict(Outcome.PASS), verdict(Outcome.SUSPECT, "cuda:1")))
 KAT_CONFIRMED = KatScreen((verdict(Outcome.SUSPECT, confirmed=True),))
 KAT_INCONCLUSIVE = KatScreen((verdict(Outcome.INCONCLUSIVE),))
@@ -49,20 +52,27 @@ RCS, DHC, SB, RR, ABE = (Action.REQUEST_CONFIRMING_SCREEN.value, Action.DEEP_HEA
 TABLE = [
     ("new node", None, NodeSeen(), [S.BURNIN], (SB,)),
     ("known node seen", S.HEALTHY, NodeSeen(), [], ()),
-    ("burn-in passes", S.BURNIN, KAT_PASS, [S.HEALTHY], ()),
+    ("full burn-in passes", S.BURNIN, FULL_PASS, [S.HEALTHY], ()),
+    ("quick screen never clears burnin", S.BURNIN, KAT_PASS, [], (SB,)),
+    ("partial burn-in never clears burnin", S.BURNIN, PARTIAL_PASS, [], (SB,)),
+    ("full pass with a pending remap", S.BURNIN, KatScreen(FULL_PASS.verdicts, kind="full",
+                                                           conditions=(PENDING,)), [], ()),
+    ("pending remap: reset required", S.HEALTHY, Findings((PENDING,)), [S.SUSPECT], (RCS,)),
+    ("remap failure goes to repair", S.HEALTHY, finding(Severity.CRITICAL), [S.REPAIR], (RR,)),
+    ("critical xid quarantines", S.HEALTHY, finding(Severity.CRITICAL, "xid"), [S.QUARANTINED], (DHC,)),
     ("burn-in single mismatch", S.BURNIN, KAT_MISMATCH, [S.SUSPECT], (RCS,)),
     ("burn-in confirmed mismatch", S.BURNIN, KAT_CONFIRMED, [S.QUARANTINED], (DHC,)),
     ("burn-in inconclusive", S.BURNIN, KAT_INCONCLUSIVE, [], ()),
     ("unsettled alarm", S.HEALTHY, alarm(False), [S.SUSPECT], (RCS,)),
     ("settled alarm", S.HEALTHY, alarm(True), [S.QUARANTINED], (DHC,)),
-    ("critical finding", S.HEALTHY, finding(Severity.CRITICAL), [S.QUARANTINED], (DHC,)),
     ("warning finding", S.HEALTHY, finding(Severity.WARNING, "ecc_correctable"), [S.SUSPECT], (RCS,)),
     ("suspect finding", S.HEALTHY, finding(Severity.SUSPECT, "xid"), [S.SUSPECT], (RCS,)),
     ("info finding", S.HEALTHY, finding(Severity.INFO), [], ()),
     ("single mismatch on healthy", S.HEALTHY, KAT_MISMATCH, [S.SUSPECT], (RCS,)),
     ("confirmed mismatch on healthy", S.HEALTHY, KAT_CONFIRMED, [S.QUARANTINED], (DHC,)),
     ("pass on healthy", S.HEALTHY, KAT_PASS, [], ()),
-    ("confirming screen passes", S.SUSPECT, KAT_PASS, [S.HEALTHY], ()),
+    ("confirming screen passes", S.SUSPECT, FULL_PASS, [S.HEALTHY], ()),
+    ("quick pass never clears a suspect that never earned healthy", S.SUSPECT, KAT_PASS, [], (SB,)),
     ("confirming screen fails", S.SUSPECT, KAT_MISMATCH, [S.QUARANTINED], (DHC,)),
     ("second unsettled alarm", S.SUSPECT, alarm(False), [], (RCS,)),
     ("settled alarm on suspect", S.SUSPECT, alarm(True), [S.QUARANTINED], (DHC,)),
@@ -308,7 +318,7 @@ def test_transition_round_trip():
 
 # --- property: automatic decisions never leave the table -------------------------------------------
 
-EVENTS = st.sampled_from([KAT_PASS, KAT_MISMATCH, KAT_CONFIRMED, KAT_INCONCLUSIVE, alarm(True),
+EVENTS = st.sampled_from([KAT_PASS, FULL_PASS, PARTIAL_PASS, KAT_MISMATCH, KAT_CONFIRMED, KAT_INCONCLUSIVE, alarm(True),
                           alarm(False), finding(Severity.CRITICAL), finding(Severity.WARNING),
                           finding(Severity.OK), Remediation(True), Remediation(False), NodeSeen()])
 
@@ -324,8 +334,80 @@ def test_automatic_runs_follow_the_table(events, out):
             assert t.from_state == state
             assert Trigger.AUTO in TRANSITIONS[(state, t.to_state)]
             if t.to_state == S.HEALTHY:
-                assert ev is KAT_PASS  # only a passing known-answer screen clears
+                # Only a passing screen clears; only a full burn-in clears a node that has not
+                # been healthy since it last entered burnin.
+                assert ev is FULL_PASS or (ev is KAT_PASS and state == S.SUSPECT
+                                           and earned_healthy(history))
             assert state != S.REPAIR  # repair is left only by a person
             history.append(t)
             state = t.to_state
         assert d.state == state
+
+
+# --- burn-in gate, level-triggered conditions, serials, adoption, stragglers -------------------------
+
+
+def test_only_a_full_burnin_earns_healthy_and_then_the_quick_screen_reverifies():
+    hist: list[Transition] = []
+    state = None
+    for ev, want in ((NodeSeen(), S.BURNIN), (KAT_PASS, S.BURNIN), (PARTIAL_PASS, S.BURNIN),
+                     (FULL_PASS, S.HEALTHY), (KAT_MISMATCH, S.SUSPECT), (KAT_PASS, S.HEALTHY)):
+        d = decide("n1", state, ev, now=NOW + len(hist), history=hist)
+        hist += list(d.transitions)
+        state = d.state
+        assert state == want, (ev, d.note)
+    assert hist[-1].evidence["screen_kind"] == "quick"
+    assert [t.evidence.get("screen_kind") for t in hist if t.to_state == S.HEALTHY] == ["full", "quick"]
+    # Out through quarantine and back into burnin: the earlier pass no longer counts.
+    hist.append(Transition("n1", NOW + 50, S.HEALTHY, S.SUSPECT, "x"))
+    hist.append(Transition("n1", NOW + 51, S.SUSPECT, S.BURNIN, "operator", actor="human"))
+    hist.append(Transition("n1", NOW + 52, S.BURNIN, S.SUSPECT, "y"))
+    assert not earned_healthy(hist)
+    assert decide("n1", S.SUSPECT, KAT_PASS, now=NOW + 60, history=hist).state == S.SUSPECT
+
+
+def test_a_pending_remap_keeps_the_node_out_with_reason_reset_required():
+    d = decide("n1", S.HEALTHY, Findings((PENDING,)), now=NOW)
+    t = d.transition
+    assert t.to_state == S.SUSPECT and t.code == "ResetRequired"
+    assert t.reason.startswith("reset required")
+    hist = [Transition("n1", NOW - 10, None, S.BURNIN, "new"),
+            Transition("n1", NOW - 5, S.BURNIN, S.HEALTHY, "full"), t]
+    held = decide("n1", S.SUSPECT, KatScreen(KAT_PASS.verdicts, conditions=(PENDING,)),
+                  now=NOW + 1, history=hist)
+    assert held.state == S.SUSPECT and "row_remap_pending" in held.note
+    # The same finding applied again (level-triggered) changes nothing while it is suspect.
+    assert not decide("n1", S.SUSPECT, Findings((PENDING,)), now=NOW + 2, history=hist).changed
+    # Once gone, the re-screen clears it.
+    assert decide("n1", S.SUSPECT, KAT_PASS, now=NOW + 3, history=hist).state == S.HEALTHY
+
+
+def test_local_serials_keep_only_this_nodes_gpus():
+    from screener.lifecycle import local_serials
+
+    ev = local_serials({"serial": "S-mine", "gpu_serials": ["S-other", "S-mine"], "index": 0},
+                       ["S-mine", "S-2"])
+    assert ev["gpu_serials"] == ["S-mine"] and ev["foreign_serials"] == ["S-other"]
+    assert ev["index"] == 0 and "gpu_serial" not in ev
+    assert "gpu_serials" not in local_serials({"gpu_serial": "S-other"}, ["S-mine"])
+
+
+def test_adoption_makes_a_new_node_healthy_but_unscreened_and_only_a_new_one():
+    from screener.lifecycle import Adopted
+
+    d = decide("n1", None, Adopted("3 GPU pods running"), now=NOW)
+    assert [t.to_state for t in d.transitions] == [S.HEALTHY]
+    assert d.transition.code == "AdoptedUnscreened" and d.transition.evidence["screen_kind"] == "unscreened"
+    assert not decide("n1", S.BURNIN, Adopted("x"), now=NOW).changed
+
+
+def test_a_straggler_alarm_makes_the_node_suspect_with_its_figures():
+    a = AlarmRecord(alarm_id="st-1", check="straggler", step=40, settled=False, suspect_ranks=(5,),
+                    suspect_nodes=(SuspectNode("n1", "n1"),), node="n1", job="llm",
+                    created=NOW - 1, evidence={"slowdown": 0.25, "score": 9.1, "consecutive": 5,
+                                               "median": 1.0, "duration": 1.25})
+    d = decide("n1", S.HEALTHY, a, now=NOW)
+    t = d.transition
+    assert t.to_state == S.SUSPECT and t.code == "Straggler" and not t.failure
+    assert t.evidence["straggler"]["slowdown"] == 0.25 and "25% slower" in t.reason
+    assert Action.REQUEST_CONFIRMING_SCREEN.value in d.actions
