@@ -122,6 +122,17 @@ def test_pending_page_retirement_on_older_parts():
     assert f.severity is Severity.SUSPECT
 
 
+def test_retired_pages_over_the_threshold_mean_repair_and_are_a_condition():
+    from screener.health.rules import RETIRED_PAGES_REPAIR, is_condition
+
+    under = gpu(0, row_remap=None, retired_pages=RetiredPages(RETIRED_PAGES_REPAIR - 2, 1, False))
+    assert evaluate(probe(under), None, CFG) == []
+    over = gpu(0, row_remap=None, retired_pages=RetiredPages(RETIRED_PAGES_REPAIR - 2, 2, False))
+    f = only(evaluate(probe(over), None, CFG), "retired_pages_over_threshold")
+    assert f.severity is Severity.CRITICAL and "repair" in f.action and is_condition(f)
+    assert f.evidence["serial"] == "S0"
+
+
 def test_first_uncorrectable_errors_are_suspect():
     f = only(evaluate(probe(gpu(0, ecc=EccCounts(0, 2, 0, 2))), None, CFG), "ecc_uncorrectable")
     assert f.severity is Severity.SUSPECT and f.evidence["volatile_uncorrected"] == 2

@@ -14,7 +14,7 @@ rise, and every rule is tested with plain data. Severities mean:
 Codes (stable; the lifecycle and dashboards key on them):
 
     nvml_unavailable  gpu_missing  gpu_lost  row_remap_pending  row_remap_failure
-    retired_pages_pending  ecc_uncorrectable  ecc_uncorrectable_recurring
+    retired_pages_pending  retired_pages_over_threshold  ecc_uncorrectable  ecc_uncorrectable_recurring
     ecc_uncorrectable_history  ecc_corrected_rising  ecc_disabled  clocks_throttled
     clocks_power_capped  pcie_degraded  nvlink_down  xid  mount_missing  memory_low  disk_low
     kmsg_unavailable
@@ -31,6 +31,22 @@ from screener.health.xid import lookup
 from screener.types import Finding, Severity
 
 NO_DRIVER_MESSAGE = "no NVIDIA driver: GPU probes skipped"
+
+# NVIDIA's page-retirement guidance: a GPU that has retired this many pages (single- plus
+# double-bit) is due for replacement; the driver can retire at most 64.
+RETIRED_PAGES_REPAIR = 60
+
+# Codes that describe a state of the hardware rather than an event: present in every probe for as
+# long as the cause lasts. The daemon re-applies them on every probe (level-triggered) and no
+# passing screen clears a node while one is present. (A critical Xid is an event in the log; the
+# daemon keeps it as a condition until the node reboots or a person or a remediation releases it.)
+CONDITION_CODES = frozenset({"row_remap_pending", "row_remap_failure", "retired_pages_pending",
+                             "retired_pages_over_threshold", "gpu_missing", "gpu_lost"})
+
+
+def is_condition(f: Finding) -> bool:
+    """Whether a finding is a persisting condition (see CONDITION_CODES), or a critical Xid."""
+    return f.code in CONDITION_CODES or (f.code == "xid" and f.severity >= Severity.CRITICAL)
 
 ACTION_DRAIN_RESET = "drain the node and reset the GPU at the next safe point, then re-screen"
 ACTION_REPAIR = "remove the GPU from service (repair)"
@@ -118,6 +134,12 @@ def memory_rules(g: GpuSnapshot, prev: Optional[GpuSnapshot]) -> list[Finding]:
                       gpu=g, action=ACTION_DRAIN_RESET, correctable_rows=rr.correctable,
                       uncorrectable_rows=rr.uncorrectable))
     rp = g.retired_pages
+    if rp is not None and rp.single_bit + rp.double_bit >= RETIRED_PAGES_REPAIR:
+        out.append(_f(Severity.CRITICAL, "retired_pages_over_threshold",
+                      f"GPU {g.index}: {rp.single_bit + rp.double_bit} retired pages, at or over "
+                      f"the replacement threshold of {RETIRED_PAGES_REPAIR}", gpu=g,
+                      action=ACTION_REPAIR, single_bit_pages=rp.single_bit,
+                      double_bit_pages=rp.double_bit, threshold=RETIRED_PAGES_REPAIR))
     if rp is not None and rp.pending:
         out.append(_f(Severity.SUSPECT, "retired_pages_pending",
                       f"GPU {g.index}: retired pages are pending until the next driver reload",
