@@ -353,6 +353,9 @@ class Daemon:
         self._current.intake = result
         self.metrics.alarm("duplicate", len(result.duplicates))
         self.metrics.alarm("rejected", len(result.rejected))
+        self.metrics.intake_pass(len(result.stuck), result.stalled)  # /readyz and a gauge
+        if result.stalled:
+            raise ScreenerError(f"alarm intake stalled: {result.stalled}")
         if result.failed:
             raise ScreenerError(f"{len(result.failed)} alarm(s) could not be applied: "
                                 f"{', '.join(result.failed)}")

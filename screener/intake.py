@@ -22,20 +22,36 @@ are passed in (the daemon gives functions over its store).
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import math
 import os
+import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from screener.types import AlarmRecord
+from screener import boundedjson
+from screener.types import ALARM_CHECK_REASONS, AlarmRecord
 
 log = logging.getLogger(__name__)
 
 PROCESSED = "processed"
 REJECTED = "rejected"
-MAX_ALARM_BYTES = 4 * 1024 * 1024  # an alarm is a few KiB; anything this large is not one
+MAX_ALARM_BYTES = 256 * 1024  # an alarm is a few KiB; anything this large is not one
+MAX_EVIDENCE_BYTES = 64 * 1024  # evidence is stored with the transition: keep it small
+MAX_DEPTH = 16
+MAX_ID_LEN = 128  # the Kubernetes store keeps 160 characters of a string in history
+MAX_NAME_LEN = 253  # a DNS subdomain, the longest Kubernetes node name
+MAX_RANKS = 65536
+MAX_SUSPECT_NODES = 64
+MAX_CREATED = 1e11  # unix seconds, year 5138: a bound, not a clock check
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+_FIELDS = frozenset({"schema", "alarm_id", "check", "step", "settled", "suspect_ranks",
+                     "suspect_nodes", "node", "job", "created", "evidence"})
 
 
 @dataclass
@@ -47,10 +63,16 @@ class IntakeResult:
     rejected: list[str] = field(default_factory=list)  # file names moved to rejected/
     foreign: list[str] = field(default_factory=list)  # file names about another node, left alone
     failed: list[str] = field(default_factory=list)  # apply raised: left in place for the next pass
+    stuck: list[str] = field(default_factory=list)  # could not be moved aside: skipped, remembered
+    stalled: str = ""  # why the pass could not look at the folder at all ("" when it could)
 
     @property
     def count(self) -> int:
         return len(self.applied) + len(self.duplicates) + len(self.rejected)
+
+
+class _Stuck(Exception):
+    """A file could not be moved aside; it is skipped until it changes."""
 
 
 class AlarmIntake:
@@ -59,6 +81,10 @@ class AlarmIntake:
     apply(record): store the alarm's effect (raise to leave the file for the next pass).
     already_applied(record): True when a previous run stored this alarm's effect.
     processed_keep: how many files processed/ keeps (the oldest go first); 0 keeps none.
+
+    No exception from one file ends a pass: a file that cannot be read, parsed or validated is
+    moved to rejected/; one that cannot even be moved is skipped and remembered (by name, inode
+    and mtime) with one log line, and tried again only once it changes.
     """
 
     def __init__(self, directory: str | os.PathLike[str], node: str,
@@ -71,6 +97,7 @@ class AlarmIntake:
         self.already_applied = already_applied
         self.processed_keep = processed_keep
         self._foreign_logged: set[str] = set()
+        self._stuck: dict[str, tuple[int, int]] = {}  # name -> (inode, mtime_ns) when it stuck
 
     @property
     def processed_dir(self) -> Path:
@@ -80,31 +107,71 @@ class AlarmIntake:
     def rejected_dir(self) -> Path:
         return self.directory / REJECTED
 
+    @property
+    def stuck(self) -> list[str]:
+        """Names of files skipped because they could not be moved aside."""
+        return sorted(self._stuck)
+
+    def _entries(self) -> list[tuple[float, str, Path, tuple[int, int]]]:
+        entries = []
+        with os.scandir(self.directory) as it:
+            for e in it:
+                if e.name.startswith(".") or not e.name.endswith(".json"):
+                    continue
+                try:
+                    if e.is_dir(follow_symlinks=False):
+                        continue
+                    st = e.stat(follow_symlinks=False)
+                except OSError:  # taken by someone else in between
+                    continue
+                # Symlinks, FIFOs and devices are listed too: _read refuses them and they are
+                # moved aside, so they cannot sit in the folder forever.
+                entries.append((st.st_mtime, e.name, Path(e.path), (st.st_ino, st.st_mtime_ns)))
+        return sorted(entries, key=lambda x: (x[0], x[1]))
+
     def pending(self) -> list[Path]:
         """Alarm files waiting in the directory, oldest first (by mtime, then name)."""
         try:
-            entries = list(os.scandir(self.directory))
+            return [p for _, _, p, _ in self._entries()]
         except FileNotFoundError:
             return []
-        files = []
-        for e in entries:
-            if e.name.startswith(".") or not e.name.endswith(".json"):
-                continue
-            try:
-                if not e.is_file(follow_symlinks=False):
-                    continue
-                files.append((e.stat(follow_symlinks=False).st_mtime, e.name, Path(e.path)))
-            except FileNotFoundError:  # taken by someone else in between
-                continue
-        return [p for _, _, p in sorted(files)]
 
     def run(self) -> IntakeResult:
-        """One pass over the directory."""
+        """One pass over the directory; never raises."""
         result = IntakeResult()
-        for path in self.pending():
-            self._take(path, result)
+        try:
+            entries = self._entries()
+        except FileNotFoundError:
+            entries = []
+        except OSError as e:
+            result.stalled = f"cannot list {self.directory}: {e.strerror or e}"
+            log.error("alarm intake stalled: %s", result.stalled)
+            return result
+        present = set()
+        for _, name, path, ident in entries:
+            present.add(name)
+            if self._stuck.get(name) == ident:
+                result.stuck.append(name)
+                continue
+            self._stuck.pop(name, None)
+            try:
+                self._take(path, result)
+            except _Stuck as e:
+                self._stuck[name] = ident
+                result.stuck.append(name)
+                log.error("alarm file %s skipped: %s; it is tried again once it changes", name, e)
+            except Exception as e:  # noqa: BLE001 - one file must never end the pass
+                self._stuck[name] = ident
+                result.stuck.append(name)
+                log.error("alarm file %s skipped: %s: %s; it is tried again once it changes",
+                          name, type(e).__name__, e)
+        for name in set(self._stuck) - present:  # gone (moved by hand): forget it
+            del self._stuck[name]
         if result.applied or result.duplicates:
-            self._prune()
+            try:
+                self._prune()
+            except OSError as e:
+                log.warning("cannot prune %s: %s", self.processed_dir, e)
         return result
 
     # --- one file -------------------------------------------------------------------------------
@@ -123,7 +190,7 @@ class AlarmIntake:
                 log.info("alarm file %s is about node %s, not %s: left for its own daemon",
                          path.name, record.node, self.node)
             return
-        if (self.processed_dir / path.name).exists() or self.already_applied(record):
+        if os.path.lexists(self.processed_dir / path.name) or self.already_applied(record):
             self._move(path, self.processed_dir)
             result.duplicates.append(record.alarm_id)
             log.info("alarm %s was applied before; moved aside without applying it again",
@@ -140,19 +207,49 @@ class AlarmIntake:
         self._move(path, self.processed_dir)
         result.applied.append(record)
 
+    def _folder(self, folder: Path) -> None:
+        """Make sure `folder` is a real directory; a file squatting on its name is renamed to a
+        dot name (never scanned) so that it cannot block every later pass."""
+        try:
+            st = os.lstat(folder)
+        except FileNotFoundError:
+            st = None
+        except OSError as e:
+            raise _Stuck(f"cannot inspect {folder.name}/: {e.strerror or e}") from None
+        if st is not None and not stat.S_ISDIR(st.st_mode):
+            squat = folder.with_name(f".{folder.name}.not-a-folder.{st.st_ino}")
+            try:
+                os.replace(folder, squat)
+            except OSError as e:
+                raise _Stuck(f"{folder.name} is not a folder and cannot be renamed: "
+                             f"{e.strerror or e}") from None
+            log.warning("%s in the alarm folder was not a folder; renamed to %s", folder.name,
+                        squat.name)
+            st = None
+        if st is None:
+            try:
+                os.mkdir(folder, 0o750)
+            except FileExistsError:
+                pass
+            except OSError as e:
+                raise _Stuck(f"cannot create {folder.name}/: {e.strerror or e}") from None
+
     def _move(self, path: Path, folder: Path) -> None:
-        folder.mkdir(parents=True, exist_ok=True)
+        self._folder(folder)
         target = folder / path.name
         try:
             os.replace(path, target)
         except FileNotFoundError:
             pass  # already moved by an earlier attempt
+        except OSError as e:
+            raise _Stuck(f"cannot move it to {folder.name}/: {e.strerror or e}") from None
         _fsync_dir(folder)
         _fsync_dir(path.parent)
 
     def _prune(self) -> None:
         try:
-            files = sorted(self.processed_dir.iterdir(), key=lambda p: (p.stat().st_mtime, p.name))
+            files = sorted(self.processed_dir.iterdir(),
+                           key=lambda p: (p.lstat().st_mtime, p.name))
         except FileNotFoundError:
             return
         for p in files[:max(0, len(files) - self.processed_keep)]:
@@ -162,23 +259,128 @@ class AlarmIntake:
                 pass
 
 
+def read_bounded(path: Path, limit: int) -> bytes:
+    """The bytes of a regular file, opened without following a symlink and without blocking
+    (a FIFO swapped in after the scan must not hang the reader); OSError or ValueError."""
+    fd = os.open(path, _OPEN_FLAGS)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        if st.st_size > limit:
+            raise ValueError(f"larger than {limit} bytes")
+        chunks, total = [], 0
+        while True:
+            chunk = os.read(fd, min(65536, limit + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > limit:
+                raise ValueError(f"larger than {limit} bytes")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def _read(path: Path) -> tuple[Optional[AlarmRecord], str]:
     """The record in a file, or None and why not."""
     try:
-        if path.stat().st_size > MAX_ALARM_BYTES:
-            return None, f"larger than {MAX_ALARM_BYTES} bytes"
-        data = json.loads(path.read_bytes())
+        raw = read_bounded(path, MAX_ALARM_BYTES)
     except OSError as e:
+        if e.errno == errno.ELOOP:
+            return None, "a symbolic link (alarm files must be regular files)"
         return None, f"unreadable: {e.strerror or e}"
-    except (ValueError, UnicodeDecodeError) as e:
-        return None, f"not JSON: {e}"
-    try:
-        record = AlarmRecord.from_dict(data)
-    except (ValueError, TypeError) as e:
+    except ValueError as e:
         return None, str(e)
-    if not record.alarm_id or not record.node:
-        return None, "alarm_id and node must not be empty"
-    return record, ""
+    try:
+        data = boundedjson.loads(raw, max_bytes=MAX_ALARM_BYTES, max_depth=MAX_DEPTH)
+    except ValueError as e:
+        return None, str(e)
+    try:
+        return validate(data), ""
+    except ValueError as e:
+        return None, str(e)
+
+
+def _name(v: Any, what: str, limit: int, *, pattern: bool = True) -> str:
+    if not isinstance(v, str) or not v:
+        raise ValueError(f"alarm {what} must be a non-empty string")
+    if len(v) > limit:
+        raise ValueError(f"alarm {what} is {len(v)} characters long (at most {limit})")
+    if pattern and not _ID_RE.match(v):
+        raise ValueError(f"alarm {what} {v[:40]!r} may hold only letters, digits, '_', '.', '-'")
+    return v
+
+
+def _int(v: Any, what: str, hi: int) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= hi:
+        raise ValueError(f"alarm {what} {str(v)[:40]} is not an integer in 0..{hi}")
+    return v
+
+
+def validate(d: Any) -> AlarmRecord:
+    """An AlarmRecord from a parsed alarm file, every field checked; ValueError naming the first
+    field that is wrong. Beyond AlarmRecord.from_dict: ids are bounded in length and charset,
+    numbers are finite and in range, evidence is small, and every suspect node named is the
+    alarm's own node (an alarm may only ever speak about the node it was dropped on)."""
+    if not isinstance(d, Mapping):
+        raise ValueError("alarm is not a JSON object")
+    unknown = sorted(str(k)[:40] for k in set(d) - _FIELDS)
+    if unknown:
+        raise ValueError(f"alarm has unknown field(s) {', '.join(unknown)}")
+    if d.get("schema") != AlarmRecord.SCHEMA or isinstance(d.get("schema"), bool):
+        raise ValueError(f"alarm schema {str(d.get('schema'))[:40]} is not {AlarmRecord.SCHEMA}")
+    for key in ("alarm_id", "check", "step", "settled", "suspect_ranks", "suspect_nodes", "node"):
+        if key not in d:
+            raise ValueError(f"alarm lacks the field {key!r}")
+    _name(d["alarm_id"], "alarm_id", MAX_ID_LEN)
+    node = _name(d["node"], "node", MAX_NAME_LEN)
+    if d["check"] not in ALARM_CHECK_REASONS:
+        raise ValueError(f"alarm check {str(d['check'])[:40]!r} is not one of "
+                         f"{sorted(ALARM_CHECK_REASONS)}")
+    _int(d["step"], "step", 2**63 - 1)
+    if not isinstance(d["settled"], bool):
+        raise ValueError("alarm settled is not true or false")
+    ranks = d["suspect_ranks"]
+    if not isinstance(ranks, list) or len(ranks) > MAX_RANKS:
+        raise ValueError(f"alarm suspect_ranks must be a list of at most {MAX_RANKS} ranks")
+    for r in ranks:
+        _int(r, "suspect rank", 2**31 - 1)
+    nodes = d["suspect_nodes"]
+    if not isinstance(nodes, list) or len(nodes) > MAX_SUSPECT_NODES:
+        raise ValueError(f"alarm suspect_nodes must be a list of at most {MAX_SUSPECT_NODES}")
+    for n in nodes:
+        if not isinstance(n, Mapping) or set(n) - {"node", "hostname", "instance_id"}:
+            raise ValueError("alarm suspect_nodes entries must be {node, hostname, instance_id}")
+        named = _name(n.get("node"), "suspect node", MAX_NAME_LEN)
+        _name(n.get("hostname"), "suspect hostname", MAX_NAME_LEN)
+        if n.get("instance_id") is not None:
+            _name(n["instance_id"], "suspect instance_id", MAX_ID_LEN)
+        if named != node:
+            raise ValueError(f"alarm names node {named[:60]} as suspect but was dropped for "
+                             f"node {node}: an alarm acts only on its own node")
+    job = d.get("job")
+    if job not in (None, ""):
+        _name(job, "job", MAX_NAME_LEN, pattern=False)
+        if any(ord(c) < 32 for c in job):
+            raise ValueError("alarm job holds control characters")
+    created = d.get("created", 0.0)
+    if created is None:
+        created = 0.0
+    if not isinstance(created, (int, float)) or isinstance(created, bool) \
+            or not math.isfinite(created) or not 0 <= created <= MAX_CREATED:
+        raise ValueError(f"alarm created {str(created)[:40]} is not a unix time in "
+                         f"0..{MAX_CREATED:.0f}")
+    evidence = d.get("evidence")
+    if evidence is None:
+        evidence = {}
+    if not isinstance(evidence, Mapping):
+        raise ValueError("alarm evidence is not an object")
+    size = len(json.dumps(evidence))
+    if size > MAX_EVIDENCE_BYTES:
+        raise ValueError(f"alarm evidence is {size} bytes of JSON (at most {MAX_EVIDENCE_BYTES})")
+    return AlarmRecord.from_dict({**d, "created": float(created), "evidence": dict(evidence)})
 
 
 def _fsync_dir(folder: Path) -> None:

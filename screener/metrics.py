@@ -10,14 +10,24 @@ Health:
     and the screening window while it waits, call `beat()`), else 503: a wedged daemon is
     restarted by the kubelet;
   /readyz (readiness) answers 200 once the daemon has started (store opened, stale taint cleared,
-    node state known) and until it begins to shut down, else 503.
+    node state known) and until it begins to shut down, else 503; also 503 while the alarm
+    intake is stalled (the alarm folder cannot be listed, or alarm files sit in it that can be
+    neither taken nor moved aside), with the reason in the body.
+
+Exposure: the server binds the address it is given (the pod IP in the manifests, not 0.0.0.0),
+reads a request within `read_timeout_s` and holds at most `max_connections` connections: a new
+connection beyond the cap closes the oldest one, so idle or slow clients can neither exhaust the
+process's file descriptors (which the loop needs for alarm files and the store) nor keep
+/healthz from answering.
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
+from collections import OrderedDict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Iterable, Optional
 
@@ -68,6 +78,15 @@ class DaemonMetrics:
                                "carries the screening taint).", ["node"], registry=r)
         self.last_loop = Gauge("screener_last_loop_timestamp_seconds", "Unix time the daemon loop "
                                "last made progress.", ["node"], registry=r)
+        self.intake_stalled = Gauge("screener_alarm_intake_stalled", "1 while the alarm intake "
+                                    "cannot list its folder or files sit in it that can be "
+                                    "neither taken nor moved aside.", ["node"], registry=r)
+        self.alarm_files_stuck = Gauge("screener_alarm_files_stuck", "Alarm files skipped "
+                                       "because they could not be moved aside.", ["node"],
+                                       registry=r)
+        self.intake_stalled.labels(node).set(0)
+        self.alarm_files_stuck.labels(node).set(0)
+        self.intake_problem = ""
         # Make every labelled series exist from the start: a rate() over a counter that appears
         # only at its first increment misses that increment.
         for o in Outcome:
@@ -111,6 +130,22 @@ class DaemonMetrics:
         if outcome == Outcome.PASS and passed_at is not None:
             self.last_success.labels(self.node).set(passed_at)
 
+    def intake_pass(self, stuck: int, stalled: str = "") -> None:
+        """Record how an intake pass ended: files it had to skip, and why it could not run."""
+        self.alarm_files_stuck.labels(self.node).set(stuck)
+        problem = stalled or (f"{stuck} alarm file(s) can be neither taken nor moved aside"
+                              if stuck else "")
+        self.intake_problem = problem
+        self.intake_stalled.labels(self.node).set(1 if problem else 0)
+
+    def readiness(self) -> tuple[bool, dict[str, Any]]:
+        """(ready, body) for /readyz."""
+        ok = self.ready and not self.intake_problem
+        body: dict[str, Any] = {"ready": ok}
+        if self.intake_problem:
+            body["intake"] = self.intake_problem
+        return ok, body
+
     def alarm(self, result: str, n: int = 1) -> None:
         if n:
             self.alarms.labels(self.node, result).inc(n)
@@ -128,17 +163,65 @@ class DaemonMetrics:
         return generate_latest(self.registry)
 
 
+MAX_CONNECTIONS = 64
+READ_TIMEOUT_S = 10.0
+
+
+class _CappedServer(ThreadingHTTPServer):
+    """A threading HTTP server that holds at most `max_connections` connections: the oldest is
+    shut down to make room for a new one (its handler thread then sees end of input and ends)."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: Any, max_connections: int) -> None:
+        self.max_connections = max_connections
+        self._open: "OrderedDict[socket.socket, None]" = OrderedDict()
+        self._open_lock = threading.Lock()
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._open_lock:
+            while len(self._open) >= self.max_connections:
+                oldest, _ = self._open.popitem(last=False)
+                try:
+                    oldest.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            self._open[request] = None
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._open_lock:
+            self._open.pop(request, None)
+        super().shutdown_request(request)
+
+    @property
+    def open_connections(self) -> int:
+        with self._open_lock:
+            return len(self._open)
+
+
 class MetricsServer:
-    """One HTTP server for /metrics, /healthz and /readyz, in a daemon thread."""
+    """One HTTP server for /metrics, /healthz and /readyz, in a daemon thread.
+
+    host: the address to bind (the pod IP from the downward API in a cluster).
+    max_connections / read_timeout_s: see the module docstring.
+    """
 
     def __init__(self, metrics: DaemonMetrics, host: str = "0.0.0.0", port: int = 9500, *,
-                 liveness_s: float = 300.0) -> None:
+                 liveness_s: float = 300.0, max_connections: int = MAX_CONNECTIONS,
+                 read_timeout_s: float = READ_TIMEOUT_S) -> None:
+        if not isinstance(host, str):
+            raise ConfigError(f"metrics_host {host!r} is not an address")
+        if max_connections < 1 or not read_timeout_s > 0:
+            raise ConfigError("metrics server: max_connections and read_timeout_s must be > 0")
         self.metrics = metrics
         self.liveness_s = liveness_s
         server_self = self
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            timeout = read_timeout_s  # a client that sends nothing is dropped after this long
 
             def log_message(self, *args: Any) -> None:  # scrapes every 15 s would flood the log
                 pass
@@ -151,8 +234,8 @@ class MetricsServer:
                     ok = server_self.metrics.alive(server_self.liveness_s)
                     self._json(200 if ok else 503, {"alive": ok})
                 elif path == "/readyz":
-                    ok = server_self.metrics.ready
-                    self._json(200 if ok else 503, {"ready": ok})
+                    ok, body = server_self.metrics.readiness()
+                    self._json(200 if ok else 503, body)
                 else:
                     self._json(404, {"error": f"no such path {path}",
                                      "paths": ["/metrics", "/healthz", "/readyz"]})
@@ -168,10 +251,10 @@ class MetricsServer:
                 self.wfile.write(data)
 
         try:
-            self._server = ThreadingHTTPServer((host, port), Handler)
-        except OSError as e:  # the port is taken, or the address is not ours: the config's to fix
+            self._server = _CappedServer((host, port), Handler, max_connections)
+        except (OSError, OverflowError, UnicodeError) as e:  # the port is taken, or the address is not ours: the config's to fix
             raise ConfigError(f"cannot serve metrics on {host}:{port} (metrics_host, "
-                              f"metrics_port): {e.strerror or e}") from e
+                              f"metrics_port): {getattr(e, 'strerror', None) or e}") from e
         self._server.daemon_threads = True
         self.host, self.port = self._server.server_address[:2]
         self._thread: Optional[threading.Thread] = None

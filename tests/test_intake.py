@@ -198,3 +198,129 @@ def test_exactly_once_on_the_kube_store_with_bulky_evidence(tmp_path):
             assert result.duplicates == ["bulky"] and store.get_state(NODE) == NodeState.BURNIN
         finally:
             store.close()
+
+
+# --- hostile input: one file never ends a pass ---------------------------------------------------
+
+def _raw(directory, name: str, data: bytes) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / name).write_bytes(data)
+
+
+def _valid(aid: str, **over) -> dict:
+    d = alarm(aid).to_dict()
+    d.update(over)
+    return d
+
+
+@pytest.mark.parametrize("name,content,why", [
+    ("deep.json", b"[" * 100_000 + b"]" * 100_000, "nested deeper"),
+    ("digits.json", json.dumps(_valid("x", step=1)).replace('"step": 1', '"step": ' + "9" * 5000)
+     .encode(), "digits"),
+    ("nan.json", json.dumps(_valid("x")).replace('"created": 1000.0', '"created": NaN').encode(),
+     "NaN"),
+    ("inf.json", json.dumps(_valid("x")).replace('"created": 1000.0', '"created": 1e999').encode(),
+     "overflows"),
+    ("neg.json", json.dumps(_valid("x", created=-5.0)).encode(), "created"),
+    ("intid.json", json.dumps(_valid("x", alarm_id=12345)).encode(), "alarm_id"),
+    ("longid.json", json.dumps(_valid("a" * 300)).encode(), "characters long"),
+    ("slashid.json", json.dumps(_valid("../../etc")).encode(), "may hold only"),
+    ("bigstep.json", json.dumps(_valid("x", step=2**64)).encode(), "step"),
+    ("bigev.json", json.dumps(_valid("x", evidence={"blob": "y" * 200_000})).encode(), "evidence"),
+    ("huge.json", b" " * (5 * 1024 * 1024), "larger than"),
+    ("utf.json", b'{"schema": 1, "alarm_id": "\xff\xfe"}', "UTF-8"),
+    ("other.json", json.dumps(_valid("x", suspect_nodes=[{"node": "victim", "hostname": "v",
+                                                          "instance_id": None}])).encode(),
+     "acts only on its own node"),
+])
+def test_hostile_files_are_rejected_and_the_pass_goes_on(tmp_path, store, caplog, name, content,
+                                                         why):
+    clock = Clock()
+    alarms = tmp_path / "alarms"
+    apply_event(store, NODE, lifecycle.NodeSeen(), now=clock())
+    _raw(alarms, name, content)
+    drop(alarms, alarm("good", settled=False))
+    with caplog.at_level(logging.WARNING, logger="screener.intake"):
+        result = make_intake(alarms, store, clock).run()
+    assert result.rejected == [name], result
+    assert [r.alarm_id for r in result.applied] == ["good"]
+    assert (alarms / "rejected" / name).exists()
+    lines = [r.getMessage() for r in caplog.records if name in r.getMessage()]
+    assert len(lines) == 1 and why in lines[0], lines
+
+
+def test_a_symlink_or_fifo_swapped_in_is_refused_without_blocking(tmp_path, store):
+    import os
+    import time
+
+    clock = Clock()
+    alarms = tmp_path / "alarms"
+    alarms.mkdir()
+    os.mkfifo(alarms / "fifo.json")  # a reader that blocked in open() would hang here forever
+    target = tmp_path / "pipe"
+    os.mkfifo(target)
+    os.symlink(target, alarms / "link.json")
+    drop(alarms, alarm("good", settled=False))
+    t0 = time.monotonic()
+    result = make_intake(alarms, store, clock).run()
+    assert time.monotonic() - t0 < 5
+    assert sorted(result.rejected) == ["fifo.json", "link.json"]
+    assert [r.alarm_id for r in result.applied] == ["good"]
+    assert (alarms / "rejected" / "link.json").is_symlink()  # the link moved, not its target
+    assert target.exists()
+
+
+def test_regular_files_squatting_on_the_aside_folders_do_not_block_intake(tmp_path, store):
+    clock = Clock()
+    alarms = tmp_path / "alarms"
+    alarms.mkdir()
+    (alarms / "processed").write_text("squatter")
+    (alarms / "rejected").write_text("squatter")
+    _raw(alarms, "junk.json", b"not json")
+    drop(alarms, alarm("good", settled=False))
+    for _ in range(2):  # and again on the next pass
+        result = make_intake(alarms, store, clock).run()
+        assert not result.stuck and not result.stalled
+    assert (alarms / "processed" / "good.json").exists()
+    assert (alarms / "rejected" / "junk.json").exists()
+    assert len(list(alarms.glob(".*.not-a-folder.*"))) == 2
+
+
+def test_a_file_that_cannot_be_moved_is_skipped_remembered_and_shows_in_readiness(tmp_path,
+                                                                                 store, caplog):
+    from screener.metrics import DaemonMetrics
+
+    clock = Clock()
+    alarms = tmp_path / "alarms"
+    alarms.mkdir()
+    (alarms / "rejected").mkdir()
+    (alarms / "rejected" / "bad.json").mkdir()  # os.replace onto a folder fails
+    _raw(alarms, "bad.json", b"not json")
+    drop(alarms, alarm("good", settled=False))
+    intake = make_intake(alarms, store, clock)
+    metrics = DaemonMetrics(NODE)
+    metrics.ready = True
+    with caplog.at_level(logging.ERROR, logger="screener.intake"):
+        first = intake.run()
+        second = intake.run()
+    assert first.stuck == ["bad.json"] and second.stuck == ["bad.json"]
+    assert [r.alarm_id for r in first.applied] == ["good"]
+    assert len([r for r in caplog.records if "bad.json" in r.getMessage()]) == 1  # remembered
+    metrics.intake_pass(len(second.stuck), second.stalled)
+    ready, body = metrics.readiness()
+    assert not ready and "neither taken nor moved" in body["intake"]
+    assert metrics.alarm_files_stuck.labels(NODE)._value.get() == 1
+    (alarms / "rejected" / "bad.json").rmdir()  # an operator clears the way
+    (alarms / "bad.json").write_bytes(b"still not json")  # and the file changes: tried again
+    third = intake.run()
+    assert third.rejected == ["bad.json"] and not third.stuck
+    metrics.intake_pass(len(third.stuck), third.stalled)
+    assert metrics.readiness()[0]
+
+
+def test_an_unlistable_folder_stalls_the_intake_without_raising(tmp_path, store):
+    clock = Clock()
+    alarms = tmp_path / "alarms"
+    alarms.write_text("a file where the folder should be")
+    result = make_intake(alarms, store, clock).run()
+    assert result.stalled.startswith("cannot list") and result.count == 0

@@ -1,0 +1,72 @@
+"""Parse JSON from outside (alarm files, golden records, state files) within fixed bounds.
+
+`json.loads` on hostile text can raise RecursionError (a file of nested `[`), spend seconds on a
+5,000-digit integer (or raise ValueError from Python's digit limit), and accepts `NaN` and
+`Infinity`, which then leak into arithmetic. `loads` here turns every one of those into a
+ValueError with one line saying what is wrong, so a reader's caller handles a single exception.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+MAX_DEPTH = 64  # nesting of arrays/objects; our own files are at most five deep
+MAX_INT_DIGITS = 40  # a 128-bit value has 39 digits; nothing we read is larger
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {len(text.lstrip('-'))} digits (at most "
+                         f"{MAX_INT_DIGITS} allowed)")
+    return int(text)
+
+
+def _finite_float(text: str) -> float:
+    v = float(text)
+    if v in (float("inf"), float("-inf")):  # 1e999 parses to inf
+        raise ValueError(f"the number {text[:40]} overflows a double")
+    return v
+
+
+def depth(obj: Any) -> int:
+    """How deeply arrays and objects nest in obj (a scalar is 0), without recursion."""
+    deepest = 0
+    stack = [(obj, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict):
+            deepest = max(deepest, d)
+            stack.extend((x, d + 1) for x in v.values())
+        elif isinstance(v, list):
+            deepest = max(deepest, d)
+            stack.extend((x, d + 1) for x in v)
+    return deepest
+
+
+def loads(data: bytes | str, *, max_bytes: int, max_depth: int = MAX_DEPTH) -> Any:
+    """The JSON value in data; ValueError (one line) when it is larger than max_bytes, not UTF-8,
+    not JSON, nested deeper than max_depth, or holds NaN, an infinity or a huge integer."""
+    if len(data) > max_bytes:
+        raise ValueError(f"larger than {max_bytes} bytes")
+    if isinstance(data, bytes):
+        try:
+            data = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"not UTF-8 text (byte {e.start})") from None
+    try:
+        value = json.loads(data, parse_constant=_no_constant, parse_int=_bounded_int,
+                           parse_float=_finite_float)
+    except RecursionError:
+        raise ValueError(f"nested deeper than {max_depth} levels") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    except ValueError as e:
+        raise ValueError(str(e).splitlines()[0] if str(e) else "not valid JSON") from None
+    if depth(value) > max_depth:
+        raise ValueError(f"nested deeper than {max_depth} levels")
+    return value
