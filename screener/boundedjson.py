@@ -9,6 +9,8 @@ ValueError with one line saying what is wrong, so a reader's caller handles a si
 from __future__ import annotations
 
 import json
+import os
+import stat
 from typing import Any
 
 MAX_DEPTH = 64  # nesting of arrays/objects; our own files are at most five deep
@@ -70,3 +72,34 @@ def loads(data: bytes | str, *, max_bytes: int, max_depth: int = MAX_DEPTH) -> A
     if depth(value) > max_depth:
         raise ValueError(f"nested deeper than {max_depth} levels")
     return value
+
+
+def read_regular(path: str | os.PathLike[str], limit: int, *, follow_symlinks: bool = True) -> bytes:
+    """The bytes of a regular file of at most `limit` bytes; OSError, or ValueError saying why not.
+
+    Opened with O_NONBLOCK (a FIFO swapped in must not hang the reader) and, unless
+    follow_symlinks, O_NOFOLLOW (ELOOP on a symlink); checked with fstat to be a regular file, so
+    /dev/zero or a pipe is refused rather than read forever; read no further than the limit.
+    """
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    if not follow_symlinks:
+        flags |= os.O_NOFOLLOW
+    fd = os.open(path, flags)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        if st.st_size > limit:
+            raise ValueError(f"larger than {limit} bytes")
+        chunks, total = [], 0
+        while True:
+            chunk = os.read(fd, min(1 << 20, limit + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > limit:
+                raise ValueError(f"larger than {limit} bytes")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import socket
 import sys
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from screener import configs
+from screener import boundedjson, configs
 from screener.errors import ConfigError
 from screener.health.config import ProbeConfig
 from screener.lifecycle import LifecyclePolicy
@@ -41,7 +42,12 @@ STORE_CHOICES = ("auto", "local", "kube")
 
 
 def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    """A finite int or float (not a bool): NaN and infinities are never a setting."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+_STR_FIELDS = ("node", "alarm_dir", "store", "event_namespace", "own_pod", "metrics_host")
+_PATH_FIELDS = ("db", "kubeconfig", "spool", "jobs_dir", "golden_dir")  # None or a string
 
 
 @dataclass(frozen=True)
@@ -114,25 +120,32 @@ class DaemonConfig:
         def bad(name: str, why: str) -> ConfigError:
             return ConfigError(f"daemon config {name}={getattr(self, name)!r}: {why}")
 
-        if not isinstance(self.node, str):
-            raise bad("node", "must be a string")
+        for name in _STR_FIELDS:
+            v = getattr(self, name)
+            if not isinstance(v, str) or len(v) > 4096 or "\x00" in v:
+                raise bad(name, "must be a string")
+        for name in _PATH_FIELDS:
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v or "\x00" in v):
+                raise bad(name, "must be a path (a non-empty string)")
         if self.store not in STORE_CHOICES:
             raise bad("store", f"must be one of {', '.join(STORE_CHOICES)}")
         for name in ("tick_s", "probe_interval_s", "screen_time_cap_s", "job_poll_s", "liveness_s"):
             v = getattr(self, name)
             if not _is_num(v) or not v > 0:
-                raise bad(name, "must be a positive number of seconds")
+                raise bad(name, "must be a positive, finite number of seconds")
         for name in ("idle_window_s", "screen_interval_s", "retry_inconclusive_s"):
             v = getattr(self, name)
             if not _is_num(v) or v < 0:
-                raise bad(name, "must be a number of seconds >= 0")
+                raise bad(name, "must be a finite number of seconds >= 0")
         if not isinstance(self.idle_utilization_pct, int) or isinstance(self.idle_utilization_pct, bool) \
                 or not 0 < self.idle_utilization_pct <= 100:
             raise bad("idle_utilization_pct", "must be an integer percentage 1..100")
         if not isinstance(self.metrics_port, int) or isinstance(self.metrics_port, bool) \
                 or not -1 <= self.metrics_port <= 65535:
             raise bad("metrics_port", "must be a port number (0: any free port, -1: none)")
-        if not isinstance(self.processed_keep, int) or self.processed_keep < 0:
+        if not isinstance(self.processed_keep, int) or isinstance(self.processed_keep, bool) \
+                or self.processed_keep < 0:
             raise bad("processed_keep", "must be an integer >= 0")
         for name in ("jobs", "devices"):
             v = getattr(self, name)
@@ -146,6 +159,8 @@ class DaemonConfig:
             raise bad("hyperpod", "must be a table")
         if not self.alarm_dir:
             raise bad("alarm_dir", "must be a directory")
+        if not self.metrics_host or any(c.isspace() for c in self.metrics_host):
+            raise bad("metrics_host", "must be an address to bind (the pod IP in a cluster)")
 
     # --- building -------------------------------------------------------------------------------
 
@@ -204,17 +219,35 @@ class DaemonConfig:
         return "kube" if self.kubeconfig or env.get("KUBERNETES_SERVICE_HOST") else "local"
 
 
+MAX_CONFIG_BYTES = 1024 * 1024
+
+
 def read_file(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Parse a TOML (*.toml) or JSON config file; bad syntax is a ConfigError naming the file."""
+    """Parse a TOML (*.toml) or JSON config file; bad syntax is a ConfigError naming the file.
+
+    The file must be a regular file under MAX_CONFIG_BYTES; JSON is parsed within the bounds of
+    screener.boundedjson (no NaN, no infinity, no huge integer, bounded nesting), TOML with the
+    same nesting bound.
+    """
     p = Path(path)
     try:
-        raw = p.read_bytes()
+        raw = boundedjson.read_regular(p, MAX_CONFIG_BYTES)
     except OSError as e:
         raise ConfigError(f"{p}: cannot read the config file: {e.strerror or e}") from e
+    except ValueError as e:
+        raise ConfigError(f"{p}: cannot read the config file: {e}") from None
+    kind = "TOML" if p.suffix == ".toml" else "JSON"
     try:
-        data = tomllib.loads(raw.decode()) if p.suffix == ".toml" else json.loads(raw)
+        if kind == "TOML":
+            data = tomllib.loads(raw.decode())
+            if boundedjson.depth(data) > boundedjson.MAX_DEPTH:
+                raise ValueError(f"nested deeper than {boundedjson.MAX_DEPTH} levels")
+        else:
+            data = boundedjson.loads(raw, max_bytes=MAX_CONFIG_BYTES)
+    except RecursionError:
+        raise ConfigError(f"{p}: not valid {kind}: nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as e:  # TOMLDecodeError and JSONDecodeError are ValueErrors
-        raise ConfigError(f"{p}: not valid {'TOML' if p.suffix == '.toml' else 'JSON'}: {e}") from e
+        raise ConfigError(f"{p}: not valid {kind}: {str(e).splitlines()[0] if str(e) else e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: the config must be a table/object at the top level")
     return data
@@ -241,9 +274,12 @@ def _parse_env(name: str, text: str, default: Any) -> Any:
             raise ConfigError(f"${name}={text!r}: expected an integer") from None
     if isinstance(default, float):
         try:
-            return float(text)
+            value = float(text)
         except ValueError:
             raise ConfigError(f"${name}={text!r}: expected a number") from None
+        if not math.isfinite(value):
+            raise ConfigError(f"${name}={text!r}: expected a finite number")
+        return value
     return text or None if default is None else text
 
 

@@ -3,12 +3,15 @@
 Every config section (probes, lifecycle, hyperpod, ...) is a frozen dataclass whose fields are the
 keys it accepts. A key the dataclass does not know is a typo or a setting from another version, and
 silently dropping it would run with a default the operator did not choose, so it is an error that
-names the section and the key. Value checks stay in each dataclass's __post_init__.
+names the section and the key. A NaN or an infinity anywhere in a section is refused here for
+every section at once: `x < 0` is False for NaN, so a range check alone would let it through and
+switch a timer off. Value checks stay in each dataclass's __post_init__.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
@@ -30,8 +33,26 @@ def from_mapping(cls: type[T], mapping: Any, section: str) -> T:
     if unknown:
         raise ConfigError(f"{section} config: unknown key(s) {', '.join(unknown)}; "
                           f"known: {', '.join(sorted(known))}")
+    for key, value in mapping.items():
+        bad = _non_finite(value)
+        if bad is not None:
+            raise ConfigError(f"{section} config {key}={bad}: must be a finite number")
     try:
         return cls(**dict(mapping))
-    except TypeError as e:
+    except (TypeError, OverflowError) as e:
         raise ConfigError(f"{section} config: a value has the wrong type ({e})") from e
+    except ValueError as e:  # e.g. a dataclass's int(...) of a bad string
+        raise ConfigError(f"{section} config: a value is invalid ({e})") from e
+
+
+def _non_finite(value: Any) -> Any:
+    """The first NaN or infinity in a value (scalars and plain lists/tuples), else None."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, float) and not math.isfinite(v):
+            return v
+        if isinstance(v, (list, tuple)) and len(stack) < 10_000:
+            stack.extend(v)
+    return None
 

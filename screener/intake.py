@@ -49,7 +49,6 @@ MAX_RANKS = 65536
 MAX_SUSPECT_NODES = 64
 MAX_CREATED = 1e11  # unix seconds, year 5138: a bound, not a clock check
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 _FIELDS = frozenset({"schema", "alarm_id", "check", "step", "settled", "suspect_ranks",
                      "suspect_nodes", "node", "job", "created", "evidence"})
 
@@ -259,34 +258,10 @@ class AlarmIntake:
                 pass
 
 
-def read_bounded(path: Path, limit: int) -> bytes:
-    """The bytes of a regular file, opened without following a symlink and without blocking
-    (a FIFO swapped in after the scan must not hang the reader); OSError or ValueError."""
-    fd = os.open(path, _OPEN_FLAGS)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError("not a regular file")
-        if st.st_size > limit:
-            raise ValueError(f"larger than {limit} bytes")
-        chunks, total = [], 0
-        while True:
-            chunk = os.read(fd, min(65536, limit + 1 - total))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-            if total > limit:
-                raise ValueError(f"larger than {limit} bytes")
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
-
-
 def _read(path: Path) -> tuple[Optional[AlarmRecord], str]:
     """The record in a file, or None and why not."""
     try:
-        raw = read_bounded(path, MAX_ALARM_BYTES)
+        raw = boundedjson.read_regular(path, MAX_ALARM_BYTES, follow_symlinks=False)
     except OSError as e:
         if e.errno == errno.ELOOP:
             return None, "a symbolic link (alarm files must be regular files)"

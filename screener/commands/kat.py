@@ -15,6 +15,7 @@ from typing import Any, Optional, Sequence
 
 import click
 
+from screener.commands._params import FiniteFloat, positive
 from screener.errors import BadInputError
 from screener.types import ExitCode
 
@@ -67,7 +68,7 @@ def kat_group() -> None:
               help="Folder of job specs (default: $SCREENER_JOBS_DIR or jobs/).")
 @click.option("--repeat", "-r", type=click.IntRange(min=1), default=2, show_default=True,
               help="Runs of each job per device; 2 or more also checks a device against itself.")
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=300.0,
+@click.option("--timeout", type=positive(max=7 * 86400.0), default=300.0,
               show_default=True,
               help="Seconds a device may go without finishing a job (or starting up) before it is "
                    "killed and reported suspect (timeout).")
@@ -155,7 +156,7 @@ def golden_group() -> None:
               help="Folder of job specs (default: $SCREENER_JOBS_DIR or jobs/).")
 @click.option("--repeat", "-r", type=click.IntRange(min=1), default=3, show_default=True,
               help="Runs of each job per device; all of them must agree bit for bit.")
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=300.0,
+@click.option("--timeout", type=positive(max=7 * 86400.0), default=300.0,
               show_default=True, help="Seconds a device may go without progress.")
 @click.option("--force", is_flag=True,
               help="Replace an existing valid golden whose results differ from the new runs.")
@@ -274,6 +275,8 @@ def parse_duration(text: str) -> float:
     value = float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
     if value <= 0:
         raise click.BadParameter(f"{text!r} must be positive")
+    if not value <= 365 * 86400:  # also refuses an overflow to inf from a string of digits
+        raise click.BadParameter(f"{text[:40]!r} is longer than a year")
     return value
 
 
@@ -290,7 +293,7 @@ def parse_duration(text: str) -> float:
               help="Folder of golden records (default: $SCREENER_GOLDEN_DIR or golden/).")
 @click.option("--jobs-dir", type=click.Path(file_okay=False), default=None,
               help="Folder of job specs (default: $SCREENER_JOBS_DIR or jobs/).")
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=300.0,
+@click.option("--timeout", type=positive(max=7 * 86400.0), default=300.0,
               show_default=True, help="Seconds a device may go without finishing a job before "
                                       "it is killed and reported suspect (timeout).")
 @click.option("--report", "report", type=click.Path(dir_okay=False), default=None,
@@ -304,7 +307,7 @@ def parse_duration(text: str) -> float:
               help="The local store's SQLite file (default: the user's state directory).")
 @click.option("--kubeconfig", type=click.Path(dir_okay=False), default=None,
               help="kubeconfig for the kube store (default: in-cluster, then ~/.kube/config).")
-@click.option("--hbm-fraction", type=click.FloatRange(0, 0.95, min_open=True), default=0.5,
+@click.option("--hbm-fraction", type=FiniteFloat(0, 0.95, min_open=True), default=0.5,
               show_default=True, help="Share of each GPU's free memory the HBM pattern test covers.")
 @click.option("--no-hbm", is_flag=True, help="Skip the HBM pattern test.")
 @click.option("--no-collective", is_flag=True, help="Skip the all-reduce check across the GPUs.")

@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 
 import click
 
+from screener.commands._params import positive
 from screener.types import ExitCode, NodeState
 
 STORE_HELP = ("Where node states live: 'local' (SQLite, the default outside a cluster) or 'kube' "
@@ -129,7 +130,7 @@ def status_cmd(node: Optional[str], as_json: bool, store: Any) -> int:
 
 @node_group.command("history")
 @click.argument("node")
-@click.option("--days", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--days", type=positive(max=36500.0), default=None,
               help="Only transitions of the last DAYS days.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout.")
 @store_options
@@ -186,7 +187,7 @@ def set_cmd(node: str, state: str, reason: str, as_json: bool, store: Any) -> in
 
 
 @click.command("lemons")
-@click.option("--days", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
+@click.option("--days", type=positive(max=36500.0), default=30.0, show_default=True,
               help="Window to count failures in.")
 @click.option("--min-failures", type=click.IntRange(min=1), default=3, show_default=True,
               help="Failures within the window that make a lemon.")

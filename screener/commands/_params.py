@@ -1,0 +1,48 @@
+"""Click parameter types for numbers from the command line: finite, and in range.
+
+click.FloatRange lets `nan` through every bound (each comparison with NaN is False) and accepts
+`inf`, so `--timeout nan` switched the hang watchdog off and `--days nan` made an empty window.
+FiniteFloat refuses both with click's usual one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import click
+
+
+class FiniteFloat(click.ParamType):
+    """A finite float in [min, max] (open at either end with min_open / max_open)."""
+
+    name = "number"
+
+    def __init__(self, min: Optional[float] = None, max: Optional[float] = None, *,  # noqa: A002
+                 min_open: bool = False, max_open: bool = False) -> None:
+        self.min, self.max = min, max
+        self.min_open, self.max_open = min_open, max_open
+
+    def convert(self, value: Any, param: Optional[click.Parameter],
+                ctx: Optional[click.Context]) -> float:
+        if isinstance(value, bool):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        try:
+            v = float(value)
+        except (TypeError, ValueError, OverflowError):
+            self.fail(f"{str(value)[:40]!r} is not a number", param, ctx)
+        if not math.isfinite(v):
+            self.fail(f"{str(value)[:40]!r} is not a finite number", param, ctx)
+        if self.min is not None and (v < self.min or (self.min_open and v == self.min)):
+            self.fail(f"{v:g} is not {'>' if self.min_open else '>='} {self.min:g}", param, ctx)
+        if self.max is not None and (v > self.max or (self.max_open and v == self.max)):
+            self.fail(f"{v:g} is not {'<' if self.max_open else '<='} {self.max:g}", param, ctx)
+        return v
+
+    def __repr__(self) -> str:
+        return f"FiniteFloat({self.min}, {self.max})"
+
+
+def positive(max: Optional[float] = None) -> FiniteFloat:  # noqa: A002
+    """A finite number > 0 (seconds, days), at most `max` when given."""
+    return FiniteFloat(0.0, max, min_open=True)
