@@ -14,7 +14,12 @@
    (with --peers, on one machine: the peer burn-in of screener.peer with simulated peer nodes;)
 6. the probes again: counters that rose under the sustained load (ECC, Xid, throttling) show here;
 7. the lifecycle: probe findings, then every verdict of the stages as one known-answer screen,
-   moving the node to healthy (all pass), suspect, quarantined or repair (lemon rule). A mismatch
+   moving the node to healthy (all pass), suspect, quarantined or repair (lemon rule). Only a FULL
+   burn-in can make a node healthy: `missing_for_full` lists what a run lacked against its
+   `BurninRequirement` (the probes before and after, every job repeated at least twice on every
+   device for the configured duration, the HBM test, the collective when there are several
+   devices, the cross-check where the fleet has same-platform peers); a run that lacks anything is
+   a partial burn-in, recorded as such, and leaves a burnin node in burnin. A mismatch
    that reproduced (the same wrong result on every round of the burn-in, or a device that
    disagreed with itself, or a stuck memory cell seen twice) counts as confirmed.
 
@@ -37,6 +42,12 @@ from screener.kat import (DEFAULT_TIMEOUT, DeviceFault, Progress, ScreenResult, 
 from screener.types import ExitCode, NodeState, Outcome, Severity, Verdict
 
 DEFAULT_ITERATIONS = 10
+# How long a full burn-in keeps the known-answer jobs running by default. The seeds give no
+# number: burn-in is "a short stress run" whose length "operators tune from their own repair data"
+# (longer catches more infant mortality, and leaves hardware idle). One hour of sustained load is
+# short next to the days a node then serves, and long enough to reach thermal steady state.
+DEFAULT_BURNIN_SECONDS = 3600.0
+MIN_BURNIN_ITERATIONS = 2  # every job at least twice on every device: self-consistency needs two
 CONFIRMING_REASONS = ("golden_mismatch", "peer_mismatch", "self_mismatch")
 OUT_OF_SERVICE = (NodeState.SUSPECT, NodeState.QUARANTINED, NodeState.REPAIR)
 
@@ -265,7 +276,12 @@ class FullBurninReport:
     state_before: Optional[NodeState] = None
     state_after: Optional[NodeState] = None
     transitions: list[dict[str, Any]] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)  # why it was not a full burn-in
 
+    @property
+    def kind(self) -> str:
+        """"full" when nothing was missing, else "partial" (see missing_for_full)."""
+        return "partial" if self.missing else "full"
     @property
     def outcome(self) -> Outcome:
         outs = {s.outcome for s in self.stages}
@@ -285,7 +301,8 @@ class FullBurninReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": "burnin", "node": self.node, "outcome": self.outcome.value,
-                "exit_code": int(self.exit_code),
+                "exit_code": int(self.exit_code), "burnin_kind": self.kind,
+                "missing": list(self.missing),
                 "state_before": self.state_before.value if self.state_before else None,
                 "state_after": self.state_after.value if self.state_after else None,
                 "transitions": self.transitions, "stages": [s.to_dict() for s in self.stages],
@@ -311,6 +328,8 @@ class FullBurninReport:
         lines.append(f"node {self.node}: {self.state_before.value if self.state_before else '(new)'}"
                      f" -> {self.state_after.value if self.state_after else '?'}"
                      + (f" ({move})" if move else " (unchanged)"))
+        lines.append(f"burn-in: {self.kind}" + (f" (missing: {'; '.join(self.missing)})"
+                                                  if self.missing else ""))
         lines.append(f"overall: {self.outcome.value} (exit {int(self.exit_code)})")
         return "\n".join(lines)
 
@@ -338,7 +357,69 @@ def kat_stage(kat: Callable[[], BurninReport]) -> tuple[Stage, BurninReport]:
     bad = [v for v in verdicts if v.outcome != Outcome.PASS]
     detail = (f"{len(rep.screen.jobs)} job(s) on {len(verdicts)} device(s), "
               + (", ".join(f"{v.device}: {v.reason}" for v in bad) or "all bit-exact"))
-    return Stage("known-answer", rep.screen.outcome, time.monotonic() - t0, detail, verdicts), rep
+    # What missing_for_full checks: how often and how long every job ran on every device.
+    data = {"iterations": dict(rep.screen.iterations), "jobs": list(rep.screen.jobs),
+            "devices": [v.device for v in rep.screen.verdicts],
+            "seconds": round(rep.finished - rep.started, 3)}
+    return Stage("known-answer", rep.screen.outcome, time.monotonic() - t0, detail, verdicts,
+                 data), rep
+
+
+@dataclass(frozen=True)
+class BurninRequirement:
+    """What a burn-in must have done to count as full (and so be able to make a node healthy).
+
+    min_seconds: how long the known-answer jobs ran (the configured duration; CPU tests use
+    seconds). min_iterations: repeats of every job on every device. jobs: the jobs that must all
+    have run (empty: whatever the run chose). The probes, HBM test, collective (several devices)
+    and cross-check (where peers exist) are always required.
+    """
+
+    min_seconds: float = DEFAULT_BURNIN_SECONDS
+    min_iterations: int = MIN_BURNIN_ITERATIONS
+    jobs: tuple[str, ...] = ()
+
+
+def missing_for_full(stages: Sequence[Mapping[str, Any]], req: BurninRequirement, *,
+                     devices: int, peers_available: bool) -> list[str]:
+    """What this burn-in lacked to be full (empty: it was full). `stages` are Stage.to_dict()s.
+
+    devices: how many devices the node has (the collective is required when more than one).
+    peers_available: the fleet has same-platform peers whose digests can be cross-checked.
+    """
+    by = {str(s.get("name")): s for s in stages}
+    out: list[str] = []
+    for name in ("probes-before", "probes-after"):
+        if name not in by:
+            out.append(f"{name} did not run")
+    kat = by.get("known-answer")
+    if kat is None:
+        out.append("the known-answer rounds did not run")
+    else:
+        d = kat.get("data") or {}
+        its = {str(k): int(v) for k, v in (d.get("iterations") or {}).items()}
+        ran = set(d.get("devices") or its)
+        if len(ran) < devices:
+            out.append(f"known-answer jobs ran on {len(ran)} of {devices} device(s)")
+        low = sorted(k for k, v in its.items() if v < req.min_iterations)
+        if low or not its:
+            out.append(f"every job must repeat at least {req.min_iterations} times on every device "
+                       f"({', '.join(f'{k}: {its[k]}' for k in low) or 'no repeats recorded'})")
+        if float(d.get("seconds") or 0.0) < req.min_seconds:
+            out.append(f"the known-answer jobs ran {float(d.get('seconds') or 0.0):.0f} s of the "
+                       f"required {req.min_seconds:g} s")
+        lacking = sorted(set(req.jobs) - set(d.get("jobs") or ()))
+        if lacking:
+            out.append(f"job(s) not run: {', '.join(lacking)}")
+    hbm = by.get("hbm")
+    if hbm is None or hbm.get("outcome") == Outcome.INCONCLUSIVE.value:
+        out.append("the HBM pattern test did not run" if hbm is None
+                   else "the HBM pattern test tested nothing")
+    if devices > 1 and "collective" not in by:
+        out.append("the intra-node collective did not run")
+    if peers_available and "crosscheck" not in by:
+        out.append("the cross-check with same-platform peers did not run")
+    return out
 
 
 def mark_confirmed(v: Verdict, iterations: int) -> Verdict:
@@ -386,10 +467,16 @@ def collective_stage(devices: Sequence[str], plan: BurninPlan, inject: Any = Non
 
 
 def crosscheck_stage(node: str, screen: ScreenResult, store: Any) -> Stage:
+    return crosscheck_digests_stage(node, screen.verdicts, screen.digests, store)
+
+
+def crosscheck_digests_stage(node: str, verdicts: Sequence[Verdict],
+                             digests: Mapping[str, Mapping[str, str]], store: Any) -> Stage:
+    """The cross-check of this node's known-answer digests with its same-platform peers'."""
     from screener.crosscheck import cross_check, peer_digests, platform_digests
 
     t0 = time.monotonic()
-    cc = cross_check(platform_digests(screen.verdicts, screen.digests), peer_digests(store, node))
+    cc = cross_check(platform_digests(verdicts, digests), peer_digests(store, node))
     # Too few peers is not a reason to hold a node back: the golden decides then.
     outcome = Outcome.PASS if cc.outcome == Outcome.INCONCLUSIVE else cc.outcome
     return Stage("crosscheck", outcome, time.monotonic() - t0, cc.detail,
@@ -417,6 +504,7 @@ def run_full_burnin(node: str, devices: Sequence[str], kat: Callable[[], BurninR
                     clock: Callable[[], float] = time.time, hbm_inject: Any = None,
                     collective_inject: Any = None, peers: Sequence[str] = (),
                     peer_steps: int = 8,
+                    requirement: Optional[BurninRequirement] = None,
                     progress: Callable[[str], None] = lambda s: None) -> FullBurninReport:
     """Run the stages in order (see the module docstring) and move the node through the lifecycle.
 
@@ -424,6 +512,8 @@ def run_full_burnin(node: str, devices: Sequence[str], kat: Callable[[], BurninR
     node's store (local or kube), or None to move nothing. probe(previous): the health probes.
     peers: names of simulated peer nodes for a local peer burn-in stage (none: no such stage; in a
     cluster the peer burn-in is its own Indexed Job, see screener.peer).
+    requirement: what makes the run full (default BurninRequirement(): one hour); a partial run is
+    recorded as partial and never makes a node healthy.
     """
     from screener import lifecycle
     from screener.stores import apply_event
@@ -446,9 +536,12 @@ def run_full_burnin(node: str, devices: Sequence[str], kat: Callable[[], BurninR
     if plan.collective and len(devices) > 1:
         progress("all-reduce check")
         report.stages.append(collective_stage(devices, plan, collective_inject))
+    peers_available = False
     if plan.crosscheck and store is not None and hasattr(store, "annotations_by_node"):
         progress("cross-check with other nodes")
-        report.stages.append(crosscheck_stage(node, report.kat.screen, store))
+        cc = crosscheck_stage(node, report.kat.screen, store)
+        peers_available = int((cc.data or {}).get("nodes_compared") or 0) > 0
+        report.stages.append(cc)
     if peers:
         progress("peer burn-in")
         report.stages.append(peers_stage(node, peers, peer_steps))
@@ -458,14 +551,23 @@ def run_full_burnin(node: str, devices: Sequence[str], kat: Callable[[], BurninR
         report.stages.append(stage)
         findings += [f for f in after.findings if f.severity >= Severity.WARNING]
 
+    report.missing = missing_for_full([s.to_dict() for s in report.stages],
+                                      requirement or BurninRequirement(),
+                                      devices=len(dict.fromkeys(devices)),
+                                      peers_available=peers_available)
     if store is not None and plan.lifecycle:
+        from screener.health.rules import is_condition
+
         policy = policy or lifecycle.DEFAULT_POLICY
         report.state_before = store.get_state(node)
         events: list[Any] = [lifecycle.NodeSeen()]
         if findings:
             events.append(lifecycle.Findings(tuple(findings)))
         verdicts = tuple(v for s in report.stages for v in s.verdicts)
-        events.append(lifecycle.KatScreen(verdicts))
+        # Conditions seen after the load (a pending remap, a GPU gone) keep the node out.
+        conditions = tuple(f for f in (after.findings if plan.probes and probe is not None else ())
+                           if is_condition(f))
+        events.append(lifecycle.KatScreen(verdicts, kind=report.kind, conditions=conditions))
         for event in events:
             decision = apply_event(store, node, event, now=clock(), policy=policy)
             for t in decision.transitions:
@@ -474,5 +576,7 @@ def run_full_burnin(node: str, devices: Sequence[str], kat: Callable[[], BurninR
                                            "code": t.code})
         report.state_after = store.get_state(node)
         store.set_verdict(node, {"time": clock(), "outcome": report.outcome.value,
-                                 "kind": "burnin", "verdicts": [v.to_dict() for v in verdicts]})
+                                 "kind": report.kind, "screen": "burnin",
+                                 "missing": list(report.missing),
+                                 "verdicts": [v.to_dict() for v in verdicts]})
     return report

@@ -102,9 +102,13 @@ def peer_rank(rank: int, world: int, device: str, *, options: PeerOptions) -> di
     from screener.audit import Auditor, NumericFailure, SDCAlarm
     from screener.audit.topology import node_name
     from screener.collective import known_sum_rank
+    from screener.determinism import make_deterministic
 
     node = node_name()
     dev = torch.device(device)
+    # Like every known-answer job: the ring replay and the weight vote compare bits, so every
+    # knob that changes them is pinned before the model is built.
+    pinned = make_deterministic(dev)
     model = synthetic.make_model(options.seed, **SHAPE).to(dev)
     ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
     opt = torch.optim.SGD(model.parameters(), lr=options.lr)
@@ -117,7 +121,8 @@ def peer_rank(rank: int, world: int, device: str, *, options: PeerOptions) -> di
     i_inject = fault is not None and node == fault_node and \
         rank == auditor.topology.ranks_on(node)[0]
     out: dict[str, Any] = {"rank": rank, "node": node, "device": device, "alarm": None,
-                           "numeric": None, "steps_done": 0, "fault": None, "collective": None}
+                           "numeric": None, "steps_done": 0, "fault": None, "collective": None,
+                           "determinism": pinned}
     # The path first: an all-reduce of a known pattern across every rank, with its bandwidth.
     if world > 1:
         numel = options.collective_numel or (1 << 14 if dev.type == "cpu" else 32 * 1024 * 1024)
@@ -282,12 +287,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
     options = PeerOptions(under_test=args.under_test, steps=args.steps,
                           audit_every=args.audit_every, weights_every=args.weights_every)
+    from screener.determinism import make_deterministic
+
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
         device, backend = f"cuda:{local}", "nccl"
     else:
         device, backend = "cpu", "gloo"
+    # Before CUDA is first used: the cuBLAS workspace setting takes effect only then (the Job's
+    # manifest also sets CUBLAS_WORKSPACE_CONFIG, for anything that initialises CUDA earlier).
+    make_deterministic(device)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
     try:
         rank, world = dist.get_rank(), dist.get_world_size()

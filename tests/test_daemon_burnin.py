@@ -10,7 +10,7 @@ import pytest
 
 from fakes.fake_nvml import FakeNvml, h100
 from kubeapi import KubeAPI
-from screener.burnin import BurninPlan, run_burnin, run_full_burnin
+from screener.burnin import BurninPlan, BurninRequirement, run_burnin, run_full_burnin
 from screener.health.config import ProbeConfig
 from screener.health.probes import run_probes
 from screener.hbm import stuck_bit
@@ -33,6 +33,8 @@ shapes = [[48, 64], [33, 40]]
 """
 
 PLAN = BurninPlan(hbm_max_bytes=2 << 20)
+# CPU tests use seconds, not the default hour.
+SECONDS = BurninRequirement(min_seconds=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -67,15 +69,45 @@ def test_a_clean_node_ends_healthy(kat_env, tmp_path):
     store = LocalStore(tmp_path / "s.db")
     try:
         rep = run_full_burnin("new-1", ["cpu"], lambda: clean, plan=PLAN, store=store,
-                              probe=probe_fn(tmp_path))
+                              probe=probe_fn(tmp_path), requirement=SECONDS)
         assert [s.name for s in rep.stages] == ["probes-before", "known-answer", "hbm",
                                                 "probes-after"]
+        assert rep.kind == "full" and rep.missing == []
         assert rep.outcome == Outcome.PASS and rep.exit_code == ExitCode.PASS
         assert rep.state_before is None and rep.state_after == NodeState.HEALTHY
         assert [t["to"] for t in rep.transitions] == ["burnin", "healthy"]
-        assert store.get_verdict("new-1")["kind"] == "burnin"
+        assert store.get_verdict("new-1")["kind"] == "full"
+        assert store.get_verdict("new-1")["screen"] == "burnin"
         assert "new-1: (new) -> healthy" in rep.table()
         json.dumps(rep.to_dict())
+    finally:
+        store.close()
+
+
+def test_a_partial_burnin_never_makes_the_node_healthy(kat_env, tmp_path):
+    """The same clean run, but short of the configured duration, or without the HBM test, or
+    with a single round: recorded as partial, and the node stays in burnin."""
+    _, clean = kat_env
+    store = LocalStore(tmp_path / "s.db")
+    try:
+        short = run_full_burnin("new-2", ["cpu"], lambda: clean, plan=PLAN, store=store,
+                                probe=probe_fn(tmp_path),
+                                requirement=BurninRequirement(min_seconds=3600.0))
+        assert short.outcome == Outcome.PASS and short.kind == "partial"
+        assert any("of the required 3600 s" in m for m in short.missing)
+        assert short.state_after == NodeState.BURNIN
+        assert store.get_verdict("new-2")["kind"] == "partial"
+        no_hbm = run_full_burnin("new-2", ["cpu"], lambda: clean,
+                                 plan=BurninPlan(hbm=False), store=store,
+                                 probe=probe_fn(tmp_path), requirement=SECONDS)
+        assert no_hbm.missing == ["the HBM pattern test did not run"]
+        once = run_full_burnin("new-2", ["cpu"], lambda: clean, plan=PLAN, store=store,
+                               probe=None, requirement=BurninRequirement(min_seconds=0.0,
+                                                                         min_iterations=3))
+        assert "probes-before did not run" in once.missing
+        assert any("at least 3 times" in m for m in once.missing)
+        assert store.get_state("new-2") == NodeState.BURNIN
+        assert "burn-in: partial" in once.table()
     finally:
         store.close()
 
@@ -121,7 +153,8 @@ def test_digests_that_disagree_with_the_fleet_make_the_node_suspect(kat_env, tmp
         api.add_node("other-platform", annotations={ANNOTATION_DIGESTS: json.dumps({"p9": {"tiny-gemm": mine}})})
         store = KubeStore(api.api_client(), sleep=lambda s: None, instance="t")
         try:
-            rep = run_full_burnin("new-3", ["cpu"], lambda: clean, plan=PLAN, store=store)
+            rep = run_full_burnin("new-3", ["cpu"], lambda: clean, plan=PLAN, store=store,
+                                  requirement=SECONDS)
         finally:
             store.close()
         cc = next(s for s in rep.stages if s.name == "crosscheck")

@@ -23,6 +23,9 @@ def test_a_fault_on_the_node_under_test_is_caught_and_named(tmp_path):
     fired = [x["fault"] for x in r.ranks if x["fault"]]
     assert len(fired) == 1 and fired[0]["fired"], "the fault never fired"
     assert all(x["steps_done"] == 1 for x in r.ranks)  # step 0 passed the audit on every rank
+    # Every rank pinned determinism like every known-answer job (make_deterministic's record).
+    assert all(x["determinism"]["deterministic_algorithms"] is True
+               and x["determinism"]["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" for x in r.ranks)
     # The alarm file for the DaemonSet of the node under test, and none for the peers.
     files = [json.loads(p.read_text()) for p in (tmp_path / "alarms").glob("*.json")]
     assert [f["node"] for f in files] == ["new-node"] and files[0]["settled"]
