@@ -4,23 +4,31 @@ Why our own: kmock (the maintained PyPI mock) merges every patch as plain dicts,
 merge or resourceVersion conflicts, and needs aiohttp; the official client must be tested against
 the real wire protocol. This server speaks it for the handful of resources screener touches:
 
-  GET    /api/v1/nodes[?labelSelector=..][&watch=true]     list / watch
+  GET    /api/v1/nodes[?labelSelector=..][&limit=&continue=][&watch=true]   list / watch
   GET    /api/v1/nodes/NAME                                 get
   PATCH  /api/v1/nodes/NAME[/status]                        json-patch, merge-patch, strategic-merge
   PUT    /api/v1/nodes/NAME[/status]                        update (resourceVersion required)
   POST   /api/v1/namespaces/NS/events                       create (409 if the name exists)
   GET    /api/v1/pods, /api/v1/namespaces/NS/pods           list (fieldSelector spec.nodeName=)
+  GET    /api/v1/namespaces/NS/configmaps[?labelSelector=..][&limit=&continue=]   list
+  GET|PUT|PATCH|DELETE /api/v1/namespaces/NS/configmaps/NAME, POST .../configmaps
 
 Semantics kept from the real API server: a global resourceVersion that increases on every write; a
-PATCH or PUT that carries a stale metadata.resourceVersion gets 409 Conflict; writes to the node
-ignore .status and writes to nodes/status change only .status; strategic merge merges
-status.conditions and status.addresses by `type` and replaces other lists (spec.taints has no merge
-key); Status objects as error bodies.
+PATCH or PUT that carries a stale metadata.resourceVersion gets 409 Conflict (nodes and
+configmaps; a ConfigMap PUT without one is an unconditional update), a POST of an existing name
+409 AlreadyExists; writes to the node ignore .status and writes to nodes/status change only
+.status; strategic merge merges status.conditions and status.addresses by `type` and replaces
+other lists (spec.taints has no merge key); lists page with limit/continue in name order (with
+metadata.remainingItemCount when no selector is given); a node list asked for with
+`Accept: application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1` returns only
+metadata; label selectors take `k=v`, `k!=v`, `k` and `!k`; Status objects as error bodies.
 
 Test controls: fail_next(n, status) answers the next n requests with an error, conflict_next(n)
 answers the next n writes with 409, down()/up() stop and restart listening on the same port,
-mutate() changes a node as another controller would, and `calls` records every request as
-(verb, resource, subresource) for RBAC checks. Use as a context manager:
+mutate() changes a node as another controller would, slow() delays answers (after the state was
+read, outside the server's lock, so racing clients really do read the same version), and `calls`
+records every request as (verb, resource, subresource) with its request and response bytes, for
+RBAC checks and benchmarks. Use as a context manager:
 
     with KubeAPI() as api:
         api.add_node("gpu-1")
@@ -29,6 +37,7 @@ mutate() changes a node as another controller would, and `calls` records every r
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import re
@@ -54,6 +63,8 @@ class Call:
     name: str = ""
     namespace: str = ""
     status: int = 0
+    request_bytes: int = 0
+    response_bytes: int = 0
 
 
 class ApiError(Exception):
@@ -220,7 +231,9 @@ class KubeAPI:
         self.nodes: dict[str, dict[str, Any]] = {}
         self.pods: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
+        self.configmaps: dict[tuple[str, str], dict[str, Any]] = {}  # (namespace, name) -> object
         self.calls: list[Call] = []
+        self._slow: list[tuple[Optional[str], Optional[str], float]] = []  # (verb, resource, s)
         self._rv = 100
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
@@ -388,6 +401,26 @@ class KubeAPI:
         with self._lock:
             self._conflicts += n
 
+    def slow(self, seconds: float, verb: Optional[str] = None,
+             resource: Optional[str] = None) -> None:
+        """Hold every answer to `verb` on `resource` (None: any) for `seconds` after the state was
+        read, outside the lock: a slow API server under which concurrent readers see one version."""
+        with self._lock:
+            self._slow = [x for x in self._slow if (x[0], x[1]) != (verb, resource)]
+            if seconds > 0:
+                self._slow.append((verb, resource, seconds))
+
+    def configmap(self, namespace: str, name: str) -> Optional[dict[str, Any]]:
+        with self._lock:
+            cm = self.configmaps.get((namespace, name))
+            return copy.deepcopy(cm) if cm is not None else None
+
+    def delete_configmaps(self, namespace: Optional[str] = None) -> None:
+        """Remove ConfigMaps (of one namespace, or all), as a person's kubectl delete would."""
+        with self._lock:
+            for key in [k for k in self.configmaps if namespace is None or k[0] == namespace]:
+                del self.configmaps[key]
+
     def clear_calls(self) -> None:
         with self._lock:
             self.calls.clear()
@@ -413,17 +446,23 @@ class KubeAPI:
             if self._fail and self._fail[0][1] in (None, call.verb) and \
                     self._fail[0][2] in (None, call.subresource):
                 status = self._fail.pop(0)[0]
+                out = status_body(status, "InternalError" if status >= 500 else "Error",
+                                  f"scripted failure {status}")
                 self.calls.append(Call(call.verb, call.resource, call.subresource, call.name,
-                                       call.namespace, status))
-                return status, status_body(status, "InternalError" if status >= 500 else "Error",
-                                           f"scripted failure {status}"), None
+                                       call.namespace, status, len(body), len(json.dumps(out))))
+                return status, out, None
             try:
                 code, out, stream = self._dispatch(call, method, q, headers, body)
             except ApiError as e:
                 code, out, stream = e.code, status_body(e.code, e.reason, e.message), None
+            data = json.dumps(out).encode() if stream is None else b""
             self.calls.append(Call(call.verb, call.resource, call.subresource, call.name,
-                                   call.namespace, code))
-            return code, out, stream
+                                   call.namespace, code, len(body), len(data)))
+            delay = max([d for v, r, d in self._slow if v in (None, call.verb)
+                         and r in (None, call.resource)], default=0.0)
+        if delay:
+            time.sleep(delay)
+        return code, (data if stream is None else out), stream
 
     def _route(self, method: str, parts: list[str], q: dict[str, str]) -> Call:
         verb = {"GET": "get", "POST": "create", "PUT": "update", "PATCH": "patch",
@@ -445,10 +484,18 @@ class KubeAPI:
                   body: bytes) -> tuple[int, Any, Optional[Iterable[bytes]]]:
         if call.resource == "nodes":
             if call.verb == "list":
-                items = [copy.deepcopy(n) for n in self.nodes.values()
+                items = [n for n in self.nodes.values()
                          if _match_labels(n["metadata"].get("labels") or {}, q.get("labelSelector", ""))]
-                return 200, {"kind": "NodeList", "apiVersion": "v1",
-                             "metadata": {"resourceVersion": str(self._rv)}, "items": items}, None
+                meta_only = "as=PartialObjectMetadataList" in (headers.get("Accept") or "")
+                page, meta = self._page(items, q)
+                if meta_only:
+                    return 200, {"kind": "PartialObjectMetadataList", "apiVersion": "meta.k8s.io/v1",
+                                 "metadata": meta,
+                                 "items": [{"kind": "PartialObjectMetadata",
+                                            "apiVersion": "meta.k8s.io/v1",
+                                            "metadata": copy.deepcopy(n["metadata"])} for n in page]}, None
+                return 200, {"kind": "NodeList", "apiVersion": "v1", "metadata": meta,
+                             "items": [copy.deepcopy(n) for n in page]}, None
             if call.verb == "watch":
                 return 200, None, self._watch(q)
             if call.name not in self.nodes:
@@ -457,6 +504,8 @@ class KubeAPI:
                 return 200, copy.deepcopy(self.nodes[call.name]), None
             if call.verb in ("patch", "update") and call.subresource in ("", "status"):
                 return 200, self._write_node(call, headers, body), None
+        if call.resource == "configmaps" and call.namespace:
+            return self._configmaps(call, q, headers, body)
         if call.resource == "events" and call.verb == "create":
             return 201, self._create_event(call.namespace, body), None
         if call.resource == "pods" and call.verb == "list":
@@ -469,6 +518,96 @@ class KubeAPI:
                          "metadata": {"resourceVersion": str(self._rv)}, "items": items}, None
         raise ApiError(404, "NotFound", f"the server could not find the requested resource "
                                         f"({call.verb} {call.resource} {call.subresource})")
+
+    def _page(self, items: list[dict[str, Any]], q: dict[str, str]) -> tuple[list[dict[str, Any]],
+                                                                           dict[str, Any]]:
+        """limit/continue paging in name order (a continue token is the last name, opaque)."""
+        items = sorted(items, key=lambda o: o["metadata"]["name"])
+        meta: dict[str, Any] = {"resourceVersion": str(self._rv)}
+        token = q.get("continue") or ""
+        if token:
+            try:
+                after = base64.urlsafe_b64decode(token.encode()).decode()
+            except (ValueError, UnicodeDecodeError):
+                raise ApiError(400, "BadRequest", "invalid continue token") from None
+            items = [o for o in items if o["metadata"]["name"] > after]
+        try:
+            limit = int(q.get("limit") or 0)
+        except ValueError:
+            raise ApiError(400, "BadRequest", f"invalid limit {q.get('limit')!r}") from None
+        if limit > 0 and len(items) > limit:
+            page = items[:limit]
+            meta["continue"] = base64.urlsafe_b64encode(page[-1]["metadata"]["name"].encode()).decode()
+            if not q.get("labelSelector") and not q.get("fieldSelector"):
+                meta["remainingItemCount"] = len(items) - limit
+            return page, meta
+        return items, meta
+
+    def _configmaps(self, call: Call, q: dict[str, str], headers: Any,
+                    body: bytes) -> tuple[int, Any, None]:
+        ns, name = call.namespace, call.name
+        if call.verb == "list":
+            items = [cm for (n, _), cm in self.configmaps.items() if n == ns and
+                     _match_labels(cm["metadata"].get("labels") or {}, q.get("labelSelector", ""))]
+            page, meta = self._page(items, q)
+            return 200, {"kind": "ConfigMapList", "apiVersion": "v1", "metadata": meta,
+                         "items": [copy.deepcopy(c) for c in page]}, None
+        if call.verb == "create":
+            obj = _json_object(body)
+            meta = obj.setdefault("metadata", {})
+            if not meta.get("name"):
+                raise ApiError(422, "Invalid", "metadata.name: Required value")
+            if meta.get("namespace") not in (None, "", ns):
+                raise ApiError(400, "BadRequest", "the namespace of the object does not match the URL")
+            if (ns, meta["name"]) in self.configmaps:
+                raise ApiError(409, "AlreadyExists", f'configmaps "{meta["name"]}" already exists')
+            if meta.get("resourceVersion"):
+                raise ApiError(422, "Invalid", "metadata.resourceVersion: must be empty on create")
+            return 201, self._store_configmap(ns, meta["name"], obj, None), None
+        current = self.configmaps.get((ns, name))
+        if current is None:
+            raise ApiError(404, "NotFound", f'configmaps "{name}" not found')
+        if call.verb == "get":
+            return 200, copy.deepcopy(current), None
+        if call.verb == "delete":
+            del self.configmaps[(ns, name)]
+            return 200, status_body(200, "", "deleted") | {"status": "Success"}, None
+        if call.verb in ("update", "patch"):
+            data = _json_object(body)
+            ctype = (headers.get("Content-Type") or "").split(";")[0].strip()
+            if call.verb == "patch" and ctype not in ("application/merge-patch+json",
+                                                      "application/strategic-merge-patch+json"):
+                raise ApiError(415, "UnsupportedMediaType", f"unsupported patch content type {ctype!r}")
+            sent_rv = (data.get("metadata") or {}).get("resourceVersion")
+            if sent_rv is not None and str(sent_rv) != current["metadata"]["resourceVersion"]:
+                raise ApiError(409, "Conflict", f'Operation cannot be fulfilled on configmaps "{name}": '
+                               "the object has been modified; please apply your changes to the latest "
+                               "version and try again")
+            new = data if call.verb == "update" else merge_patch(current, data)
+            if (new.get("metadata") or {}).get("name", name) != name:
+                raise ApiError(400, "BadRequest", "the name of the object does not match the URL")
+            return 200, self._store_configmap(ns, name, new, current), None
+        raise ApiError(405, "MethodNotAllowed", f"{call.verb} configmaps")
+
+    def _store_configmap(self, ns: str, name: str, obj: dict[str, Any],
+                         current: Optional[dict[str, Any]]) -> dict[str, Any]:
+        data = obj.get("data") or {}
+        if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
+            raise ApiError(422, "Invalid", "data: values must be strings")
+        if sum(len(k) + len(v) for k, v in data.items()) > 1024 * 1024:
+            raise ApiError(422, "Invalid", "data: Too long: must have at most 1048576 bytes")
+        for k, v in ((obj.get("metadata") or {}).get("labels") or {}).items():
+            if not isinstance(v, str) or len(v) > 63 or len(k.rpartition("/")[2]) > 63:
+                raise ApiError(422, "Invalid", f"metadata.labels: invalid label {k}={v!r}")
+        meta = copy.deepcopy(obj.get("metadata") or {})
+        meta.update(name=name, namespace=ns, resourceVersion=self._next_rv(),
+                    uid=current["metadata"]["uid"] if current else str(uuid.uuid4()),
+                    creationTimestamp=(current["metadata"]["creationTimestamp"] if current
+                                       else "2026-01-01T00:00:00Z"))
+        stored = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta,
+                  "data": copy.deepcopy(data)}
+        self.configmaps[(ns, name)] = stored
+        return copy.deepcopy(stored)
 
     def _write_node(self, call: Call, headers: Any, body: bytes) -> dict[str, Any]:
         try:
@@ -582,6 +721,16 @@ class KubeAPI:
         return stream()
 
 
+def _json_object(body: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(body or b"null")
+    except ValueError as e:
+        raise ApiError(400, "BadRequest", f"body is not JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "BadRequest", "body must be an object")
+    return data
+
+
 def _field(obj: dict[str, Any], dotted: str) -> Any:
     cur: Any = obj
     for p in dotted.split("."):
@@ -639,7 +788,7 @@ class _Handler(BaseHTTPRequestHandler):
             except (BrokenPipeError, ConnectionResetError, socket.error):
                 pass
             return
-        data = json.dumps(out).encode()
+        data = out if isinstance(out, bytes) else json.dumps(out).encode()
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)

@@ -29,7 +29,9 @@ FOREIGN_CONDITION = {"type": "NetworkUnavailable", "status": "False", "reason": 
                      "lastTransitionTime": "2026-01-01T00:00:00Z"}
 # What the DaemonSet's ClusterRole grants; every call screener makes must be in it.
 RBAC = {("get", "nodes", ""), ("list", "nodes", ""), ("watch", "nodes", ""), ("patch", "nodes", ""),
-        ("patch", "nodes", "status"), ("create", "events", ""), ("list", "pods", "")}
+        ("patch", "nodes", "status"), ("create", "events", ""), ("list", "pods", ""),
+        ("get", "configmaps", ""), ("list", "configmaps", ""), ("create", "configmaps", ""),
+        ("update", "configmaps", "")}
 
 
 @pytest.fixture
@@ -54,6 +56,19 @@ def make_store(api: KubeAPI, sleeps: list | None = None, **kw) -> KubeStore:
 def tr(node: str, frm, to, when: float = NOW, **kw) -> Transition:
     return Transition(node=node, time=when, from_state=frm, to_state=to, reason=f"to {to.value}",
                       code=kw.pop("code", "Test"), **kw)
+
+
+def summary(node: dict) -> list:
+    """The bounded summary the Node carries: its last few transitions, without evidence."""
+    data = json.loads(node["metadata"]["annotations"][ANNOTATION_HISTORY])
+    assert data["v"] == 2 and len(node["metadata"]["annotations"][ANNOTATION_HISTORY]) <= 2048
+    return data["last"]
+
+
+def stored_history(api: KubeAPI, node: str) -> list:
+    """The full history, in the node's ConfigMap in the screener namespace."""
+    cm = api.configmap("screener-system", f"screener-history-{node}")
+    return json.loads(cm["data"]["history"])
 
 
 def our_taints(node: dict) -> list:
@@ -84,7 +99,8 @@ def test_write_and_read_back_keeping_foreign_fields(api):
     assert FOREIGN_CONDITION in node["status"]["conditions"]
     cond = condition(node)
     assert (cond["status"], cond["reason"]) == ("True", "RingReplayMismatch")
-    hist = json.loads(node["metadata"]["annotations"][ANNOTATION_HISTORY])
+    assert [(h["from"], h["to"]) for h in summary(node)] == [(None, "burnin"), ("burnin", "quarantined")]
+    hist = stored_history(api, "gpu-1")
     assert [(h["from"], h["to"]) for h in hist] == [(None, "burnin"), ("burnin", "quarantined")]
     assert hist[1]["rollback"] == {"time": NOW, "step": 9, "job": None}
 
@@ -158,7 +174,7 @@ def test_two_stores_racing_lose_nothing(api):
     assert node["metadata"]["labels"][LABEL_STATE] == "suspect"
     assert [t["key"] for t in node["spec"]["taints"]] == ["screener.io/state"]  # screening ended off
     assert all(f"screener.io/kat-digest-{k}" in node["metadata"]["annotations"] for k in range(8))
-    assert len(json.loads(node["metadata"]["annotations"][ANNOTATION_HISTORY])) == 3
+    assert len(summary(node)) == 3 and len(stored_history(api, "gpu-2")) == 3
 
 
 def test_transient_500_is_retried_with_backoff(api):
@@ -192,7 +208,8 @@ def test_api_down_spools_then_replays_in_order(api, tmp_path):
     store.record(tr("gpu-1", S.SUSPECT, S.QUARANTINED, NOW + 3))
     assert store.pending() == 0
     node = api.node("gpu-1")
-    hist = json.loads(node["metadata"]["annotations"][ANNOTATION_HISTORY])
+    hist = stored_history(api, "gpu-1")
+    assert [h["to"] for h in summary(node)] == ["burnin", "healthy", "suspect", "quarantined"]
     assert [h["to"] for h in hist] == ["burnin", "healthy", "suspect", "quarantined"]
     assert [h["time"] for h in hist] == [NOW, NOW + 1, NOW + 2, NOW + 3]
     assert node["metadata"]["labels"][LABEL_STATE] == "quarantined"
@@ -210,7 +227,7 @@ def test_partial_write_is_replayed_once(api):
     assert condition(api.node("gpu-1"))["status"] == "False"
     assert store.replay() == 1
     node = api.node("gpu-1")
-    assert len(json.loads(node["metadata"]["annotations"][ANNOTATION_HISTORY])) == 2
+    assert len(summary(node)) == 2 and len(stored_history(api, "gpu-1")) == 2
     assert condition(node)["status"] == "True" and len(api.events) == 2
     # A replay whose event was already posted is not posted twice (AlreadyExists is fine).
     store.spool.append(tr("gpu-1", S.BURNIN, S.SUSPECT, NOW + 1))

@@ -15,7 +15,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, ContextManager, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 from screener.errors import ScreenerError
 from screener.types import NodeState
@@ -46,6 +46,22 @@ def _json_safe(value: Any) -> Any:
         return o
 
     return fix_floats(json.loads(json.dumps(value, default=default, allow_nan=True)))
+
+
+class DiskFullError(ScreenerError):
+    """The disk holding a store's file is full: the screener's environment failed, never a verdict.
+
+    The message names the file and the filesystem (mount point, bytes free); the write can be
+    retried once space is freed.
+    """
+
+
+class BudgetConflict(ScreenerError):
+    """The fleet's quarantine-budget record changed between our read and our write: decide again."""
+
+
+# States that take a node out of service and count against the quarantine budget.
+BUDGET_STATES = frozenset({NodeState.QUARANTINED, NodeState.REPAIR})
 
 
 class StaleTransition(ScreenerError):
@@ -178,6 +194,51 @@ class Store(Protocol):
     def close(self) -> None:
         """Release connections and files."""
         ...
+
+    def begin(self, node: str) -> ContextManager["NodeTxn"]:
+        """Open one atomic read-decide-write of `node` (see NodeTxn); apply_event uses it."""
+        ...
+
+    def failures_for(self, serials: Sequence[str], since: float) -> list[Transition]:
+        """Failures at or after `since` that blame one of `serials`, without reading the fleet."""
+        ...
+
+    def summaries(self) -> list[dict[str, Any]]:
+        """node, state, since, reason, actor of every known node, from one (paginated) read."""
+        ...
+
+
+@runtime_checkable
+class NodeTxn(Protocol):
+    """One read-decide-write of one node, atomic with the fleet's quarantine budget.
+
+    Opened by a store's `begin(node)` (a context manager). It holds what the lifecycle needs,
+    read at the start: the node's state and history, and the fleet's counts for the budget, read
+    from one small record (never by listing the fleet). `commit` records the transitions; a
+    transition that takes the node out of service automatically also claims a budget slot, and
+    fails with BudgetConflict (SQLite: cannot happen, the transaction holds the write lock) when
+    the counts changed since they were read, so the caller decides again.
+    """
+
+    state: Optional[NodeState]
+    history: list[Transition]
+    fleet_total: int  # nodes in the fleet, this node included
+    out_of_service: int  # *other* nodes quarantined or in repair
+
+    def failures_for(self, serials: Sequence[str], since: float) -> list[Transition]:
+        """Failure transitions at or after `since` on any node that blame one of `serials`."""
+        ...
+
+    def commit(self, transitions: Sequence[Transition]) -> None:
+        """Record the transitions in order, claiming or releasing budget slots as they require."""
+        ...
+
+
+def summary_row(node: str, state: NodeState, last: Optional[Mapping[str, Any]]) -> dict[str, Any]:
+    """One row of `screener node status` for the fleet: node, state, since, reason, actor."""
+    last = last or {}
+    return {"node": node, "state": state.value, "since": last.get("time"),
+            "reason": str(last.get("reason") or ""), "actor": str(last.get("actor") or "")}
 
 
 def lemon_counts(failures: Sequence[Transition]) -> tuple[dict[str, int], dict[str, int]]:

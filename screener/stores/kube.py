@@ -1,24 +1,33 @@
 """KubeStore: node states on the Kubernetes Node objects themselves (the only importer of kubernetes).
 
-What a transition writes (the conventions of DESIGN.md):
+What a transition writes (the conventions of DESIGN.md; where each thing lives: kubeformat.py):
   * label `screener.io/state=<state>`, and taint `screener.io/state=<state>:NoSchedule` on every
-    state but healthy (replacing our previous taint, keeping everyone else's);
-  * annotation `screener.io/history`: a bounded JSON list of transitions (newest last), which is also
-    where history and lemon counts are read back from;
+    state but healthy (replacing our previous taint, keeping everyone else's), with the bounded
+    summary annotation `screener.io/history` (the last few transitions), in one patch;
+  * the full transition in the node's history ConfigMap in the screener namespace;
+  * the quarantine budget record (ConfigMap `screener-budget`) when the node leaves or rejoins
+    the service, or is new;
   * condition `GPUHardwareSuspect` (True for suspect/quarantined/repair) through nodes/status;
   * one Event on the Node (Warning for suspect, quarantined and repair), named after the
     transition's id so a replay cannot post it twice.
 
-Only these API calls are made (the RBAC the DaemonSet needs): nodes get/list/patch, nodes/status
-patch, events create, pods list. Writes are merge patches carrying the resourceVersion that was
-read, so a concurrent writer makes ours fail with 409 and we read again and re-apply: nobody's
-labels, taints or conditions are lost. Transient errors (5xx, 429, connection failures) are retried
+The work per transition is a bounded number of requests and bytes whatever the fleet's size:
+nothing on the per-event path lists nodes. Lists (always paginated, Node lists metadata-only) are
+for fleet-wide commands (`node status`, `lemons`), the cross-check, and an hourly recount of
+the budget record.
+
+API calls made (the RBAC in manifests/): nodes get/list/patch, nodes/status patch, events create,
+pods list; configmaps get/list/create/update in the screener namespace. Writes carry the
+resourceVersion that was read, so a concurrent writer makes ours fail with 409 and we read again
+and re-apply: nobody's labels, taints or conditions are lost, and two daemons cannot both take
+the budget's last slot. Transient errors (5xx, 429, connection failures) are retried
 with exponential backoff (sleep injectable); a transition that still cannot be written goes to the
 spool and is replayed in order before anything newer is written.
 """
 
 from __future__ import annotations
 
+import copy
 import datetime as _dt
 import json
 import logging
@@ -26,9 +35,13 @@ import os
 import random
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, TypeVar
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, TypeVar
 
+from screener._optional import require
+
+require("kubernetes", "the Kubernetes store (--store kube, or auto inside a cluster)")
 import kubernetes.client
 import kubernetes.config
 import urllib3
@@ -36,7 +49,9 @@ from kubernetes.client.exceptions import ApiException
 
 from screener import configs
 from screener.errors import BadInputError, ConfigError, ExternalServiceError
-from screener.stores.base import StaleTransition, Transition, _json_safe
+from screener.stores import kubeformat as kf
+from screener.stores.base import (ACTOR_SCREENER, BUDGET_STATES, BudgetConflict, StaleTransition,
+                                  Transition, _json_safe, summary_row)
 from screener.stores.spool import Spool
 from screener.types import (ANNOTATION_HISTORY, ANNOTATION_VERDICT, CONDITION_TYPE, LABEL_STATE,
                             TAINT_SCREENING_KEY, TAINT_STATE_KEY, NodeState)
@@ -49,6 +64,9 @@ MERGE_PATCH = "application/merge-patch+json"
 GPU_RESOURCE = "nvidia.com/gpu"
 WARNING_STATES = frozenset({NodeState.SUSPECT, NodeState.QUARANTINED, NodeState.REPAIR})
 TRANSIENT_STATUS = frozenset({0, 429, 500, 502, 503, 504})
+# Ask for PartialObjectMetadataList: names, labels and annotations, not the Nodes' status.
+META_ACCEPT = "application/json;as=PartialObjectMetadataList;v=v1;g=meta.k8s.io,application/json"
+DEFAULT_NAMESPACE = "screener-system"
 
 
 class KubeApiError(ExternalServiceError):
@@ -105,16 +123,28 @@ class KubeStore:
     """A Store on Node objects. Pass an ApiClient (tests point one at a loopback server)."""
 
     def __init__(self, api_client: Any, *, spool: Optional[Spool] = None,
-                 event_namespace: str = "default", history_limit: int = 50,
-                 history_bytes: int = 64 * 1024, retry: RetryPolicy = RetryPolicy(),
+                 event_namespace: str = "default", namespace: Optional[str] = None,
+                 history_limit: int = kf.HISTORY_KEEP, history_bytes: int = kf.HISTORY_BYTES,
+                 page_size: int = 500, recount_s: float = 3600.0, claim_grace_s: float = 600.0,
+                 retry: RetryPolicy = RetryPolicy(),
                  clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
                  rng: Callable[[], float] = random.random, component: str = "screener",
                  instance: Optional[str] = None) -> None:
+        """namespace: where the history ConfigMaps and the budget record live ($POD_NAMESPACE,
+        else screener-system). history_limit/history_bytes bound a node's history ConfigMap.
+        page_size: items per page of a list. recount_s: how old the budget record's fleet count
+        may get before a transition recounts it (from one paginated list of Node metadata).
+        claim_grace_s: how long a recount keeps a budget claim whose node does not show the
+        state yet (the claimer is between its two writes)."""
         self.api = kubernetes.client.CoreV1Api(api_client)
         self.spool = spool if spool is not None else Spool(":memory:")
         self.event_namespace = event_namespace
+        self.namespace = namespace or os.environ.get("POD_NAMESPACE") or DEFAULT_NAMESPACE
         self.history_limit = history_limit
         self.history_bytes = history_bytes
+        self.page_size = page_size
+        self.recount_s = recount_s
+        self.claim_grace_s = claim_grace_s
         self.retry = retry
         self.clock, self.sleep, self.rng = clock, sleep, rng
         self.component = component
@@ -194,14 +224,14 @@ class KubeStore:
             raise
 
     def _update_node(self, node: str, change: Callable[[dict[str, Any]], Optional[dict[str, Any]]],
-                     *, status: bool = False) -> dict[str, Any]:
+                     *, status: bool = False, first: Optional[dict[str, Any]] = None) -> dict[str, Any]:
         """Read-modify-write with the resourceVersion as precondition, re-reading on 409.
 
         `change(node_obj)` returns the merge patch to send (without resourceVersion), or None when
-        there is nothing to write.
+        there is nothing to write. `first`: a copy of the node just read, used for the first round.
         """
         for _ in range(self.retry.conflict_attempts):
-            obj = self._read_node(node)
+            obj, first = (first if first is not None else self._read_node(node)), None
             body = change(obj)
             if body is None:
                 return obj
@@ -225,17 +255,24 @@ class KubeStore:
 
     def record(self, transition: Transition) -> None:
         """Write now, or spool (after retries) and write later in order. Never drops a transition."""
+        self._record(transition)
+
+    def _record(self, transition: Transition, node_obj: Optional[dict[str, Any]] = None,
+                cm: Any = ...) -> bool:
+        """record(), reusing objects just read; True when written now, False when spooled."""
         with self._lock:
             if len(self.spool):
                 self.spool.append(transition)
                 self.replay()
-                return
+                return False
             try:
-                self._write(transition, check_from=True)
+                self._write(transition, check_from=True, node_obj=node_obj, cm=cm)
+                return True
             except TransientKubeError as e:
                 self.spool.append(transition)
                 log.warning("transition of %s to %s spooled (%d waiting): %s", transition.node,
                             transition.to_state.value, len(self.spool), e)
+                return False
 
     def replay(self) -> int:
         """Write spooled transitions oldest first; stop at the first that still cannot be written.
@@ -268,12 +305,19 @@ class KubeStore:
         return len(self.spool)
 
     def history(self, node: str, since: Optional[float] = None) -> list[Transition]:
-        items = _history_of(self._read_node(node))
+        obj = self._read_node(node)
+        return self._history_from(node, obj, self._history_cm(node), since)
+
+    def _history_from(self, node: str, obj: Mapping[str, Any], cm: Optional[Mapping[str, Any]],
+                      since: Optional[float] = None) -> list[Transition]:
+        on_node, _ = kf.parse_node_history(_annotation(obj, ANNOTATION_HISTORY), node)
+        items = _transitions(kf.merge_entries(kf.history_entries(cm), on_node), node)
         return _merge_pending(items, [t for _, t in self.spool.entries(node)], since)
 
     def all_states(self) -> dict[str, NodeState]:
+        """Every node with a screener state: one paginated, label-selected list of Node metadata."""
         out: dict[str, NodeState] = {}
-        for obj in self._list_nodes(LABEL_STATE):
+        for obj in self._list_node_meta(LABEL_STATE):
             state = _state_of(obj)
             if state is not None:
                 out[obj["metadata"]["name"]] = state
@@ -281,12 +325,64 @@ class KubeStore:
             out[t.node] = t.to_state
         return dict(sorted(out.items()))
 
+    def summaries(self) -> list[dict[str, Any]]:
+        """State and last transition of every node, from one paginated list of Node metadata."""
+        rows: dict[str, dict[str, Any]] = {}
+        for obj in self._list_node_meta(LABEL_STATE):
+            name = obj["metadata"]["name"]
+            state = _state_of(obj)
+            if state is None:
+                continue
+            entries, _ = kf.parse_node_history(_annotation(obj, ANNOTATION_HISTORY), name)
+            rows[name] = summary_row(name, state, entries[-1] if entries else None)
+        for _, t in self.spool.entries():
+            rows[t.node] = summary_row(t.node, t.to_state, t.to_dict())
+        return [rows[n] for n in sorted(rows)]
+
     def failures(self, since: float) -> list[Transition]:
-        items: list[Transition] = []
-        for obj in self._list_nodes(LABEL_STATE):
-            items.extend(_history_of(obj))
+        """Failures of every node at or after `since`: one paginated list of the history
+        ConfigMaps, and one of Node metadata for nodes whose history is still in the old
+        annotation format. Linear in the fleet (for `lemons`, the failure-rate estimate)."""
+        entries: dict[str, dict[str, Any]] = {}
+        for cm in self._pages(f"list configmaps in {self.namespace}",
+                              self.api.list_namespaced_config_map, self.namespace,
+                              label_selector=kf.LABEL_HISTORY):
+            for e in kf.history_entries(cm):
+                if e.get("failure"):
+                    entries.setdefault(str(e["id"]), e)
+        for obj in self._list_node_meta(LABEL_STATE):
+            on_node, legacy = kf.parse_node_history(_annotation(obj, ANNOTATION_HISTORY),
+                                                    obj["metadata"]["name"])
+            for e in on_node if legacy else ():
+                if e.get("failure"):
+                    entries.setdefault(str(e["id"]), e)
+        items = [t for t in _transitions(entries.values()) if t.time >= since]
         merged = _merge_pending(items, [t for _, t in self.spool.entries()], since)
         return sorted((t for t in merged if t.failure), key=lambda t: t.time)
+
+    def failures_for(self, serials: Sequence[str], since: float) -> list[Transition]:
+        """Failures at or after `since` blaming one of `serials`: one label-selected list per
+        serial, which returns only the history ConfigMaps of the nodes that saw it."""
+        entries: dict[str, dict[str, Any]] = {}
+        wanted = {str(s) for s in serials}
+        for serial in sorted(wanted):
+            for cm in self._pages(f"list configmaps with GPU {serial}",
+                                  self.api.list_namespaced_config_map, self.namespace,
+                                  label_selector=kf.serial_label(serial)):
+                for e in kf.history_entries(cm):
+                    if e.get("failure") and wanted & {str(x) for x in e.get("gpu_serials") or ()}:
+                        entries.setdefault(str(e["id"]), e)
+        items = [t for t in _transitions(entries.values()) if t.time >= since]
+        pending = [t for _, t in self.spool.entries()
+                   if t.failure and wanted & set(t.gpu_serials)]
+        return sorted(_merge_pending(items, pending, since), key=lambda t: t.time)
+
+    @contextmanager
+    def begin(self, node: str) -> Iterator["KubeTxn"]:
+        """One read-decide-write of `node` against the budget record (see NodeTxn)."""
+        with self._lock:
+            yield KubeTxn(self, node)
+
 
     def set_verdict(self, node: str, verdict: Mapping[str, Any]) -> None:
         self.set_annotations(node, {ANNOTATION_VERDICT: json.dumps(_json_safe(dict(verdict)),
@@ -317,7 +413,7 @@ class KubeStore:
     def annotations_by_node(self, key: str, label_selector: str = "") -> dict[str, str]:
         """The value of annotation `key` on every node that has it (e.g. peers' KAT digests)."""
         out = {}
-        for obj in self._list_nodes(label_selector):
+        for obj in self._list_node_meta(label_selector):
             value = (obj["metadata"].get("annotations") or {}).get(key)
             if value is not None:
                 out[obj["metadata"]["name"]] = value
@@ -357,14 +453,25 @@ class KubeStore:
 
     # --- writing one transition -------------------------------------------------------------
 
-    def _write(self, t: Transition, *, check_from: bool) -> None:
+    def _write(self, t: Transition, *, check_from: bool, node_obj: Optional[dict[str, Any]] = None,
+               cm: Any = ...) -> None:
+        """Node (label, taint, summary) first, then the history ConfigMap, the budget record when
+        membership changes, the condition and the Event. Each step is idempotent, so a replay
+        after a partial write completes it."""
+        if cm is ...:
+            cm = self._history_cm(t.node)
         entry = self._entry(t)
+        cm_ids = {e["id"] for e in kf.history_entries(cm)}
+        seen: dict[str, Any] = {}
 
         def change_node(obj: dict[str, Any]) -> Optional[dict[str, Any]]:
-            history = _raw_history(obj)
-            if any(h.get("id") == t.id for h in history):
+            on_node, legacy = kf.parse_node_history(_annotation(obj, ANNOTATION_HISTORY), t.node)
+            seen.update(on_node=on_node, legacy=legacy, done=False)
+            if t.id in cm_ids or any(e["id"] == t.id for e in on_node):
+                seen["done"] = True
                 return None  # written before (a replay after a partial write)
             stored = _state_of(obj)
+            seen["stored"] = stored
             if check_from and stored != t.from_state:
                 raise StaleTransition(
                     f"node {t.node}: transition {_name(t.from_state)} -> {t.to_state.value} not "
@@ -374,11 +481,16 @@ class KubeStore:
             if t.to_state != NodeState.HEALTHY:
                 taints.append({"key": TAINT_STATE_KEY, "value": t.to_state.value,
                                "effect": "NoSchedule"})
+            summary = kf.summary_annotation(kf.merge_entries(on_node, [entry]))
             return {"metadata": {"labels": {LABEL_STATE: t.to_state.value},
-                                 "annotations": {ANNOTATION_HISTORY: self._bounded(history + [entry])}},
+                                 "annotations": {ANNOTATION_HISTORY: summary}},
                     "spec": {"taints": taints}}
 
-        obj = self._update_node(t.node, change_node)
+        obj = self._update_node(t.node, change_node, first=node_obj)
+        # The full history: this entry, and what only the Node holds (an old-format history to
+        # migrate, or a summary entry whose ConfigMap write an earlier crash cut short).
+        self._append_history(t.node, entry, cm, seen.get("on_node") or [])
+        self._sync_budget(t, new_node=not seen.get("done") and seen.get("stored") is None)
 
         def change_status(obj: dict[str, Any]) -> Optional[dict[str, Any]]:
             conditions = list((obj.get("status") or {}).get("conditions") or [])
@@ -397,9 +509,9 @@ class KubeStore:
 
         # The status write must not reorder history: only write it when this transition is the
         # node's latest (a replayed older one must not overwrite a newer condition).
-        latest = _raw_history(obj)[-1:] if obj else []
-        if not latest or latest[0].get("id") == t.id:
-            self._update_node(t.node, change_status, status=True)
+        latest, _ = kf.parse_node_history(_annotation(obj, ANNOTATION_HISTORY), t.node)
+        if not latest or latest[-1].get("id") == t.id:
+            self._update_node(t.node, change_status, status=True, first=obj)
         self._event(t, obj)
 
     def _entry(self, t: Transition) -> dict[str, Any]:
@@ -407,13 +519,184 @@ class KubeStore:
         d["evidence"] = shrink_evidence(d["evidence"])
         return d
 
-    def _bounded(self, history: list[dict[str, Any]]) -> str:
-        history = history[-self.history_limit:]
-        text = json.dumps(history, separators=(",", ":"), sort_keys=True)
-        while len(history) > 1 and len(text) > self.history_bytes:
-            history = history[1:]
-            text = json.dumps(history, separators=(",", ":"), sort_keys=True)
-        return text
+    def _history_cm(self, node: str) -> Optional[dict[str, Any]]:
+        return self._cm_get(kf.history_configmap_name(node))
+
+    def _append_history(self, node: str, entry: dict[str, Any], cm: Optional[dict[str, Any]],
+                        on_node: list[dict[str, Any]]) -> None:
+        for _ in range(self.retry.conflict_attempts):
+            have = kf.history_entries(cm)
+            ids = {e["id"] for e in have}
+            missing = [e for e in on_node + [entry] if e["id"] not in ids]
+            if not missing:
+                return
+            merged = kf.merge_entries(have, [entry], on_node)
+            rv = (cm or {}).get("metadata", {}).get("resourceVersion") if cm else None
+            body = kf.history_configmap(node, merged, namespace=self.namespace, resource_version=rv,
+                                        keep=self.history_limit, max_bytes=self.history_bytes)
+            if self._cm_write(body) is not None:
+                return
+            cm = self._history_cm(node)
+        raise KubeApiError(f"history of {node}: still conflicting after "
+                           f"{self.retry.conflict_attempts} rounds", 409)
+
+    # --- the quarantine budget record -------------------------------------------------------
+
+    def ledger(self) -> kf.Ledger:
+        """The budget record; created (from a recount) when missing, recounted when old."""
+        for _ in range(self.retry.conflict_attempts):
+            cm = self._cm_get(kf.BUDGET_CONFIGMAP)
+            if cm is None:
+                fresh = self._recount(None)
+                if fresh is not None:
+                    return fresh
+                continue  # another daemon created it first
+            ledger = kf.Ledger.from_configmap(cm)
+            if self.clock() - ledger.counted > self.recount_s:
+                # Once an hour some transition pays for one paginated list of Node metadata, so
+                # deleted nodes and lost claims leave the count; a conflict means someone else did.
+                return self._recount(ledger) or kf.Ledger.from_configmap(
+                    self._cm_get(kf.BUDGET_CONFIGMAP) or cm)
+            return ledger
+        raise KubeApiError("budget record: still conflicting", 409)
+
+    def _recount(self, old: Optional[kf.Ledger]) -> Optional[kf.Ledger]:
+        """Count the fleet and who is out from the Nodes' labels; write it with old's version
+        (or create it). None when another writer got there first."""
+        now = self.clock()
+        fleet, out = 0, {}
+        for obj in self._list_node_meta(LABEL_STATE):
+            state = _state_of(obj)
+            if state is None:
+                continue
+            fleet += 1
+            if state in BUDGET_STATES:
+                name = obj["metadata"]["name"]
+                prev = (old.out.get(name) if old else None) or {}
+                out[name] = {"state": state.value, "since": prev.get("since", now)}
+        if old is not None:
+            for name, claim in old.out.items():
+                # A fresh claim whose node does not show the state yet: its writer is between the
+                # claim and the node's patch. Keep it; drop claims older than that (a lost writer).
+                if name not in out and now - float(claim.get("since") or 0) < self.claim_grace_s:
+                    out[name] = claim
+        new = kf.Ledger(fleet=fleet, out=out, counted=now,
+                        resource_version=old.resource_version if old else None)
+        written = self._cm_write(new.configmap(self.namespace))
+        return kf.Ledger.from_configmap(written) if written is not None else None
+
+    def _claim(self, ledger: kf.Ledger, t: Transition) -> kf.Ledger:
+        """Add t.node to the out-of-service set, only if the record is still the one decided on."""
+        new = copy.deepcopy(ledger)
+        new.out[t.node] = {"state": t.to_state.value, "since": self.clock()}
+        written = self._cm_write(new.configmap(self.namespace))
+        if written is None:
+            raise BudgetConflict(f"budget record changed while deciding about {t.node}")
+        return kf.Ledger.from_configmap(written)
+
+    def _update_ledger(self, change: Callable[[kf.Ledger], bool]) -> None:
+        """Read-modify-write of the budget record; `change` edits it in place, False: no write."""
+        for _ in range(self.retry.conflict_attempts * 3):
+            ledger = self.ledger()
+            if not change(ledger):
+                return
+            if self._cm_write(ledger.configmap(self.namespace)) is not None:
+                return
+            self.sleep(0.01 * (0.5 + self.rng()))
+        raise KubeApiError("budget record: still conflicting", 409)
+
+    def _sync_budget(self, t: Transition, *, new_node: bool) -> None:
+        """After t's node write: count a new node, and make the out-of-service set agree with t."""
+        if not new_node and t.to_state not in BUDGET_STATES and t.from_state not in BUDGET_STATES:
+            return  # healthy/burnin/suspect moves leave the record alone
+
+        def change(ledger: kf.Ledger) -> bool:
+            changed = False
+            if new_node:
+                ledger.fleet += 1
+                changed = True
+            if t.to_state in BUDGET_STATES:
+                if ledger.out.get(t.node, {}).get("state") != t.to_state.value:
+                    ledger.out[t.node] = {"state": t.to_state.value,
+                                          "since": ledger.out.get(t.node, {}).get("since", t.time)}
+                    changed = True
+            elif t.node in ledger.out:
+                del ledger.out[t.node]
+                changed = True
+            return changed
+
+        self._update_ledger(change)
+
+    def _reconcile_member(self, node: str) -> None:
+        """Make the record agree with the node's label (after a claim whose write was refused)."""
+        try:
+            state = _state_of(self._read_node(node))
+        except NodeNotFound:
+            state = None
+
+        def change(ledger: kf.Ledger) -> bool:
+            if state in BUDGET_STATES or node not in ledger.out:
+                return False
+            del ledger.out[node]
+            return True
+
+        self._update_ledger(change)
+
+    # --- ConfigMaps and lists ---------------------------------------------------------------
+
+    def _cm_get(self, name: str) -> Optional[dict[str, Any]]:
+        try:
+            return self._call(f"get configmap {self.namespace}/{name}",
+                              self.api.read_namespaced_config_map, name, self.namespace)
+        except KubeApiError as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def _cm_write(self, body: dict[str, Any]) -> Optional[dict[str, Any]]:
+        """Create (no resourceVersion) or replace (with it, as precondition) a ConfigMap.
+        None when the precondition failed: 409 (changed or already exists) or 404 (deleted)."""
+        name = body["metadata"]["name"]
+        try:
+            if body["metadata"].get("resourceVersion"):
+                return self._call(f"update configmap {self.namespace}/{name}",
+                                  self.api.replace_namespaced_config_map, name, self.namespace, body)
+            return self._call(f"create configmap {self.namespace}/{name}",
+                              self.api.create_namespaced_config_map, self.namespace, body)
+        except KubeApiError as e:
+            if e.status in (404, 409):
+                return None
+            raise
+
+    def _pages(self, what: str, fn: Callable[..., Any], *args: Any,
+               **kwargs: Any) -> Iterator[dict[str, Any]]:
+        """Items of a list, `page_size` at a time (limit/continue)."""
+        token: Optional[str] = None
+        while True:
+            extra = {"_continue": token} if token else {}
+            data = self._call(what, fn, *args, limit=self.page_size, **kwargs, **extra) or {}
+            yield from data.get("items") or []
+            token = (data.get("metadata") or {}).get("continue")
+            if not token:
+                return
+
+    def _list_node_meta(self, label_selector: str = "") -> Iterator[dict[str, Any]]:
+        """Nodes as PartialObjectMetadata (name, labels, annotations), paginated."""
+        client = self.api.api_client
+        token: Optional[str] = None
+        while True:
+            query: list[tuple[str, Any]] = [("limit", self.page_size)]
+            if label_selector:
+                query.append(("labelSelector", label_selector))
+            if token:
+                query.append(("continue", token))
+            data = self._call("list nodes", client.call_api, "/api/v1/nodes", "GET", {}, query,
+                              {"Accept": META_ACCEPT}, auth_settings=["BearerToken"],
+                              response_types_map={}, _return_http_data_only=True) or {}
+            yield from data.get("items") or []
+            token = (data.get("metadata") or {}).get("continue")
+            if not token:
+                return
 
     def _event(self, t: Transition, node_obj: dict[str, Any]) -> None:
         now = _iso(self.clock())
@@ -436,10 +719,6 @@ class KubeStore:
         except KubeApiError as e:
             if e.status != 409:  # 409: AlreadyExists, posted by an earlier attempt
                 raise
-
-    def _list_nodes(self, label_selector: str = "") -> list[dict[str, Any]]:
-        data = self._call("list nodes", self.api.list_node, label_selector=label_selector)
-        return list((data or {}).get("items") or [])
 
 
 # --- parsing Node objects -------------------------------------------------------------------------
@@ -466,26 +745,17 @@ def _state_of(obj: Mapping[str, Any]) -> Optional[NodeState]:
         return None
 
 
-def _raw_history(obj: Mapping[str, Any]) -> list[dict[str, Any]]:
-    raw = ((obj.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_HISTORY)
-    if not raw:
-        return []
-    try:
-        items = json.loads(raw)
-    except ValueError:
-        log.warning("node %s: %s annotation is not JSON; starting a new history",
-                    obj.get("metadata", {}).get("name"), ANNOTATION_HISTORY)
-        return []
-    return [i for i in items if isinstance(i, dict)] if isinstance(items, list) else []
+def _annotation(obj: Mapping[str, Any], key: str) -> Optional[str]:
+    return ((obj.get("metadata") or {}).get("annotations") or {}).get(key)
 
 
-def _history_of(obj: Mapping[str, Any]) -> list[Transition]:
+def _transitions(entries: Any, node: str = "") -> list[Transition]:
     out = []
-    for item in _raw_history(obj):
+    for item in entries:
         try:
             out.append(Transition.from_dict(item))
         except ValueError as e:
-            log.warning("node %s: skipping a history entry: %s", obj.get("metadata", {}).get("name"), e)
+            log.warning("node %s: skipping a history entry: %s", item.get("node") or node, e)
     return out
 
 
@@ -494,6 +764,63 @@ def _merge_pending(written: list[Transition], pending: list[Transition],
     seen = {t.id for t in written}
     items = written + [t for t in pending if t.id not in seen]
     return [t for t in items if since is None or t.time >= since]
+
+
+class KubeTxn:
+    """The NodeTxn of KubeStore: the node, its history and the budget record, read once.
+
+    Atomicity with the budget is optimistic: a transition that takes the node out of service
+    automatically is written only after the budget record, with the resourceVersion read here as
+    precondition, names the node. A 409 there raises BudgetConflict and apply_event decides again
+    on fresh counts, so two daemons racing for the last slot cannot both get it.
+    """
+
+    def __init__(self, store: KubeStore, node: str) -> None:
+        self._store, self.node = store, node
+        self._obj = store._read_node(node)
+        self._cm = store._history_cm(node)
+        self._ledger = store.ledger()
+        pending = store.spool.entries(node)
+        labelled = _state_of(self._obj)
+        self.state: Optional[NodeState] = pending[-1][1].to_state if pending else labelled
+        self.history = store._history_from(node, self._obj, self._cm)
+        self.fleet_total = self._ledger.fleet + (0 if labelled is not None or pending else 1)
+        self.out_of_service = self._ledger.others_out(node)
+
+    def failures_for(self, serials: Sequence[str], since: float) -> list[Transition]:
+        return self._store.failures_for(serials, since)
+
+    def commit(self, transitions: Sequence[Transition]) -> None:
+        store = self._store
+        first = True
+        for t in transitions:
+            if t.node != self.node:
+                raise ValueError(f"a decision about {self.node} cannot record a transition of {t.node}")
+            claimed = False
+            if (t.to_state in BUDGET_STATES and t.from_state not in BUDGET_STATES
+                    and self.node not in self._ledger.out):
+                if t.actor == ACTOR_SCREENER:
+                    # The lifecycle decided with these counts: claim only if they still hold.
+                    self._ledger = store._claim(self._ledger, t)
+                else:
+                    # A person's decision is not limited by the budget, but it counts for others
+                    # from before the node leaves service.
+                    def add(led: kf.Ledger, t: Transition = t) -> bool:
+                        if t.node in led.out:
+                            return False
+                        led.out[t.node] = {"state": t.to_state.value, "since": store.clock()}
+                        return True
+
+                    store._update_ledger(add)
+                claimed = True
+            try:
+                store._record(t, node_obj=copy.deepcopy(self._obj) if first else None,
+                              cm=self._cm if first else ...)
+            except StaleTransition:
+                if claimed:
+                    store._reconcile_member(self.node)
+                raise
+            first = False
 
 
 EVIDENCE_BYTES = 2048

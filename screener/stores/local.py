@@ -8,15 +8,18 @@ screener is refused with a clear message instead of being misread.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sqlite3
 import threading
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 from screener.errors import BadInputError, ScreenerError
-from screener.stores.base import StaleTransition, Transition, _json_safe
+from screener.stores.base import (BUDGET_STATES, DiskFullError, StaleTransition,
+                                  Transition, _json_safe, summary_row)
 from screener.types import NodeState
 
 SCHEMA_VERSION = 1
@@ -47,6 +50,42 @@ CREATE TABLE IF NOT EXISTS verdicts (
 """
 
 
+def _mount_point(path: str) -> str:
+    """The mount point of the filesystem holding `path` (walks up while the device stays the same)."""
+    p = Path(path).resolve()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        dev = p.stat().st_dev
+        while p != p.parent and p.parent.stat().st_dev == dev:
+            p = p.parent
+    except OSError:
+        pass
+    return str(p)
+
+
+def disk_full_message(path: str, what: str) -> str:
+    """'<file>: the disk is full (filesystem <mount>, N bytes free of M): cannot <what>'."""
+    mount = _mount_point(path if path != ":memory:" else ".")
+    try:
+        st = os.statvfs(mount)
+        room = f", {st.f_bavail * st.f_frsize} bytes free of {st.f_blocks * st.f_frsize}"
+    except OSError:
+        room = ""
+    return (f"{path}: the disk is full (filesystem {mount}{room}): cannot {what}; free space there "
+            "and it is tried again")
+
+
+def _is_disk_full(e: BaseException) -> bool:
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    if isinstance(e, sqlite3.Error):
+        code = getattr(e, "sqlite_errorcode", None)
+        return code == sqlite3.SQLITE_FULL or "disk is full" in str(e) or (
+            code is not None and code & 0xFF == sqlite3.SQLITE_IOERR and "full" in str(e))
+    return False
+
+
 class LocalStore:
     """A Store in a SQLite file. Safe to share between threads of one process and between processes."""
 
@@ -56,6 +95,9 @@ class LocalStore:
             try:
                 Path(self.path).parent.mkdir(parents=True, exist_ok=True)
             except OSError as e:
+                if _is_disk_full(e):
+                    raise DiskFullError(disk_full_message(self.path, "create the store's "
+                                                          "directory")) from e
                 raise BadInputError(f"{self.path}: cannot create the store's directory: "
                                     f"{e.strerror or e}") from e
         try:
@@ -65,6 +107,8 @@ class LocalStore:
             self._lock = threading.Lock()
             self._setup()
         except sqlite3.DatabaseError as e:
+            if _is_disk_full(e):
+                raise DiskFullError(disk_full_message(self.path, "open the state database")) from e
             raise BadInputError(f"{self.path}: not a usable screener database: {e}") from e
 
     def _setup(self) -> None:
@@ -92,8 +136,22 @@ class LocalStore:
                 db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
                 db.execute("COMMIT")
             except BaseException:
-                db.execute("ROLLBACK")
+                self._rollback()
                 raise
+
+    def _rollback(self) -> None:
+        """Roll back if a transaction is open. SQLite may already have rolled back by itself (a
+        full disk, an I/O error); a failing ROLLBACK must not hide the error that caused it."""
+        try:
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
+        except sqlite3.Error:
+            pass
+
+    def _error(self, what: str, e: sqlite3.Error) -> ScreenerError:
+        if _is_disk_full(e):
+            return DiskFullError(disk_full_message(self.path, what))
+        return ScreenerError(f"{self.path}: cannot {what}: {e}")
 
     # --- Store protocol ----------------------------------------------------------------------
 
@@ -103,37 +161,74 @@ class LocalStore:
 
     def record(self, transition: Transition) -> None:
         t = transition
-        payload = json.dumps(t.to_dict(), sort_keys=True, allow_nan=False)
         with self._lock:
-            db = self._db
             try:
-                db.execute("BEGIN IMMEDIATE")  # take the write lock before reading the state
+                self._db.execute("BEGIN IMMEDIATE")  # take the write lock before reading the state
                 try:
-                    if db.execute("SELECT 1 FROM transitions WHERE id = ?", (t.id,)).fetchone():
-                        db.execute("ROLLBACK")
-                        return  # already recorded: a replay
-                    row = db.execute("SELECT state FROM nodes WHERE node = ?", (t.node,)).fetchone()
-                    stored = NodeState(row[0]) if row else None
-                    if stored != t.from_state:
-                        raise StaleTransition(
-                            f"node {t.node}: transition {_name(t.from_state)} -> {t.to_state.value} "
-                            f"not recorded: the node is {_name(stored)} now")
-                    db.execute("INSERT INTO transitions (id, node, time, from_state, to_state, failure,"
-                               " record) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                               (t.id, t.node, float(t.time),
-                                t.from_state.value if t.from_state else None, t.to_state.value,
-                                int(bool(t.failure)), payload))
-                    db.execute("INSERT INTO nodes (node, state, since, last_id) VALUES (?, ?, ?, ?) "
-                               "ON CONFLICT(node) DO UPDATE SET state = excluded.state, "
-                               "since = excluded.since, last_id = excluded.last_id",
-                               (t.node, t.to_state.value, float(t.time), t.id))
-                    db.execute("COMMIT")
+                    self._insert(t)
+                    self._db.execute("COMMIT")
                 except BaseException:
-                    if db.in_transaction:
-                        db.execute("ROLLBACK")
+                    self._rollback()
                     raise
             except sqlite3.Error as e:
-                raise ScreenerError(f"{self.path}: cannot record the transition of {t.node}: {e}") from e
+                raise self._error(f"record the transition of {t.node}", e) from e
+
+    def _insert(self, t: Transition) -> None:
+        """Write one transition inside an open write transaction (a replay of it is a no-op)."""
+        db = self._db
+        if db.execute("SELECT 1 FROM transitions WHERE id = ?", (t.id,)).fetchone():
+            return  # already recorded: a replay
+        row = db.execute("SELECT state FROM nodes WHERE node = ?", (t.node,)).fetchone()
+        stored = NodeState(row[0]) if row else None
+        if stored != t.from_state:
+            raise StaleTransition(
+                f"node {t.node}: transition {_name(t.from_state)} -> {t.to_state.value} "
+                f"not recorded: the node is {_name(stored)} now")
+        payload = json.dumps(t.to_dict(), sort_keys=True, allow_nan=False)
+        db.execute("INSERT INTO transitions (id, node, time, from_state, to_state, failure,"
+                   " record) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                   (t.id, t.node, float(t.time), t.from_state.value if t.from_state else None,
+                    t.to_state.value, int(bool(t.failure)), payload))
+        db.execute("INSERT INTO nodes (node, state, since, last_id) VALUES (?, ?, ?, ?) "
+                   "ON CONFLICT(node) DO UPDATE SET state = excluded.state, "
+                   "since = excluded.since, last_id = excluded.last_id",
+                   (t.node, t.to_state.value, float(t.time), t.id))
+
+    @contextmanager
+    def begin(self, node: str) -> Iterator["LocalTxn"]:
+        """Read-decide-write of `node` in one BEGIN IMMEDIATE transaction (see NodeTxn).
+
+        The write lock is taken before anything is read, so no other process can change a state
+        between the budget count this decision reads and the transition it writes: however many
+        daemons race for the last budget slot, one gets it.
+        """
+        with self._lock:
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    txn = LocalTxn(self, node)
+                    yield txn
+                    self._db.execute("COMMIT")
+                except BaseException:
+                    self._rollback()
+                    raise
+            except sqlite3.Error as e:
+                raise self._error(f"record a decision about {node}", e) from e
+
+    def failures_for(self, serials: Sequence[str], since: float) -> list[Transition]:
+        """Failures at or after `since` that blame one of `serials` (the per-GPU lemon rule)."""
+        with self._lock:
+            try:
+                return _failures_for(self._db, serials, since)
+            except sqlite3.Error as e:
+                raise self._error("read the store", e) from e
+
+    def summaries(self) -> list[dict[str, Any]]:
+        """node, state, since, reason, actor of every node, in one query (`node status`)."""
+        rows = self._query("SELECT n.node, n.state, t.record FROM nodes n LEFT JOIN transitions t "
+                           "ON t.id = n.last_id ORDER BY n.node")
+        return [summary_row(node, NodeState(state), json.loads(rec) if rec else None)
+                for node, state, rec in rows]
 
     def history(self, node: str, since: Optional[float] = None) -> list[Transition]:
         rows = self._query("SELECT record FROM transitions WHERE node = ? AND time >= ? ORDER BY seq",
@@ -155,7 +250,7 @@ class LocalStore:
                 self._db.execute("INSERT INTO verdicts (node, verdict) VALUES (?, ?) ON CONFLICT(node) "
                                  "DO UPDATE SET verdict = excluded.verdict", (node, payload))
             except sqlite3.Error as e:
-                raise ScreenerError(f"{self.path}: cannot record the verdict of {node}: {e}") from e
+                raise self._error(f"record the verdict of {node}", e) from e
 
     def get_verdict(self, node: str) -> Optional[dict[str, Any]]:
         rows = self._query("SELECT verdict FROM verdicts WHERE node = ?", (node,))
@@ -181,7 +276,47 @@ class LocalStore:
             try:
                 return self._db.execute(sql, args).fetchall()
             except sqlite3.Error as e:
-                raise ScreenerError(f"{self.path}: cannot read the store: {e}") from e
+                raise self._error("read the store", e) from e
+
+
+class LocalTxn:
+    """The NodeTxn of LocalStore: everything read and written inside one write transaction."""
+
+    def __init__(self, store: LocalStore, node: str) -> None:
+        db = store._db
+        self._store, self._db, self.node = store, db, node
+        row = db.execute("SELECT state FROM nodes WHERE node = ?", (node,)).fetchone()
+        self.state: Optional[NodeState] = NodeState(row[0]) if row else None
+        self.history: list[Transition] = [
+            Transition.from_dict(json.loads(r[0])) for r in
+            db.execute("SELECT record FROM transitions WHERE node = ? ORDER BY seq", (node,))]
+        # Two counts over an indexed table of one row per node: no history is decoded.
+        total = db.execute("SELECT COUNT(*) FROM nodes").fetchone()[0]
+        marks = ",".join("?" * len(BUDGET_STATES))
+        out = db.execute(f"SELECT COUNT(*) FROM nodes WHERE node != ? AND state IN ({marks})",
+                         (node, *sorted(s.value for s in BUDGET_STATES))).fetchone()[0]
+        self.fleet_total = int(total) + (0 if row else 1)
+        self.out_of_service = int(out)
+
+    def failures_for(self, serials: Sequence[str], since: float) -> list[Transition]:
+        return _failures_for(self._db, serials, since)
+
+    def commit(self, transitions: Sequence[Transition]) -> None:
+        for t in transitions:
+            if t.node != self.node:
+                raise ValueError(f"a decision about {self.node} cannot record a transition of {t.node}")
+            self._store._insert(t)
+
+
+def _failures_for(db: sqlite3.Connection, serials: Sequence[str], since: float) -> list[Transition]:
+    serials = sorted({str(s) for s in serials})
+    if not serials:
+        return []
+    marks = ",".join("?" * len(serials))
+    rows = db.execute("SELECT record FROM transitions t WHERE failure = 1 AND time >= ? AND EXISTS "
+                      f"(SELECT 1 FROM json_each(t.record, '$.gpu_serials') j WHERE j.value IN ({marks}))"
+                      " ORDER BY time, seq", (float(since), *serials)).fetchall()
+    return [Transition.from_dict(json.loads(r[0])) for r in rows]
 
 
 def _name(state: Optional[NodeState]) -> str:

@@ -1,0 +1,208 @@
+"""What the Kubernetes store keeps where, as plain data: no API calls here (see kube.py for those).
+
+Node objects are watched by every kubelet, scheduler and controller, so what screener writes on
+them stays small and bounded. A node's full history lives off the Node:
+
+  * Node annotation `screener.io/history`: a summary, {"v": 2, "last": [...]}, the last few
+    transitions without evidence (at most SUMMARY_BYTES); enough for `node status` of the whole
+    fleet from one list of Node metadata, and written in the same patch as the state label, so the
+    Node on its own is always consistent.
+  * ConfigMap `screener-history-<node>` in the screener namespace: every transition (evidence
+    shrunk to a few KB) of the last HISTORY_KEEP, within HISTORY_BYTES. Labelled
+    `screener.io/history=true` (so `lemons` lists them, paginated) and, for each GPU serial a
+    failure in it blames, `gpu.screener.io/s-<hash>=true` (so the per-GPU lemon rule finds the few
+    nodes that saw a serial with one label-selected list, whatever the fleet's size).
+  * ConfigMap `screener-budget`: the quarantine budget, one small record updated with its
+    resourceVersion as precondition (optimistic concurrency, 409 on a race): the fleet's size
+    and which nodes are out of service.
+
+Earlier versions kept the whole history (a JSON list of full transitions) in the annotation. Such a
+node keeps working: its entries are read, and moved to the ConfigMap on its next transition.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Optional
+
+from screener.types import NodeState
+
+HISTORY_FORMAT = 2
+SUMMARY_KEEP = 5  # transitions in the Node's summary annotation
+SUMMARY_BYTES = 2048
+SUMMARY_REASON_CHARS = 200
+HISTORY_KEEP = 500  # transitions in a node's history ConfigMap
+HISTORY_BYTES = 512 * 1024  # well inside a ConfigMap's 1 MiB
+
+BUDGET_CONFIGMAP = "screener-budget"
+HISTORY_PREFIX = "screener-history-"
+LABEL_HISTORY = "screener.io/history"
+LABEL_SERIAL_PREFIX = "gpu.screener.io/s-"
+ANNOTATION_NODE = "screener.io/node"
+DATA_HISTORY = "history"
+MANAGED_BY = {"app.kubernetes.io/name": "screener", "app.kubernetes.io/managed-by": "screener"}
+
+_SLIM_KEYS = ("id", "node", "time", "from", "to", "actor", "code", "failure")
+
+
+# --- the Node's summary annotation -----------------------------------------------------------------
+
+
+def slim(entry: Mapping[str, Any]) -> dict[str, Any]:
+    """A transition for the summary: identity, states, actor, code and a short reason."""
+    out = {k: entry.get(k) for k in _SLIM_KEYS if k in entry}
+    out["reason"] = str(entry.get("reason") or "")[:SUMMARY_REASON_CHARS]
+    return out
+
+
+def summary_annotation(entries: list[dict[str, Any]]) -> str:
+    """The bounded summary: the newest SUMMARY_KEEP slim entries that fit in SUMMARY_BYTES."""
+    last = [slim(e) for e in entries[-SUMMARY_KEEP:]]
+    while True:
+        text = json.dumps({"v": HISTORY_FORMAT, "last": last}, separators=(",", ":"),
+                          sort_keys=True)
+        if len(text) <= SUMMARY_BYTES or len(last) <= 1:
+            return text
+        last = last[1:]
+
+
+def parse_node_history(raw: Optional[str], node: str) -> tuple[list[dict[str, Any]], bool]:
+    """(entries, legacy) from the Node's history annotation.
+
+    legacy: the annotation is the old format (a list of full transitions), whose entries must move
+    to the ConfigMap. Entries lacking a node name get `node`. Unparsable text gives no entries.
+    """
+    if not raw:
+        return [], False
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return [], False
+    if isinstance(data, list):
+        items, legacy = data, True
+    elif isinstance(data, dict) and isinstance(data.get("last"), list):
+        items, legacy = data["last"], False
+    else:
+        return [], False
+    out = []
+    for item in items:
+        if isinstance(item, dict) and item.get("id"):
+            out.append({**item, "node": item.get("node") or node})
+    return out, legacy
+
+
+# --- the node's history ConfigMap ------------------------------------------------------------------
+
+
+def history_configmap_name(node: str) -> str:
+    """`screener-history-<node>`; a node name too long for that gets a hash instead."""
+    name = HISTORY_PREFIX + node
+    if len(name) <= 253 and re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", name):
+        return name
+    return HISTORY_PREFIX + hashlib.sha256(node.encode()).hexdigest()[:32]
+
+
+def serial_label(serial: str) -> str:
+    """The label key that marks a history ConfigMap as holding a failure blaming `serial`."""
+    return LABEL_SERIAL_PREFIX + hashlib.sha256(serial.encode()).hexdigest()[:24]
+
+
+def history_entries(cm: Optional[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The transitions stored in a history ConfigMap (none when it is missing or unreadable)."""
+    if not cm:
+        return []
+    raw = (cm.get("data") or {}).get(DATA_HISTORY)
+    try:
+        items = json.loads(raw) if raw else []
+    except ValueError:
+        return []
+    return [i for i in items if isinstance(i, dict) and i.get("id")] if isinstance(items, list) else []
+
+
+def merge_entries(*sources: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Entries of all sources, one per id (the first source that has it wins), oldest first."""
+    seen: dict[str, dict[str, Any]] = {}
+    for src in sources:
+        for e in src:
+            seen.setdefault(str(e["id"]), e)
+    return sorted(seen.values(), key=lambda e: float(e.get("time") or 0.0))
+
+
+def history_configmap(node: str, entries: list[dict[str, Any]], *, namespace: str,
+                      resource_version: Optional[str] = None, keep: int = HISTORY_KEEP,
+                      max_bytes: int = HISTORY_BYTES) -> dict[str, Any]:
+    """The ConfigMap body holding `entries` (the newest `keep` that fit in `max_bytes`)."""
+    entries = entries[-keep:]
+    text = json.dumps(entries, separators=(",", ":"), sort_keys=True)
+    while len(entries) > 1 and len(text) > max_bytes:
+        entries = entries[max(1, len(entries) // 10):]
+        text = json.dumps(entries, separators=(",", ":"), sort_keys=True)
+    labels = {**MANAGED_BY, LABEL_HISTORY: "true"}
+    for e in entries:
+        if e.get("failure"):
+            for s in e.get("gpu_serials") or ():
+                labels[serial_label(str(s))] = "true"
+    meta: dict[str, Any] = {"name": history_configmap_name(node), "namespace": namespace,
+                            "labels": labels, "annotations": {ANNOTATION_NODE: node}}
+    if resource_version:
+        meta["resourceVersion"] = resource_version
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": {DATA_HISTORY: text}}
+
+
+# --- the budget record -----------------------------------------------------------------------------
+
+
+@dataclass
+class Ledger:
+    """The fleet-wide quarantine budget: how many nodes screener manages, and which are out.
+
+    fleet: nodes with a screener state (counted when a node gets its first state; recounted from a
+    list of Node metadata every so often and when the record is missing).
+    out: node -> {"state": quarantined|repair, "since": unix time of the claim}.
+    counted: when the fleet was last recounted. resource_version: the record's, for the precondition.
+    """
+
+    fleet: int = 0
+    out: dict[str, dict[str, Any]] = field(default_factory=dict)
+    counted: float = 0.0
+    resource_version: Optional[str] = None
+
+    @classmethod
+    def from_configmap(cls, cm: Mapping[str, Any]) -> "Ledger":
+        data = cm.get("data") or {}
+        try:
+            fleet = max(0, int(data.get("fleet") or 0))
+        except ValueError:
+            fleet = 0
+        try:
+            out = json.loads(data.get("outOfService") or "{}")
+            out = {str(k): dict(v) for k, v in out.items() if isinstance(v, dict)} \
+                if isinstance(out, dict) else {}
+        except ValueError:
+            out = {}
+        try:
+            counted = float(data.get("counted") or 0.0)
+        except ValueError:
+            counted = 0.0
+        return cls(fleet=fleet, out=out, counted=counted,
+                   resource_version=(cm.get("metadata") or {}).get("resourceVersion"))
+
+    def others_out(self, node: str) -> int:
+        return sum(1 for n in self.out if n != node)
+
+    def configmap(self, namespace: str) -> dict[str, Any]:
+        meta: dict[str, Any] = {"name": BUDGET_CONFIGMAP, "namespace": namespace,
+                                "labels": dict(MANAGED_BY)}
+        if self.resource_version:
+            meta["resourceVersion"] = self.resource_version
+        return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta,
+                "data": {"fleet": str(self.fleet), "counted": repr(float(self.counted)),
+                         "outOfService": json.dumps(self.out, separators=(",", ":"),
+                                                    sort_keys=True)}}
+
+
+def state_value(state: Optional[NodeState]) -> Optional[str]:
+    return state.value if state else None
