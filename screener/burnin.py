@@ -340,13 +340,18 @@ class FullBurninReport:
 def probe_stage(name: str, probe: Callable[[Any], Any], previous: Any = None) -> tuple[Stage, Any]:
     t0 = time.monotonic()
     report = probe(previous)
+    return probe_report_stage(name, report, time.monotonic() - t0), report
+
+
+def probe_report_stage(name: str, report: Any, seconds: float = 0.0) -> Stage:
+    """A probes stage from a ProbeReport already taken (the daemon probes on its own)."""
     worst = max((f.severity for f in report.findings), default=Severity.OK)
     outcome = Outcome.SUSPECT if worst >= Severity.SUSPECT else Outcome.PASS
     relevant = [f for f in report.findings if f.severity >= Severity.WARNING]
     detail = ", ".join(f"{f.code} ({f.severity.label})" for f in relevant) or f"worst {worst.label}"
-    return Stage(name, outcome, time.monotonic() - t0, detail,
+    return Stage(name, outcome, seconds, detail,
                  data={"findings": [f.to_dict() for f in report.findings],
-                       "errors": list(report.errors)}), report
+                       "errors": list(report.errors)})
 
 
 def kat_stage(kat: Callable[[], BurninReport]) -> tuple[Stage, BurninReport]:

@@ -4,26 +4,45 @@ One `Daemon` per node. Everything it touches is passed in: the store (LocalStore
 the probe function, the screen runner, the taint control, the GPU-pod lister, the clock and the
 stop event; `screener.commands.daemon` wires the real ones, tests pass fakes at the boundary.
 
+Start-up (`start`): ends the screen workers a killed predecessor left running and removes their
+folders (screening.reap_stale_screens), clears the screening taint, and makes the node known: a
+node with no state starts in burnin, unless the adoption rule says it was already serving (GPU pods
+running, or a Node object older than `adopt_min_age_s` / `adopt_created_before`): then it is
+adopted as healthy-but-unscreened and gets a quick screen at its next idle window.
+
 Each pass (`tick`):
-  1. takes in alarm files (screener.intake): each applied through the lifecycle exactly once;
+  1. takes in alarm files (screener.intake): each applied through the lifecycle exactly once, with
+     the GPU serials it names kept only when this node's NVML reports them;
   2. replays transitions the kube store spooled while the API was unreachable;
-  3. every `probe_interval_s`: runs the probes, feeds *new* findings (warning or worse) to the
-     lifecycle (a condition that persists is fed once, not on every probe, so a persistent warning
-     cannot flap the node between suspect and healthy), and updates idle tracking;
+  3. every `probe_interval_s`: runs the probes and feeds the findings to the lifecycle. An event
+     finding (a rising counter, a warning Xid) is fed once; a persisting condition (a pending or
+     failed row remap, retired pages over the threshold, a GPU off the bus, a critical Xid not yet
+     recovered by a reboot, a remediation or a person) is fed on every probe (level-triggered) and
+     blocks every pass while present. A finding is marked seen, and the kernel-log position saved,
+     only after its transition is recorded (or spooled); a failed write is retried on every tick;
   4. when a screen is due and the node has been idle for the idle window, opens a screening window
      (screener.screening) and feeds its verdicts to the lifecycle.
 
+What a screen is: a node in burnin, or suspect without having been healthy since it entered
+burnin, gets the FULL burn-in (the worker runs the known-answer jobs for `burnin_duration_s`, the
+HBM test and the collective; the daemon adds the probes before and after and the cross-check with
+same-platform peers, and screener.burnin.missing_for_full decides whether it was full or partial);
+a node that earned healthy gets the quick known-answer screen. The verdict annotation says which
+kind passed (quick, full, partial, or unscreened for an adopted node).
+
 A screen is due at once for a node in burnin or suspect (a suspect node's screen is the confirming
-one the lifecycle asked for), every `screen_interval_s` for a healthy node, and never for a node
-quarantined or in repair (a passing screen cannot clear those; remediation and a person do). After a
-screen that ended inconclusive (no golden, time cap, our error) the next try waits
-`retry_inconclusive_s`; a screen that yielded to a job waits only for the node to be idle again.
+one the lifecycle asked for), every `screen_interval_s` for a healthy node, never while a
+condition persists (it would clear nothing), and never for a node quarantined or in repair (a
+passing screen cannot clear those; remediation and a person do). After a screen that ended
+inconclusive (no golden, time cap, our error) the next try waits `retry_inconclusive_s`; a screen
+that yielded to a job waits only for the node to be idle again.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import json
+from dataclasses import replace
 import logging
 import threading
 import time
@@ -31,17 +50,20 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
 from screener import lifecycle
+from screener.burnin import (BurninRequirement, crosscheck_digests_stage, missing_for_full,
+                             probe_report_stage)
 from screener.config import DaemonConfig
 from screener.crosscheck import platform_digests
 from screener.errors import BadInputError, ScreenerError
 from screener.health.probes import ProbeReport
+from screener.health.rules import is_condition
 from screener.idle import Activity, IdleTracker, observe
 from screener.intake import AlarmIntake, IntakeResult, applied_in_history
 from screener.metrics import DaemonMetrics
-from screener.screening import (SHUTDOWN, YIELDED, ScreeningWindow, ScreenOutcome, ScreenRunner,
-                                TaintControl)
+from screener.screening import (KIND_FULL, KIND_QUICK, SHUTDOWN, YIELDED, ScreeningWindow,
+                                ScreenOutcome, ScreenRunner, TaintControl)
 from screener.stores import apply_event
-from screener.stores.base import Store
+from screener.stores.base import ACTOR_HUMAN, Store
 from screener.types import (ANNOTATION_DIGESTS, AlarmRecord, ExitCode, Finding, NodeState, Outcome,
                             Severity)
 
@@ -52,6 +74,7 @@ OUT_OF_SERVICE = (S.SUSPECT, S.QUARANTINED, S.REPAIR)
 
 ProbeFn = Callable[[Optional[ProbeReport]], ProbeReport]
 PodsFn = Callable[[], list]  # the node's GPU pods (KubeStore.gpu_pods(node))
+VERDICT_UNSCREENED = "unscreened"  # the verdict annotation's kind for an adopted node
 
 
 # --- JSON log lines -------------------------------------------------------------------------------
@@ -105,6 +128,7 @@ class PassReport:
     transitions: list[dict[str, Any]] = field(default_factory=list)
     probed: bool = False
     findings: list[dict[str, Any]] = field(default_factory=list)  # new ones fed to the lifecycle
+    conditions: list[dict[str, Any]] = field(default_factory=list)  # persisting, re-applied
     activity: Optional[Activity] = None
     idle: bool = False
     screen_due: str = ""  # why a screen is due ("" when none is)
@@ -136,6 +160,7 @@ class PassReport:
                        "rejected": list(self.intake.rejected),
                        "foreign": list(self.intake.foreign), "failed": list(self.intake.failed)},
             "transitions": self.transitions, "probed": self.probed, "findings": self.findings,
+            "conditions": self.conditions,
             "activity": self.activity.to_dict() if self.activity else None, "idle": self.idle,
             "screen_due": self.screen_due,
             "screen": self.screen.to_dict() if self.screen else None,
@@ -147,6 +172,22 @@ def _finding_key(f: Finding) -> tuple[str, str, int]:
     return (f.code, str(f.gpu or ""), int(f.severity))
 
 
+def _xid_key(f: Finding) -> tuple[str, str, int]:
+    return ("xid", str(f.gpu or ""), int(f.evidence.get("xid") or 0))
+
+
+def _is_recovery(t: Any) -> bool:
+    """A transition after which earlier Xids no longer hold the node: a person's decision, or a
+    remediation (deep health check, GPU reset) that passed."""
+    return t.actor == ACTOR_HUMAN or t.code == lifecycle.CODE_REMEDIATED
+
+
+def _boot_time() -> float:
+    import psutil
+
+    return float(psutil.boot_time())
+
+
 class Daemon:
     """The per-node loop (see the module docstring).
 
@@ -156,6 +197,11 @@ class Daemon:
         cluster. own_pids: our PIDs (idle.own_pids). publish(node, annotations): sets annotations
         on the Node (KubeStore.set_annotations) or None. on_quarantine(node): the optional deep
         health check. replay(): writes spooled transitions (KubeStore.replay) or None.
+    reap(): ends screen workers a killed predecessor left (screening.reap_stale_screens bound to
+        the runner's work_dir) or None. node_created(): the Node object's creation time (unix
+        seconds) or None when unknown, for the adoption rule. commit_kmsg(): saves the kernel-log
+        position (DeferredKernelLogReader.commit) once what it read is durable, or None.
+        boot_time(): when the host booted (an Xid before it was recovered by the reboot).
     """
 
     def __init__(self, config: DaemonConfig, *, store: Store, probe: ProbeFn, runner: ScreenRunner,
@@ -166,7 +212,11 @@ class Daemon:
                  replay: Optional[Callable[[], int]] = None,
                  metrics: Optional[DaemonMetrics] = None, clock: Callable[[], float] = time.time,
                  stop: Optional[threading.Event] = None,
-                 untaint_delay_s: float = 1.0) -> None:
+                 untaint_delay_s: float = 1.0,
+                 reap: Optional[Callable[[], Any]] = None,
+                 node_created: Optional[Callable[[], Optional[float]]] = None,
+                 commit_kmsg: Optional[Callable[[], None]] = None,
+                 boot_time: Callable[[], float] = _boot_time) -> None:
         self.config = config
         self.node = config.node
         self.store = store
@@ -195,15 +245,38 @@ class Daemon:
         self.last_screen_outcome: Optional[Outcome] = None
         self.started = False
         self._current: Optional[PassReport] = None
+        self.reap = reap
+        self.node_created = node_created
+        self.commit_kmsg = commit_kmsg
+        self.boot_time = boot_time
+        self.requirement = BurninRequirement(min_seconds=config.burnin_duration_s,
+                                             min_iterations=config.burnin_min_iterations,
+                                             jobs=tuple(config.jobs))
+        self._known_serials: set[str] = set()  # every serial this node's NVML has reported
+        self._known_gpus: dict[str, Any] = {}  # uuid -> GpuSnapshot seen since start
+        self._pending: list[Finding] = []  # event findings whose transition is not yet durable
+        self._xids: dict[tuple[str, str, int], tuple[float, Finding]] = {}  # unrecovered critical
+        self.conditions: tuple[Finding, ...] = ()
+        self.reaped: Any = None
 
     # --- start-up -------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Clear a stale screening taint, make sure the node is known (a new node starts in
-        burnin), read when it was last screened, and become ready."""
+        """End what a killed predecessor left running, clear a stale screening taint, make sure
+        the node is known (a new node starts in burnin, or is adopted), read when it was last
+        screened, and become ready."""
+        if self.reap is not None:
+            self.reaped = self.reap()
         self.window.clear_stale()
-        decision = apply_event(self.store, self.node, lifecycle.NodeSeen(), now=self.clock(),
+        event: Any = lifecycle.NodeSeen()
+        why = self._adoption() if self.store.get_state(self.node) is None else ""
+        if why:
+            event = lifecycle.Adopted(why)
+        decision = apply_event(self.store, self.node, event, now=self.clock(),
                                policy=self.config.lifecycle)
+        if why and decision.state == S.HEALTHY:
+            self.store.set_verdict(self.node, {"kind": VERDICT_UNSCREENED,
+                                               "outcome": VERDICT_UNSCREENED, "adopted": why})
         for t in decision.transitions:
             self.metrics.transitions.labels(self.node, t.to_state.value).inc()
             log.info("node %s: %s -> %s: %s", self.node, t.from_state.value if t.from_state
@@ -225,12 +298,62 @@ class Daemon:
             self.last_screen_stopped = str(last.get("stopped") or "")
             if self.last_screen_outcome == Outcome.PASS:
                 self.metrics.last_success.labels(self.node).set(self.last_screen_end)
+        self._seed_xids()
         self.started = True
         self.metrics.ready = True
         self.metrics.beat()
         log.info("screener daemon started on %s in state %s", self.node,
                  self.state.value if self.state else None,
                  extra={"event": "started", "state": self.state.value if self.state else None})
+
+    def _adoption(self) -> str:
+        """Why this node, unknown to the store, is adopted as serving ("" when it is not)."""
+        if self.config.adopt == "off":
+            return ""
+        if self.gpu_pods is not None:
+            try:
+                pods = [p for p in self.gpu_pods()
+                        if not (self.config.own_pod and p.get("name") == self.config.own_pod)]
+            except Exception as e:  # noqa: BLE001 - cannot tell: the safe default is burnin
+                log.warning("cannot list the GPU pods on %s for adoption: %s", self.node, e)
+                pods = []
+            if pods:
+                names = ", ".join(f"{p.get('namespace', '')}/{p.get('name', '')}" for p in pods[:3])
+                return f"already running {len(pods)} GPU pod(s) ({names})"
+        created = None
+        if self.node_created is not None:
+            try:
+                created = self.node_created()
+            except Exception as e:  # noqa: BLE001
+                log.warning("cannot read when node %s was created: %s", self.node, e)
+        if created is None:
+            return ""
+        if self.config.adopt_created_before > 0 and created < self.config.adopt_created_before:
+            return f"created before {self.config.adopt_created_before:.0f} (adopt_created_before)"
+        age = self.clock() - created
+        if age >= self.config.adopt_min_age_s:
+            return (f"existed {age:.0f} s before the screener first saw it "
+                    f"(adopt_min_age_s {self.config.adopt_min_age_s:g})")
+        return ""
+
+    def _seed_xids(self) -> None:
+        """Critical Xids recorded since this boot and not recovered stay conditions across a
+        restart of the daemon (the transition that recorded them is the durable record)."""
+        try:
+            boot = self.boot_time()
+        except Exception:  # noqa: BLE001 - without it, only this run's Xids count
+            return
+        for t in self.store.history(self.node, since=boot):
+            if _is_recovery(t):
+                self._xids.clear()
+                continue
+            for d in t.evidence.get("findings") or ():
+                try:
+                    f = Finding.from_dict(d)
+                except (KeyError, TypeError, ValueError):
+                    continue
+                if f.code == "xid" and f.severity >= Severity.CRITICAL:
+                    self._xids[_xid_key(f)] = (t.time, f)
 
     # --- the loop -------------------------------------------------------------------------------
 
@@ -265,14 +388,25 @@ class Daemon:
         self._current = report
         try:
             self.metrics.beat()
+            if self.last_report is None:
+                # The first pass probes before the intake: an alarm's GPU serials count only
+                # when this node's NVML reports them, so the serials must be known first.
+                self._step(report, "probe", lambda: self._probe_and_observe(report, once=once))
+                self.next_probe = now + self.config.probe_interval_s
+                probed_first = True
+            else:
+                probed_first = False
             self._step(report, "intake", self._intake)
             if self.replay is not None:
                 self._step(report, "replay", self.replay)
             if self.window.taint_dirty:
                 self._step(report, "untaint", self.window.clear_stale)
-            if once or now >= self.next_probe:
+            if not probed_first and (once or now >= self.next_probe):
                 self._step(report, "probe", lambda: self._probe_and_observe(report, once=once))
                 self.next_probe = now + self.config.probe_interval_s
+            elif self._pending:
+                # A finding whose transition could not be written: retried on every tick.
+                self._step(report, "findings", self._apply_findings)
             report.screen_due = self._screen_due(now)
             if report.screen_due and (report.idle or (once and report.activity is not None
                                                       and not report.activity.busy)):
@@ -336,6 +470,9 @@ class Daemon:
 
     def _apply_alarm(self, record: AlarmRecord) -> None:
         latency = self.clock() - record.created if record.created else None
+        # An alarm acts only on the GPU serials this node's NVML reports.
+        record = replace(record, evidence=lifecycle.local_serials(record.evidence,
+                                                                  sorted(self._known_serials)))
         self._apply(record, f"alarm {record.alarm_id}")
         self.metrics.alarm("applied")
         log.warning("alarm %s applied: %s at step %d (%s)", record.alarm_id, record.check,
@@ -369,22 +506,98 @@ class Daemon:
             self.metrics.error("probe")
             log.warning("probe: %s", e)
         self.last_report = report
-        current = {_finding_key(f) for f in report.findings}
-        new = [f for f in report.findings if _finding_key(f) not in self._seen_findings]
-        self._seen_findings = current
+        for g in report.gpus:
+            if g.serial:
+                self._known_serials.add(str(g.serial))
+            if g.uuid:
+                self._known_gpus[g.uuid] = g
+        findings = [self._localize(f) for f in report.findings] + self._gone(report)
+        current = {_finding_key(f) for f in findings}
+        new = [f for f in findings if _finding_key(f) not in self._seen_findings]
         for f in new:
             self.metrics.finding(f.severity)
-        relevant = tuple(f for f in new if f.severity >= Severity.WARNING)
-        if relevant:
-            if self._current is not None:
-                self._current.findings.extend(f.to_dict() for f in relevant)
-            for f in relevant:
+        now = self.clock()
+        for f in findings:
+            if f.code == "xid" and f.severity >= Severity.CRITICAL:
+                self._xids.setdefault(_xid_key(f), (now, f))
+        self._drop_recovered_xids()
+        # Event findings are fed once; conditions on every probe (level-triggered).
+        pending = {_finding_key(p) for p in self._pending}
+        self._pending.extend(f for f in new if f.severity >= Severity.WARNING
+                             and not is_condition(f) and _finding_key(f) not in pending)
+        self.conditions = self._current_conditions(findings)
+        if self._current is not None:
+            self._current.findings.extend(f.to_dict() for f in new if f.severity >= Severity.WARNING)
+            self._current.conditions = [f.to_dict() for f in self.conditions]
+        for f in new:
+            if f.severity >= Severity.WARNING:
                 log.warning("finding %s (%s)%s: %s", f.code, f.severity.label,
                             f" on GPU {f.gpu}" if f.gpu else "", f.message,
                             extra={"event": "finding", "severity": f.severity.label,
                                    "code": f.code})
-            self._apply(lifecycle.Findings(relevant), "probe findings")
+        # Marked seen only once durable: what _apply_findings cannot write is unmarked again.
+        self._seen_findings = current
+        self._apply_findings()
         return report
+
+    def _apply_findings(self) -> None:
+        """Feed pending event findings and the persisting conditions to the lifecycle; only when
+        that is recorded (or spooled) are they done and the kernel-log position saved."""
+        todo = tuple(self._pending) + tuple(f for f in self.conditions
+                                           if f.severity >= Severity.WARNING)
+        if todo:
+            try:
+                self._apply(lifecycle.Findings(todo), "probe findings")
+            except BaseException:
+                # Not durable: not seen either, so nothing is lost; every tick retries.
+                self._seen_findings -= {_finding_key(f) for f in self._pending}
+                raise
+        self._pending = []
+        if self.commit_kmsg is not None:
+            self.commit_kmsg()
+
+    def _localize(self, f: Finding) -> Finding:
+        """The finding with its GPU serial under the key the lemon rule reads, when it is one
+        this node's NVML reports (never another node's)."""
+        keys = (lifecycle.EVIDENCE_SERIAL, lifecycle.EVIDENCE_GPU_SERIAL,
+                lifecycle.EVIDENCE_GPU_SERIALS)
+        if not any(k in f.evidence for k in keys):
+            return f
+        return replace(f, evidence=lifecycle.local_serials(f.evidence, sorted(self._known_serials)))
+
+    def _gone(self, report: ProbeReport) -> list[Finding]:
+        """A GPU seen since the daemon started and missing now stays a condition (the rules see
+        it only against the previous probe) until it is back."""
+        if not report.snapshot.nvml.available:
+            return []
+        now = {g.uuid for g in report.gpus if g.uuid}
+        named = {f.evidence.get("uuid") for f in report.findings if f.code == "gpu_missing"}
+        out = []
+        for uuid, g in self._known_gpus.items():
+            if uuid in now or uuid in named:
+                continue
+            ev = lifecycle.local_serials(dict(g.identity()), sorted(self._known_serials))
+            out.append(Finding(severity=Severity.CRITICAL, code="gpu_missing",
+                               message=f"GPU {g.index} ({uuid}) is still missing: fallen off the bus",
+                               gpu=g.label, evidence=ev,
+                               action="drain the node and reboot it; repair if the GPU stays missing"))
+        return out
+
+    def _drop_recovered_xids(self) -> None:
+        if not self._xids:
+            return
+        try:
+            history = self.store.history(self.node)
+        except ScreenerError:
+            return  # cannot tell: keep them (the safe side)
+        last = max((t.time for t in history if _is_recovery(t)), default=None)
+        if last is not None:
+            self._xids = {k: v for k, v in self._xids.items() if v[0] > last}
+
+    def _current_conditions(self, findings: list[Finding]) -> tuple[Finding, ...]:
+        out = [f for f in findings if is_condition(f) and f.code != "xid"]
+        out += [f for _, f in self._xids.values()]
+        return tuple(out)
 
     def _activity(self, report: Optional[ProbeReport]) -> Activity:
         pods, pods_error = None, ""
@@ -428,6 +641,8 @@ class Daemon:
         state = self.state
         if not self.config.screens or state in (S.QUARANTINED, S.REPAIR) or state is None:
             return ""
+        if self.conditions:
+            return ""  # a pass would clear nothing while a condition persists
         last = self.last_screen_end
         if last is not None and self.last_screen_outcome == Outcome.INCONCLUSIVE \
                 and self.last_screen_stopped not in (YIELDED, SHUTDOWN) \
@@ -443,12 +658,26 @@ class Daemon:
             return f"last screen {now - last:.0f} s ago"
         return ""
 
+    def _screen_kind(self) -> str:
+        """Full burn-in for a node that has not earned healthy since it entered burnin, else the
+        quick screen."""
+        if self.state == S.BURNIN:
+            return KIND_FULL
+        if self.state == S.SUSPECT and not lifecycle.earned_healthy(self.store.history(self.node)):
+            return KIND_FULL
+        return KIND_QUICK
+
     def _screen(self, report: PassReport) -> None:
+        kind = self._screen_kind()
+        cap = self.config.screen_time_cap_s + (self.config.burnin_duration_s if kind == KIND_FULL
+                                               else 0.0)
+        before = self.last_report
         self.metrics.screening.labels(self.node).set(1)
-        log.info("opening a screening window on %s: %s", self.node, report.screen_due,
-                 extra={"event": "screen_start"})
+        log.info("opening a screening window on %s (%s): %s", self.node,
+                 "full burn-in" if kind == KIND_FULL else "quick screen", report.screen_due,
+                 extra={"event": "screen_start", "kind": kind})
         try:
-            outcome = self.window.run()
+            outcome = self.window.run(kind, cap)
         finally:
             self.metrics.screening.labels(self.node).set(0)
         report.screen = outcome
@@ -465,12 +694,25 @@ class Daemon:
                  outcome.seconds,
                  extra={"event": "screen_done", "outcome": outcome.outcome.value,
                         "stopped": outcome.stopped, "seconds": round(outcome.seconds, 3)})
+        verdicts = tuple(outcome.verdicts)
+        screen_kind: str = KIND_QUICK
+        missing: list[str] = []
+        stages: list[dict[str, Any]] = []
+        if kind == KIND_FULL and not outcome.stopped:
+            verdicts, missing, stages = self._assess_burnin(outcome, before)
+            screen_kind = lifecycle.KIND_PARTIAL if missing else lifecycle.KIND_FULL
+            if missing:
+                log.warning("burn-in on %s was partial: %s", self.node, "; ".join(missing),
+                            extra={"event": "burnin_partial"})
         if not outcome.stopped:
-            self._apply(lifecycle.KatScreen(tuple(outcome.verdicts)), "known-answer screen")
+            self._apply(lifecycle.KatScreen(verdicts, kind=screen_kind,
+                                            conditions=self.conditions), "known-answer screen")
         self.store.set_verdict(self.node, {
             "time": end, "outcome": outcome.outcome.value, "stopped": outcome.stopped,
+            "kind": screen_kind if not outcome.stopped else kind, "missing": missing,
+            "stages": [{"name": st.get("name"), "outcome": st.get("outcome")} for st in stages],
             "detail": outcome.detail, "exit_code": int(outcome.exit_code),
-            "verdicts": [v.to_dict() for v in outcome.verdicts]})
+            "verdicts": [v.to_dict() for v in verdicts]})
         if outcome.outcome == Outcome.PASS and self.publish is not None \
                 and self.config.publish_digests:
             digests = platform_digests(outcome.verdicts, outcome.digests)
@@ -480,3 +722,29 @@ class Daemon:
             raise BadInputError(f"screen failed: {outcome.detail}")
         if outcome.stopped and outcome.exit_code == ExitCode.SCREENER_ERROR:
             raise ScreenerError(f"screen failed: {outcome.detail}")
+
+    def _assess_burnin(self, outcome: ScreenOutcome, before: Optional[ProbeReport]
+                       ) -> tuple[tuple[Any, ...], list[str], list[dict[str, Any]]]:
+        """The daemon's half of a full burn-in: the probes before (this pass's) and after, the
+        cross-check with same-platform peers, and what the run lacked to be full."""
+        stages: list[dict[str, Any]] = []
+        if before is not None:
+            stages.append(probe_report_stage("probes-before", before).to_dict())
+        stages += [dict(st) for st in outcome.stages]
+        verdicts = list(outcome.verdicts)
+        peers_available = False
+        if hasattr(self.store, "annotations_by_node"):
+            try:
+                cc = crosscheck_digests_stage(self.node, outcome.verdicts, outcome.digests,
+                                              self.store)
+                peers_available = int(cc.data.get("nodes_compared") or 0) > 0
+                stages.append(cc.to_dict())
+                verdicts += list(cc.verdicts)
+            except ScreenerError as e:
+                log.warning("cross-check with peers failed: %s", e)
+        after = self._probe()  # its findings go to the lifecycle as usual
+        stages.append(probe_report_stage("probes-after", after).to_dict())
+        devices = len(after.gpus) or 1
+        missing = missing_for_full(stages, self.requirement, devices=devices,
+                                   peers_available=peers_available)
+        return tuple(verdicts), missing, stages

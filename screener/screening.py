@@ -10,9 +10,18 @@ An idle-time screen must never compete with a job for the GPUs, so the daemon op
 3. removes the taint, always: after a pass, a failure, an exception in the runner, a shutdown. At
    start-up the daemon also removes a screening taint a previous run left (`clear_stale`).
 
-The production runner (`KatProcessRunner`) runs screener.kat.run_screen in a worker process of its
-own (`python -m screener.screening worker`), so stopping it is a kill that takes effect at once,
-and the daemon itself never imports torch. Test runners are plain functions of a ScreenRequest.
+The production runner (`KatProcessRunner`) runs screener.kat.run_screen (a quick screen) or the
+device stages of a full burn-in (screener.burnin: the known-answer rounds for the configured
+duration, the HBM test, the intra-node collective) in a worker process of its own
+(`python -m screener.screening worker`), so stopping it is a kill that takes effect at once, and
+the daemon itself never imports torch. Test runners are plain functions of a ScreenRequest.
+
+Restart hygiene: each worker runs in a folder of its own under the runner's `work_dir`, with a
+`worker.json` naming its PID and start time, and every process of the screen (the worker and the
+per-device children, which run in sessions of their own) carries SCREENER_SCREEN_ID in its
+environment. A daemon killed mid-screen (kill -9, the OOM killer) leaves them running under PID 1;
+`reap_stale_screens(work_dir)` at the next start ends every process tagged with a recorded screen
+(checked against its start time, so a reused PID is never hit) and removes the folders.
 """
 
 from __future__ import annotations
@@ -42,14 +51,19 @@ ERROR = "error"  # the runner failed (our problem, exit 1)
 TAINT_FAILED = "taint_failed"  # could not taint the node: no screen without the taint
 
 
+KIND_QUICK = "quick"  # the known-answer screen: re-verifies a node that earned healthy
+KIND_FULL = "full"  # a full burn-in's device stages (see screener.burnin)
+
+
 @dataclass(frozen=True)
 class ScreenRequest:
-    """What a runner gets: when to give up, and an event that says stop now."""
+    """What a runner gets: which screen, when to give up, and an event that says stop now."""
 
     node: str
     cancel: threading.Event
     deadline: float  # on the window's clock
     clock: Callable[[], float] = time.time
+    kind: str = KIND_QUICK
 
     def cancelled(self) -> bool:
         return self.cancel.is_set() or self.clock() >= self.deadline
@@ -63,6 +77,8 @@ class ScreenOutcome:
     was stopped). stopped: YIELDED, TIME_CAP, SHUTDOWN, ERROR, TAINT_FAILED, or "" when it ran to
     the end. digests: device -> job -> result digest, for publishing and cross-checks.
     platforms: device -> platform signature (with its hash) when the runner reports them.
+    kind: what ran (KIND_QUICK, or KIND_FULL for a burn-in's device stages); stages: for a
+    burn-in, screener.burnin.Stage.to_dict() of every stage that ran.
     """
 
     outcome: Outcome
@@ -75,6 +91,8 @@ class ScreenOutcome:
     started: float = 0.0
     seconds: float = 0.0
     taint_removed: bool = True
+    kind: str = KIND_QUICK
+    stages: tuple[Mapping[str, Any], ...] = ()
 
     @classmethod
     def inconclusive(cls, stopped: str, detail: str, *, code: ExitCode = ExitCode.INCONCLUSIVE,
@@ -90,7 +108,9 @@ class ScreenOutcome:
                    exit_code=ExitCode(int(d["exit_code"])),
                    digests={k: dict(v) for k, v in (d.get("digests") or {}).items()},
                    platforms={k: dict(v) for k, v in (d.get("platforms") or {}).items()},
-                   seconds=float(d.get("seconds") or 0.0))
+                   seconds=float(d.get("seconds") or 0.0),
+                   kind=str(d.get("screen_kind") or KIND_QUICK),
+                   stages=tuple(dict(x) for x in d.get("stages") or ()))
 
     def to_dict(self) -> dict[str, Any]:
         return {"outcome": self.outcome.value, "exit_code": int(self.exit_code),
@@ -98,7 +118,8 @@ class ScreenOutcome:
                 "verdicts": [v.to_dict() for v in self.verdicts],
                 "digests": {k: dict(v) for k, v in self.digests.items()},
                 "started": self.started, "seconds": round(self.seconds, 3),
-                "taint_removed": self.taint_removed}
+                "taint_removed": self.taint_removed, "kind": self.kind,
+                "stages": [dict(x) for x in self.stages]}
 
 
 ScreenRunner = Callable[[ScreenRequest], ScreenOutcome]
@@ -193,8 +214,9 @@ class ScreeningWindow:
                   self.untaint_attempts)
         return False
 
-    def run(self) -> ScreenOutcome:
-        """Taint, screen, untaint. Never raises for a runner failure (that is an outcome)."""
+    def run(self, kind: str = KIND_QUICK, time_cap_s: Optional[float] = None) -> ScreenOutcome:
+        """Taint, screen (`kind`, capped at `time_cap_s`, default the window's), untaint. Never
+        raises for a runner failure (that is an outcome)."""
         started = self.clock()
         try:
             self.taint.set_screening_taint(self.node, True)
@@ -206,17 +228,18 @@ class ScreeningWindow:
                                               code=ExitCode.SCREENER_ERROR, started=started)
         self.active = True
         try:
-            outcome = self._screen(started)
+            outcome = self._screen(started, kind,
+                                   self.time_cap_s if time_cap_s is None else float(time_cap_s))
         finally:
             removed = self._untaint()
             self.active = False
         seconds = self.clock() - started
         return _with(outcome, started=started, seconds=seconds, taint_removed=removed)
 
-    def _screen(self, started: float) -> ScreenOutcome:
+    def _screen(self, started: float, kind: str, time_cap_s: float) -> ScreenOutcome:
         cancel = threading.Event()
-        request = ScreenRequest(node=self.node, cancel=cancel,
-                                deadline=started + self.time_cap_s, clock=self.clock)
+        request = ScreenRequest(node=self.node, cancel=cancel, deadline=started + time_cap_s,
+                                clock=self.clock, kind=kind)
         box: dict[str, Any] = {}
 
         def work() -> None:
@@ -235,8 +258,8 @@ class ScreeningWindow:
                 break
             if self.stop.is_set():
                 stopped, detail = SHUTDOWN, "the daemon is shutting down"
-            elif self.clock() - started >= self.time_cap_s:
-                stopped, detail = TIME_CAP, f"the screen ran past its time cap of {self.time_cap_s:g} s"
+            elif self.clock() - started >= time_cap_s:
+                stopped, detail = TIME_CAP, f"the screen ran past its time cap of {time_cap_s:g} s"
             else:
                 try:
                     job = self.job_check()
@@ -268,10 +291,17 @@ def _with(o: ScreenOutcome, **changes: Any) -> ScreenOutcome:
 
 # --- the production runner: screener.kat in a worker process ------------------------------------
 
+SCREEN_ID_ENV = "SCREENER_SCREEN_ID"  # tags every process of one screen (see reap_stale_screens)
+WORKER_RECORD = "worker.json"
+
 
 @dataclass(frozen=True)
 class KatOptions:
-    """What the worker passes to screener.kat.run_screen."""
+    """What the worker passes to screener.kat.run_screen, and to the burn-in stages for a full one.
+
+    burnin_seconds / burnin_min_iterations: how long and how often the known-answer jobs repeat in
+    a full burn-in; hbm_fraction / hbm_max_bytes: the HBM pattern test's size.
+    """
 
     jobs: tuple[str, ...] = ()
     devices: tuple[str, ...] = ()
@@ -280,31 +310,77 @@ class KatOptions:
     repeat: int = 1
     job_timeout_s: float = 300.0
     faults: Mapping[str, Sequence[Mapping[str, Any]]] = field(default_factory=dict)
+    burnin_seconds: float = 3600.0
+    burnin_min_iterations: int = 2
+    hbm_fraction: float = 0.5
+    hbm_max_bytes: Optional[int] = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"jobs": list(self.jobs), "devices": list(self.devices),
                 "golden_dir": self.golden_dir, "jobs_dir": self.jobs_dir, "repeat": self.repeat,
                 "job_timeout_s": self.job_timeout_s,
-                "faults": {k: [dict(f) for f in v] for k, v in self.faults.items()}}
+                "faults": {k: [dict(f) for f in v] for k, v in self.faults.items()},
+                "burnin_seconds": self.burnin_seconds,
+                "burnin_min_iterations": self.burnin_min_iterations,
+                "hbm_fraction": self.hbm_fraction, "hbm_max_bytes": self.hbm_max_bytes}
+
+
+def _create_time(pid: int) -> Optional[float]:
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
 
 
 class KatProcessRunner:
-    """Runs the known-answer screen in `python -m screener.screening worker`, killable at once."""
+    """Runs a screen in `python -m screener.screening worker`, killable at once.
+
+    work_dir: where each screen gets its folder (result, stderr, worker.json); default a fresh
+    temporary folder per screen (no restart hygiene). The daemon passes one under its state
+    directory so that `reap_stale_screens` can clean up after a crash.
+    """
 
     def __init__(self, options: KatOptions, *, python: Optional[str] = None,
-                 poll_s: float = 0.2, kill_grace_s: float = 10.0) -> None:
+                 poll_s: float = 0.2, kill_grace_s: float = 10.0,
+                 work_dir: Optional[str | os.PathLike[str]] = None) -> None:
         self.options = options
         self.python = python or sys.executable
         self.poll_s = poll_s
         self.kill_grace_s = kill_grace_s
+        self.work_dir = Path(work_dir) if work_dir is not None else None
 
     def __call__(self, request: ScreenRequest) -> ScreenOutcome:
-        with tempfile.TemporaryDirectory(prefix="screener-screen-") as tmp:
-            out = Path(tmp) / "result.json"
-            err = open(Path(tmp) / "stderr", "w+b")
-            proc = subprocess.Popen([self.python, "-m", "screener.screening", "worker", str(out)],
-                                    stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err,
-                                    start_new_session=True)
+        import shutil
+        import uuid
+
+        screen_id = f"{int(time.time())}-{uuid.uuid4().hex[:12]}"
+        if self.work_dir is not None:
+            self.work_dir.mkdir(parents=True, exist_ok=True)
+            tmp = self.work_dir / f"screen-{screen_id}"
+            tmp.mkdir()
+        else:
+            tmp = Path(tempfile.mkdtemp(prefix="screener-screen-"))
+        try:
+            return self._run(request, tmp, screen_id)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _run(self, request: ScreenRequest, tmp: Path, screen_id: str) -> ScreenOutcome:
+        out = tmp / "result.json"
+        env = {**os.environ, SCREEN_ID_ENV: screen_id}
+        mode = "burnin" if request.kind == KIND_FULL else "screen"
+        with open(tmp / "stderr", "w+b") as err:
+            proc = subprocess.Popen([self.python, "-m", "screener.screening", "worker", str(out),
+                                     mode], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                    stderr=err, start_new_session=True, env=env)
+            # Recorded before anything else can happen, so a crash of ours from here on is
+            # cleaned up by the next start (reap_stale_screens).
+            record = {"id": screen_id, "pid": proc.pid, "create_time": _create_time(proc.pid),
+                      "started": time.time(), "node": request.node, "kind": request.kind}
+            (tmp / (WORKER_RECORD + ".tmp")).write_text(json.dumps(record))
+            os.replace(tmp / (WORKER_RECORD + ".tmp"), tmp / WORKER_RECORD)
             try:
                 assert proc.stdin is not None
                 proc.stdin.write(json.dumps(self.options.to_dict()).encode())
@@ -320,13 +396,12 @@ class KatProcessRunner:
                     self._stop(proc)
                 err.seek(0)
                 tail = err.read()[-2000:].decode(errors="replace")
-                err.close()
-            if proc.returncode in (0, int(ExitCode.INCONCLUSIVE), int(ExitCode.HARDWARE_SUSPECT)) \
-                    and out.exists():
-                return ScreenOutcome.from_screen_dict(json.loads(out.read_text()))
-            code = proc.returncode if proc.returncode in (1, 2) else 1
-            return ScreenOutcome.inconclusive(ERROR, f"screen worker exited {proc.returncode}: "
-                                              f"{tail.strip()[-500:]}", code=ExitCode(code))
+        if proc.returncode in (0, int(ExitCode.INCONCLUSIVE), int(ExitCode.HARDWARE_SUSPECT)) \
+                and out.exists():
+            return ScreenOutcome.from_screen_dict(json.loads(out.read_text()))
+        code = proc.returncode if proc.returncode in (1, 2) else 1
+        return ScreenOutcome.inconclusive(ERROR, f"screen worker exited {proc.returncode}: "
+                                          f"{tail.strip()[-500:]}", code=ExitCode(code))
 
     def _stop(self, proc: subprocess.Popen) -> None:
         """SIGTERM the worker (its handler kills the per-device children), then make sure."""
@@ -349,8 +424,125 @@ class KatProcessRunner:
                 pass
 
 
-def _worker(result_path: str) -> int:
-    """The worker process: read KatOptions as JSON on stdin, screen, write the result JSON."""
+@dataclass(frozen=True)
+class Reaped:
+    """What reap_stale_screens cleaned up after an earlier daemon."""
+
+    killed: tuple[int, ...] = ()
+    folders: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"killed": list(self.killed), "folders": list(self.folders)}
+
+
+def reap_stale_screens(work_dir: str | os.PathLike[str], *, grace_s: float = 5.0) -> Reaped:
+    """End the screen processes an earlier daemon left behind and remove their folders.
+
+    Each `screen-*` folder under work_dir belongs to a screen that did not finish cleanly (a
+    finished one removes its folder). Its processes are found by the SCREENER_SCREEN_ID tag in
+    their environment (the worker and its per-device children, whatever their parent now is) and
+    by the recorded worker PID when its start time still matches (never a reused PID). Each gets
+    SIGKILL: a screen whose daemon is gone has nobody to report to. Call it only at start-up,
+    before this daemon starts a screen of its own.
+    """
+    import shutil
+
+    import psutil
+
+    root = Path(work_dir)
+    if not root.is_dir():
+        return Reaped()
+    folders = [d for d in sorted(root.glob("screen-*")) if d.is_dir()]
+    if not folders:
+        return Reaped()
+    ids: dict[str, Mapping[str, Any]] = {}
+    for d in folders:
+        try:
+            rec = json.loads((d / WORKER_RECORD).read_text())
+            ids[str(rec["id"])] = rec
+        except (OSError, ValueError, KeyError, TypeError):
+            ids[d.name[len("screen-"):]] = {}  # crashed before the record: the tag still finds them
+    me = os.getpid()
+    victims: dict[int, psutil.Process] = {}
+    for rec in ids.values():
+        pid, created = rec.get("pid"), rec.get("create_time")
+        if isinstance(pid, int) and pid != me and created is not None:
+            try:
+                proc = psutil.Process(pid)
+                if abs(proc.create_time() - float(created)) < 0.01:
+                    victims[pid] = proc
+            except psutil.Error:
+                pass
+    for proc in psutil.process_iter():
+        if proc.pid == me or proc.pid in victims:
+            continue
+        try:
+            tag = proc.environ().get(SCREEN_ID_ENV)
+        except (psutil.Error, OSError):
+            continue
+        if tag in ids:
+            victims[proc.pid] = proc
+    for proc in list(victims.values()):
+        try:
+            for child in proc.children(recursive=True):
+                victims.setdefault(child.pid, child)
+        except psutil.Error:
+            pass
+    for proc in victims.values():
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(list(victims.values()), timeout=grace_s)
+    for d in folders:
+        shutil.rmtree(d, ignore_errors=True)
+    if victims:
+        log.warning("ended %d screen process(es) left by an earlier daemon: %s", len(victims),
+                    ", ".join(str(p) for p in sorted(victims)))
+    return Reaped(killed=tuple(sorted(victims)), folders=tuple(str(d) for d in folders))
+
+
+def _burnin_stages(opts: Mapping[str, Any], faults: Any) -> dict[str, Any]:
+    """The device stages of a full burn-in, as a screen result dict with the stages."""
+    from screener import burnin, kat
+
+    devices = kat.resolve_devices(opts.get("devices") or None)
+    specs = kat.resolve_jobs(opts.get("jobs") or None, opts.get("jobs_dir"), quick_only=False)
+    seconds = float(opts.get("burnin_seconds") or 0.0)
+    iterations = int(opts.get("burnin_min_iterations") or 2)
+
+    def rounds() -> burnin.BurninReport:
+        # Both: keep going for the duration, but never fewer than the required repeats.
+        if seconds > 0:
+            first = burnin.run_burnin(devices, specs, duration=seconds,
+                                      golden_dir=opts.get("golden_dir"),
+                                      jobs_dir=opts.get("jobs_dir"),
+                                      timeout=float(opts.get("job_timeout_s") or kat.DEFAULT_TIMEOUT),
+                                      faults=faults)
+            if min(first.screen.iterations.values(), default=0) >= iterations:
+                return first
+        return burnin.run_burnin(devices, specs, iterations=iterations,
+                                 golden_dir=opts.get("golden_dir"), jobs_dir=opts.get("jobs_dir"),
+                                 timeout=float(opts.get("job_timeout_s") or kat.DEFAULT_TIMEOUT),
+                                 faults=faults)
+
+    plan = burnin.BurninPlan(probes=False, crosscheck=False, lifecycle=False,
+                             hbm_fraction=float(opts.get("hbm_fraction") or 0.5),
+                             hbm_max_bytes=opts.get("hbm_max_bytes"))
+    rep = burnin.run_full_burnin("", devices, rounds, plan=plan, store=None)
+    assert rep.kat is not None
+    d = rep.kat.screen.to_dict()
+    d["screen_kind"] = KIND_FULL
+    d["stages"] = [st.to_dict() for st in rep.stages]
+    d["verdicts"] = [v.to_dict() for st in rep.stages for v in st.verdicts]
+    d["outcome"] = rep.outcome.value
+    d["exit_code"] = int(rep.exit_code)
+    return d
+
+
+def _worker(result_path: str, mode: str = "screen") -> int:
+    """The worker process: read KatOptions as JSON on stdin, screen (or run the burn-in's device
+    stages), write the result JSON."""
 
     def on_term(signum: int, frame: Any) -> None:
         raise SystemExit(128 + signum)  # unwinds through kat.execute, which kills its children
@@ -362,23 +554,28 @@ def _worker(result_path: str) -> int:
     opts = json.loads(sys.stdin.read() or "{}")
     faults = {dev: [kat.DeviceFault(**f) for f in fs] for dev, fs in (opts.get("faults") or {}).items()}
     try:
-        result = kat.run_screen(opts.get("jobs") or None, opts.get("devices") or None,
-                                golden_dir=opts.get("golden_dir"), jobs_dir=opts.get("jobs_dir"),
-                                repeat=int(opts.get("repeat") or 1),
-                                timeout=float(opts.get("job_timeout_s") or kat.DEFAULT_TIMEOUT),
-                                faults=faults or None)
+        if mode == "burnin":
+            data = _burnin_stages(opts, faults or None)
+            code = int(data["exit_code"])
+        else:
+            result = kat.run_screen(opts.get("jobs") or None, opts.get("devices") or None,
+                                    golden_dir=opts.get("golden_dir"), jobs_dir=opts.get("jobs_dir"),
+                                    repeat=int(opts.get("repeat") or 1),
+                                    timeout=float(opts.get("job_timeout_s") or kat.DEFAULT_TIMEOUT),
+                                    faults=faults or None)
+            data, code = result.to_dict(), int(result.exit_code)
     except ScreenerError as e:
         print(f"screener: {e}", file=sys.stderr)
         return int(e.exit_code)
     tmp = result_path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(result.to_dict(), f)
+        json.dump(data, f, default=str)
     os.replace(tmp, result_path)
-    return int(result.exit_code)
+    return code
 
 
 if __name__ == "__main__":  # pragma: no cover - exercised through KatProcessRunner
-    if len(sys.argv) == 3 and sys.argv[1] == "worker":
-        sys.exit(_worker(sys.argv[2]))
-    print("usage: python -m screener.screening worker RESULT.json", file=sys.stderr)
+    if len(sys.argv) in (3, 4) and sys.argv[1] == "worker":
+        sys.exit(_worker(sys.argv[2], sys.argv[3] if len(sys.argv) == 4 else "screen"))
+    print("usage: python -m screener.screening worker RESULT.json [screen|burnin]", file=sys.stderr)
     sys.exit(2)

@@ -57,9 +57,27 @@ def outcome(kind: Outcome, **kw: Any) -> ScreenOutcome:
                          digests={v.device: {"gemm-fp32": "d1"} for v in vs}, **kw)
 
 
+def as_full_burnin(o: ScreenOutcome, *, iterations: int = 2, seconds: float = 5.0,
+                   hbm: str = "pass") -> ScreenOutcome:
+    """What the burn-in worker returns for `o`'s verdicts: its device stages (the known-answer
+    rounds with their repeats and time, the HBM test, the collective across the devices)."""
+    from dataclasses import replace
+
+    devices = [v.device for v in o.verdicts]
+    stages = (
+        {"name": "known-answer", "outcome": o.outcome.value, "seconds": seconds,
+         "data": {"iterations": {d: iterations for d in devices}, "devices": devices,
+                  "jobs": ["gemm-fp32"], "seconds": seconds}},
+        {"name": "hbm", "outcome": hbm, "seconds": 0.1, "data": {}},
+        {"name": "collective", "outcome": "pass", "seconds": 0.1, "data": {}},
+    )
+    return replace(o, kind="full", stages=stages)
+
+
 class ScriptedRunner:
     """Returns the scripted outcomes in turn; `during(request)` runs inside the screen first
-    (to land a job, raise, or wait for the cancel)."""
+    (to land a job, raise, or wait for the cancel). Asked for a full burn-in, it answers as the
+    burn-in worker does (the outcome with its device stages) unless the script gave stages."""
 
     def __init__(self, *outcomes: ScreenOutcome,
                  during: Optional[Callable[[ScreenRequest], Optional[ScreenOutcome]]] = None) -> None:
@@ -75,7 +93,10 @@ class ScriptedRunner:
                 return early
         if not self.outcomes:
             raise AssertionError("the daemon screened more often than the test expected")
-        return self.outcomes.pop(0)
+        out = self.outcomes.pop(0)
+        if request.kind == "full" and not out.stages and not out.stopped:
+            out = as_full_burnin(out)
+        return out
 
 
 def wait_for_cancel(limit: float = 20.0) -> Callable[[ScreenRequest], Optional[ScreenOutcome]]:
@@ -109,7 +130,8 @@ class DaemonRig:
         settings = dict(node=NODE, alarm_dir=str(tmp_path / "alarms"), store="local",
                         tick_s=5.0, probe_interval_s=60.0, idle_window_s=300.0,
                         screen_interval_s=86400.0, retry_inconclusive_s=600.0,
-                        screen_time_cap_s=900.0, job_poll_s=0.02, metrics_port=-1)
+                        screen_time_cap_s=900.0, job_poll_s=0.02, metrics_port=-1,
+                        burnin_duration_s=1.0)
         settings.update(config)
         self.config = DaemonConfig.from_mapping(settings)
         self.store = store if store is not None else LocalStore(tmp_path / "state.db")
@@ -180,14 +202,16 @@ def test_probes_run_every_interval_and_a_healthy_node_is_rescreened_after_its_in
     runner = ScriptedRunner(outcome(Outcome.PASS), outcome(Outcome.PASS))
     rig = rig_factory(runner, idle_window_s=0.0, screen_interval_s=3600.0)
     rig.tick()
-    assert len(runner.calls) == 1 and rig.probe_calls == 1
+    # The new node's full burn-in: the probes before it and after it.
+    assert len(runner.calls) == 1 and rig.probe_calls == 2 and runner.calls[0].kind == "full"
     for _ in range(24):  # 120 s at a tick of 5 s: probes at +60 and +120 only
         rig.tick(advance=5.0)
-    assert rig.probe_calls == 3
+    assert rig.probe_calls == 4
     assert len(runner.calls) == 1
     rig.tick(advance=3600.0)
-    assert len(runner.calls) == 2
+    assert len(runner.calls) == 2 and runner.calls[1].kind == "quick"
     assert rig.daemon.state == NodeState.HEALTHY
+    assert rig.store.get_verdict(NODE)["kind"] == "quick"
 
 
 def test_a_busy_gpu_holds_the_screen_off_until_quiet_for_the_window(rig_factory):
@@ -237,21 +261,50 @@ def test_an_inconclusive_screen_is_retried_only_after_the_retry_delay(rig_factor
     assert len(runner.calls) == 2
 
 
-def test_a_persistent_finding_is_fed_to_the_lifecycle_once(rig_factory):
+def test_a_pending_remap_keeps_the_node_out_until_it_clears_then_it_is_rescreened(rig_factory):
+    """Level-triggered: the pending remap holds the node suspect ("reset required") on every
+    probe, no screen clears it meanwhile; once the reset applied the remap, the quick screen
+    re-verifies the node (it had earned healthy)."""
     runner = ScriptedRunner(outcome(Outcome.PASS), outcome(Outcome.PASS))
     rig = rig_factory(runner, idle_window_s=0.0)
     assert rig.tick().state == NodeState.HEALTHY
     rig.nvml.gpus[1].remapped_rows = (0, 0, 1, 0)  # a row remap pending: suspect-level
     report = rig.tick(advance=60.0)
     assert [f["code"] for f in report.findings] == ["row_remap_pending"]
-    # Suspect -> confirming screen at once -> passes -> healthy.
-    assert report.state == NodeState.HEALTHY
-    assert [t["to"] for t in report.transitions] == ["suspect", "healthy"]
-    # The same condition in later probes does not flap the node.
-    for _ in range(5):
+    assert report.state == NodeState.SUSPECT and report.transitions[0]["code"] == "ResetRequired"
+    assert report.transitions[0]["reason"].startswith("reset required")
+    for _ in range(5):  # still pending: re-applied, never screened, never cleared
         report = rig.tick(advance=60.0)
-        assert report.findings == [] and report.transitions == []
-    assert rig.daemon.state == NodeState.HEALTHY
+        assert [c["code"] for c in report.conditions] == ["row_remap_pending"]
+        assert report.state == NodeState.SUSPECT and not report.screen_due
+    assert len(runner.calls) == 1
+    rig.nvml.gpus[1].remapped_rows = (1, 0, 0, 0)  # after the reset: remapped, nothing pending
+    report = rig.tick(advance=60.0)
+    assert report.conditions == [] and len(runner.calls) == 2 and runner.calls[1].kind == "quick"
+    assert report.state == NodeState.HEALTHY
+
+
+def test_a_remap_failure_sends_the_node_to_repair(rig_factory):
+    runner = ScriptedRunner(outcome(Outcome.PASS))
+    rig = rig_factory(runner, idle_window_s=0.0)
+    assert rig.tick().state == NodeState.HEALTHY
+    rig.nvml.gpus[0].remapped_rows = (0, 8, 0, 1)
+    report = rig.tick(advance=60.0)
+    assert report.state == NodeState.REPAIR
+    t = rig.store.history(NODE)[-1]
+    assert t.code == "RowRemapFailure" and t.failure
+
+
+def test_an_event_finding_is_fed_once(rig_factory):
+    runner = ScriptedRunner(outcome(Outcome.PASS), outcome(Outcome.PASS))
+    rig = rig_factory(runner, idle_window_s=0.0)
+    assert rig.tick().state == NodeState.HEALTHY
+    rig.nvml.gpus[0].set_ecc(volatile_corrected=5)  # corrected errors rose: an event
+    report = rig.tick(advance=60.0)
+    assert [f["code"] for f in report.findings] == ["ecc_corrected_rising"]
+    assert [t["to"] for t in report.transitions] == ["suspect", "healthy"]  # confirming screen
+    report = rig.tick(advance=60.0)
+    assert report.findings == [] and report.transitions == [] and report.state == NodeState.HEALTHY
 
 
 def test_alarms_are_taken_in_on_every_tick_and_a_settled_one_quarantines(rig_factory):
