@@ -73,10 +73,10 @@ def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def _load_safetensors(p: Path) -> dict[str, torch.Tensor]:
-    try:
-        from safetensors.torch import load_file
-    except ImportError as e:  # pragma: no cover - safetensors is a declared dependency
-        raise BadInputError(f"{p}: reading safetensors files needs the safetensors package") from e
+    from screener._optional import require
+
+    require("safetensors", f"{p}: reading a safetensors file")
+    from safetensors.torch import load_file
     try:
         return dict(load_file(str(p), device="cpu"))
     except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError and others

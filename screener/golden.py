@@ -34,9 +34,14 @@ _RECORDED_FIELDS = ("devices", "repeats", "host", "time", "screener_version")
 
 
 def default_golden_dir() -> Path:
-    """$SCREENER_GOLDEN_DIR, or the golden/ folder next to the package (the repository's)."""
+    """$SCREENER_GOLDEN_DIR, or the records shipped with the package (screener._golden: in a
+    checkout, the repository's golden/ folder; see screener/packagedata.py)."""
     env = os.environ.get(GOLDEN_DIR_ENV)
-    return Path(env) if env else Path(__file__).resolve().parent.parent / "golden"
+    if env:
+        return Path(env)
+    from screener.packagedata import data_dir
+
+    return data_dir("golden")
 
 
 def golden_path(golden_dir: str | os.PathLike[str], job: str, platform_hash: str) -> Path:

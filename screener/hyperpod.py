@@ -22,6 +22,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from screener._optional import require
+
+require("boto3", "SageMaker HyperPod remediation")
 import boto3
 import botocore
 import botocore.config

@@ -68,9 +68,14 @@ KINDS: dict[str, tuple[int, dict[str, tuple[Any, Any]]]] = {
 
 
 def default_jobs_dir() -> Path:
-    """$SCREENER_JOBS_DIR, or the jobs/ folder next to the package (the repository's)."""
+    """$SCREENER_JOBS_DIR, or the specs shipped with the package (screener._jobs: in a checkout,
+    the repository's jobs/ folder; see screener/packagedata.py)."""
     env = os.environ.get(JOBS_DIR_ENV)
-    return Path(env) if env else Path(__file__).resolve().parent.parent / "jobs"
+    if env:
+        return Path(env)
+    from screener.packagedata import data_dir
+
+    return data_dir("jobs")
 
 
 def _canonical(obj: Any) -> str:
