@@ -83,6 +83,13 @@ class DaemonConfig:
         drill and a probe-only deployment want).
     publish_digests: after a passing screen, publish its known-answer digests on the Node (kube)
         so burn-in of other nodes of the same platform can cross-check them.
+    burnin_duration_s, burnin_min_iterations: a full burn-in (the only way a burnin node becomes
+        healthy) keeps every job running this long, and at least this many times on every device.
+    adopt: "auto" adopts a node with no state that already runs GPU pods, or whose Node object is
+        at least adopt_min_age_s old (or older than adopt_created_before, a unix time, when set),
+        as healthy-but-unscreened instead of putting it in burnin; "off" never adopts.
+    work_dir: where screen workers keep their folders (default: <state dir>/screens), so a
+        restarted daemon can end what a killed one left running.
     probes, lifecycle, hyperpod: the nested tables (see the module docstring).
     """
 
@@ -112,6 +119,12 @@ class DaemonConfig:
     processed_keep: int = 1000
     screens: bool = True
     publish_digests: bool = True
+    burnin_duration_s: float = 3600.0
+    burnin_min_iterations: int = 2
+    adopt: str = "auto"
+    adopt_min_age_s: float = 3600.0
+    adopt_created_before: float = 0.0
+    work_dir: Optional[str] = None
     probes: ProbeConfig = field(default_factory=ProbeConfig)
     lifecycle: LifecyclePolicy = field(default_factory=LifecyclePolicy)
     hyperpod: Mapping[str, Any] = field(default_factory=dict)
@@ -134,7 +147,13 @@ class DaemonConfig:
             v = getattr(self, name)
             if not _is_num(v) or not v > 0:
                 raise bad(name, "must be a positive, finite number of seconds")
-        for name in ("idle_window_s", "screen_interval_s", "retry_inconclusive_s"):
+        if self.adopt not in ("auto", "off"):
+            raise bad("adopt", "must be auto or off")
+        if not isinstance(self.burnin_min_iterations, int) or isinstance(self.burnin_min_iterations, bool) \
+                or self.burnin_min_iterations < 2:
+            raise bad("burnin_min_iterations", "must be an integer >= 2 (a repeat is compared with the first)")
+        for name in ("idle_window_s", "screen_interval_s", "retry_inconclusive_s", "burnin_duration_s",
+                     "adopt_min_age_s", "adopt_created_before"):
             v = getattr(self, name)
             if not _is_num(v) or v < 0:
                 raise bad(name, "must be a finite number of seconds >= 0")
