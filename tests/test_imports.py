@@ -54,6 +54,8 @@ def _importers(name: str) -> set[str]:
     ("boto3", {"screener/hyperpod.py"}),
     ("botocore", {"screener/hyperpod.py"}),
     ("pynvml", {"screener/health/nvml.py"}),
+    ("prometheus_client", {"screener/metrics.py"}),
+    ("safetensors", {"screener/checkpoint.py"}),
 ])
 def test_each_vendor_client_has_one_importer(client, allowed):
     assert _importers(client) <= allowed
@@ -66,4 +68,4 @@ def test_cli_help_imports_nothing_heavy():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=ROOT)
     loaded = set(json.loads(out.stdout))
-    assert not loaded & {"torch", "kubernetes", "boto3", "pynvml"}
+    assert not loaded & {"torch", "kubernetes", "boto3", "pynvml", "prometheus_client"}
