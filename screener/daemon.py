@@ -255,6 +255,7 @@ class Daemon:
         self._known_serials: set[str] = set()  # every serial this node's NVML has reported
         self._known_gpus: dict[str, Any] = {}  # uuid -> GpuSnapshot seen since start
         self._pending: list[Finding] = []  # event findings whose transition is not yet durable
+        self._unwritten = False  # the last feed of findings failed to write: retry every tick
         self._xids: dict[tuple[str, str, int], tuple[float, Finding]] = {}  # unrecovered critical
         self.conditions: tuple[Finding, ...] = ()
         self.reaped: Any = None
@@ -404,8 +405,8 @@ class Daemon:
             if not probed_first and (once or now >= self.next_probe):
                 self._step(report, "probe", lambda: self._probe_and_observe(report, once=once))
                 self.next_probe = now + self.config.probe_interval_s
-            elif self._pending:
-                # A finding whose transition could not be written: retried on every tick.
+            elif self._pending or self._unwritten:
+                # Findings whose transition could not be written: retried on every tick.
                 self._step(report, "findings", self._apply_findings)
             report.screen_due = self._screen_due(now)
             if report.screen_due and (report.idle or (once and report.activity is not None
@@ -551,8 +552,10 @@ class Daemon:
             except BaseException:
                 # Not durable: not seen either, so nothing is lost; every tick retries.
                 self._seen_findings -= {_finding_key(f) for f in self._pending}
+                self._unwritten = True
                 raise
         self._pending = []
+        self._unwritten = False
         if self.commit_kmsg is not None:
             self.commit_kmsg()
 

@@ -21,11 +21,10 @@ log = logging.getLogger("screener.daemon")
 def build_daemon(config: Any, *, stop: threading.Event, metrics: Any = None) -> tuple[Any, list[Any]]:
     """The real Daemon for a config, and the things to close when it stops."""
     from screener.daemon import Daemon
-    from screener.health.kmsg import KernelLogReader
     from screener.health.nvml import NvmlAdapter
-    from screener.health.probes import run_probes
+    from screener.health.probes import DeferredKernelLogReader, run_probes
     from screener.idle import own_pids
-    from screener.screening import KatOptions, KatProcessRunner, LocalTaint
+    from screener.screening import KatOptions, KatProcessRunner, LocalTaint, reap_stale_screens
     from screener.stores import default_state_dir, open_store
 
     closers: list[Any] = []
@@ -39,7 +38,8 @@ def build_daemon(config: Any, *, stop: threading.Event, metrics: Any = None) -> 
         taint: Any = store
         gpu_pods: Any = lambda: store.gpu_pods(node)  # noqa: E731
         kwargs.update(publish=store.set_annotations,
-                      replay=lambda: store.replay() if store.pending() else 0)
+                      replay=lambda: store.replay() if store.pending() else 0,
+                      node_created=lambda: _created(store.get_node(node)))
     else:
         store = open_store("local", db=config.db)
         taint = LocalTaint(state_dir)
@@ -54,16 +54,24 @@ def build_daemon(config: Any, *, stop: threading.Event, metrics: Any = None) -> 
     closers.append(nvml)
     reader = None
     if config.probes.kmsg_path:
-        reader = KernelLogReader(config.probes.kmsg_path, state_file=config.probes.kmsg_state_file,
-                                 first_read=config.probes.kmsg_first_read,
-                                 boot_id_path=config.probes.boot_id_path)
+        # The position is saved only once what was read is durable (Daemon.commit_kmsg).
+        reader = DeferredKernelLogReader(config.probes.kmsg_path,
+                                         state_file=config.probes.kmsg_state_file,
+                                         first_read=config.probes.kmsg_first_read,
+                                         boot_id_path=config.probes.boot_id_path)
         closers.append(reader)
+        kwargs["commit_kmsg"] = reader.commit
 
     def probe(previous: Any) -> Any:
         return run_probes(config.probes, nvml=nvml, kmsg=reader, previous=previous)
 
+    work_dir = Path(config.work_dir) if config.work_dir else state_dir / "screens"
     runner = KatProcessRunner(KatOptions(jobs=config.jobs, devices=config.devices,
-                                         golden_dir=config.golden_dir, jobs_dir=config.jobs_dir))
+                                         golden_dir=config.golden_dir, jobs_dir=config.jobs_dir,
+                                         burnin_seconds=config.burnin_duration_s,
+                                         burnin_min_iterations=config.burnin_min_iterations),
+                              work_dir=work_dir)
+    kwargs["reap"] = lambda: reap_stale_screens(work_dir)
     if config.hyperpod.get("deep_check_on_quarantine"):
         from screener import hyperpod
 
@@ -74,6 +82,19 @@ def build_daemon(config: Any, *, stop: threading.Event, metrics: Any = None) -> 
     daemon = Daemon(config, store=store, probe=probe, runner=runner, taint=taint,
                     gpu_pods=gpu_pods, own_pids=own_pids, stop=stop, metrics=metrics, **kwargs)
     return daemon, closers
+
+
+def _created(node_obj: Any) -> Optional[float]:
+    """A Node's metadata.creationTimestamp as unix seconds (None when absent or unreadable)."""
+    import datetime as dt
+
+    text = ((node_obj or {}).get("metadata") or {}).get("creationTimestamp")
+    if not isinstance(text, str):
+        return None
+    try:
+        return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
 
 
 @click.command("daemon")

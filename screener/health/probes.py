@@ -77,6 +77,27 @@ class ProbeReport:
         }
 
 
+class DeferredKernelLogReader(KernelLogReader):
+    """A KernelLogReader that saves its position only when told to (`commit`).
+
+    The daemon reads Xids, hands them to the lifecycle, and commits only once the transition they
+    cause is recorded or spooled: a daemon killed (or a state disk full) in between reads the same
+    lines again after a restart instead of losing them. In memory the position advances as usual,
+    so one run never reports a line twice.
+    """
+
+    def __init__(self, path: str, *, state_file: Optional[str] = None, **kwargs: Any) -> None:
+        super().__init__(path, state_file=state_file, **kwargs)
+        self.commit_file = state_file
+        self.state_file = None  # read_new() saves nowhere; commit() does
+
+    def commit(self) -> None:
+        """Save the position reached so far (raises ScreenerError when it cannot be written)."""
+        state = getattr(self, "_state", None)
+        if state is not None and self.commit_file:
+            state.save(self.commit_file)
+
+
 def finding_dict(f: Finding) -> dict[str, Any]:
     """A finding as JSON; an Xid finding also carries its catalog entry at the top level."""
     d = f.to_dict()
