@@ -7,7 +7,11 @@ bits in hex and every tensor's fingerprint), their digest, and a sha256 over the
 
 Loading validates everything: a file that is truncated, edited, of another schema, misnamed or
 recorded for another version of the job raises GoldenError (exit 2) with one line naming the file
-and the problem. A broken golden is bad input, never a hardware verdict. Golden files are written
+and the problem. The checksum catches corruption, not tampering (anyone can recompute it), so the
+content is validated too: the file is parsed within bounds (screener.boundedjson: no NaN or
+infinity, no huge integer, bounded nesting and size), steps are numbered 0..n-1, every loss is a
+float bit pattern, every fingerprint a pair of signed 64-bit values, and with its job spec, the
+number of steps is the one the spec implies on the recorded device. A broken golden is bad input, never a hardware verdict. Golden files are written
 only by `screener golden record` (record_from_results + write), atomically.
 """
 
@@ -16,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import socket
 import tempfile
 import time
@@ -23,14 +28,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
+from screener import boundedjson
 from screener.errors import GoldenError
-from screener.workloads import Difference, JobResult, JobSpec, Step, first_difference, steps_digest
+from screener.workloads import (Difference, JobResult, JobSpec, Step, expected_steps,
+                                first_difference, steps_digest)
 
 SCHEMA = 1
 GOLDEN_DIR_ENV = "SCREENER_GOLDEN_DIR"
 _FIELDS = ("schema", "job", "job_version", "spec_hash", "platform", "platform_hash", "recorded",
            "digest", "steps", "sha256")
 _RECORDED_FIELDS = ("devices", "repeats", "host", "time", "screener_version")
+MAX_GOLDEN_BYTES = 64 * 1024 * 1024
+MAX_STEPS = 100_000
+MAX_TENSORS = 100_000
+_I64 = (-(2**63), 2**63 - 1)
+_LOSS_RE = re.compile(r"^0x(?:[0-9a-f]{4}|[0-9a-f]{8}|[0-9a-f]{16})$")
 
 
 def default_golden_dir() -> Path:
@@ -97,10 +109,9 @@ def parse(path: str | os.PathLike[str], text: str) -> GoldenRecord:
     """Validate the text of a golden file; raises GoldenError naming the file and the problem."""
     p = Path(path)
     try:
-        d = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise _fail(p, f"not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
-                       f"truncated or corrupted") from None
+        d = boundedjson.loads(text, max_bytes=MAX_GOLDEN_BYTES, max_depth=8)
+    except ValueError as e:
+        raise _fail(p, f"{e}; truncated or corrupted") from None
     if not isinstance(d, dict):
         raise _fail(p, "is not a JSON object")
     if d.get("schema") != SCHEMA:
@@ -123,6 +134,13 @@ def parse(path: str | os.PathLike[str], text: str) -> GoldenRecord:
     missing = [k for k in _RECORDED_FIELDS if k not in d["recorded"]]
     if missing:
         raise _fail(p, f"'recorded' lacks {', '.join(missing)}")
+    took = d["recorded"].get("seconds")
+    if took is not None and (isinstance(took, bool) or not isinstance(took, (int, float))
+                             or not 0 <= took <= 1e7):
+        raise _fail(p, f"'recorded' seconds {str(took)[:40]} is not a job time in seconds")
+    problem = _steps_problem(d["steps"])
+    if problem:
+        raise _fail(p, problem)
     try:
         steps = tuple(Step.from_dict(s) for s in d["steps"])
     except (KeyError, TypeError, ValueError) as e:
@@ -137,16 +155,66 @@ def parse(path: str | os.PathLike[str], text: str) -> GoldenRecord:
                         recorded=d["recorded"], steps=steps, path=str(p))
 
 
+def _steps_problem(steps: Any) -> str:
+    """What is wrong with the content of a record's steps ("" when nothing is)."""
+    if not steps:
+        return "has no steps"
+    if len(steps) > MAX_STEPS:
+        return f"has {len(steps)} steps (at most {MAX_STEPS})"
+    for i, s in enumerate(steps):
+        if not isinstance(s, dict) or set(s) != {"step", "label", "loss", "tensors"}:
+            return f"step {i} is not an object with step, label, loss and tensors"
+        if type(s["step"]) is not int or s["step"] != i:
+            return f"step {i} is numbered {str(s['step'])[:40]} (steps run 0..n-1 in order)"
+        if not isinstance(s["label"], str) or len(s["label"]) > 200:
+            return f"step {i} label is not a short string"
+        if s["loss"] is not None and (not isinstance(s["loss"], str)
+                                      or not _LOSS_RE.match(s["loss"])):
+            return f"step {i} loss {str(s['loss'])[:40]!r} is not a float bit pattern (0x + hex)"
+        tensors = s["tensors"]
+        if not isinstance(tensors, list) or len(tensors) > MAX_TENSORS:
+            return f"step {i} tensors is not a list of at most {MAX_TENSORS}"
+        names = set()
+        for t in tensors:
+            if not isinstance(t, list) or len(t) != 3 or not isinstance(t[0], str) or not t[0]:
+                return f"step {i}: tensor entry {str(t)[:60]} is not [name, fp1, fp2]"
+            for v in t[1:]:
+                if type(v) is not int or not _I64[0] <= v <= _I64[1]:
+                    return (f"step {i} tensor {t[0][:80]}: fingerprint {str(v)[:40]} is not a "
+                            f"signed 64-bit value")
+            if t[0] in names:
+                return f"step {i}: tensor {t[0][:80]} listed twice"
+            names.add(t[0])
+    return ""
+
+
+def spec_problem(record: GoldenRecord, spec: JobSpec) -> str:
+    """What in the record contradicts its job spec ("" when nothing does): the number of steps the
+    spec implies on the device the record was made on."""
+    device = str(record.platform.get("device") or "cpu")
+    try:
+        want = expected_steps(spec, device)
+    except (KeyError, TypeError, ValueError):
+        return ""
+    if len(record.steps) != want:
+        return (f"has {len(record.steps)} steps but job {spec.name} implies {want} on "
+                f"{device.split(':')[0]}")
+    return ""
+
+
 def load(path: str | os.PathLike[str], *, spec: Optional[JobSpec] = None,
          platform_hash: Optional[str] = None) -> GoldenRecord:
     """Load and validate a golden file; with `spec`/`platform_hash`, also check it is for them."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        raw = boundedjson.read_regular(p, MAX_GOLDEN_BYTES)
+        text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise _fail(p, "is not UTF-8 text; corrupted") from None
     except OSError as e:
         raise _fail(p, f"cannot be read: {e.strerror or e}") from e
+    except ValueError as e:
+        raise _fail(p, f"cannot be read: {e}") from None
     record = parse(p, text)
     if spec is not None:
         if record.job != spec.name:
@@ -156,6 +224,9 @@ def load(path: str | os.PathLike[str], *, spec: Optional[JobSpec] = None,
                            f"{record.job_version}) but {spec.path or spec.name} now hashes to "
                            f"{spec.spec_hash} (version {spec.version}): the job changed; re-record "
                            f"with `screener golden record --job {spec.name}`")
+        problem = spec_problem(record, spec)
+        if problem:
+            raise _fail(p, problem)
     if platform_hash is not None and record.platform_hash != platform_hash:
         raise _fail(p, f"is for platform {record.platform_hash}, not {platform_hash}")
     return record
@@ -211,7 +282,9 @@ def record_from_results(spec: JobSpec, platform: Mapping[str, Any], platform_has
         recorded={"devices": sorted({d for d, _ in results}), "repeats": repeats,
                   "host": host or socket.gethostname(),
                   "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", stamp),
-                  "screener_version": screener_version},
+                  "screener_version": screener_version,
+                  # how long one run took: lets a lone device's timeout count as a hang
+                  "seconds": round(max(r.seconds for _, r in results), 4)},
         steps=ref.steps)
 
 

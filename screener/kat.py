@@ -1,8 +1,21 @@
 """Known-answer screening: run jobs on each device in a child process, compare bits, give Verdicts.
 
 Each device's jobs run in a child process of their own (`python -m screener.kat child`), so a
-device that hangs or crashes is reported (suspect, reason "timeout" or "crash") and cannot take the
-screener down, and every child sets determinism before CUDA is first touched. A child streams its
+device that hangs or crashes is reported and cannot take the screener down, and every child sets
+determinism before CUDA is first touched. Before a job allocates anything its child compares the
+job's estimated memory and arithmetic with the device (workloads.check_fits): a job that cannot
+fit is bad input (exit 2), not a crash or a timeout.
+
+How a child ends decides what it says about the device, and only evidence about the device makes
+it suspect:
+- "crash" (suspect): it died of a signal other than SIGKILL, or exited without finishing;
+- "killed" (inconclusive): SIGKILL (or exit 137) from someone else, above all the kernel's OOM
+  killer (the cgroup's memory.events oom_kill count is read before and after): memory pressure
+  on the node says nothing about the GPU's arithmetic;
+- "timeout" (no progress within the timeout): suspect only when the same job finished on a peer
+  device of the same platform in this run, or when the job's golden records how long it takes
+  and the timeout is at least HANG_FACTOR times that; otherwise inconclusive, since a slow job
+  and a hung device look the same. A child streams its
 results as JSON lines; the parent compares, for each device and job:
 
 (a) with the golden record for the device's platform signature (screener.golden);
@@ -45,6 +58,7 @@ DEFAULT_TIMEOUT = 300.0
 STARTUP_TIMEOUT = 120.0  # importing torch and creating a CUDA context can be slow on a busy node
 DEFAULT_THREADS = 1
 MIN_PEERS = 3  # agreeing devices needed to pass without a golden
+HANG_FACTOR = 10.0  # a timeout this many times the golden's recorded job time is a hang
 
 Progress = Callable[[Mapping[str, Any]], None]
 
@@ -160,6 +174,65 @@ def _is_device_error(e: BaseException) -> bool:
                             "uncorrectable ECC", "illegal memory access", "unspecified launch"))
 
 
+def _free_bytes(device: str) -> Optional[float]:
+    """Memory a job on this device may use: CUDA's free memory, or on the CPU the smaller of
+    MemAvailable and what the cgroup limit leaves; None when it cannot be read."""
+    if device.startswith("cuda"):
+        import torch
+
+        return float(torch.cuda.mem_get_info(torch.device(device))[0])
+    free: Optional[float] = None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    free = float(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    cg = _cgroup_dir()
+    if cg is not None:
+        try:
+            with open(os.path.join(cg, "memory.max"), encoding="ascii") as f:
+                limit = f.read().strip()
+            with open(os.path.join(cg, "memory.current"), encoding="ascii") as f:
+                used = float(f.read().strip())
+            if limit != "max":
+                left = float(limit) - used
+                free = left if free is None else min(free, left)
+        except (OSError, ValueError):
+            pass
+    return free
+
+
+def _cgroup_dir() -> Optional[str]:
+    """This process's cgroup v2 folder, or None (cgroup v1, or not mounted)."""
+    try:
+        with open("/proc/self/cgroup", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("0::"):
+                    d = "/sys/fs/cgroup" + line[3:].strip()
+                    return d if os.path.isdir(d) else None
+    except OSError:
+        pass
+    return None
+
+
+def oom_kills() -> Optional[int]:
+    """The oom_kill count of our cgroup's memory.events (None when it cannot be read)."""
+    cg = _cgroup_dir()
+    if cg is None:
+        return None
+    try:
+        with open(os.path.join(cg, "memory.events"), encoding="ascii") as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 def child_main(request: Mapping[str, Any]) -> int:
     """Run the requested jobs on one device and stream events (see _emit) to stdout."""
     import torch  # noqa: F401  (import time is part of startup, before the first event)
@@ -167,7 +240,7 @@ def child_main(request: Mapping[str, Any]) -> int:
     from screener.determinism import make_deterministic
     from screener.faults import corrupt_parameter, inject
     from screener.platform import signature
-    from screener.workloads import run_job
+    from screener.workloads import check_fits, gemm_shapes, run_job
 
     device = request["device"]
     threads = int(request.get("threads", DEFAULT_THREADS))
@@ -202,11 +275,17 @@ def child_main(request: Mapping[str, Any]) -> int:
                         corrupt_parameter(model, f.parameter, f.element, bit=f.bit or 0)
 
             try:
+                if it == 0:  # before the job allocates anything
+                    p = spec.params_for(device)
+                    check_fits(spec, device, free_bytes=_free_bytes(device),
+                               timeout_s=request.get("timeout"), threads=threads,
+                               shapes=gemm_shapes(p, device) if spec.kind == "gemm" else None)
                 result = run_job(spec, device, injector=injector,
                                  after_step=after_step if param_faults else None, threads=threads)
             except Exception as e:  # noqa: BLE001 - reported to the parent, which decides
                 _emit({"event": "error", "job": spec.name, "iteration": it,
-                       "kind": "device" if _is_device_error(e) else "screener",
+                       "kind": ("usage" if isinstance(e, BadInputError) else
+                                "device" if _is_device_error(e) else "screener"),
                        "type": type(e).__name__, "message": str(e)[:2000],
                        "traceback": traceback.format_exc()[-4000:]})
                 return 0
@@ -242,7 +321,7 @@ class DeviceRun:
     """What a device's child produced: platform, results per job, and how it ended."""
 
     device: str
-    status: str = "ok"  # ok | timeout | crash | device_error | screener_error | bad_input
+    status: str = "ok"  # ok | timeout | crash | killed | device_error | screener_error | bad_input
     detail: str = ""
     platform: Mapping[str, Any] = field(default_factory=dict)
     platform_hash: Optional[str] = None
@@ -251,6 +330,7 @@ class DeviceRun:
     current: Optional[tuple[str, int]] = None  # (job, iteration) running when it ended
     seconds: float = 0.0
     stderr_tail: str = ""
+    timeout_s: Optional[float] = None  # the limit it ran past, when status is "timeout"
 
     def add(self, iteration: int, result: JobResult, fired: Sequence[dict[str, Any]] = ()) -> None:
         runs = self.jobs.get(result.job)
@@ -275,6 +355,7 @@ class _Child:
         env["PYTHONUNBUFFERED"] = "1"
         self.started = time.monotonic()
         self.last = self.started
+        self.oom_before = oom_kills()
         self.proc = subprocess.Popen([python, "-m", "screener.kat", "child"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.stderr, env=env, start_new_session=True)
@@ -342,6 +423,7 @@ def execute(specs: Sequence[JobSpec], devices: Sequence[str], *, iterations: Opt
     for device in devices:
         request = {"device": device, "jobs": [s.to_dict() for s in specs],
                    "iterations": iterations, "duration": duration, "threads": threads,
+                   "timeout": timeout,
                    "faults": [f.to_dict() for f in (faults or {}).get(device, ())]}
         children.append(_Child(device, request, events, python or sys.executable))
     live = set(children)
@@ -351,6 +433,7 @@ def execute(specs: Sequence[JobSpec], devices: Sequence[str], *, iterations: Opt
             for child in list(live):
                 if now - child.last > (timeout if child.run.platform_hash else startup):
                     child.run.status = "timeout"
+                    child.run.timeout_s = timeout if child.run.platform_hash else startup
                     where = (f" in job {child.run.current[0]} iteration {child.run.current[1]}"
                              if child.run.current else " during startup")
                     child.run.detail = f"no progress for {timeout:g} s{where}; killed"
@@ -370,11 +453,19 @@ def execute(specs: Sequence[JobSpec], devices: Sequence[str], *, iterations: Opt
                 child.proc.wait()
                 if not child.done and child.run.status == "ok":
                     rc = child.proc.returncode
-                    child.run.status = "crash"
                     how = (f"killed by signal {signal.Signals(-rc).name}" if rc < 0
                            else f"exited with code {rc}")
                     where = (f" in job {child.run.current[0]} iteration {child.run.current[1]}"
                              if child.run.current else " before its first job")
+                    child.run.status = "crash"
+                    if rc in (-signal.SIGKILL, 137):
+                        # Not the device: someone killed the child, most often the OOM killer.
+                        child.run.status = "killed"
+                        after = oom_kills()
+                        if child.oom_before is not None and after is not None \
+                                and after > child.oom_before:
+                            how += (f" by the OOM killer (cgroup oom_kill {child.oom_before}"
+                                    f" -> {after})")
                     child.run.detail = f"child {how}{where}"
                 continue
             _handle(child, event)
@@ -473,7 +564,7 @@ class _Issue:
 
 
 # Which issue names a device's verdict when it has several: the most specific evidence first.
-_REASON_RANK = {"timeout": 0, "crash": 0, "device_error": 0, "self_mismatch": 1,
+_REASON_RANK = {"timeout": 0, "crash": 0, "killed": 0, "device_error": 0, "self_mismatch": 1,
                 "golden_mismatch": 2, "peer_mismatch": 3, "peer_split": 4,
                 "golden_disagrees_with_peers": 5, "no_golden": 6, "incomplete": 6}
 
@@ -505,7 +596,14 @@ def judge(runs: Mapping[str, DeviceRun], specs: Sequence[JobSpec], golden: Golde
 
     issues: dict[str, list[_Issue]] = {d: [] for d in runs}
     for device, run in runs.items():
-        if run.status != "ok":
+        if run.status == "killed":
+            job = run.current[0] if run.current else None
+            issues[device].append(_Issue(Outcome.INCONCLUSIVE, "killed", job, detail=(
+                f"{run.detail}: killed from outside (memory pressure, an operator), which says "
+                f"nothing about the device")))
+        elif run.status == "timeout":
+            issues[device].append(_hang(device, run, runs, specs, golden))
+        elif run.status != "ok":
             job = run.current[0] if run.current else None
             issues[device].append(_Issue(Outcome.SUSPECT, run.status, job, detail=run.detail))
 
@@ -584,6 +682,43 @@ def judge(runs: Mapping[str, DeviceRun], specs: Sequence[JobSpec], golden: Golde
                      for j, r in run.jobs.items()} for d, run in runs.items()},
         jobs=tuple(s.name for s in specs), iterations={d: r.iterations for d, r in runs.items()},
         seconds=seconds)
+
+
+def _hang(device: str, run: DeviceRun, runs: Mapping[str, DeviceRun], specs: Sequence[JobSpec],
+          golden: GoldenLookup) -> _Issue:
+    """A timeout is a hang (suspect) only with evidence that the job finishes in time: a peer of
+    the same platform finished it in this run, or its golden says how long it takes."""
+    job = run.current[0] if run.current else None
+    peers = [d for d, r in runs.items() if d != device and r.platform_hash
+             and (run.platform_hash is None or r.platform_hash == run.platform_hash)
+             and (job is None or job in r.jobs)]
+    if peers:
+        return _Issue(Outcome.SUSPECT, "timeout", job, detail=(
+            f"{run.detail}; {len(peers)} peer device(s) of the platform finished it "
+            f"(e.g. {peers[0]})"))
+    spec = next((s for s in specs if s.name == job), None)
+    record = None
+    if spec is not None and run.platform_hash:
+        try:
+            record = golden(spec, run.platform_hash)
+        except Exception:  # noqa: BLE001 - a broken golden was already reported by the lookup
+            record = None
+    took = _recorded_seconds(record)
+    limit = run.timeout_s
+    if took is not None and limit is not None and limit >= HANG_FACTOR * took:
+        return _Issue(Outcome.SUSPECT, "timeout", job, detail=(
+            f"{run.detail}; its golden records {took:g} s for the job"))
+    return _Issue(Outcome.INCONCLUSIVE, "timeout", job, detail=(
+        f"{run.detail}; no peer finished the job and its golden records no time for it, so a "
+        f"slow job cannot be told from a hung device"))
+
+
+def _recorded_seconds(record: Any) -> Optional[float]:
+    recorded = getattr(record, "recorded", None) or {}
+    v = recorded.get("seconds") if isinstance(recorded, Mapping) else None
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1e7:
+        return float(v)
+    return None
 
 
 def _check_nondeterminism(ok: Mapping[str, DeviceRun], specs: Sequence[JobSpec],

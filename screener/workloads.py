@@ -17,6 +17,11 @@ kind has a loss) and the fingerprints of every tensor the step produced. Kinds:
 - selftest: exercises the runner itself (sleeps, exits or aborts in the child process); for tests
   of timeout and crash handling, never part of a screen unless named.
 
+Specs are hostile input until validated: every parameter has a type and a range (BOUNDS), and
+`check_fits` compares an estimate of the job's memory and arithmetic with the device before the
+child allocates anything, so an oversized spec is bad input (exit 2 naming the fields), never a
+timeout or a crash that would read as a hardware verdict.
+
 All data are generated on the device from integer seeds (screener.synthetic), nothing is
 downloaded. Each kind has an implementation version that enters the spec hash, so a change in the
 code that changes result bits invalidates goldens just as an edit of the spec does.
@@ -63,7 +68,7 @@ KINDS: dict[str, tuple[int, dict[str, tuple[Any, Any]]]] = {
                    "seq": (_INT, 16), "vocab": (_INT, 64), "d_model": (_INT, 32),
                    "n_heads": (_INT, 4), "d_ff": (_INT, 64), "n_layers": (_INT, 1)}),
     "selftest": (1, {"sleep": (_FLOAT, 0.0), "exit": (_INT, -1), "abort": (_BOOL, False),
-                     "raise": (_STR, "")}),
+                     "raise": (_STR, ""), "signal": (_INT, 0)}),
 }
 
 
@@ -177,11 +182,42 @@ def _type_name(types: Any) -> str:
     return types.__name__
 
 
+# Inclusive ranges of every numeric parameter: far above what a screen needs, far below what
+# would exhaust a device or run for days. check_fits does the device-specific part.
+BOUNDS: dict[str, tuple[float, float]] = {
+    "seed": (0, 2**63 - 1), "chain": (1, 1000), "tile": (1, 4096), "tiles_per_sm": (1, 1024),
+    "batch": (1, 4096), "channels": (1, 4096), "size": (1, 8192), "layers": (1, 1000),
+    "steps": (1, 10_000), "seq": (1, 16_384), "vocab": (1, 1_000_000), "d_model": (1, 16_384),
+    "n_heads": (1, 256), "d_ff": (1, 65_536), "n_layers": (1, 256), "ranks": (1, 1024),
+    "lr": (0.0, 10.0), "weight_decay": (0.0, 10.0), "sleep": (0.0, 3600.0), "exit": (-1, 255),
+    "signal": (0, 64),
+}
+MAX_SHAPES = 16
+MAX_DIM = 65_536
+MAX_FLOPS = 1e18  # about ten minutes of a whole H100 at its dense peak
+MAX_BYTES = 2**40  # 1 TiB: no device has more; check_fits compares with the real one
+# An optimistic peak rate per device type: a job that cannot finish within the timeout even at
+# this rate is refused; a slower device merely runs closer to its timeout.
+PEAK_FLOPS = {"cpu": 2e11, "cuda": 2e15}
+
+
 def _validate_values(kind: str, p: Mapping[str, Any], where: str) -> None:
     """Range checks on merged parameters, so a bad spec fails at load time, not in a child."""
     def need(cond: bool, what: str) -> None:
         if not cond:
             raise ConfigError(f"{where}: {what}")
+
+    for key, value in p.items():
+        if key in BOUNDS and isinstance(value, (int, float)) and not isinstance(value, bool):
+            lo, hi = BOUNDS[key]
+            need(math.isfinite(value) and lo <= value <= hi,
+                 f"{key} = {str(value)[:40]} is outside {lo:g}..{hi:g}")
+    if kind == "gemm":
+        need(len(p["shapes"]) <= MAX_SHAPES, f"shapes lists more than {MAX_SHAPES} shapes")
+        for s in p["shapes"]:
+            need(isinstance(s, list) and len(s) == 2 and all(
+                isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_DIM for v in s),
+                f"shape {str(s)[:60]} must be [rows, cols] of integers 1..{MAX_DIM}")
 
     if kind in ("gemm", "conv"):
         need(p["dtype"] in DTYPES, f"dtype {p['dtype']!r} is not one of {', '.join(DTYPES)}")
@@ -205,6 +241,83 @@ def _validate_values(kind: str, p: Mapping[str, Any], where: str) -> None:
              f"autocast {p['autocast']!r} is not none, bfloat16 or float16")
     if kind == "replay":
         need(p["ranks"] >= 1, "ranks must be >= 1")
+    if kind != "selftest" and not (kind == "gemm" and not p["shapes"]):
+        # (a CUDA GEMM without shapes is sized from the SM count: check_fits sees it on the device)
+        nbytes, flops, fields = estimate(kind, p, _static_shapes(p) if kind == "gemm" else None)
+        need(nbytes <= MAX_BYTES, f"needs about {nbytes / 2**30:.0f} GiB (at most "
+                                  f"{MAX_BYTES / 2**30:.0f}): reduce {fields}")
+        need(flops <= MAX_FLOPS, f"needs about {flops:.2g} floating-point operations (at most "
+                                 f"{MAX_FLOPS:.0e}): reduce {fields}")
+
+
+def _static_shapes(p: Mapping[str, Any]) -> list[tuple[int, int]]:
+    return [(int(m), int(k)) for m, k in p["shapes"]] or [(256, 256)]
+
+
+def _elt(p: Mapping[str, Any]) -> int:
+    return 2 if p.get("dtype") in ("float16", "bfloat16") else 4
+
+
+def estimate(kind: str, p: Mapping[str, Any],
+             shapes: Optional[Sequence[tuple[int, int]]] = None) -> tuple[float, float, str]:
+    """(bytes, floating-point operations, the fields that drive them) of one run of a job with
+    merged parameters p: an upper-end estimate of its working set and its arithmetic."""
+    if kind == "gemm":
+        shapes = shapes if shapes is not None else _static_shapes(p)
+        chain = int(p["chain"])
+        nbytes = sum((3.0 * m * k + chain * k * k) for m, k in shapes) * _elt(p)
+        flops = chain * sum(2.0 * m * k * k for m, k in shapes)
+        return nbytes, flops, "shapes (or tile, tiles_per_sm) and chain"
+    if kind == "conv":
+        b, c, s, layers = (float(p[k]) for k in ("batch", "channels", "size", "layers"))
+        nbytes = (4.0 * b * c * s * s + layers * c * c * 9) * _elt(p)
+        flops = layers * 2.0 * b * c * c * 9 * s * s
+        return nbytes, flops, "batch, channels, size and layers"
+    if kind in ("train", "replay"):
+        b, t, v, d, h, f, n = (float(p[k]) for k in ("batch", "seq", "vocab", "d_model",
+                                                       "n_heads", "d_ff", "n_layers"))
+        params = 2 * v * d + t * d + n * (4 * d * d + 2 * d * f + 8 * d)
+        tokens = b * t
+        acts = tokens * (n * (12 * d + 2 * f) + 3 * v) + n * b * h * t * t * 3
+        copies = 4 if kind == "train" else 2  # weights, grads (+ Adam moments)
+        nbytes = 4.0 * (copies * params + acts)
+        runs = float(p["steps"]) * (float(p["ranks"]) if kind == "replay" else 1.0)
+        flops = runs * (6.0 * tokens * params + 6.0 * n * b * h * t * t * (d / h))
+        return nbytes, flops, "batch, seq, vocab, d_model, d_ff, n_layers and steps"
+    return 0.0, 0.0, ""
+
+
+def expected_steps(spec: "JobSpec", device: str) -> int:
+    """How many steps a run of the job records on a device of this type (what a golden holds)."""
+    p = spec.params_for(device)
+    if spec.kind == "gemm":
+        return int(p["chain"])
+    if spec.kind == "conv":
+        return int(p["layers"])
+    if spec.kind == "train":
+        return int(p["steps"])
+    if spec.kind == "replay":
+        return int(p["ranks"]) * int(p["steps"])
+    return 1
+
+
+def check_fits(spec: "JobSpec", device: str, *, free_bytes: Optional[float],
+               timeout_s: Optional[float] = None, shapes: Optional[Sequence[tuple[int, int]]] = None,
+               threads: int = 1) -> None:
+    """Refuse, before anything is allocated, a job this device cannot hold or cannot finish
+    within timeout_s even at PEAK_FLOPS: BadInputError naming the spec and the fields."""
+    p = spec.params_for(device)
+    nbytes, flops, fields = estimate(spec.kind, p, shapes)
+    where = spec.path or spec.name
+    if free_bytes is not None and nbytes > 0.9 * free_bytes:
+        raise BadInputError(f"{where}: job {spec.name} needs about {nbytes / 2**30:.2f} GiB but "
+                            f"{device} has {free_bytes / 2**30:.2f} GiB free: reduce {fields}")
+    kind = device.split(":")[0]
+    rate = PEAK_FLOPS.get(kind, PEAK_FLOPS["cpu"]) * (max(1, threads) if kind == "cpu" else 1)
+    if timeout_s is not None and flops / rate > timeout_s:
+        raise BadInputError(f"{where}: job {spec.name} needs about {flops:.2g} floating-point "
+                            f"operations, more than {device} can do in the {timeout_s:g} s "
+                            f"timeout even at {rate:.0e}/s: reduce {fields}")
 
 
 def load_job(path: str | os.PathLike[str]) -> JobSpec:
@@ -601,6 +714,8 @@ def _run_selftest(p: Mapping[str, Any]) -> tuple[list[Step], dict[str, Any]]:
         raise RuntimeError(str(p["raise"]))
     if p["abort"]:
         os.abort()
+    if p["signal"]:
+        os.kill(os.getpid(), int(p["signal"]))
     if p["exit"] >= 0:
         os._exit(int(p["exit"]))
     return [Step(0, "selftest", None, ())], {}

@@ -41,7 +41,9 @@ def test_roundtrip_and_format(spec_and_result, tmp_path):
     d = json.loads(path.read_text())
     assert d["schema"] == g.SCHEMA and d["spec_hash"] == spec.spec_hash
     assert d["recorded"] == {"devices": ["cpu"], "repeats": 2, "host": "h",
-                             "time": "1970-01-01T00:00:00Z", "screener_version": d["recorded"]["screener_version"]}
+                             "time": "1970-01-01T00:00:00Z", "screener_version": d["recorded"]["screener_version"],
+                             "seconds": d["recorded"]["seconds"]}
+    assert d["recorded"]["seconds"] > 0
     assert d["sha256"] == g.checksum(d) and d["digest"] == result.digest
     # diffable: one tensor per line
     lines = path.read_text().splitlines()
@@ -86,7 +88,7 @@ def test_every_kind_of_bad_file_is_one_clear_error(spec_and_result, tmp_path):
     d["steps"][0]["tensors"] = "nope"
     d["sha256"] = g.checksum(d)
     path.write_text(json.dumps(d))
-    _expect(path, "malformed step")
+    _expect(path, "tensors is not a list")
 
     path.write_bytes(b"\xff\xfe garbage")
     _expect(path, "not UTF-8")
@@ -101,6 +103,56 @@ def test_every_kind_of_bad_file_is_one_clear_error(spec_and_result, tmp_path):
     _expect(path, "the job changed", spec=stale)
     _expect(path, "is for platform", platform_hash="2222222222222222")
     g.load(path, spec=spec)  # and the good file is still good
+
+
+def _resealed(good: str, edit) -> str:
+    d = json.loads(good)
+    edit(d)
+    d["digest"] = w.steps_digest([w.Step.from_dict(x) for x in d["steps"]]) if d["steps"] and \
+        all(isinstance(x, dict) for x in d["steps"]) else d["digest"]
+    d["sha256"] = g.checksum(d)  # an attacker recomputes the checksum
+    return json.dumps(d)
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda d: d.__setitem__("steps", []), "has no steps"),
+    (lambda d: d["steps"][0]["tensors"][0].__setitem__(1, 2**63), "signed 64-bit"),
+    (lambda d: d["steps"][0]["tensors"][0].__setitem__(2, -(2**63) - 1), "signed 64-bit"),
+    (lambda d: d["steps"][0]["tensors"][0].__setitem__(1, 1.5), "signed 64-bit"),
+    (lambda d: d["steps"][1].__setitem__("step", 7), "numbered 7"),
+    (lambda d: d["steps"][0].__setitem__("loss", "1e3"), "float bit pattern"),
+    (lambda d: d["steps"].pop(), "implies"),
+    (lambda d: d["steps"][0]["tensors"].append(list(d["steps"][0]["tensors"][0])), "twice"),
+    (lambda d: d["recorded"].__setitem__("seconds", -1), "job time"),
+])
+def test_content_is_validated_not_only_the_checksum(spec_and_result, tmp_path, edit, needle):
+    spec, result = spec_and_result
+    _, path = _record(spec, result, tmp_path)
+    path.write_text(_resealed(path.read_text(), edit))
+    _expect(path, needle, spec=spec)
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("[" * 100_000 + "]" * 100_000, "nested deeper"),
+    ('{"schema": 1, "job_version": ' + "7" * 5000 + "}", "digits"),
+    ('{"schema": 1, "job_version": Infinity}', "not a number JSON allows"),
+    ('{"schema": 1, "job_version": 1e999}', "overflows"),
+    ('{"schema": NaN}', "not a number JSON allows"),
+])
+def test_hostile_json_is_one_line(tmp_path, text, needle):
+    path = tmp_path / "gemm-fp32.00aa11bb22cc33dd.json"
+    path.write_text(text)
+    _expect(path, needle)
+
+
+def test_golden_verify_checks_content_against_the_spec(spec_and_result, tmp_path):
+    spec, result = spec_and_result
+    _, path = _record(spec, result, tmp_path)
+    r = _cli("golden", "verify", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    path.write_text(_resealed(path.read_text(), lambda d: d["steps"].pop()))
+    r = _cli("golden", "verify", str(tmp_path))
+    assert r.returncode == 2 and "implies" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_recording_refuses_disagreeing_runs(spec_and_result):

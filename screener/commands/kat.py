@@ -196,12 +196,13 @@ def golden_record(jobs: tuple[str, ...], devices: tuple[str, ...], out: Optional
               help="Folder of job specs to check staleness against (default: jobs/).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout.")
 def golden_verify(golden_dir: Optional[str], jobs_dir: Optional[str], as_json: bool) -> None:
-    """Validate every golden record in GOLDEN_DIR (default: golden/): schema, checksum, file
-    name, and that its job exists and still has the spec hash it was recorded for.
+    """Validate every golden record in GOLDEN_DIR (default: golden/): schema, checksum, content
+    (numbered steps, float bit patterns, 64-bit fingerprints), file name, and that its job
+    exists, still has the spec hash it was recorded for and implies its number of steps.
 
     Exit 0 when all are valid, 2 (one line per problem on stderr) otherwise.
     """
-    from screener.golden import default_golden_dir, load_dir
+    from screener.golden import default_golden_dir, load_dir, spec_problem
     from screener.workloads import load_jobs
 
     d = Path(golden_dir) if golden_dir else default_golden_dir()
@@ -220,6 +221,8 @@ def golden_verify(golden_dir: Optional[str], jobs_dir: Optional[str], as_json: b
             problems.append(f"golden record {r.path}: stale, recorded for spec hash {r.spec_hash} "
                             f"but job {r.job} now hashes to {spec.spec_hash}; re-record with "
                             f"`screener golden record --job {r.job}`")
+        elif spec_problem(r, spec):
+            problems.append(f"golden record {r.path}: {spec_problem(r, spec)}")
         else:
             ok.append(r)
     if as_json:
