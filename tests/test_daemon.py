@@ -113,7 +113,7 @@ class DaemonRig:
 
     def __init__(self, tmp_path: Path, runner: Any, *, store: Any = None, taint: Any = None,
                  gpu_pods: Any = None, nvml: Optional[FakeNvml] = None, own_pids=None,
-                 **config: Any) -> None:
+                 daemon_kw: Optional[dict[str, Any]] = None, **config: Any) -> None:
         self.tmp = tmp_path
         self.clock = FakeClock()
         self.nvml = nvml or FakeNvml([h100(0), h100(1)])
@@ -142,7 +142,8 @@ class DaemonRig:
         self.daemon = Daemon(self.config, store=self.store, probe=probe, runner=runner,
                              taint=self.taint, gpu_pods=gpu_pods,
                              own_pids=own_pids or (lambda: set()), metrics=self.metrics,
-                             clock=self.clock, stop=self.stop, untaint_delay_s=0.01)
+                             clock=self.clock, stop=self.stop, untaint_delay_s=0.01,
+                             **(daemon_kw or {}))
 
     def tick(self, advance: float = 0.0, **kw: Any):
         self.clock.advance(advance)
