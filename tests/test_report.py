@@ -1,0 +1,195 @@
+"""`screener report`: the HTML of a burn-in and of the fleet, read without a browser. Every plot
+must carry its data (marks sized by the values), a plot without data must say so, and the page
+must be self-contained. tests/test_report_browser.py renders the same pages in Chromium."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from screener.report import burnin_html, fleet_data, fleet_html, load_burnin_report
+from screener.stores.base import Transition
+from screener.stores.local import LocalStore
+from screener.types import NodeState
+
+ROOT = Path(__file__).resolve().parents[1]
+# Written by `screener burnin --iterations 1 --store none --report` on the development machine.
+BURNIN = ROOT / "tests" / "data" / "burnin-report-cpu.json"
+DAY = 86400.0
+NOW = 1_796_000_000.0
+
+
+class Plots(HTMLParser):
+    """figure.plot -> its data-marks and the marks actually drawn (rect/circle/line.mark)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.plots: dict[str, dict] = {}
+        self._cur = None
+        self.tags: list[tuple[str, dict]] = []
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        self.tags.append((tag, a))
+        if tag == "figure" and "plot" in (a.get("class") or ""):
+            self._cur = a["data-plot"]
+            self.plots[self._cur] = {"declared": int(a["data-marks"]), "marks": [], "text": ""}
+        elif self._cur and a.get("class") == "mark":
+            self.plots[self._cur]["marks"].append((tag, a))
+
+    def handle_endtag(self, tag):
+        if tag == "figure":
+            self._cur = None
+
+    def handle_data(self, data):
+        if self._cur:
+            self.plots[self._cur]["text"] += data
+
+
+def parse(page: str) -> Plots:
+    p = Plots()
+    p.feed(page)
+    return p
+
+
+def assert_self_contained(page: str) -> None:
+    p = parse(page)
+    assert not [t for t, _ in p.tags if t in ("script", "link", "img", "iframe", "object")]
+    assert not [a for _, a in p.tags if "src" in a or "href" in a]
+    urls = set(re.findall(r"https?://[^\s\"')]+", page)) - {"http://www.w3.org/2000/svg"}
+    assert not urls, urls
+
+
+def test_burnin_report_plots_its_data():
+    report = load_burnin_report(BURNIN)
+    page = burnin_html(report)
+    assert_self_contained(page)
+    plots = parse(page).plots
+    assert set(plots) == {"stages", "job-seconds", "hbm-bandwidth"}
+    for name, p in plots.items():
+        assert p["declared"] == len(p["marks"]) > 0, name
+    # One bar per stage and per job, each as wide as its value on the shared axis.
+    assert len(plots["stages"]["marks"]) == len(report["stages"])
+    timings = report["screen"]["timings"]["cpu"]
+    bars = {m[1]["title"] if "title" in m[1] else None: m for m in plots["job-seconds"]["marks"]}
+    assert len(plots["job-seconds"]["marks"]) == len(timings)
+    widths = [float(a["width"]) for _, a in plots["job-seconds"]["marks"]]
+    ordered = [timings[j] for j in sorted(timings)]
+    assert widths.index(max(widths)) == ordered.index(max(ordered))
+    ratio = [w / v for w, v in zip(widths, ordered)]
+    assert max(ratio) / min(ratio) < 1.01  # proportional (the 1 px minimum aside)
+    bw = report["stages"][[s["name"] for s in report["stages"]].index("hbm")]["data"]["devices"]
+    assert "0.083" in plots["hbm-bandwidth"]["text"] or f"{bw[0]['bandwidth_gbps']}" in page
+    assert bars  # titles are inside the rect, not attributes: the marks still exist
+    assert "no_golden" in page and "Not a full burn-in" in page
+
+
+def test_burnin_report_without_hbm_says_so():
+    report = load_burnin_report(BURNIN)
+    report["stages"] = [s for s in report["stages"] if s["name"] != "hbm"]
+    plots = parse(burnin_html(report)).plots
+    assert plots["hbm-bandwidth"]["declared"] == 0 and not plots["hbm-bandwidth"]["marks"]
+    assert "no data" in plots["hbm-bandwidth"]["text"]
+
+
+def _fleet_store(path: Path) -> LocalStore:
+    """Five nodes with real transitions through the store's API over three weeks: one lemon."""
+    s = LocalStore(path)
+
+    def go(node, t, frm, to, failure=False, serials=()):
+        s.record(Transition(node=node, time=NOW - t * DAY, from_state=frm, to_state=to,
+                            reason=f"test {to.value}", failure=failure, gpu_serials=serials))
+
+    B, H, S, Q, R = (NodeState.BURNIN, NodeState.HEALTHY, NodeState.SUSPECT,
+                     NodeState.QUARANTINED, NodeState.REPAIR)
+    for i, n in enumerate(["gpu-a", "gpu-b", "gpu-c", "gpu-d", "gpu-e"]):
+        go(n, 20 - i, None, B)
+        go(n, 19.5 - i, B, H)
+    go("gpu-c", 10, H, S, failure=True, serials=("S1",))
+    go("gpu-c", 9, S, H)
+    go("gpu-c", 5, H, S, failure=True, serials=("S1",))
+    go("gpu-c", 4.5, S, Q, failure=True, serials=("S1",))
+    go("gpu-c", 2, Q, R)
+    go("gpu-d", 1, H, S, failure=True, serials=("S7",))
+    for i, n in enumerate(["gpu-a", "gpu-b", "gpu-d", "gpu-e"]):
+        jobs = {"gemm-fp32": {"seconds": 0.30 + 0.01 * i, "runs": 2},
+                "train-bf16": {"seconds": 0.9 + 0.05 * i, "runs": 2}}
+        s.set_verdict(n, {"time": NOW - DAY, "outcome": "pass", "kind": "full", "verdicts": [
+            {"device": f"cuda:{g}", "outcome": "pass", "job": "", "evidence": {"jobs": jobs}}
+            for g in range(2)] + [{"device": "cuda:0", "outcome": "pass", "job": "hbm",
+                                   "evidence": {"bandwidth_gbps": 3100.0 + i}}]})
+    return s
+
+
+def test_fleet_report_reads_the_store(tmp_path):
+    store = _fleet_store(tmp_path / "s.db")
+    data = fleet_data(store, now=NOW, days=30, min_failures=3,
+                      burnin_reports=[load_burnin_report(BURNIN)])
+    assert data["states"] == {"gpu-a": "healthy", "gpu-b": "healthy", "gpu-c": "repair",
+                              "gpu-d": "suspect", "gpu-e": "healthy"}
+    assert [x["node"] for x in data["lemons"]] == ["gpu-c"]
+    assert [g["serial"] for g in data["lemon_gpus"]] == ["S1"]
+    assert len(data["job_seconds"]) == 4 * 2 * 2
+    assert {(h["node"], h["source"]) for h in data["hbm"]} == {
+        ("gpu-a", "store"), ("gpu-b", "store"), ("gpu-d", "store"), ("gpu-e", "store"),
+        ("vm", "burn-in report")}
+    json.dumps(data)  # plain data (the --json output)
+
+    page = fleet_html(data)
+    assert_self_contained(page)
+    plots = parse(page).plots
+    assert set(plots) == {"states", "timeline", "job-seconds", "hbm-bandwidth"}
+    for name, p in plots.items():
+        assert p["declared"] == len(p["marks"]) > 0, name
+    # States: one bar per state, widths by count (3 healthy, 1 suspect, 1 repair, 0 others).
+    from screener.report import STATE_COLORS
+    widths = dict(zip(STATE_COLORS, (float(a["width"]) for _, a in plots["states"]["marks"])))
+    assert widths["burnin"] == widths["quarantined"] == 0
+    assert widths["healthy"] == 3 * widths["suspect"] == 3 * widths["repair"] > 0
+    # Timeline: burnin and healthy on every node, five more states on gpu-c, one on gpu-d; a tick
+    # per confirmed failure (three on gpu-c, one on gpu-d).
+    segs = [a for t, a in plots["timeline"]["marks"] if t == "rect"]
+    ticks = [a for t, a in plots["timeline"]["marks"] if t == "line"]
+    assert len(ticks) == 4 and len(segs) == 5 * 2 + 5 + 1
+    assert len([a for t, a in plots["job-seconds"]["marks"] if t == "circle"]) == 16
+    assert len(plots["hbm-bandwidth"]["marks"]) == 5
+
+
+def test_fleet_report_of_an_empty_store_says_no_data(tmp_path):
+    store = LocalStore(tmp_path / "empty.db")
+    plots = parse(fleet_html(fleet_data(store, now=NOW))).plots
+    for name, p in plots.items():
+        assert p["declared"] == 0 and not p["marks"] and "no data" in p["text"], name
+
+
+def screener(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "screener.cli", *args], capture_output=True,
+                          text=True, cwd=cwd, timeout=120)
+
+
+def test_report_commands_write_files_and_refuse_bad_input(tmp_path):
+    out = tmp_path / "b.html"
+    r = screener("report", "burnin", str(BURNIN), "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str(out) and "<svg" in out.read_text()
+    (tmp_path / "x.json").write_text('{"kind": "screen"}')
+    (tmp_path / "y.json").write_text("{not json")
+    for bad in ("x.json", "y.json", "missing.json"):
+        r = screener("report", "burnin", str(tmp_path / bad), "-o", str(tmp_path / "z.html"))
+        assert r.returncode == 2, (bad, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1 and bad in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "z.html").exists()
+    _fleet_store(tmp_path / "f.db").close()
+    r = screener("report", "fleet", "--db", str(tmp_path / "f.db"), "--store", "local", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["states"]["gpu-c"] == "repair"
+    r = screener("report", "fleet", "--db", str(tmp_path / "f.db"), "--store", "local",
+                 "-o", str(tmp_path / "f.html"), "--burnin-report", str(BURNIN))
+    assert r.returncode == 0, r.stderr
+    assert 'data-plot="timeline"' in (tmp_path / "f.html").read_text()
