@@ -252,7 +252,10 @@ class KubeAPI:
         class Handler(_Handler):
             server_api = api
 
-        self._server = ThreadingHTTPServer((self.host, self.port), Handler)
+        class Server(ThreadingHTTPServer):
+            request_queue_size = 256  # the default 5 makes racing clients wait a 1 s SYN retry
+
+        self._server = Server((self.host, self.port), Handler)
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
