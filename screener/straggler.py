@@ -19,6 +19,14 @@ three ranks (with two, each is as far from the median as the other); with fewer,
 in-job helper: every rank calls `observe(step_seconds)` each step; one small all_gather shares the times,
 every rank runs the same detector on the same numbers (so all agree), and stragglers are reported
 with their nodes from the audit library's topology.
+
+A straggler reaches the node's label through an alarm file: when a rank has stood out for the
+whole window (newly flagged), the rank itself (it runs on the slow node, whose alarm folder is the
+hostPath its DaemonSet reads) writes one unsettled alarm with check "straggler" and the figures
+(slowdown, score, consecutive steps, median, its step time, k and w) as evidence
+(`write_straggler_alarm`; `StragglerMonitor(alarm_dir=...)` does it). The daemon makes the node
+suspect with those figures and runs the confirming screen; a slow GPU is not a wrong one, so a
+straggler alone never quarantines.
 """
 
 from __future__ import annotations
@@ -28,7 +36,9 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
-from screener.types import Finding, Severity, SuspectNode
+from screener.types import AlarmRecord, Finding, Severity, SuspectNode
+
+STRAGGLER_CHECK = "straggler"  # the alarm check (screener.lifecycle.STRAGGLER_CHECK)
 
 DEFAULT_K = 3.0
 DEFAULT_WINDOW = 5
@@ -137,6 +147,31 @@ def straggler_findings(result: StepResult) -> list[Finding]:
     return out
 
 
+def straggler_alarm(s: Straggler, result: StepResult, *, k: float, window: int, job: str = "",
+                    created: float = 0.0) -> AlarmRecord:
+    """The unsettled alarm for a straggler that persisted for the window (s.node must be set)."""
+    import uuid
+
+    if s.node is None:
+        raise ValueError("a straggler alarm needs the straggler's node")
+    return AlarmRecord(
+        alarm_id=f"straggler-{s.node.node}-{uuid.uuid4().hex[:12]}", check=STRAGGLER_CHECK,
+        step=int(result.step), settled=False, suspect_ranks=(int(s.rank),), suspect_nodes=(s.node,),
+        node=s.node.node, job=job, created=float(created),
+        evidence={"rank": s.rank, "slowdown": s.slowdown, "score": s.score,
+                  "consecutive": s.consecutive, "median": result.median, "duration": s.duration,
+                  "mad": result.mad, "k": k, "window": window})
+
+
+def write_straggler_alarm(s: Straggler, result: StepResult, alarm_dir: str, *, k: float,
+                          window: int, job: str = "", created: float = 0.0) -> Any:
+    """Write the straggler's alarm file into `alarm_dir` (its node's); returns the path."""
+    from screener.audit.alarms import write_alarm_file
+
+    return write_alarm_file(straggler_alarm(s, result, k=k, window=window, job=job,
+                                            created=created), alarm_dir)
+
+
 @dataclass
 class StragglerMonitor:
     """In-job helper: each rank calls ``observe(step_seconds)`` once per step, in step.
@@ -152,6 +187,9 @@ class StragglerMonitor:
     device: Any = None  # where the all_gather tensor lives; default: cuda for NCCL, else cpu
     topology: Any = None  # a screener.audit.topology.Topology; gathered on first use if None
     last: Optional[StepResult] = None
+    alarm_dir: Optional[str] = None  # where this rank drops a straggler alarm for its own node
+    job: str = ""
+    alarms: list = field(default_factory=list)  # paths of the alarm files this rank wrote
 
     def _device(self) -> Any:
         import torch
@@ -186,6 +224,16 @@ class StragglerMonitor:
         self.last = StepResult(step=result.step, median=result.median, mad=result.mad,
                                scale=result.scale, scores=result.scores, stragglers=out,
                                newly_flagged=tuple(ranks[i] for i in result.newly_flagged))
+        if self.alarm_dir is not None:
+            import time
+
+            me = dist.get_rank()
+            for st in out:
+                # Once per streak, by the slow rank itself: its alarm folder is its node's.
+                if st.rank == me and st.rank in self.last.newly_flagged:
+                    self.alarms.append(write_straggler_alarm(
+                        st, self.last, self.alarm_dir, k=self.detector.k,
+                        window=self.detector.window, job=self.job, created=time.time()))
         return out
 
 

@@ -102,6 +102,7 @@ ALARM_CHECK_REASONS: Mapping[str, str] = {
     "nonfinite_reduced": REASON_NONFINITE,
     "ring_replay": REASON_RING_REPLAY,
     "weights": REASON_WEIGHTS,
+    "straggler": "Straggler",  # screener.straggler: a rank slower than its peers for w steps
 }
 
 

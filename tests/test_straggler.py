@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import math
 import multiprocessing as mp
 import os
 import random
+from pathlib import Path
 
 import pytest
 
@@ -148,7 +150,8 @@ def _rank_main(rank, store_path, out):
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
                             world_size=WORLD)
     try:
-        mon = StragglerMonitor(detector=StragglerDetector(window=3))
+        mon = StragglerMonitor(detector=StragglerDetector(window=3), job="llm",
+                               alarm_dir=str(Path(store_path).parent / "alarms" / NODES[rank]))
         seen, newly = [], []
         for step in range(6):
             # a one-off 10x stall on rank 0 at step 0; rank 2 is 25% slower from step 1 on
@@ -195,3 +198,25 @@ def test_monitor_reports_stragglers_with_their_nodes_over_gloo(tmp_path):
             assert seen[step][0][3] == step and seen[step][0][4] == pytest.approx(0.25)
         assert newly[rank] == [[], [], [], [2], [], []]  # raised once, when the window fills
     assert results[0] == results[1] == results[2]  # every rank reaches the same verdict
+    # One alarm, written by the slow rank into its own node's folder, and none for the others.
+    files = sorted((tmp_path / "alarms").glob("*/*.json"))
+    assert [f.parent.name for f in files] == [NODES[2]]
+    alarm = json.loads(files[0].read_text())
+    assert alarm["check"] == "straggler" and alarm["settled"] is False and alarm["step"] == 4
+    assert alarm["evidence"]["slowdown"] == pytest.approx(0.25) and alarm["evidence"]["window"] == 3
+
+    # The DaemonSet on that node takes it in: suspect, the figures as evidence, a screen due.
+    from test_daemon import DaemonRig, ScriptedRunner, outcome
+    from screener.types import NodeState, Outcome
+
+    rig = DaemonRig(tmp_path / "daemon", ScriptedRunner(outcome(Outcome.PASS), outcome(Outcome.PASS)),
+                    node=NODES[2], alarm_dir=str(files[0].parent), idle_window_s=0.0)
+    try:
+        rig.nvml.gpus[0].utilization = (90, 50)  # the job is still running: no screen yet
+        first = rig.tick()
+        assert first.state == NodeState.SUSPECT and first.screen is None
+        t = rig.store.history(NODES[2])[-1]
+        assert t.code == "Straggler" and t.evidence["straggler"]["slowdown"] == pytest.approx(0.25)
+        assert first.screen_due == "the node is suspect: confirming screen"
+    finally:
+        rig.close()
