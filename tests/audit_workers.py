@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -139,9 +140,11 @@ def fault_matrix(rank: int, world: int, root: str) -> dict[str, Any]:
     # One activation times 10,000 on rank 1 at audit step 4.
     run("scaled_activation", steps=8, audit_every=2, weights_every=0,
         fault=_on(1, 4, faults.FaultSpec(op="gelu", element=11, mode="scale", factor=1e4)))
-    # The lowest mantissa bit of one matmul output flipped on rank 4 at audit step 6.
+    # The lowest mantissa bit of one matmul output (attention times values) flipped on rank 4 at
+    # audit step 6. (The first matmul, q @ k^T, would not do: a 1-ulp change of one score is
+    # absorbed by the softmax, and the backward of a matmul does not read its output.)
     run("mantissa_flip", steps=8, audit_every=3, weights_every=0,
-        fault=_on(4, 6, faults.FaultSpec(op="matmul", call=0, element=9, bit=0, mode="flip")))
+        fault=_on(4, 6, faults.FaultSpec(op="matmul", call=1, element=9, bit=0, mode="flip")))
 
     # A bit flipped in rank 5's weights after optimizer.step of step 3.
     def flip_weight(r: int, step: int, model: torch.nn.Module) -> None:
@@ -207,3 +210,227 @@ def peer_vanishes(rank: int, world: int) -> Any:
         return 0
 
     return run_guarded(loop)
+
+
+# ---- the training setups people run (issue 11): one function builds each, one loop trains it ---
+
+MATRIX_SETUPS = ("fp32", "bf16", "fp16_scaler", "dropout_unseeded", "dropout_rank_seeded",
+                 "accumulation", "clipping", "batchnorm_broadcast", "batchnorm_local",
+                 "extra_outputs")
+FAULT_RANK = 3  # on node n1 of NODES = n0 n0 n1 n1 n2 n2
+FORCED_OVERFLOW_STEP = 2  # fp16_scaler: the scale is set to 2**60 for this step (every rank)
+DATA_OVERFLOW = (2, 3)  # fp16_scaler: (rank, step) whose batch overflows at any sane scale
+ACCUMULATION = 3
+
+
+def mlp_batch(rank: int, step: int, *, n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and regression targets rebuilt from (rank, step) alone (no RNG draw)."""
+    key = synthetic.mix_key(SEED, 11, rank, step)
+    x = synthetic.uniform(key, (n, 8)) * 2 - 1
+    y = synthetic.uniform(key + 1, (n, 4)) * 2 - 1
+    return x, y
+
+
+def _mlp(kind: str) -> torch.nn.Module:
+    layers: list[torch.nn.Module] = [torch.nn.Linear(8, 16)]
+    if kind == "batchnorm":
+        layers.append(torch.nn.BatchNorm1d(16))
+    layers.append(torch.nn.GELU())
+    if kind == "dropout":
+        layers.append(torch.nn.Dropout(0.25))
+    layers.append(torch.nn.Linear(16, 4))
+    return torch.nn.Sequential(*layers)
+
+
+def mlp_loss(model: torch.nn.Module, batch: Any, *, dtype: Optional[torch.dtype] = None
+             ) -> torch.Tensor:
+    x, y = batch
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+        out = model(x)
+    return torch.nn.functional.mse_loss(out.float(), y)
+
+
+def _lm_loss(dtype: Optional[torch.dtype]) -> Callable:
+    def loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            return synthetic.compute_loss(model, batch)
+    return loss
+
+
+def build_setup(setup: str, rank: int) -> dict[str, Any]:
+    """Model, loss_fn, batch_fn and the loop's options for one setup of the matrix."""
+    lm_spec = faults.FaultSpec(op="matmul", call=1, element=9, bit=0)  # attention @ values
+    # The last Linear's output, mantissa bit 8 of fp32 and fp16 (an exponent bit of bf16): a
+    # lower bit of a small output can vanish in the loss's (output - target) and fault nothing.
+    mlp_spec = faults.FaultSpec(op="addmm", call=1, element=5, bit=8)
+    s: dict[str, Any] = {"scaler": None, "k": 1, "clip": False, "broadcast_buffers": True,
+                         "fault": mlp_spec, "forced_overflow": None}
+    if setup in ("fp32", "bf16", "clipping", "extra_outputs"):
+        s["model"] = synthetic.make_model(SEED, **SHAPE)
+        s["batch_fn"] = batch_fn
+        s["loss_fn"] = _lm_loss(torch.bfloat16 if setup == "bf16" else None)
+        s["fault"] = lm_spec
+        s["clip"] = setup == "clipping"
+        if setup == "extra_outputs":
+            def with_extras(model: torch.nn.Module, batch: Any) -> tuple:
+                tokens, targets = batch
+                logits = model(tokens)
+                loss = torch.nn.functional.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+                return loss, {"logits": logits.detach(), "tokens": int(tokens.numel())}
+            s["loss_fn"] = with_extras
+        return s
+    if setup == "dropout_rank_seeded":
+        torch.manual_seed(1000 + rank)  # different dropout masks on every rank
+    # (dropout_unseeded: the default generator, the same start state everywhere)
+    kind = "batchnorm" if setup.startswith("batchnorm") else \
+        "dropout" if setup.startswith("dropout") else "plain"
+    s["model"] = _mlp(kind)
+    s["batch_fn"] = mlp_batch
+    s["loss_fn"] = mlp_loss
+    s["broadcast_buffers"] = setup != "batchnorm_local"
+    if setup == "fp16_scaler":
+        def batches(r: int, step: int) -> Any:
+            x, y = mlp_batch(r, step)
+            return (x * 1e4, y) if (r, step) == DATA_OVERFLOW else (x, y)
+        s["batch_fn"] = batches
+        s["loss_fn"] = lambda m, b: mlp_loss(m, b, dtype=torch.float16)
+        s["scaler"] = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+        s["forced_overflow"] = FORCED_OVERFLOW_STEP
+    if setup == "accumulation":
+        s["k"] = ACCUMULATION
+        s["batch_fn"] = lambda r, step: [mlp_batch(r, ACCUMULATION * step + i)
+                                         for i in range(ACCUMULATION)]
+        s["loss_fn"] = lambda m, b: mlp_loss(m, b) / ACCUMULATION
+    return s
+
+
+def _faulty(loss_fn: Callable, spec: faults.FaultSpec, fired: list) -> Callable:
+    """loss_fn with a persistent fault: every forward this rank computes, training or replay."""
+    def faulty(model: torch.nn.Module, batch: Any) -> Any:
+        with faults.inject(spec) as inj:
+            out = loss_fn(model, batch)
+        fired.extend(inj.fired)
+        return out
+    return faulty
+
+
+def matrix_run(rank: int, setup: str, *, steps: int, alarm_dir: str, fault_rank: Optional[int] = None,
+               audit_every: int = 1, weights_every: int = 1, pass_scaler: bool = True,
+               loss_override: Optional[Callable] = None, fault: Optional[faults.FaultSpec] = None,
+               after_step: Optional[Callable[..., Any]] = None) -> dict[str, Any]:
+    """Train one setup of the matrix under an Auditor auditing and voting every step."""
+    s = build_setup(setup, rank)
+    model, scaler, k = s["model"], s["scaler"], s["k"]
+    ddp = DDP(model, broadcast_buffers=s["broadcast_buffers"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    loss_fn = loss_override or s["loss_fn"]
+    fired: list = []
+    if fault_rank == rank:
+        loss_fn = _faulty(loss_fn, fault or s["fault"], fired)
+    out: dict[str, Any] = {"rank": rank, "alarm": None, "numeric": None, "steps_done": 0}
+    auditor = Auditor(ddp, loss_fn=loss_fn, batch_fn=s["batch_fn"], audit_every=audit_every,
+                      weights_every=weights_every, alarm_dir=alarm_dir, job=setup,
+                      scaler=scaler if pass_scaler else None, accumulation_steps=k,
+                      check_reduced=not s["clip"])
+    try:
+        for step in range(steps):
+            opt.zero_grad(set_to_none=True)
+            forced = s["forced_overflow"] == step
+            if forced:
+                normal = scaler.get_scale()
+                scaler.update(new_scale=2.0 ** 60)
+            micro = s["batch_fn"](rank, step) if k > 1 else [s["batch_fn"](rank, step)]
+            losses = []
+            for i, mb in enumerate(micro):
+                with ddp.no_sync() if i < k - 1 else contextlib.nullcontext():
+                    result = loss_fn(ddp, mb)
+                    loss = result[0] if isinstance(result, tuple) else result
+                    (scaler.scale(loss) if scaler is not None else loss).backward()
+                losses.append(result if k == 1 else loss.detach())
+            norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.5) if s["clip"] else None
+            auditor.check_gradients(step, losses[0] if k == 1 else sum(losses), grad_norm=norm)
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+                if forced:
+                    scaler.update(new_scale=normal)
+            else:
+                opt.step()
+            if after_step is not None:
+                after_step(rank, step, model)
+            auditor.check_weights(step)
+            out["steps_done"] += 1
+    except SDCAlarm as a:
+        out["alarm"] = a.to_dict()
+    except NumericFailure as e:
+        out["numeric"] = {"step": e.step, "ranks": list(e.ranks), "message": str(e)}
+    out["counters"] = dict(auditor.counters)
+    out["fired"] = len(fired)
+    out["weights"] = digest(fingerprints(list(model.parameters())))
+    out["scale"] = scaler.get_scale() if scaler is not None else None
+    auditor.close()
+    return out
+
+
+def _refusal(rank: int, build: Callable[[], Any]) -> Optional[str]:
+    try:
+        build()
+    except (ValueError, TypeError) as e:
+        return str(e)
+    return None
+
+
+def matrix(rank: int, world: int, root: str, healthy_steps: int,
+           setups: tuple[str, ...] = MATRIX_SETUPS, faults_too: bool = True) -> dict[str, Any]:
+    """Every setup healthy, then with a persistent fault on FAULT_RANK; the refusals and the
+    numeric failures no node is blamed for. One process group for all of it."""
+    import gc
+
+    results: dict[str, Any] = {}
+
+    def run(name: str, setup: str, **kw: Any) -> None:
+        d = os.path.join(root, name)
+        t0 = time.perf_counter()
+        results[name] = matrix_run(rank, setup, alarm_dir=d, **kw)
+        results[name]["seconds"] = time.perf_counter() - t0
+        dist.barrier()  # every rank has written its files before anyone reads
+        results[name]["files"] = read_alarm_dir(d)
+        gc.collect()  # free the reducers while the group lives
+
+    for setup in setups:
+        run(f"{setup}/healthy", setup, steps=healthy_steps)
+        if faults_too:
+            run(f"{setup}/fault", setup, steps=2, fault_rank=FAULT_RANK)
+    if not faults_too:
+        return results
+
+    # fp16 + GradScaler: a NaN in rank 3's forward is not an overflow the scaler owns: the replay
+    # at the same scale on another node is finite, which names rank 3.
+    run("fp16_scaler/nan", "fp16_scaler", steps=2, fault_rank=FAULT_RANK,
+        fault=faults.FaultSpec(op="addmm", call=0, element=3, mode="nan"))
+
+    # Not a hardware verdict: a GradScaler the auditor was not told about (the self-check), a
+    # code path that depends on the rank, weights that differ on two nodes.
+    run("numeric/unpassed_scaler", "fp16_scaler", steps=2, pass_scaler=False)
+
+    def rank_dependent(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        loss = mlp_loss(model, batch)
+        return loss * (1 + 2 ** -10) if dist.get_rank() in (1, 4) else loss
+    run("numeric/rank_dependent", "dropout_unseeded", steps=2,
+        loss_override=rank_dependent)
+
+    def flip_two(r: int, step: int, model: torch.nn.Module) -> None:
+        if r in (1, 4) and step == 1:
+            with torch.no_grad():
+                next(model.parameters()).view(-1)[0].mul_(1 + 2 ** -20)
+    run("numeric/weights_two_nodes", "fp32", steps=3, audit_every=0, after_step=flip_two)
+
+    # Refused at construction, with one line.
+    torch.set_num_threads(2 if rank == 0 else 1)
+    results["refused/threads"] = _refusal(rank, lambda: Auditor(
+        DDP(_mlp("plain")), loss_fn=mlp_loss, batch_fn=mlp_batch, alarm_dir=root))
+    torch.set_num_threads(1)
+    gc.collect()
+    dist.barrier()
+    return results

@@ -19,6 +19,7 @@ import os
 import pickle
 import socket
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -41,7 +42,11 @@ def start_method() -> str:
         threads = len(os.listdir("/proc/self/task"))
     except OSError:
         return "spawn"
-    if threads == 1:
+    # pytest-timeout's thread method parks a threading.Timer per test: a Python thread asleep on
+    # a condition, holding no native lock, which a forked child never sees. Only other threads
+    # (a process group's, torch's pools) make forking unsafe.
+    timers = sum(1 for t in threading.enumerate() if isinstance(t, threading.Timer))
+    if threads - timers == 1:
         return "fork"
     warnings.warn(f"ddp_util: this process runs {threads} threads, so ranks are spawned (slow); "
                   f"a test before this one left threads behind", stacklevel=3)

@@ -112,18 +112,26 @@ def _rebuild_alarm(d: Mapping[str, Any]) -> SDCAlarm:
 
 
 class NumericFailure(FloatingPointError):
-    """A non-finite loss or gradient that no hardware fault explains (a replay reproduced it)."""
+    """Numbers no hardware fault explains: a non-finite loss or gradient that a replay reproduced,
+    or a verdict too wide to be hardware (see blast.py), or a step that does not reproduce on its
+    own rank. Exit code 76; no node gets an alarm file. `reason` says which, and what to check."""
 
-    def __init__(self, step: int, ranks: Sequence[int], evidence: Optional[Mapping[str, Any]] = None):
+    def __init__(self, step: int, ranks: Sequence[int], evidence: Optional[Mapping[str, Any]] = None,
+                 reason: Optional[str] = None):
         self.step = int(step)
         self.ranks = tuple(int(r) for r in ranks)
         self.evidence = dict(evidence or {})
-        super().__init__(f"non-finite loss or gradient at step {step} on ranks "
-                         f"{', '.join(map(str, self.ranks))}, reproduced on another node: "
-                         f"a numeric failure, not blamed on hardware")
+        self.reason = reason
+        ranks_text = ", ".join(map(str, self.ranks))
+        if reason is None:
+            msg = (f"non-finite loss or gradient at step {step} on ranks {ranks_text}, reproduced "
+                   f"on another node: a numeric failure, not blamed on hardware")
+        else:
+            msg = f"numeric failure at step {step} (ranks {ranks_text}), not blamed on hardware: {reason}"
+        super().__init__(msg)
 
     def __reduce__(self):
-        return (NumericFailure, (self.step, self.ranks, self.evidence))
+        return (NumericFailure, (self.step, self.ranks, self.evidence, self.reason))
 
 
 def alarm_dir(explicit: Optional[str | os.PathLike[str]] = None) -> Path:

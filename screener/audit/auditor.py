@@ -32,15 +32,37 @@ auditor expects consecutive steps (the step after the last checked one; the firs
 records fingerprints unless start_step is given). An audit step whose fingerprints were not recorded
 is skipped (counted in `counters["audits_skipped"]`), the same way on every rank.
 
+What a replay reproduces (capture.py): the RNG states the owner's step started from (CPU and the
+current CUDA device; captured by a forward pre-hook on the DDP model, or by begin_step()) and the
+GradScaler's loss scale, both sent to the replayers in a first all_gather of the audit step, so
+plain nn.Dropout and fp16 with a GradScaler replay bit for bit. With gradient accumulation
+(accumulation_steps=k) batch_fn returns the k micro-batches and the replay adds their gradients in
+order, as .grad does.
+
+Loss scaling (scaler=GradScaler): a step on which every rank's gradient overflowed is the scaler's
+business (it skips the optimizer step): no alarm, counted in counters["scaler_skipped"]. Some ranks
+only: each is replayed at its own scale on another node; an overflow there too means the data did
+it (no alarm, counted), a finite replay is evidence against the owner.
+
+Self-check (self_check_every): on the first audit step and every self_check_every audits after,
+each rank also replays its own step; a step that does not reproduce on its own rank is
+nondeterministic, which is no hardware verdict: NumericFailure (exit 76). The same for a settled
+verdict wider than one node or half the ranks (blast.py): silent data corruption is local.
+
+Setups that cannot be replayed bit for bit are refused at construction with one line (ValueError):
+SyncBatchNorm (its forward is a collective), CUDA without deterministic algorithms, ranks with
+different torch thread counts.
+
 Both checks raise SDCAlarm (after the alarm files are written and one JSON line is logged per rank);
 nothing is applied to the model by the auditor, so raising before optimizer.step() keeps the step from
 running. Every verdict comes from gathered data, so all ranks raise the same alarm at the same step.
 A replay that fails with an exception on any rank raises AuditError on every rank: our own failure,
 never a hardware verdict.
 
-Limits: one backward per step (gradient accumulation with no_sync is not audited per micro-batch);
-parameters DDP ignores are not checked; replay needs a forward that is a deterministic function of
-weights and batch (see ring.py).
+Limits: parameters DDP ignores are not checked; buffers are restored after a replay but not sent
+to the replayer, so a forward that reads buffers which differ between ranks (an eval-mode BatchNorm
+with broadcast_buffers=False) is not reproducible (the self-check says so); optimizer.zero_grad
+must set gradients to None (the default since torch 2.0).
 """
 
 from __future__ import annotations
@@ -56,6 +78,8 @@ import torch
 import torch.distributed as dist
 
 from screener.audit import ring
+from screener.audit.blast import LIKELY_CAUSES, too_wide
+from screener.audit.capture import StateCodec, StepState, capture, scaler_scale
 from screener.audit.alarms import NumericFailure, SDCAlarm, alarm_dir, log_json, node_records, \
     write_alarm_file
 from screener.audit.checkpoints import write_marker
@@ -87,11 +111,16 @@ class AuditConfig:
     weights_every: int = 100
     check_reduced: bool = True  # check 1's second half: the reduced gradient
     confirm_nonfinite: bool = True  # replay a non-finite rank's micro-batch before naming it
+    accumulation_steps: int = 1  # micro-batches per step (no_sync gradient accumulation)
+    self_check_every: int = 20  # audits between self-checks (the first audit always); 0: never
     job: str = ""
     alarm_dir: Optional[str] = None  # None: $SCREENER_ALARM_DIR, else the default
 
     def __post_init__(self) -> None:
-        for name in ("audit_every", "weights_every"):
+        if not isinstance(self.accumulation_steps, int) or self.accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps must be an integer >= 1, not "
+                             f"{self.accumulation_steps!r}")
+        for name in ("audit_every", "weights_every", "self_check_every"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be an integer >= 0, not {v!r}")
@@ -114,6 +143,16 @@ def _hex64(bits: int) -> str:
     return f"0x{bits & 0xFFFFFFFFFFFFFFFF:016x}"
 
 
+def _refuse_unreplayable(module: torch.nn.Module) -> None:
+    """One line (ValueError) for a model no replay can reproduce bit for bit."""
+    for name, m in module.named_modules():
+        if isinstance(m, torch.nn.SyncBatchNorm):
+            raise ValueError(f"screener.audit: {name or 'the model'} is a SyncBatchNorm, whose "
+                             f"forward is a collective over all ranks: a replay of one rank's "
+                             f"micro-batch cannot reproduce it (use BatchNorm, or audit_every=0 "
+                             f"for the weight vote only)")
+
+
 class Auditor:
     """In-job SDC checks for a DistributedDataParallel model; see the module docstring.
 
@@ -125,6 +164,12 @@ class Auditor:
     the reduction the comm hook hands each bucket to after recording (default torch's
     allreduce_hook), called with reduce_state (default: the process group). topology: a Topology
     already gathered for this group (skips the start-up all_gather_object).
+    scaler: the torch.amp.GradScaler the loop scales its loss with (its scale is used by every
+    replay; overflow steps are the scaler's business). accumulation_steps: micro-batches per step
+    when the loop accumulates gradients under ddp.no_sync(); batch_fn then returns the list of
+    them, loss_fn returns one micro-batch's loss as it is backpropagated (divided by k if the loop
+    divides), and check_gradients gets the sum of those losses. self_check_every: see the module
+    docstring. Refuses (ValueError, one line) a setup it cannot replay bit for bit.
     """
 
     def __init__(self, model: torch.nn.Module, *,
@@ -136,19 +181,27 @@ class Auditor:
                  reduce_state: Any = _GROUP, start_step: Optional[int] = None,
                  job: Optional[str] = None, alarm_dir: Optional[str | os.PathLike[str]] = None,
                  check_reduced: bool = True, confirm_nonfinite: bool = True,
-                 topology: Optional[Topology] = None) -> None:
+                 topology: Optional[Topology] = None, scaler: Any = None,
+                 accumulation_steps: int = 1, self_check_every: int = 20) -> None:
         module = getattr(model, "module", None)
         if not isinstance(module, torch.nn.Module) or not hasattr(model, "register_comm_hook"):
             raise TypeError(f"Auditor needs a DistributedDataParallel model, not "
                             f"{type(model).__name__}")
         self.config = AuditConfig(audit_every=audit_every, weights_every=weights_every,
                                   check_reduced=check_reduced, confirm_nonfinite=confirm_nonfinite,
+                                  accumulation_steps=accumulation_steps,
+                                  self_check_every=self_check_every,
                                   job=_default_job() if job is None else job,
                                   alarm_dir=None if alarm_dir is None else os.fspath(alarm_dir))
         self.model = model
         self.module: torch.nn.Module = module
         self.loss_fn = loss_fn
         self.batch_fn = batch_fn
+        if scaler is not None and not all(hasattr(scaler, a) for a in ("get_scale", "is_enabled",
+                                                                       "scale")):
+            raise TypeError(f"scaler must be a torch.amp.GradScaler, not {type(scaler).__name__}")
+        self.scaler = scaler
+        _refuse_unreplayable(module)
         self.group = process_group if process_group is not None \
             else getattr(model, "process_group", None)
 
@@ -174,9 +227,15 @@ class Auditor:
         self.hostname, self.node = me.hostname, me.node
         threads = sorted({i.threads for i in self.topology.infos})
         if self.device.type == "cpu" and len(threads) > 1:
-            log.warning("screener.audit: ranks run %s torch threads; CPU kernels may split sums "
-                        "differently, so replays can differ bit for bit (torch.set_num_threads "
-                        "the same everywhere)", threads)
+            raise ValueError(f"screener.audit: the ranks run {threads} torch threads; CPU kernels "
+                             f"split sums by thread count, so replays cannot match bit for bit "
+                             f"(call torch.set_num_threads with one value on every rank)")
+        if self.device.type == "cuda" and not torch.are_deterministic_algorithms_enabled():
+            raise ValueError("screener.audit: on CUDA the audit replays bit for bit only with "
+                             "deterministic kernels: call torch.use_deterministic_algorithms(True) "
+                             "and set CUBLAS_WORKSPACE_CONFIG=:4096:8 (or "
+                             "screener.determinism.make_deterministic) before the Auditor")
+        self._codec = StateCodec(self.device)
 
         self._plan = ring.replay_plan(self.topology)
         by_replayer: dict[int, list[int]] = {}
@@ -207,11 +266,52 @@ class Auditor:
                              "registered before the first backward); pass your own hook as "
                              f"Auditor(reduce_hook=...): {e}") from e
 
+        # The RNG states and loss scale the current step started from (capture.py): taken by the
+        # first forward after the last check_gradients, or by begin_step().
+        self._state: Optional[StepState] = None
+        self._pre_hook = model.register_forward_pre_hook(self._on_forward)
+        self._self_check_due = bool(self.config.self_check_every)
+        self._audits_since_self_check = 0
+        self._closed = False
+
         self._first_step: Optional[int] = None
         self._last_clean_audit: Optional[int] = None
         self._last_clean_weights: Optional[int] = None
         self._verified: Optional[tuple[int, str]] = None  # (step, weights digest) of the last pass
         self.counters: Counter[str] = Counter()
+
+    # ---- step start and teardown ---------------------------------------------------------------
+
+    def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if self._state is None:
+            self._state = capture(self.device, self.scaler)
+
+    def begin_step(self) -> None:
+        """Capture the RNG states (and loss scale) the step starting now draws from.
+
+        Only needed when loss_fn draws random numbers before it calls the model (the forward
+        pre-hook captures otherwise); call it before anything of the step uses randomness.
+        """
+        self._state = capture(self.device, self.scaler)
+
+    def close(self) -> None:
+        """Remove the forward pre-hook and drop the auditor's references to the model.
+
+        Call it (or use the Auditor as a context manager) before dist.destroy_process_group(),
+        and drop the DDP model too: see examples/train_ddp.py for the teardown order.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._pre_hook.remove()
+        self._recorder.record_step = None
+        self._state = None
+
+    def __enter__(self) -> "Auditor":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     # ---- cadence -----------------------------------------------------------------------------
 
@@ -237,62 +337,82 @@ class Auditor:
 
     # ---- check 1 and check 2 -----------------------------------------------------------------
 
-    def check_gradients(self, step: int, loss: torch.Tensor | float,
+    def check_gradients(self, step: int, loss: Any,
                         grad_norm: torch.Tensor | float | None = None) -> None:
-        """After backward, before optimizer.step(): check 1, and check 2 on audit steps.
+        """After backward, before optimizer.step() (and scaler.step()): check 1, and check 2 on
+        audit steps.
 
+        loss: the step's loss, unscaled (or what loss_fn returned: a tuple's first element, a
+        mapping's "loss"); with accumulation_steps > 1, the sum of the micro-batch losses.
         grad_norm: the total norm of the reduced gradient when the loop already computes it
         (the return value of clip_grad_norm_). Given it, construct the Auditor with
         check_reduced=False: the hook then skips its own pass over the reduced buckets, so a
         step without an audit reads the gradients once.
 
         Collective: every rank of the group calls it at every step. Raises SDCAlarm (or
-        NumericFailure for a non-finite loss no hardware explains) on every rank alike.
-        One all_gather per step; on an audit step the replays run first and their digests travel
-        in that same all_gather.
+        NumericFailure for numbers no hardware explains) on every rank alike. One all_gather on a
+        step without an audit; an audit step has two: the owners' RNG states and loss scales go
+        out before the replays, the digests of the replays' records come back after them.
         """
         step = int(step)
         self._note(step)
+        loss = self._loss_tensor(loss)
         stats = self._recorder.take(self.device)
         self._recorder.record_step = step + 1 if self.is_audit_step(step + 1) else None
+        state = self._state if self._state is not None \
+            else StepState(None, None, scaler_scale(self.scaler))
+        self._state = None
         self.counters["steps"] += 1
         reduced = stats.reduced_norm if grad_norm is None else self._scalar(grad_norm, "grad_norm")
         head = torch.stack([self._loss_value(loss),
                             stats.local_norm.to(self._comm, torch.float64),
                             reduced.to(self._comm, torch.float64)])
         if not self.is_audit_step(step):
-            self._judge_nonfinite(step, gather(head, self.group, self._comm))  # (world, 3)
+            g = gather(head, self.group, self._comm)  # (world, 3)
+            self._judge_nonfinite(step, g, lambda: self._gather_states(state))
             return
         # Every rank sends the same shape on an audit step, whatever happened here: a rank whose
         # fingerprints were not recorded says so, and all ranks skip the comparison alike (a
         # rank-local decision to send less would leave the others waiting in a different gather).
         recorded = stats.grad_fingerprints is not None and stats.step in (step, _UNKNOWN)
-        error: Optional[BaseException] = None
-        if recorded:
-            assert stats.grad_fingerprints is not None
-            mine, error = self._replay_mine(step, loss, stats.grad_fingerprints)
-        else:
-            mine = torch.zeros(1 + self._max_replays, 1 + len(self._grad_params), 2,
-                               dtype=torch.int64)
-        status = _NOT_RECORDED if not recorded else _FAILED if error is not None else _OK
-        first = torch.cat([head.cpu().view(torch.int64), torch.tensor([status])])
-        payload = torch.cat([first.unsqueeze(0), ring.record_digest(mine)])  # (2 + M, 4)
-        got = gather(payload, self.group, self._comm)  # (world, 2 + M, 4)
-        self._judge_nonfinite(step, got[:, 0, :3].contiguous().view(torch.float64))
-        self._check_errors(got[:, 0, 3] == _FAILED, error, step, "the ring replay")
-        if bool((got[:, 0, 3] == _NOT_RECORDED).any()):
+        status = _OK if recorded else _NOT_RECORDED
+        first = torch.cat([head.cpu().view(torch.int64), torch.tensor([status]),
+                           self._codec.encode(state)])
+        got1 = gather(first, self.group, self._comm)  # (world, 4 + state)
+        states = self._decode_states(got1[:, 4:])
+        if self._judge_nonfinite(step, got1[:, :3].contiguous().view(torch.float64),
+                                 lambda: states):
+            return  # the scaler skips this step; so does the audit
+        if bool((got1[:, 3] == _NOT_RECORDED).any()):
             self.counters["audits_skipped"] += 1
             log.info("screener.audit: step %d not audited (gradient fingerprints were not "
                      "recorded for it on some rank: steps not consecutive?)", step)
             return
+        assert stats.grad_fingerprints is not None
+        self_check = self._self_check_due
+        mine, error = self._replay_mine(step, loss, stats.grad_fingerprints, states, self_check)
+        flag = torch.zeros(1, 4, dtype=torch.int64)
+        flag[0, 0] = _FAILED if error is not None else _OK
+        got = gather(torch.cat([flag, ring.record_digest(mine)]), self.group, self._comm)
+        self._check_errors(got[:, 0, 0] == _FAILED, error, step, "the ring replay")
+        digests = got[:, 1:]  # (world, 1 + M + 1, 4): own, replays, self-replay
+        m = self._max_replays
+        if self_check:
+            self._judge_self_check(step, digests, m)
         index = self.topology.index_of
-        digests = got[:, 1:]
         mismatched = [o for o, r in sorted(self._plan.items()) if r is not None
                       and not torch.equal(digests[index(o), 0], digests[index(r), 1 + self._slot[o]])]
         if mismatched:
-            self._settle(step, mismatched, mine)
+            self._settle(step, mismatched, mine[:1 + m], states)
         self._last_clean_audit = step
         self.counters["audits"] += 1
+        self._audits_since_self_check += 1
+        every = self.config.self_check_every
+        if every and self._audits_since_self_check >= every:
+            self._self_check_due = True
+
+    def _loss_tensor(self, loss: Any) -> Any:
+        return loss if isinstance(loss, (int, float)) else ring.loss_of(loss)
 
     def _loss_value(self, loss: torch.Tensor | float) -> torch.Tensor:
         return self._scalar(loss, "loss")
@@ -309,16 +429,41 @@ class Auditor:
         index = self.topology.index_of
         return {str(r): _num(float(column[index(r)])) for r in ranks}
 
-    def _judge_nonfinite(self, step: int, g: torch.Tensor) -> None:
-        """Check 1 on the gathered (loss, local norm, reduced norm) of every rank."""
+    def _decode_states(self, rows: torch.Tensor) -> dict[int, StepState]:
+        return {r: self._codec.decode(rows[k]) for k, r in enumerate(self.topology.ranks)}
+
+    def _gather_states(self, state: StepState) -> dict[int, StepState]:
+        """Collective: every rank's step state (only when a replay needs them off an audit step)."""
+        return self._decode_states(gather(self._codec.encode(state), self.group, self._comm))
+
+    def _scaling(self) -> bool:
+        return self.scaler is not None and bool(self.scaler.is_enabled())
+
+    def _scaler_skip(self, step: int, ranks: list[int], why: str) -> None:
+        self.counters["scaler_skipped"] += 1
+        log_json(logging.INFO, "scaler_skipped_step", rank=self.rank, hostname=self.hostname,
+                 node=self.node, step=step, ranks=ranks, why=why,
+                 scale=scaler_scale(self.scaler))
+
+    def _judge_nonfinite(self, step: int, g: torch.Tensor,
+                         states: Callable[[], dict[int, StepState]]) -> bool:
+        """Check 1 on the gathered (loss, local norm, reduced norm) of every rank.
+
+        Returns True when the step is the loss scaler's to skip (no alarm); raises on a verdict.
+        """
         finite = torch.isfinite(g)
         if bool(finite.all()):
-            return
+            return False
         ranks = self.topology.ranks
         local_ok = (finite[:, 0] & finite[:, 1]).tolist()
         flagged = sorted(ranks[k] for k, ok in enumerate(local_ok) if not ok)
         if flagged:
-            self._nonfinite_local(step, flagged, g)
+            if self._scaling() and len(flagged) == self.world_size:
+                self._scaler_skip(step, flagged, "every rank's gradient is non-finite at this "
+                                                  "scale: an overflow, the scaler skips the step")
+                return True
+            self._nonfinite_local(step, flagged, g, states)
+            return True  # reached only when the scaler explains it
         seeing = sorted(ranks[k] for k, ok in enumerate(finite[:, 2].tolist()) if not ok)
         if seeing:
             evidence = {"ranks_seeing_nonfinite": seeing,
@@ -328,6 +473,7 @@ class Auditor:
             self._raise(SDCAlarm("nonfinite_reduced", step, (), (), False, evidence,
                                  candidate_ranks=sorted(ranks), first_suspect_step=step,
                                  key=self._key("nonfinite_reduced", step)))
+        return False
 
     def _confirmer(self, owner: int, flagged: set[int]) -> Optional[int]:
         """Who replays a non-finite owner: its ring replayer, else a clean rank on another node."""
@@ -346,10 +492,12 @@ class Auditor:
                     return r
         return first
 
-    def _replay(self, owner: int, step: int) -> tuple[torch.Tensor, list[Optional[torch.Tensor]]]:
+    def _replay(self, owner: int, step: int, state: Optional[StepState]
+                ) -> tuple[torch.Tensor, list[Optional[torch.Tensor]]]:
         assert self.batch_fn is not None and self.loss_fn is not None
         batch = self.batch_fn(owner, step)
-        return ring.replay(self.module, self._grad_params, self.loss_fn, batch, device=self.device)
+        return ring.replay(self.module, self._grad_params, self.loss_fn, batch, device=self.device,
+                           state=state, accumulation_steps=self.config.accumulation_steps)
 
     def _check_errors(self, flags: torch.Tensor, local: Optional[BaseException], step: int,
                       what: str) -> None:
@@ -361,18 +509,25 @@ class Auditor:
                 msg += f" (here: {type(local).__name__}: {local})"
             raise AuditError(msg) from local
 
-    def _nonfinite_local(self, step: int, flagged: list[int], g: torch.Tensor) -> None:
+    def _nonfinite_local(self, step: int, flagged: list[int], g: torch.Tensor,
+                         states: Callable[[], dict[int, StepState]]) -> None:
+        """Settle a NaN/Inf in some ranks' local gradients; returns only when the scaler owns it."""
         evidence: dict[str, Any] = {"flagged_ranks": flagged,
                                     "loss": self._per_rank(g[:, 0], flagged),
                                     "local_norm": self._per_rank(g[:, 1], flagged)}
         window = self._window_start(self._last_clean_audit, step) if self._audits_on() else step
         key = self._key("nonfinite_local", step)
+        scaling = self._scaling()
         if not (self.can_replay and self.config.confirm_nonfinite):
+            if scaling:
+                self._scaler_skip(step, flagged, "non-finite on some ranks, no replay to confirm")
+                return
             if len(flagged) == self.world_size:
                 self._numeric(step, flagged, evidence)
             evidence["why"] = "no replay to confirm: loss_fn/batch_fn not given or turned off"
             self._raise(SDCAlarm("nonfinite_local", step, (), (), False, evidence,
                                  candidate_ranks=flagged, first_suspect_step=window, key=key))
+        owner_states = states()
         plan = {o: self._confirmer(o, set(flagged)) for o in flagged}
         results = torch.full((len(flagged) + 1,), -1.0, dtype=torch.float64)
         error: Optional[BaseException] = None
@@ -380,7 +535,7 @@ class Auditor:
             if plan[owner] != self.rank:
                 continue
             try:
-                loss, grads = self._replay(owner, step)
+                loss, grads = self._replay(owner, step, owner_states[owner])
                 norms = [torch.linalg.vector_norm(x.detach().float()) for x in grads
                          if x is not None]
                 ok = bool(torch.isfinite(loss).all()) and bool(
@@ -399,42 +554,77 @@ class Auditor:
                 unconfirmed.append(owner)
                 continue
             finite = float(got[self.topology.index_of(who), i]) == 1.0
-            replays[str(owner)] = {"replayer": who, "replay_finite": finite}
+            replays[str(owner)] = {"replayer": who, "replay_finite": finite,
+                                   "scale": owner_states[owner].scale}
             (confirmed if finite else reproduced).append(owner)
         evidence["replays"] = replays
         evidence["reproduced_ranks"] = reproduced
         if confirmed:
-            evidence["why"] = "non-finite here, finite when replayed on another node"
+            evidence["why"] = ("non-finite here, finite when replayed on another node"
+                               + (" at the same loss scale" if scaling else ""))
             self._raise(SDCAlarm("nonfinite_local", step, confirmed,
                                  self.topology.suspect_nodes(confirmed), True, evidence,
                                  candidate_ranks=confirmed, first_suspect_step=window, key=key))
+        if scaling:
+            self._scaler_skip(step, flagged, "the replay at the same scale overflows too: the "
+                                             "data did it")
+            return
         if unconfirmed:
             evidence["why"] = "no other rank could replay the micro-batch"
             self._raise(SDCAlarm("nonfinite_local", step, (), (), False, evidence,
                                  candidate_ranks=unconfirmed, first_suspect_step=window, key=key))
         self._numeric(step, flagged, evidence)
 
-    def _replay_mine(self, step: int, loss: torch.Tensor | float, grad_fp: torch.Tensor
+    def _replay_mine(self, step: int, loss: torch.Tensor | float, grad_fp: torch.Tensor,
+                     states: dict[int, StepState], self_check: bool
                      ) -> tuple[torch.Tensor, Optional[BaseException]]:
-        """This rank's own record and its replays of its owners: (1 + M, 1 + P, 2), padded."""
+        """This rank's own record, its replays of its owners, and (on a self-check step) its
+        replay of its own step: (1 + M + 1, 1 + P, 2), padded with zeros."""
         own = ring.make_record(loss, grad_fingerprints=grad_fp)
         records = [own]
         error: Optional[BaseException] = None
-        for owner in self._my_replays:
+        owners = list(self._my_replays) + [None] * (self._max_replays - len(self._my_replays))
+        if self_check:
+            owners.append(self.rank)
+        for owner in owners:
+            if owner is None or error is not None:
+                records.append(torch.zeros_like(own))
+                continue
             try:
-                rl, rg = self._replay(owner, step)
+                rl, rg = self._replay(owner, step, states[owner])
                 records.append(ring.make_record(rl, rg))
             except Exception as e:  # noqa: BLE001 - reported collectively by the caller
                 error = e
                 records.append(torch.zeros_like(own))
-        while len(records) < 1 + self._max_replays:
+        if not self_check:
             records.append(torch.zeros_like(own))
         return torch.stack(records), error
+
+    def _judge_self_check(self, step: int, digests: torch.Tensor, m: int) -> None:
+        """Every rank's record of its own step against its own replay of it."""
+        self._self_check_due = False
+        self._audits_since_self_check = 0
+        self.counters["self_checks"] += 1
+        ranks = self.topology.ranks
+        odd = [ranks[k] for k in range(len(ranks))
+               if not torch.equal(digests[k, 0], digests[k, 1 + m])]
+        if not odd:
+            return
+        loss_differs = [ranks[k] for k in range(len(ranks))
+                        if int(digests[k, 0, 0]) != int(digests[k, 1 + m, 0])]
+        evidence = {"check": "self_replay", "ranks": odd, "loss_differs_on": loss_differs,
+                    "why": "the step does not reproduce on its own rank"}
+        self._numeric(step, odd, evidence, reason=(
+            f"step {step} does not reproduce on the rank that ran it (rank(s) "
+            f"{', '.join(map(str, odd))}): the training step is not a deterministic function of "
+            f"weights, batch, RNG state and loss scale, so no replay can judge the hardware; "
+            f"{LIKELY_CAUSES}"))
 
     def _row_names(self, rows: Sequence[int]) -> list[str]:
         return ["loss" if r == 0 else self.grad_names[r - 1] for r in rows][:_MAX_NAMES]
 
-    def _settle(self, step: int, mismatched: list[int], mine: torch.Tensor) -> None:
+    def _settle(self, step: int, mismatched: list[int], mine: torch.Tensor,
+                states: dict[int, StepState]) -> None:
         """Second round after a ring mismatch: referees on a third node replay; full records."""
         topo = self.topology
         referee = {o: ring.referee_of(topo, o, self._plan[o]) for o in mismatched}
@@ -448,7 +638,7 @@ class Auditor:
         error: Optional[BaseException] = None
         for owner in by_referee.get(self.rank, []):
             try:
-                rl, rg = self._replay(owner, step)
+                rl, rg = self._replay(owner, step, states[owner])
                 extra.append(ring.make_record(rl, rg))
             except Exception as e:  # noqa: BLE001 - reported collectively below
                 error = e
@@ -498,6 +688,14 @@ class Auditor:
         named = sorted(suspects)
         evidence = {"mismatches": cases, "audit_every": self.config.audit_every,
                     "last_clean_audit": self._last_clean_audit}
+        if 2 * len(mismatched) > self.world_size:
+            # One faulty GPU spoils at most its own record and the replays it computes: most
+            # owners disagreeing with their replayers is the setup, not a GPU.
+            evidence["why"] = "most ranks disagree with their replayers"
+            self._numeric(step, sorted(set(mismatched)), evidence, reason=(
+                f"{len(mismatched)} of {self.world_size} ranks disagree with their replays at "
+                f"step {step}; silent data corruption is local to one GPU, so the replays are "
+                f"not reproducing the training step; {LIKELY_CAUSES}"))
         self._raise(SDCAlarm("ring_replay", step, named, topo.suspect_nodes(named),
                              bool(named) and not unsettled, evidence,
                              candidate_ranks=sorted(suspects | unsettled),
@@ -570,14 +768,28 @@ class Auditor:
     def _key(self, check: str, step: int) -> str:
         return f"{self.config.job}-{check}-s{step}" if self.config.job else f"{check}-s{step}"
 
-    def _numeric(self, step: int, ranks: list[int], evidence: dict[str, Any]) -> None:
+    def _numeric(self, step: int, ranks: list[int], evidence: dict[str, Any],
+                 reason: Optional[str] = None) -> None:
         log_json(logging.ERROR, "numeric_failure", rank=self.rank, hostname=self.hostname,
-                 node=self.node, step=step, ranks=ranks, evidence=evidence)
-        raise NumericFailure(step, ranks, evidence)
+                 node=self.node, step=step, ranks=ranks, reason=reason, evidence=evidence)
+        raise NumericFailure(step, ranks, evidence, reason)
 
     def _raise(self, alarm: SDCAlarm) -> None:
-        """Drop this node's alarm file (if this rank writes for it), log one line, raise."""
+        """Drop this node's alarm file (if this rank writes for it), log one line, raise.
+
+        A settled verdict wider than one node or half the ranks is no hardware verdict (blast.py):
+        NumericFailure instead, and no file anywhere.
+        """
         topo = self.topology
+        if alarm.settled:
+            wide = too_wide(alarm.suspect_ranks, {r: topo.node_of(r) for r in topo.ranks},
+                            self.world_size)
+            if wide is not None:
+                evidence = {"alarm": alarm.to_dict(), "why": wide}
+                self._numeric(alarm.step, list(alarm.suspect_ranks), evidence, reason=(
+                    f"{alarm.check} would name rank(s) {', '.join(map(str, alarm.suspect_ranks))}"
+                    f", but {wide}: this is the training setup or the software, not a GPU; "
+                    f"{LIKELY_CAUSES}"))
         files: list[str] = []
         records = node_records(alarm, {r: topo.node_of(r) for r in topo.ranks},
                                {n: topo.suspect_node(topo.ranks_on(n)[0]) for n in topo.nodes},

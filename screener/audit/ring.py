@@ -12,14 +12,15 @@ Assignment (pure functions of the topology, so every rank derives the same plan)
   With fewer than three nodes there is none, and the mismatch stays unsettled.
 
 Replay computes loss and gradients of another rank's micro-batch on the unwrapped module with
-`torch.autograd.grad`, so the real .grad is untouched; it runs under `torch.random.fork_rng`, so the
-training loop's RNG streams do not move, and restores every buffer afterwards (a BatchNorm forward in
-training mode would otherwise update running statistics). For the bits to match, the forward must be
-a deterministic function of weights and batch (no dropout, or dropout seeded from the batch), and
-loss_fn must hold everything the training step wraps the forward in (torch.autocast, for one: a
-replay runs outside the training loop's context managers, and the loss is not rescaled), with
-deterministic kernels (CUDA: torch.use_deterministic_algorithms and CUBLAS_WORKSPACE_CONFIG) and the
-same intra-op thread count on every rank (CPU).
+`torch.autograd.grad`, so the real .grad is untouched. It starts from the owner's RNG states and
+uses the owner's loss scale (both travel with the audit payload, see capture.py), so dropout and a
+GradScaler replay bit for bit; this rank's own RNG streams are put back afterwards, and so is every
+buffer (a BatchNorm forward in training mode would otherwise update running statistics). For the
+bits to match, loss_fn must hold everything the training step wraps the forward in (torch.autocast,
+for one: a replay runs outside the training loop's context managers), with deterministic kernels
+(CUDA: torch.use_deterministic_algorithms and CUBLAS_WORKSPACE_CONFIG) and the same intra-op thread
+count on every rank (CPU). The auditor's self-check (auditor.py) finds a step that is not
+reproducible anyway and says so, instead of blaming a node.
 
 A record is an int64 tensor (1 + P, 2): row 0 = (bits of the loss as float64, 1), row 1 + k = the
 fingerprint of parameter k's gradient (None counts as zeros, whose fingerprint is (0, 0)).
@@ -28,14 +29,15 @@ fingerprint of parameter k's gradient (None counts as zeros, whose fingerprint i
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
+from screener.audit.capture import StepState, restored
 from screener.audit.topology import Topology
 from screener.fingerprint import fingerprints
 
-__all__ = ["replayer_of", "referee_of", "replay_plan", "replay", "make_record", "loss_bits",
+__all__ = ["replayer_of", "referee_of", "replay_plan", "replay", "loss_of", "make_record", "loss_bits",
            "record_digest", "differing_rows"]
 
 
@@ -78,12 +80,12 @@ def replay_plan(topo: Topology) -> dict[int, Optional[int]]:
 
 
 @contextlib.contextmanager
-def _preserved_state(module: torch.nn.Module, device: torch.device) -> Iterator[None]:
-    """Leave the module's buffers and the RNG streams as they were."""
+def _preserved_state(module: torch.nn.Module, device: torch.device,
+                     state: Optional[StepState]) -> Iterator[None]:
+    """Run from the owner's RNG states; leave the module's buffers and this rank's RNG streams as
+    they were."""
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
-    devices = [device.index if device.index is not None else torch.cuda.current_device()] \
-        if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
+    with restored(state, device):
         try:
             yield
         finally:
@@ -92,16 +94,57 @@ def _preserved_state(module: torch.nn.Module, device: torch.device) -> Iterator[
                     b.copy_(saved)
 
 
+def loss_of(out: Any) -> torch.Tensor:
+    """The loss in what a loss_fn returned: the tensor itself, the first element of a tuple or
+    list, the "loss" entry of a mapping, or the .loss attribute (Hugging Face model outputs)."""
+    value = out
+    if isinstance(out, Mapping):
+        value = out.get("loss")
+    elif isinstance(out, (tuple, list)) and out:
+        value = out[0]
+    elif not isinstance(out, torch.Tensor) and hasattr(out, "loss"):
+        value = out.loss
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        raise TypeError(f"loss_fn must return a one-element loss tensor (alone, first in a tuple, "
+                        f"or as 'loss'), not {type(out).__name__}")
+    return value
+
+
 def replay(module: torch.nn.Module, params: Sequence[torch.nn.Parameter],
-           loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], batch: Any, *,
-           device: torch.device) -> tuple[torch.Tensor, list[Optional[torch.Tensor]]]:
-    """Loss and gradients of `batch` with respect to `params`, without touching any .grad."""
-    with _preserved_state(module, device), torch.enable_grad():
-        loss = loss_fn(module, batch)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise TypeError(f"loss_fn must return a one-element tensor, not {type(loss).__name__}")
-        grads = torch.autograd.grad(loss.reshape(()), list(params), allow_unused=True)
-    return loss.detach(), list(grads)
+           loss_fn: Callable[[torch.nn.Module, Any], Any], batch: Any, *,
+           device: torch.device, state: Optional[StepState] = None,
+           accumulation_steps: int = 1) -> tuple[torch.Tensor, list[Optional[torch.Tensor]]]:
+    """Loss and gradients of `batch` with respect to `params`, without touching any .grad.
+
+    state: the owner's RNG states and loss scale (capture.py). The gradient is that of the loss
+    times the scale, computed as GradScaler.scale computes it, so it matches the owner's scaled
+    gradient bit for bit. accumulation_steps > 1: batch is a sequence of that many micro-batches,
+    replayed in order from the same starting RNG state; their gradients are added one after the
+    other as .grad accumulation adds them, and the loss is the sum of the micro-batch losses
+    (what the loop must pass to check_gradients).
+    """
+    micro = [batch]
+    if accumulation_steps > 1:
+        if not isinstance(batch, Sequence) or len(batch) != accumulation_steps:
+            raise TypeError(f"with accumulation_steps={accumulation_steps}, batch_fn must return a "
+                            f"sequence of that many micro-batches")
+        micro = list(batch)
+    scale = None if state is None or state.scale is None else \
+        torch.full((1,), state.scale, dtype=torch.float32, device=device)
+    total: Optional[torch.Tensor] = None
+    acc: list[Optional[torch.Tensor]] = [None] * len(params)
+    with _preserved_state(module, device, state), torch.enable_grad():
+        for mb in micro:
+            loss = loss_of(loss_fn(module, mb))
+            total = loss.detach() if total is None else total + loss.detach()
+            out = loss if scale is None else loss * scale.to(device=loss.device)
+            grads = torch.autograd.grad(out.reshape(()), list(params), allow_unused=True)
+            for k, g in enumerate(grads):
+                if g is None:
+                    continue
+                acc[k] = g if acc[k] is None else acc[k] + g  # type: ignore[operator]
+    assert total is not None
+    return total, acc
 
 
 def loss_bits(loss: torch.Tensor | float) -> int:
