@@ -54,6 +54,7 @@ def kat_env(tmp_path_factory):
 
     clean = kat()()
     assert clean.screen.outcome == Outcome.PASS
+    kat.dirs = (str(jobs), str(golden))  # type: ignore[attr-defined]
     return kat, clean
 
 
@@ -175,3 +176,51 @@ def test_only_passing_devices_publish_digests_by_platform():
     digests = {"cuda:0": {"j": "aa"}, "cuda:1": {"j": "bb", "k": "cc"}, "cuda:2": {"j": "dd"},
                "cuda:3": {"j": "ee"}}
     assert platform_digests(verdicts, digests) == {"p1": {"j": "aa"}, "p2": {"j": "dd"}}
+
+
+def test_the_daemon_runs_the_full_burnin_itself_in_its_worker(kat_env, tmp_path):
+    """A new node, idle: the daemon's real worker process runs the burn-in's device stages (the
+    known-answer jobs for the configured seconds, at least twice, and the HBM test), the daemon
+    adds the probes before and after, and the node becomes healthy with a verdict saying so."""
+    from screener.screening import KatOptions, KatProcessRunner
+    from test_daemon import DaemonRig
+
+    kat, _ = kat_env
+    jobs, golden = kat.dirs
+    runner = KatProcessRunner(KatOptions(jobs=("tiny-gemm",), devices=("cpu",), golden_dir=golden,
+                                         jobs_dir=jobs, burnin_seconds=1.0,
+                                         hbm_max_bytes=1 << 20), work_dir=str(tmp_path / "screens"))
+    # A CPU node: NVML reports no GPU, so the node has one device (the CPU).
+    rig = DaemonRig(tmp_path, runner, nvml=FakeNvml([]), idle_window_s=0.0, burnin_duration_s=1.0,
+                    jobs=["tiny-gemm"], job_poll_s=0.2)
+    try:
+        report = rig.tick()
+        assert report.screen is not None and report.screen.kind == "full", report.errors
+        names = [st["name"] for st in report.screen.stages]
+        assert names == ["known-answer", "hbm"]
+        kat_data = report.screen.stages[0]["data"]
+        assert kat_data["seconds"] >= 1.0 and kat_data["iterations"]["cpu"] >= 2
+        assert report.state == NodeState.HEALTHY
+        verdict = rig.store.get_verdict(rig.config.node)
+        assert verdict["kind"] == "full" and verdict["missing"] == []
+        assert [st["name"] for st in verdict["stages"]] == ["probes-before", "known-answer", "hbm",
+                                                            "probes-after"]
+        assert list((tmp_path / "screens").iterdir()) == []  # the worker's folder is gone
+    finally:
+        rig.close()
+
+
+def test_a_burnin_shorter_than_configured_is_partial_and_keeps_the_node_in_burnin(kat_env, tmp_path):
+    from test_daemon import DaemonRig, ScriptedRunner, as_full_burnin, outcome
+
+    # The worker reports 5 s of known-answer rounds; the node requires an hour.
+    runner = ScriptedRunner(as_full_burnin(outcome(Outcome.PASS)))
+    rig = DaemonRig(tmp_path, runner, idle_window_s=0.0, burnin_duration_s=3600.0)
+    try:
+        report = rig.tick()
+        assert report.state == NodeState.BURNIN and report.screen.outcome == Outcome.PASS
+        verdict = rig.store.get_verdict(rig.config.node)
+        assert verdict["kind"] == "partial"
+        assert verdict["missing"] == ["the known-answer jobs ran 5 s of the required 3600 s"]
+    finally:
+        rig.close()
