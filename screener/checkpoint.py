@@ -1,7 +1,9 @@
 """Read the tensors of a checkpoint file safely: torch.save'd (nested) dicts or safetensors files.
 
 Pickles are loaded with weights_only=True, so a file that would need arbitrary code to load is refused
-rather than executed. Every problem is a BadInputError naming the file.
+rather than executed. Every problem is a BadInputError naming the file, also a structure nested
+deeper than MAX_DEPTH (a crafted pickle can nest a list 100,000 deep without running code) or
+holding more than MAX_ENTRIES containers and leaves.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ import torch
 
 from screener.errors import BadInputError
 
+MAX_DEPTH = 64  # a real checkpoint nests a handful of levels (optimizer state, param groups)
+MAX_ENTRIES = 10_000_000
+
 
 def _why(e: BaseException) -> str:
     """One line describing an exception, with its type when the message alone says little."""
@@ -26,15 +31,29 @@ def _why(e: BaseException) -> str:
 
 
 def _flatten(obj: Any, prefix: str, out: dict[str, torch.Tensor], path: Path) -> None:
-    if isinstance(obj, torch.Tensor):
-        out[prefix or "<tensor>"] = obj
-    elif isinstance(obj, Mapping):
-        for k, v in obj.items():
-            _flatten(v, f"{prefix}.{k}" if prefix else str(k), out, path)
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            _flatten(v, f"{prefix}.{i}" if prefix else str(i), out, path)
-    # Other leaves (step counters, strings, None) carry no tensor bits to fingerprint.
+    """Collect every tensor under obj by dotted name, without recursion (so no depth of nesting
+    can raise RecursionError) and within MAX_DEPTH and MAX_ENTRIES."""
+    stack: list[tuple[Any, str, int]] = [(obj, prefix, 0)]
+    seen = 0
+    found: list[tuple[str, torch.Tensor]] = []
+    while stack:
+        v, name, depth = stack.pop()
+        seen += 1
+        if seen > MAX_ENTRIES:
+            raise BadInputError(f"{path}: holds more than {MAX_ENTRIES} entries; not a checkpoint")
+        if isinstance(v, torch.Tensor):
+            found.append((name or "<tensor>", v))
+            continue
+        if isinstance(v, Mapping):
+            items = [(f"{name}.{k}" if name else str(k), x) for k, x in v.items()]
+        elif isinstance(v, (list, tuple)):
+            items = [(f"{name}.{i}" if name else str(i), x) for i, x in enumerate(v)]
+        else:
+            continue  # other leaves (step counters, strings, None) carry no tensor bits
+        if depth >= MAX_DEPTH and items:
+            raise BadInputError(f"{path}: nested deeper than {MAX_DEPTH} levels; not a checkpoint")
+        stack.extend((x, n, depth + 1) for n, x in reversed(items))
+    out.update(found)  # in the order a recursive walk would give
 
 
 def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:
@@ -44,6 +63,8 @@ def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:
         raise BadInputError(f"{p}: no such file")
     if p.is_dir():
         raise BadInputError(f"{p}: is a directory, not a checkpoint file")
+    if not p.is_file():  # a FIFO or a device would block or never end
+        raise BadInputError(f"{p}: not a regular file")
     with open(p, "rb") as f:
         head = f.read(16)
     if p.suffix == ".safetensors" or (len(head) >= 9 and head[8:9] == b"{"):
@@ -62,8 +83,10 @@ def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:
             raise BadInputError(f"{p}: refused: a pickle that weights_only=True cannot load "
                                 f"without running code: {_why(e)}") from None
         raise BadInputError(f"{p}: not a PyTorch checkpoint: {_why(e)}") from None
+    except RecursionError:
+        raise BadInputError(f"{p}: not a PyTorch checkpoint: nested too deeply") from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError, AttributeError,
-            TypeError, IndexError, KeyError, UnicodeDecodeError) as e:
+            TypeError, IndexError, KeyError, UnicodeDecodeError, MemoryError) as e:
         raise BadInputError(f"{p}: not a PyTorch checkpoint: {_why(e)}") from None
     out: dict[str, torch.Tensor] = {}
     _flatten(obj, "", out, p)

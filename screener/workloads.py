@@ -193,6 +193,7 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "signal": (0, 64),
 }
 MAX_SHAPES = 16
+MAX_SPEC_BYTES = 64 * 1024
 MAX_DIM = 65_536
 MAX_FLOPS = 1e18  # about ten minutes of a whole H100 at its dense peak
 MAX_BYTES = 2**40  # 1 TiB: no device has more; check_fits compares with the real one
@@ -322,13 +323,25 @@ def check_fits(spec: "JobSpec", device: str, *, free_bytes: Optional[float],
 
 def load_job(path: str | os.PathLike[str]) -> JobSpec:
     """Parse and validate one jobs/*.toml; the job's name must equal the file's stem."""
+    from screener import boundedjson
+
     p = Path(path)
     try:
-        data = tomllib.loads(p.read_text())
+        raw = boundedjson.read_regular(p, MAX_SPEC_BYTES)
     except OSError as e:
         raise ConfigError(f"{p}: cannot read job spec: {e.strerror or e}") from e
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{p}: not valid TOML: {e}") from e
+    except ValueError as e:
+        raise ConfigError(f"{p}: cannot read job spec: {e}") from None
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not UTF-8 text (byte {e.start})") from None
+    except RecursionError:
+        raise ConfigError(f"{p}: not valid TOML: nested too deeply") from None
+    except ValueError as e:  # TOMLDecodeError, a huge integer
+        raise ConfigError(f"{p}: not valid TOML: {str(e).splitlines()[0] if str(e) else e}") from None
+    if boundedjson.depth(data) > 8:
+        raise ConfigError(f"{p}: nested deeper than a job spec can be")
     spec = JobSpec.from_dict({**data, "path": str(p)}, source=str(p))
     if spec.name != p.stem:
         raise ConfigError(f"{p}: job name {spec.name!r} differs from the file name {p.stem!r}")

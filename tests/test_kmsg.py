@@ -259,3 +259,22 @@ def test_real_dev_kmsg_is_read_without_blocking_and_once(tmp_path):
         again = r.read_new()
     assert again.lines < first.lines  # only what the kernel logged in between, if anything
     assert json.loads(state.read_text())["seq"] >= saved["seq"]
+
+
+def test_a_device_other_than_kmsg_or_a_fifo_is_refused_not_read_forever(tmp_path):
+    import os
+    import time
+
+    from screener.errors import BadInputError
+    from screener.health.kmsg import KernelLogReader, KmsgUnavailable
+
+    t0 = time.monotonic()
+    with pytest.raises(BadInputError, match="/dev/zero: a character device that is not /dev/kmsg"):
+        KernelLogReader("/dev/zero", user_input=True).read_new()
+    with pytest.raises(KmsgUnavailable, match="not /dev/kmsg"):
+        KernelLogReader("/dev/null").read_new()
+    fifo = tmp_path / "log.fifo"
+    os.mkfifo(fifo)  # opening it for reading would block without a writer
+    with pytest.raises(BadInputError, match="neither /dev/kmsg nor a regular file"):
+        KernelLogReader(str(fifo), user_input=True).read_new()
+    assert time.monotonic() - t0 < 5

@@ -20,6 +20,11 @@ state file (written to a temporary name, then renamed):
 
 With no state yet, ``first_read="all"`` reports what is already there and ``"end"`` only what
 arrives after the reader starts (the daemon's start).
+
+Hostile paths are refused, never read forever: a character device must be /dev/kmsg itself
+(major 1, minor 11: /dev/zero would otherwise feed an endless stream of records), anything else
+must be a regular file (opened with O_NONBLOCK so a FIFO cannot block the open). One read takes
+at most MAX_RECORDS records or MAX_FILE_BYTES bytes; the rest is read next time.
 """
 
 from __future__ import annotations
@@ -42,6 +47,9 @@ log = logging.getLogger(__name__)
 DEFAULT_KMSG = "/dev/kmsg"
 DEFAULT_BOOT_ID = "/proc/sys/kernel/random/boot_id"
 _READ_SIZE = 16384  # /dev/kmsg returns one record per read and EINVAL for a short buffer
+KMSG_DEVICE = (1, 11)  # major, minor of /dev/kmsg on Linux
+MAX_RECORDS = 100_000  # per read_new(): the ring buffer holds far fewer
+MAX_FILE_BYTES = 64 * 1024 * 1024  # per read_new() of a plain log file
 
 _XID_RE = re.compile(
     r"^NVRM: Xid \((?:PCI:)?(?P<pci>[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}(?:\.[0-7])?)\):"
@@ -202,9 +210,21 @@ class KernelLogReader:
         if self._opener is not None:
             return True
         try:
-            return stat.S_ISCHR(os.stat(self.path).st_mode)
+            st = os.stat(self.path)
         except OSError as e:
             raise self._unavailable(e) from e
+        if stat.S_ISCHR(st.st_mode):
+            if (os.major(st.st_rdev), os.minor(st.st_rdev)) != KMSG_DEVICE:
+                raise self._refused("a character device that is not /dev/kmsg")
+            return True
+        if not stat.S_ISREG(st.st_mode):
+            raise self._refused("neither /dev/kmsg nor a regular file")
+        return False
+
+    def _refused(self, why: str) -> ScreenerError:
+        if self._user_input:
+            return BadInputError(f"kernel log {self.path}: {why}")
+        return KmsgUnavailable(f"kernel log unavailable: {self.path}: {why}")
 
     def read_new(self) -> KmsgRead:
         """Xid events logged since the last read (or per ``first_read`` on the very first)."""
@@ -234,7 +254,7 @@ class KernelLogReader:
                             else os.open(self.path, os.O_RDONLY | os.O_NONBLOCK))
             except OSError as e:
                 raise self._unavailable(e) from e
-        while True:
+        for _ in range(MAX_RECORDS):
             try:
                 chunk = os.read(self._fd, _READ_SIZE)
             except BlockingIOError:
@@ -283,11 +303,13 @@ class KernelLogReader:
 
     def _read_file(self) -> KmsgRead:
         try:
-            f = open(self.path, "rb")
+            f = os.fdopen(os.open(self.path, os.O_RDONLY | os.O_NONBLOCK), "rb")
         except OSError as e:
             raise self._unavailable(e) from e
         with f:
             info = os.fstat(f.fileno())
+            if not stat.S_ISREG(info.st_mode):  # swapped for a FIFO or a device since the stat
+                raise self._refused("not a regular file")
             st = self._state
             restarted = False
             if st is None or st.kind != "file":
@@ -297,9 +319,11 @@ class KernelLogReader:
             else:
                 offset = st.offset
             f.seek(offset)
-            data = f.read()
+            data = f.read(MAX_FILE_BYTES)
         # Only complete lines: a line still being written is read next time, whole.
         end = data.rfind(b"\n") + 1
+        if end == 0 and len(data) >= MAX_FILE_BYTES:
+            end = len(data)  # one "line" longer than a whole read is not a log line: skip it
         events, lines = [], 0
         for raw in data[:end].splitlines():
             lines += 1
