@@ -217,3 +217,117 @@ def test_cli_set_status_history_lemons(tmp_path):
     assert json.loads(r.output)["nodes"] == []
     r = runner.invoke(main, ["lemons", "--days", "0.05", "--db", str(db)])  # 72 minutes: 2 failures
     assert r.exit_code == 0 and "gpu-2" not in r.output
+
+
+# --- the quarantine budget and the per-GPU lemon lookup ----------------------------------------
+
+def confirmed(serial: str = "") -> "Verdict":
+    from screener.types import Outcome, Verdict
+
+    evidence = {"confirmed": True, **({"gpu_serial": serial} if serial else {})}
+    return Verdict(device="cuda:0", outcome=Outcome.SUSPECT, reason="mismatch", job="gemm-fp32",
+                   evidence=evidence)
+
+
+def healthy_fleet(store, names, when=NOW - 1000):
+    for n in names:
+        store.record(t(n, None, S.BURNIN, when))
+        store.record(t(n, S.BURNIN, S.HEALTHY, when + 1))
+
+
+def test_a_node_held_by_the_budget_takes_the_slot_when_it_frees(tmp_path):
+    from screener.lifecycle import Remediation
+    from screener.stores import reconsider_held
+
+    store = LocalStore(tmp_path / "budget.db")
+    healthy_fleet(store, [f"n{k}" for k in range(10)])  # budget: 1 node
+    assert apply_event(store, "n0", confirmed(), now=NOW).state == S.QUARANTINED
+    held = apply_event(store, "n1", confirmed(), now=NOW + 1)
+    assert held.state == S.SUSPECT and held.transition.evidence["held_by_budget"] is True
+    # No slot: reconsidering changes nothing (and costs nothing for a node not suspect).
+    assert reconsider_held(store, "n1", S.SUSPECT, now=NOW + 2) == S.SUSPECT
+    assert reconsider_held(store, "n2", S.HEALTHY, now=NOW + 2) == S.HEALTHY
+    apply_event(store, "n0", Remediation(passed=True), now=NOW + 3)  # n0 leaves quarantine
+    # Looked at most every 30 s per node: too soon, then the slot is taken.
+    assert reconsider_held(store, "n1", S.SUSPECT, now=NOW + 4) == S.SUSPECT
+    assert reconsider_held(store, "n1", S.SUSPECT, now=NOW + 40) == S.QUARANTINED
+    last = store.history("n1")[-1]
+    assert (last.from_state, last.to_state, last.code) == (S.SUSPECT, S.QUARANTINED,
+                                                           "QuarantineBudgetExhausted")
+    assert last.evidence["released_by_budget"]["held_transition"] == held.transition.id
+    assert not last.failure  # the failure counted once, when the node was held
+    # The slot is taken again: the next failure is held.
+    assert apply_event(store, "n2", confirmed(), now=NOW + 50).state == S.SUSPECT
+    store.close()
+
+
+def test_the_gpu_lemon_rule_finds_a_serial_without_reading_the_fleet(tmp_path):
+    store = LocalStore(tmp_path / "lemon.db")
+    healthy_fleet(store, [f"n{k}" for k in range(40)])  # budget: 4 nodes
+    # GPU SN-9 fails on n0, then (moved) on n1, then on n2: the third failure is a lemon.
+    for k, name in enumerate(["n0", "n1"]):
+        assert apply_event(store, name, confirmed("SN-9"), now=NOW + k).state == S.QUARANTINED
+    assert apply_event(store, "n3", confirmed("SN-other"), now=NOW + 3).state == S.QUARANTINED
+    assert [f.node for f in store.failures_for(["SN-9"], NOW - 10)] == ["n0", "n1"]
+    assert store.failures_for(["SN-9"], NOW + 0.5)[0].node == "n1"
+    assert store.failures_for(["nope"], 0) == []
+    d = apply_event(store, "n2", confirmed("SN-9"), now=NOW + 5)
+    assert d.state == S.REPAIR and d.transition.evidence["lemon"]["gpu_serial"] == "SN-9"
+    rows = {r["node"]: r for r in store.summaries()}
+    assert rows["n2"]["state"] == "repair" and rows["n2"]["reason"].startswith("lemon rule")
+    assert len(rows) == 40
+    store.close()
+
+
+FULL_DISK = textwrap.dedent("""
+    import json, os, subprocess, sys
+    from screener.stores.local import LocalStore
+    from screener.stores.base import DiskFullError, Transition
+    from screener.types import NodeState as S
+    d = sys.argv[1]
+    db = os.path.join(d, "state.db")
+    store = LocalStore(db)
+    store.record(Transition(node="n", time=1.0, from_state=None, to_state=S.BURNIN, reason="new"))
+    fd = os.open(os.path.join(d, "filler"), os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\\0" * 65536)
+    except OSError:
+        os.close(fd)
+    out = {}
+    big = Transition(node="n", time=2.0, from_state=S.BURNIN, to_state=S.QUARANTINED,
+                     reason="x" * 20000, evidence={"pad": "y" * 100000})
+    try:
+        store.record(big)
+        out["record"] = "written"
+    except DiskFullError as e:
+        out["record"] = str(e)
+    cli = subprocess.run([sys.executable, "-m", "screener.cli", "node", "set", "m", "burnin",
+                          "--reason", "z" * 50000, "--db", os.path.join(d, "new.db")],
+                         capture_output=True, text=True)
+    out["cli"] = [cli.returncode, cli.stderr]
+    os.remove(os.path.join(d, "filler"))
+    store.record(big)  # space freed: the same write goes through
+    out["after"] = store.get_state("n").value
+    print(json.dumps(out))
+""")
+
+
+def test_a_full_disk_is_named_not_a_rollback_error(tmp_path):
+    """A real full filesystem: a 512 KiB tmpfs in a private mount namespace (root: unshare -m,
+    otherwise a user namespace: unshare -rm), filled to the last byte."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    ns = ["unshare", "-m"] if os.geteuid() == 0 else ["unshare", "-rm"]
+    script = tmp_path / "full.py"
+    script.write_text(FULL_DISK)
+    cmd = f"mount -t tmpfs -o size=512k tmpfs {mnt} && exec {sys.executable} {script} {mnt}"
+    p = subprocess.run([*ns, "sh", "-c", cmd], capture_output=True, text=True, env=ENV, timeout=120)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["record"].startswith(f"{mnt}/state.db: the disk is full (filesystem {mnt}, ")
+    assert "rollback" not in out["record"]
+    code, stderr = out["cli"]
+    assert code == 1 and stderr.count("\n") == 1 and "Traceback" not in stderr
+    assert f"{mnt}/new.db: the disk is full (filesystem {mnt}" in stderr
+    assert out["after"] == "quarantined"

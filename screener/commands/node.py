@@ -108,13 +108,9 @@ def status_cmd(node: Optional[str], as_json: bool, store: Any) -> int:
                            f"{verdict.get('reason', '')}".rstrip())
         return int(ExitCode.PASS)
 
-    states = store.all_states()
-    rows = []
-    for name, state in states.items():
-        hist = store.history(name)
-        last = hist[-1] if hist else None
-        rows.append({"node": name, "state": state.value, "since": last.time if last else None,
-                     "reason": last.reason if last else "", "actor": last.actor if last else ""})
+    # One read of the fleet (SQLite: one query; Kubernetes: one paginated list of Node metadata,
+    # whose summary annotation holds the last transition), not one read per node.
+    rows = store.summaries()
     if as_json:
         counts = {s.value: sum(1 for r in rows if r["state"] == s.value) for s in NodeState}
         _emit({"nodes": rows, "counts": counts})
@@ -200,13 +196,20 @@ def lemons_cmd(days: float, min_failures: int, as_json: bool, store: Any) -> int
 
     failures = store.failures(time.time() - days * 86400)
     by_node, by_serial = lemon_counts(failures)
-    states = store.all_states()
+    # One pass over the failures for the details too: linear in their number, not per lemon.
+    last_failure: dict[str, float] = {}
+    serial_nodes: dict[str, set[str]] = {}
+    for t in failures:
+        last_failure[t.node] = max(t.time, last_failure.get(t.node, t.time))
+        for s in t.gpu_serials:
+            serial_nodes.setdefault(s, set()).add(t.node)
+    states = store.all_states() if any(c >= min_failures for c in by_node.values()) else {}
     nodes: list[dict[str, Any]] = [
         {"node": n, "failures": c, "state": states[n].value if n in states else None,
-         "last_failure": max(t.time for t in failures if t.node == n)}
+         "last_failure": last_failure[n]}
         for n, c in sorted(by_node.items(), key=lambda kv: (-kv[1], kv[0])) if c >= min_failures]
     gpus: list[dict[str, Any]] = [
-        {"serial": s, "failures": c, "nodes": sorted({t.node for t in failures if s in t.gpu_serials})}
+        {"serial": s, "failures": c, "nodes": sorted(serial_nodes.get(s, ()))}
         for s, c in sorted(by_serial.items(), key=lambda kv: (-kv[1], kv[0])) if c >= min_failures]
     if as_json:
         _emit({"window_days": days, "min_failures": min_failures, "nodes": nodes, "gpus": gpus})

@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import random
+import stat
 import threading
 import time
 from contextlib import contextmanager
@@ -159,18 +160,28 @@ class KubeStore:
         from screener.stores import default_state_dir
 
         cfg = kubernetes.client.Configuration()
+        in_cluster = not kubeconfig and bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
+        where = kubeconfig or ("in-cluster service account" if in_cluster else
+                               os.environ.get("KUBECONFIG") or "~/.kube/config")
         try:
             if kubeconfig:
+                check_kubeconfig(str(kubeconfig))
                 kubernetes.config.load_kube_config(config_file=str(kubeconfig), context=context,
                                                    client_configuration=cfg)
-            elif os.environ.get("KUBERNETES_SERVICE_HOST"):
+            elif in_cluster:
                 kubernetes.config.load_incluster_config(client_configuration=cfg)
             else:
+                for path in (os.environ.get("KUBECONFIG") or "~/.kube/config").split(os.pathsep):
+                    if path and os.path.exists(os.path.expanduser(path)):
+                        check_kubeconfig(os.path.expanduser(path))
                 kubernetes.config.load_kube_config(context=context, client_configuration=cfg)
-        except (kubernetes.config.ConfigException, OSError, ValueError, TypeError) as e:
-            where = kubeconfig or ("in-cluster service account" if os.environ.get(
-                "KUBERNETES_SERVICE_HOST") else os.environ.get("KUBECONFIG") or "~/.kube/config")
-            raise ConfigError(f"{where}: cannot load Kubernetes configuration: {e}") from e
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the loader parses hostile text; any failure is
+            # the file's: a garbage kubeconfig raises AttributeError, TypeError, KeyError,
+            # yaml errors, RecursionError... all one line and exit 2, never a traceback.
+            text = " ".join(str(e).split())[:300] or type(e).__name__
+            raise ConfigError(f"{where}: cannot load Kubernetes configuration: {text}") from e
         spool = Spool(spool_path if spool_path is not None else default_state_dir() / "spool.db")
         return cls(kubernetes.client.ApiClient(cfg), spool=spool, **kwargs)
 
@@ -719,6 +730,65 @@ class KubeStore:
         except KubeApiError as e:
             if e.status != 409:  # 409: AlreadyExists, posted by an earlier attempt
                 raise
+
+
+KUBECONFIG_MAX_BYTES = 1024 * 1024
+
+
+def check_kubeconfig(path: str) -> None:
+    """Refuse what the kubeconfig loader would hang on or choke on before it reads the file: not
+    a regular file (a FIFO or a device would block or never end), over 1 MiB, not UTF-8, not a
+    YAML mapping, or nested deeper than a kubeconfig ever is. One line naming the file."""
+    import yaml
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the kubeconfig: {e.strerror or e}") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"{path}: the kubeconfig is not a regular file")
+        if st.st_size > KUBECONFIG_MAX_BYTES:
+            raise ConfigError(f"{path}: the kubeconfig is {st.st_size} bytes, more than "
+                              f"{KUBECONFIG_MAX_BYTES}")
+        data = os.read(fd, KUBECONFIG_MAX_BYTES + 1)
+    finally:
+        os.close(fd)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: the kubeconfig is not UTF-8 text (byte {e.start})") from None
+    depth = max_depth = 0
+    for ch in text:  # flow-style nesting; block style cannot go deep in 1 MiB of sane text
+        if ch in "[{":
+            depth += 1
+            max_depth = max(max_depth, depth)
+        elif ch in "]}":
+            depth = max(0, depth - 1)
+    if max_depth > 32:
+        raise ConfigError(f"{path}: the kubeconfig nests {max_depth} levels deep")
+    try:
+        doc = yaml.safe_load(text)
+    except (yaml.YAMLError, RecursionError) as e:
+        raise ConfigError(f"{path}: the kubeconfig is not valid YAML: "
+                          f"{' '.join(str(e).split())[:200]}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: the kubeconfig is not a YAML mapping "
+                          f"(got {type(doc).__name__})")
+    for key in ("clusters", "contexts", "users"):
+        items = doc.get(key)
+        if items is None:
+            continue
+        if not isinstance(items, list) or not all(
+                isinstance(i, dict) and isinstance(i.get("name"), str)
+                and isinstance(i.get(key[:-1]) or {}, dict) for i in items):
+            raise ConfigError(f"{path}: kubeconfig {key} must be a list of "
+                              f"{{name: ..., {key[:-1]}: {{...}}}} entries")
+    for c in doc.get("clusters") or ():
+        server = (c.get("cluster") or {}).get("server")
+        if server is not None and not isinstance(server, str):
+            raise ConfigError(f"{path}: kubeconfig cluster {c['name']!r}: server must be a URL")
 
 
 # --- parsing Node objects -------------------------------------------------------------------------
