@@ -175,6 +175,7 @@ class _CappedServer(ThreadingHTTPServer):
     shut down to make room for a new one (its handler thread then sees end of input and ends)."""
 
     daemon_threads = True
+    request_queue_size = 128  # the listen backlog: a burst of connects must not wait on SYN retries
 
     def __init__(self, address: tuple[str, int], handler: Any, max_connections: int) -> None:
         self.max_connections = max_connections

@@ -121,3 +121,67 @@ def test_a_taken_metrics_port_is_a_config_error_naming_it(served):
     rig, server = served
     with pytest.raises(ConfigError, match=f"127.0.0.1:{server.port}.*metrics_port"):
         MetricsServer(rig.metrics, "127.0.0.1", server.port)
+
+
+def test_idle_connections_cannot_starve_the_server(tmp_path):
+    """300 connections that never send a byte: the server holds at most its cap (the oldest are
+    closed to make room), so file descriptors stay bounded and /healthz still answers at once."""
+    import socket
+    import time
+
+    from screener.metrics import DaemonMetrics
+
+    metrics = DaemonMetrics(NODE)
+    server = MetricsServer(metrics, "127.0.0.1", 0, max_connections=16, read_timeout_s=30).start()
+    idle = []
+    try:
+        assert server.host == "127.0.0.1"  # the address it was given, not every interface
+        for _ in range(300):
+            idle.append(socket.create_connection(("127.0.0.1", server.port), timeout=5))
+        t0 = time.monotonic()
+        status, _, body = get(server.url + "/healthz")
+        assert status == 200 and json.loads(body) == {"alive": True}
+        assert time.monotonic() - t0 < 5
+        assert server._server.open_connections <= 16
+        # An evicted idle connection was closed by the server: it reads end of input.
+        idle[0].settimeout(5)
+        assert idle[0].recv(1) == b""
+    finally:
+        for s in idle:
+            s.close()
+        server.stop()
+
+
+def test_a_silent_client_is_dropped_after_the_read_timeout():
+    import socket
+    import time
+
+    from screener.metrics import DaemonMetrics
+
+    server = MetricsServer(DaemonMetrics(NODE), "127.0.0.1", 0, read_timeout_s=0.5).start()
+    try:
+        s = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        t0 = time.monotonic()
+        assert s.recv(1) == b""  # closed by the server, not by our own timeout
+        assert time.monotonic() - t0 < 5
+        s.close()
+    finally:
+        server.stop()
+
+
+def test_readiness_says_when_the_intake_is_stalled():
+    from screener.metrics import DaemonMetrics
+
+    metrics = DaemonMetrics(NODE)
+    server = MetricsServer(metrics, "127.0.0.1", 0).start()
+    try:
+        metrics.ready = True
+        assert get(server.url + "/readyz")[0] == 200
+        metrics.intake_pass(0, "cannot list /var/run/screener/alarms: Permission denied")
+        status, _, body = get(server.url + "/readyz")
+        assert status == 503 and "Permission denied" in json.loads(body)["intake"]
+        assert value(scrape(server), "screener_alarm_intake_stalled") == 1.0
+        metrics.intake_pass(0, "")
+        assert get(server.url + "/readyz")[0] == 200
+    finally:
+        server.stop()
