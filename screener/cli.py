@@ -33,6 +33,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "lemons": ("screener.commands.node", "lemons_cmd", "List nodes and GPUs that fail repeatedly."),
     "daemon": ("screener.commands.daemon", "daemon_cmd", "Run the per-node DaemonSet loop (or one pass with --once)."),
     "drill": ("screener.commands.daemon", "drill_cmd", "Fire drill: an injected fault followed from the job to the node label."),
+    "launch": ("screener.commands.launch", "launch_cmd", "Run torchrun (or a command); exit with the workers' 75/77/76 verdict."),
     "report": ("screener.commands.report", "report_group", "HTML report with plots of a burn-in or of the fleet."),
 }
 

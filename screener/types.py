@@ -89,6 +89,7 @@ ANNOTATION_DIGESTS = "screener.io/kat-digests"
 ALARM_DIR_ENV = "SCREENER_ALARM_DIR"
 DEFAULT_ALARM_DIR = "/var/run/screener/alarms"
 NODE_NAME_ENV = "NODE_NAME"
+EXIT_DIR_ENV = "SCREENER_EXIT_DIR"  # set by screener launch: run_guarded records its exit code there
 
 # Condition reasons (CamelCase, as Kubernetes expects).
 REASON_KAT_MISMATCH = "KnownAnswerMismatch"
@@ -103,6 +104,8 @@ ALARM_CHECK_REASONS: Mapping[str, str] = {
     "ring_replay": REASON_RING_REPLAY,
     "weights": REASON_WEIGHTS,
     "straggler": "Straggler",  # screener.straggler: a rank slower than its peers for w steps
+    # screener.audit.run_guarded: a worker ended with 75 on a hardware error (ECC, uncorrectable)
+    "hardware_error": "HardwareErrorInJob",
 }
 
 

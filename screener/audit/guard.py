@@ -10,7 +10,17 @@
 | anything else                                               | re-raised (a bug: a person looks) |
 
 The first failing rank is the evidence and the timeouts of the others are noise, so every failure is
-logged first as one JSON line that starts with the rank and hostname. The message matching is crude
+logged first as one JSON line that starts with the rank and hostname.
+
+Two more things happen on the way out, so the verdict reaches whoever acts on it:
+
+- under `screener launch` (SCREENER_EXIT_DIR set), the code is recorded in that directory, one file
+  per process, so the launcher exits with 75/77/76 even when torchrun says 1 or the process dies
+  in a library's teardown after the verdict (see screener/launch.py);
+- a 75 that is not an SDCAlarm (the in-job checks write their own files, about the suspect nodes
+  only: a hardware error message such as an uncorrectable ECC error) drops an unsettled alarm file,
+  check "hardware_error", about this process's own node into SCREENER_ALARM_DIR, so the DaemonSet
+  there makes the node suspect and screens it. The message matching is crude
 by nature (it reads what CUDA, NCCL and gloo print); `classify` is public so a job can extend it.
 """
 
@@ -20,15 +30,21 @@ import logging
 import os
 import re
 import socket
+import time
+import uuid
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
-from screener.audit.alarms import NumericFailure, SDCAlarm, log_json
-from screener.audit.topology import node_name
-from screener.types import ExitCode
+from screener.audit.alarms import NumericFailure, SDCAlarm, alarm_dir, log_json, write_alarm_file, \
+    write_atomic
+from screener.audit.topology import instance_id_of, node_name
+from screener.types import EXIT_DIR_ENV, AlarmRecord, ExitCode, SuspectNode
 
-__all__ = ["classify", "run_guarded"]
+__all__ = ["classify", "run_guarded", "record_exit_code", "hardware_error_alarm"]
+
+log = logging.getLogger("screener.audit")
 
 _ECC = re.compile(r"\becc\b|uncorrectable", re.IGNORECASE)
 _PEER = re.compile(
@@ -79,10 +95,49 @@ def _rank() -> int:
         return 0
 
 
+def record_exit_code(code: int, directory: Optional[str] = None) -> Optional[Path]:
+    """Record this process's exit code for screener launch (no-op without SCREENER_EXIT_DIR)."""
+    d = directory if directory is not None else os.environ.get(EXIT_DIR_ENV, "")
+    if not d:
+        return None
+    path = Path(d) / f"rank{_rank()}-pid{os.getpid()}.code"
+    try:
+        write_atomic(path, f"{int(code)}\n".encode())
+    except OSError as e:  # the verdict still leaves through the exit code
+        log.warning("screener.audit: could not record exit code %d in %s: %s", code, d, e)
+        return None
+    return path
+
+
+def hardware_error_alarm(exc: BaseException, *, job: str = "", step: int = 0) -> AlarmRecord:
+    """The unsettled alarm about this process's own node for a hardware error that ended it."""
+    node = node_name()
+    host = socket.gethostname()
+    key = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{job + '-' if job else ''}hardware_error-r{_rank()}")
+    evidence = {"error": type(exc).__name__, "message": str(exc)[:2000], "rank": _rank(),
+                "local_rank": os.environ.get("LOCAL_RANK"), "candidate_ranks": [_rank()],
+                "why": "the worker failed with a hardware error message (exit 75)"}
+    return AlarmRecord(alarm_id=f"{key}-{re.sub(r'[^A-Za-z0-9_.-]+', '_', node)}-"
+                                f"{uuid.uuid4().hex[:8]}",
+                       check="hardware_error", step=int(step), settled=False, suspect_ranks=(),
+                       suspect_nodes=(SuspectNode(node=node, hostname=host,
+                                                  instance_id=instance_id_of(node)),),
+                       node=node, job=job, created=time.time(), evidence=evidence)
+
+
+def _job() -> str:
+    for var in ("SCREENER_JOB", "JOB_NAME", "TORCHELASTIC_RUN_ID"):
+        v = os.environ.get(var, "").strip()
+        if v and v.lower() != "none":
+            return v
+    return ""
+
+
 def run_guarded(main: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
     """Run main(*args, **kwargs); return its exit code (0, or the int it returned) or the mapped one.
 
     Use as `sys.exit(run_guarded(main))`. Failures it does not map are logged and re-raised.
+    Records the code for screener launch, and drops a node alarm for a non-SDC 75 (see above).
     """
     try:
         result = main(*args, **kwargs)
@@ -94,11 +149,20 @@ def run_guarded(main: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
             fields.update(check=e.check, step=e.step, settled=e.settled,
                           suspect_ranks=list(e.suspect_ranks),
                           first_suspect_step=e.first_suspect_step)
+        if code == ExitCode.HARDWARE_SUSPECT and not isinstance(e, SDCAlarm):
+            try:
+                fields["alarm_file"] = str(write_alarm_file(hardware_error_alarm(e, job=_job()),
+                                                            alarm_dir()))
+            except OSError as err:  # never hides the failure itself
+                fields["alarm_file_error"] = f"{type(err).__name__}: {err}"
         log_json(logging.ERROR, "training_failed", rank=_rank(), hostname=socket.gethostname(),
                  **fields)
         if code is None:
+            record_exit_code(1)
             raise
+        record_exit_code(int(code))
         return int(code)
-    if isinstance(result, bool) or not isinstance(result, int):
-        return int(ExitCode.PASS)
-    return result
+    code = int(ExitCode.PASS) if isinstance(result, bool) or not isinstance(result, int) \
+        else result
+    record_exit_code(code)
+    return code
