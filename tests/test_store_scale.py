@@ -1,0 +1,209 @@
+"""The Kubernetes store at fleet scale: O(1) API work per node event, history off the Node, the
+budget record, and nodes still carrying the old long history annotation.
+
+Against tests/kubeapi.py through the official client over HTTP. The API test server records every
+request with its bytes, so "bounded per event" is a count, not a timing.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kubeapi import KubeAPI
+from screener.lifecycle import NodeSeen, Remediation
+from screener.stores import apply_event, reconsider_held
+from screener.stores import kubeformat as kf
+from screener.stores.base import Transition
+from screener.stores.kube import KubeStore
+from screener.types import ANNOTATION_HISTORY, LABEL_STATE, NodeState, Outcome, Verdict
+
+S = NodeState
+NOW = 1_900_000_000.0
+NS = "screener-system"
+
+
+def confirmed(serial: str = "") -> Verdict:
+    return Verdict(device="cuda:0", outcome=Outcome.SUSPECT, reason="mismatch", job="gemm-fp32",
+                   evidence={"confirmed": True, **({"gpu_serial": serial} if serial else {})})
+
+
+def unconfirmed() -> Verdict:
+    return Verdict(device="cuda:0", outcome=Outcome.SUSPECT, reason="mismatch", job="gemm-fp32")
+
+
+def make_store(api: KubeAPI, **kw) -> KubeStore:
+    return KubeStore(api.api_client(), sleep=lambda s: None, rng=lambda: 0.0,
+                     clock=lambda: NOW, instance="test", **kw)
+
+
+def fleet(api: KubeAPI, n: int, *, annotation_bytes: int = 3000) -> list[str]:
+    """n healthy nodes, each with other controllers' annotations (real Nodes carry kilobytes)."""
+    names = [f"gpu-{k:05d}" for k in range(n)]
+    for name in names:
+        api.add_node(name, labels={LABEL_STATE: "healthy", "kubernetes.io/hostname": name},
+                     annotations={"other.io/blob": "x" * annotation_bytes})
+    return names
+
+
+def per_event(api: KubeAPI, store: KubeStore, node: str, event, now: float) -> tuple[list, int]:
+    api.clear_calls()
+    d = apply_event(store, node, event, now=now)
+    calls = list(api.calls)
+    return d, [(c.verb, c.resource, c.subresource) for c in calls], sum(
+        c.request_bytes + c.response_bytes for c in calls)
+
+
+@pytest.mark.parametrize("event,expected", [(unconfirmed(), S.SUSPECT),
+                                            (confirmed("SN-1"), S.QUARANTINED)])
+def test_one_event_costs_the_same_requests_and_bytes_in_a_small_and_a_large_fleet(event, expected):
+    figures = []
+    for size in (20, 400):
+        with KubeAPI() as api:
+            names = fleet(api, size)
+            store = make_store(api)
+            store.ledger()  # the budget record exists (its creation, once, lists the fleet)
+            d, calls, nbytes = per_event(api, store, names[7], event, NOW)
+            assert d.state == expected
+            assert ("list", "nodes", "") not in calls  # nothing on the per-event path lists Nodes
+            figures.append((calls, nbytes))
+            store.close()
+    (small_calls, small_bytes), (large_calls, large_bytes) = figures
+    assert small_calls == large_calls and len(small_calls) <= 12, small_calls
+    # Only the fleet count's digits differ ("20" vs "400" in the budget record).
+    assert abs(large_bytes - small_bytes) <= 64, (small_bytes, large_bytes)
+
+
+def test_history_leaves_the_node_and_the_summary_stays_bounded():
+    with KubeAPI() as api:
+        (name,) = fleet(api, 1)
+        store = make_store(api)
+        from screener.lifecycle import HumanCommand
+
+        apply_event(store, name, confirmed("SN-29"), now=NOW)  # healthy -> quarantined
+        apply_event(store, name, Remediation(passed=True, evidence={"log": "z" * 4000}), now=NOW + 1)
+        for k in range(30):  # many transitions with bulky evidence
+            apply_event(store, name, Verdict(device="cuda:0", outcome=Outcome.SUSPECT, reason="m",
+                                             job="gemm", expected="e" * 3000, observed="o" * 3000),
+                        now=NOW + 10 * k + 2)
+            apply_event(store, name, HumanCommand(S.BURNIN, f"checked {k}"), now=NOW + 10 * k + 3)
+        node = api.node(name)
+        summary = node["metadata"]["annotations"][ANNOTATION_HISTORY]
+        assert len(summary) <= kf.SUMMARY_BYTES
+        assert len(json.loads(summary)["last"]) == kf.SUMMARY_KEEP
+        cm = api.configmap(NS, f"screener-history-{name}")
+        assert len(json.loads(cm["data"]["history"])) == 62
+        # The serials of its failures label the ConfigMap, for the per-GPU lemon lookup.
+        assert kf.serial_label("SN-29") in cm["metadata"]["labels"]
+        assert [t.node for t in store.failures_for(["SN-29"], NOW - 1)] == [name]
+        assert len(store.history(name)) == 62
+        assert len(json.dumps(node)) < 6000  # what every watcher of Nodes receives
+        store.close()
+
+
+def test_a_node_with_the_old_long_history_annotation_keeps_working():
+    """Written by an earlier version: the whole history as a JSON list on the Node."""
+    old = []
+    prev = None
+    for k, to in enumerate([S.BURNIN, S.HEALTHY, S.QUARANTINED, S.BURNIN, S.HEALTHY,
+                            S.QUARANTINED, S.BURNIN, S.HEALTHY]):
+        t = Transition(node="gpu-old", time=NOW - 1000 + k, from_state=prev, to_state=to,
+                       reason=f"step {k}", failure=to == S.QUARANTINED, gpu_serials=("SN-OLD",)
+                       if to == S.QUARANTINED else (), evidence={"pad": "p" * 1500})
+        old.append(t.to_dict())
+        prev = to
+    with KubeAPI() as api:
+        api.add_node("gpu-old", labels={LABEL_STATE: "healthy"},
+                     annotations={ANNOTATION_HISTORY: json.dumps(old)})
+        api.add_node("gpu-new", labels={LABEL_STATE: "healthy"})
+        store = make_store(api)
+        # Read as before: history, failures (lemons), the fleet summary.
+        assert [t.reason for t in store.history("gpu-old")] == [f"step {k}" for k in range(8)]
+        assert [t.time for t in store.failures(0)] == [NOW - 998, NOW - 995]
+        assert {r["node"]: r["reason"] for r in store.summaries()}["gpu-old"] == "step 7"
+        # Its next transition moves the old entries into the ConfigMap and shrinks the annotation.
+        d = apply_event(store, "gpu-old", unconfirmed(), now=NOW)
+        assert d.state == S.SUSPECT
+        annotation = api.node("gpu-old")["metadata"]["annotations"][ANNOTATION_HISTORY]
+        assert len(annotation) <= kf.SUMMARY_BYTES and len(json.dumps(old)) > 10_000
+        stored = json.loads(api.configmap(NS, "screener-history-gpu-old")["data"]["history"])
+        assert [e["reason"] for e in stored][:8] == [f"step {k}" for k in range(8)]
+        assert len(stored) == 9 and stored[0]["evidence"] == {"pad": "p" * 1500}
+        assert [t.time for t in store.failures(0)] == [NOW - 998, NOW - 995]
+        # The lemon rule still counts the old failures: a third confirmed failure is a lemon.
+        d = apply_event(store, "gpu-old", confirmed(), now=NOW + 1)
+        assert d.state == S.REPAIR and d.transition.evidence["lemon"]["count"] == 3
+        store.close()
+
+
+def test_the_budget_record_holds_claims_and_recounts_the_fleet():
+    with KubeAPI() as api:
+        names = fleet(api, 10)
+        store = make_store(api)
+        assert apply_event(store, names[0], confirmed(), now=NOW).state == S.QUARANTINED
+        held = apply_event(store, names[1], confirmed(), now=NOW + 1)
+        assert held.state == S.SUSPECT and held.transition.evidence["budget"] == {
+            "limit": 1, "out_of_service": 1, "fleet": 10}
+        node = api.node(names[1])  # held: suspect, and tainted
+        assert node["metadata"]["labels"][LABEL_STATE] == "suspect"
+        assert {"key": "screener.io/state", "value": "suspect", "effect": "NoSchedule"} in \
+            node["spec"]["taints"]
+        ledger = kf.Ledger.from_configmap(api.configmap(NS, kf.BUDGET_CONFIGMAP))
+        assert ledger.fleet == 10 and sorted(ledger.out) == [names[0]]
+
+        # A person's quarantine is not limited by the budget but counts in it.
+        from screener.lifecycle import HumanCommand
+        apply_event(store, names[2], HumanCommand(S.QUARANTINED, "smells of smoke"), now=NOW + 2)
+        apply_event(store, names[0], Remediation(passed=True), now=NOW + 3)
+        ledger = kf.Ledger.from_configmap(api.configmap(NS, kf.BUDGET_CONFIGMAP))
+        assert sorted(ledger.out) == [names[2]]
+        assert reconsider_held(store, names[1], S.SUSPECT, now=NOW + 4) == S.SUSPECT  # still full
+        apply_event(store, names[2], HumanCommand(S.BURNIN, "false alarm"), now=NOW + 5)
+        assert reconsider_held(store, names[1], S.SUSPECT, now=NOW + 60) == S.QUARANTINED
+        assert api.node(names[1])["metadata"]["labels"][LABEL_STATE] == "quarantined"
+
+        # A new node is counted when it gets its first state.
+        api.add_node("gpu-late")
+        apply_event(store, "gpu-late", NodeSeen(), now=NOW + 70)
+        assert kf.Ledger.from_configmap(api.configmap(NS, kf.BUDGET_CONFIGMAP)).fleet == 11
+
+        # The hourly recount: a deleted node leaves the count, a lost claim (a writer that died
+        # between its claim and its node write) is dropped once older than the grace period.
+        with api._lock:
+            del api.nodes[names[9]]
+        cm = api.configmap(NS, kf.BUDGET_CONFIGMAP)
+        ledger = kf.Ledger.from_configmap(cm)
+        ledger.out["gpu-ghost"] = {"state": "quarantined", "since": NOW - 7200}
+        ledger.out["gpu-fresh"] = {"state": "quarantined", "since": NOW - 5}
+        ledger.counted = NOW - 4000
+        api.mutate  # (the record is a ConfigMap: rewrite it as another writer would)
+        with api._lock:
+            api.configmaps[(NS, kf.BUDGET_CONFIGMAP)]["data"] = ledger.configmap(NS)["data"]
+        recounted = store.ledger()
+        assert recounted.fleet == 10 and recounted.counted == NOW
+        assert sorted(recounted.out) == sorted([names[1], "gpu-fresh"])
+        store.close()
+
+
+def test_node_status_of_the_fleet_is_one_paginated_list(tmp_path):
+    from click.testing import CliRunner
+
+    from screener.cli import main
+
+    with KubeAPI() as api:
+        names = fleet(api, 1200, annotation_bytes=10)
+        store = make_store(api)
+        apply_event(store, names[3], unconfirmed(), now=NOW)
+        store.close()
+        api.clear_calls()
+        r = CliRunner().invoke(main, ["node", "status", "--json", "--kubeconfig",
+                                      str(api.write_kubeconfig(tmp_path / "kc")),
+                                      "--spool", str(tmp_path / "spool.db")])
+        assert r.exit_code == 0, r.output
+        out = json.loads(r.output)
+        assert len(out["nodes"]) == 1200 and out["counts"]["suspect"] == 1
+        row = next(n for n in out["nodes"] if n["node"] == names[3])
+        assert row["state"] == "suspect" and row["reason"].startswith("known-answer mismatch")
+        # One list of Node metadata, in pages of 500: no per-node reads.
+        assert [(c.verb, c.resource) for c in api.calls] == [("list", "nodes")] * 3
