@@ -62,7 +62,7 @@ from screener.intake import AlarmIntake, IntakeResult, applied_in_history
 from screener.metrics import DaemonMetrics
 from screener.screening import (KIND_FULL, KIND_QUICK, SHUTDOWN, YIELDED, ScreeningWindow,
                                 ScreenOutcome, ScreenRunner, TaintControl)
-from screener.stores import apply_event
+from screener.stores import apply_event, reconsider_held
 from screener.stores.base import ACTOR_HUMAN, Store
 from screener.types import (ANNOTATION_DIGESTS, AlarmRecord, ExitCode, Finding, NodeState, Outcome,
                             Severity)
@@ -400,6 +400,7 @@ class Daemon:
             self._step(report, "intake", self._intake)
             if self.replay is not None:
                 self._step(report, "replay", self.replay)
+            self._step(report, "budget", lambda: setattr(self, "state", reconsider_held(self.store, self.node, self.state, now=self.clock(), policy=self.config.lifecycle)))  # a held node takes a freed budget slot
             if self.window.taint_dirty:
                 self._step(report, "untaint", self.window.clear_stale)
             if not probed_first and (once or now >= self.next_probe):
