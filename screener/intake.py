@@ -227,7 +227,7 @@ class AlarmIntake:
             st = None
         if st is None:
             try:
-                os.mkdir(folder, 0o750)
+                os.mkdir(folder, 0o700)  # writers (the alarm group) may not read what was taken
             except FileExistsError:
                 pass
             except OSError as e:

@@ -136,7 +136,7 @@ def test_daemonset_security_context_is_narrow(objs):
     sc = spec["containers"][0]["securityContext"]
     assert sc["privileged"] is False and sc["allowPrivilegeEscalation"] is False
     assert sc["readOnlyRootFilesystem"] is True
-    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["SYSLOG"]}
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["SYSLOG", "DAC_READ_SEARCH"]}
     assert spec["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
     assert not spec.get("hostNetwork") and not spec.get("hostIPC")
     # Writable only where we write: the hostPaths for alarms and state, and /tmp.
@@ -193,3 +193,155 @@ def test_the_burnin_job_arguments_parse_with_the_burnin_command():
     ctx = burnin_cmd.make_context("burnin", list(args[1:]))
     assert ctx.params["store"] == "kube" and ctx.params["duration"] == "1h"
     assert ctx.params["report"] == "/reports/burnin.json"
+
+
+# --- exposure and the trust model (issue 13) -------------------------------------------------------
+
+ALARM_GID = 4190
+
+
+def test_metrics_bind_the_pod_ip_and_the_alarm_folder_is_root_owned_for_one_group(objs):
+    spec = by_kind(objs, "DaemonSet", "screener")["spec"]["template"]["spec"]
+    env = {e["name"]: e for e in spec["containers"][0]["env"]}
+    assert env["SCREENER_DAEMON_METRICS_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    init = {c["name"]: c for c in spec["initContainers"]}["alarm-folder"]
+    script = " ".join(init["command"])
+    assert f"chown 0:{ALARM_GID} {DEFAULT_ALARM_DIR}" in script
+    assert f"chmod 3770 {DEFAULT_ALARM_DIR}" in script  # no world access; sticky; setgid
+    sc = init["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"]
+    assert set(sc["capabilities"]["add"]) == {"CHOWN", "FOWNER"}
+
+
+def _pod_and_container(job):
+    spec = job["spec"]["template"]["spec"]
+    return spec, spec["containers"][0]
+
+
+def test_jobs_run_with_a_narrow_security_context(objs):
+    for name in ("screener-burnin", "screener-peer-burnin"):
+        spec, c = _pod_and_container(by_kind(objs, "Job", name))
+        sc = c["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False and sc["privileged"] is False, name
+        assert sc["readOnlyRootFilesystem"] is True and sc["capabilities"]["drop"] == ["ALL"], name
+        assert spec["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault", name
+        mounts = {m["mountPath"] for m in c["volumeMounts"]}
+        assert "/tmp" in mounts, f"{name}: a read-only root needs a writable /tmp"
+    # The peer burn-in never calls the API: non-root, no token, in the alarm writers' group.
+    spec, c = _pod_and_container(by_kind(objs, "Job", "screener-peer-burnin"))
+    assert spec["automountServiceAccountToken"] is False
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert spec["securityContext"]["runAsUser"] != 0
+    assert ALARM_GID in spec["securityContext"]["supplementalGroups"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    # Burn-in writes node states through the API: it keeps the token, and says so.
+    spec, _ = _pod_and_container(by_kind(objs, "Job", "screener-burnin"))
+    assert spec["automountServiceAccountToken"] is True
+
+
+def test_network_policy_admits_only_scrapes_to_the_metrics_port(objs):
+    ds = by_kind(objs, "DaemonSet", "screener")
+    port = {p["name"]: p["containerPort"] for p in
+            ds["spec"]["template"]["spec"]["containers"][0]["ports"]}["metrics"]
+    pol = by_kind(objs, "NetworkPolicy", "screener-daemon-metrics-only")["spec"]
+    labels = ds["spec"]["template"]["metadata"]["labels"]
+    assert all(labels.get(k) == v for k, v in pol["podSelector"]["matchLabels"].items())
+    assert pol["policyTypes"] == ["Ingress"] and len(pol["ingress"]) == 1
+    rule = pol["ingress"][0]
+    assert rule["ports"] == [{"protocol": "TCP", "port": port}]
+    assert all("podSelector" in f and "namespaceSelector" in f for f in rule["from"])
+    burnin = by_kind(objs, "NetworkPolicy", "screener-burnin-no-ingress")["spec"]
+    assert burnin["ingress"] == [] and burnin["policyTypes"] == ["Ingress"]
+
+
+# The admission policy's CEL, evaluated with cel-python against Node objects before and after.
+
+def _admission(objs):
+    pol = by_kind(objs, "ValidatingAdmissionPolicy", "screener-node-fields")
+    binding = by_kind(objs, "ValidatingAdmissionPolicyBinding", "screener-node-fields")
+    assert pol["apiVersion"] == binding["apiVersion"] == "admissionregistration.k8s.io/v1"
+    assert binding["spec"]["policyName"] == "screener-node-fields"
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    return pol["spec"]
+
+
+def _admit(spec, old, new, *, user="system:serviceaccount:screener-system:screener", extra=None):
+    """The messages of the validations that deny the update ([] = admitted; None = not matched)."""
+    import celpy
+    from celpy import celtypes, json_to_cel
+
+    env = celpy.Environment()
+
+    def run(expr, act):
+        return env.program(env.compile(expr)).evaluate(act)
+
+    info = {"username": user}
+    if extra is not None:
+        info["extra"] = extra
+    act = {"object": json_to_cel(new), "oldObject": json_to_cel(old),
+           "request": json_to_cel({"userInfo": info})}
+    if not all(run(m["expression"], act) for m in spec["matchConditions"]):
+        return None
+    variables = {}
+    for v in spec["variables"]:
+        variables[celtypes.StringType(v["name"])] = run(v["expression"],
+                                                        {**act, "variables": celtypes.MapType(variables)})
+    act["variables"] = celtypes.MapType(variables)
+    # An evaluation error (celpy returns it as a value) is a denial, as failurePolicy: Fail says.
+    return [v["message"] for v in spec["validations"]
+            if run(v["expression"], act) != celtypes.BoolType(True)]
+
+
+NODE_OBJ = {
+    "metadata": {"name": "n1", "labels": {"kubernetes.io/hostname": "n1", LABEL_STATE: "healthy"},
+                 "annotations": {"team": "a"}},
+    "spec": {"providerID": "aws:///z/i-1", "taints": [{"key": "nvidia.com/gpu", "effect": "NoSchedule"}]},
+    "status": {"conditions": [{"type": "Ready", "status": "True"}], "capacity": {"cpu": "8"},
+               "allocatable": {"cpu": "8"}},
+}
+
+
+def _changed(edit):
+    import copy
+
+    n = copy.deepcopy(NODE_OBJ)
+    edit(n)
+    return n
+
+
+@pytest.mark.parametrize("edit,denied", [
+    (lambda n: n["metadata"]["labels"].__setitem__(LABEL_STATE, "suspect"), ""),
+    (lambda n: n["spec"]["taints"].append({"key": TAINT_STATE_KEY, "value": "suspect",
+                                           "effect": "NoSchedule"}), ""),
+    (lambda n: n["metadata"]["annotations"].__setitem__("screener.io/verdict", "{}"), ""),
+    (lambda n: n["status"]["conditions"].append({"type": "GPUHardwareSuspect", "status": "True"}), ""),
+    (lambda n: n["metadata"]["labels"].__setitem__("node-role.kubernetes.io/gpu", ""), "labels"),
+    (lambda n: n["metadata"]["labels"].pop("kubernetes.io/hostname"), "labels"),
+    (lambda n: n["metadata"]["annotations"].__setitem__("team", "b"), "annotations"),
+    (lambda n: n["spec"].__setitem__("taints", []), "taints"),
+    (lambda n: n["spec"].__setitem__("unschedulable", True), "cordon"),
+    (lambda n: n["spec"].__setitem__("providerID", "aws:///z/i-2"), "provider ID"),
+    (lambda n: n["status"]["conditions"][0].__setitem__("status", "False"), "GPUHardwareSuspect"),
+    (lambda n: n["status"]["capacity"].__setitem__("cpu", "16"), "capacity"),
+])
+def test_admission_policy_lets_screener_change_only_its_own_fields(objs, edit, denied):
+    spec = _admission(objs)
+    messages = _admit(spec, NODE_OBJ, _changed(edit))
+    if denied:
+        assert len(messages) == 1 and denied in messages[0], messages
+    else:
+        assert messages == []
+    # Anyone else is not matched at all: the policy narrows the screener, nobody else.
+    assert _admit(spec, NODE_OBJ, _changed(edit), user="kubernetes-admin") is None
+
+
+def test_admission_policy_keeps_a_pod_bound_token_to_its_own_node(objs):
+    spec = _admission(objs)
+    new = _changed(lambda n: n["metadata"]["labels"].__setitem__(LABEL_STATE, "suspect"))
+    node_claim = "authentication.kubernetes.io/node-name"
+    assert _admit(spec, NODE_OBJ, new, extra={node_claim: ["n1"]}) == []
+    assert "only the node it runs on" in _admit(spec, NODE_OBJ, new, extra={node_claim: ["n2"]})[0]
+    bare = {"metadata": {"name": "n1"}, "spec": {}}  # no labels, taints or status yet
+    assert _admit(spec, bare, {"metadata": {"name": "n1", "labels": {LABEL_STATE: "burnin"}},
+                               "spec": {}}) == []
