@@ -9,7 +9,17 @@ For tensor k, read in row-major logical order as raw bit patterns (1-byte elemen
 
 both modulo 2**64. The weighted sum is what sees a swap of two elements.
 
-Why it is fast: the obvious implementation widens every element to int64 and multiplies by an index
+Implementations (`backend()` says which one runs):
+
+- "native", CPU tensors: a compiled C kernel (screener/kernels/fingerprint.c, built into the package
+  at install time, loaded with ctypes on first use) reads every byte once, in one parallel region per
+  call, without a multiply per element. It runs near memory bandwidth.
+- "triton", CUDA tensors when Triton is installed: one kernel launch per element size reads every
+  byte once (screener/kernels/triton_fp.py).
+- "torch", the reference and fallback (no compiler at install, other devices, or
+  SCREENER_FINGERPRINT_BACKEND=torch): pure torch, described next.
+
+The torch path: the obvious implementation widens every element to int64 and multiplies by an index
 tensor, and torch's CPU integer reductions are not vectorised, so it crawls at a fraction of a GB/s.
 Here the bit patterns are copied in cache-sized chunks into a float buffer in which they are exactly
 representable (16-bit patterns in float32, 32-bit ones in float64, 64-bit ones as two unsigned 32-bit
@@ -29,13 +39,21 @@ This module imports only torch and the standard library: training jobs import it
 from __future__ import annotations
 
 import hashlib
+import os
 import struct
 import threading
+from array import array
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
-__all__ = ["fingerprints", "fingerprint", "module_fingerprints", "digest", "UnsupportedDtypeError"]
+from screener.kernels import cpu as _cpu
+
+__all__ = ["fingerprints", "fingerprint", "module_fingerprints", "digest", "backend",
+           "UnsupportedDtypeError"]
+
+# SCREENER_FINGERPRINT_BACKEND=torch forces the pure-torch reference path everywhere.
+BACKEND_ENV = "SCREENER_FINGERPRINT_BACKEND"
 
 
 class UnsupportedDtypeError(TypeError):
@@ -189,7 +207,56 @@ def _fingerprint_into(bits: torch.Tensor, size: int, out: torch.Tensor) -> None:
     out[1] += weighted[0]
 
 
-@torch.no_grad()
+def _readable_sizes() -> dict[torch.dtype, int]:
+    """Element size of every dtype whose raw bits fingerprints can read: the same rule as
+    _check_dtype, as a lookup table for the hot loop."""
+    dtypes = {v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+    return {dt: dt.itemsize for dt in dtypes
+            if dt not in _SUB_BYTE and dt not in _QUANTIZED and dt.itemsize in _PLANS}
+
+
+_ELEMENT_SIZE = _readable_sizes()
+
+
+def backend(device: Union[str, torch.device] = "cpu") -> str:
+    """Which implementation fingerprints tensors on this kind of device.
+
+    "native" (the compiled C kernel, CPU), "triton" (CUDA, when Triton is installed) or "torch" (the
+    pure-torch reference, used when the others are unavailable or SCREENER_FINGERPRINT_BACKEND=torch).
+    Results are bit-identical whichever runs; only speed differs. Loads the kernel if not yet loaded.
+    """
+    kind = torch.device(device).type
+    if os.environ.get(BACKEND_ENV) == "torch":
+        return "torch"
+    if kind == "cpu":
+        return "native" if _cpu.load()[0] is not None else "torch"
+    if kind == "cuda" and _triton() is not None:
+        return "triton"
+    return "torch"
+
+
+def native_unavailable_reason() -> Optional[str]:
+    """Why the native CPU kernel is not used, or None when it is."""
+    if os.environ.get(BACKEND_ENV) == "torch":
+        return f"{BACKEND_ENV}=torch"
+    kernel, why = _cpu.load()
+    return None if kernel is not None else why
+
+
+_TRITON_STATE: list = []  # [module or None], filled on first use
+
+
+def _triton():
+    """screener.kernels.triton_fp if Triton imports, else None (checked once per process)."""
+    if not _TRITON_STATE:
+        try:
+            from screener.kernels import triton_fp
+            _TRITON_STATE.append(triton_fp if triton_fp.available() else None)
+        except Exception:  # not installed, or broken: the torch path gives the same results
+            _TRITON_STATE.append(None)
+    return _TRITON_STATE[0]
+
+
 def fingerprints(tensors: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
     """Fingerprint each tensor: an int64 CPU tensor of shape (len(tensors), 2); None gives (0, 0).
 
@@ -198,6 +265,67 @@ def fingerprints(tensors: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
     tensor's own device; the result is copied to the host once per device.
     Raises UnsupportedDtypeError (a TypeError) for dtypes without a fixed whole-byte element size.
     """
+    # No torch.no_grad() here: it costs microseconds per call, and every path reads detached bits.
+    tensors = list(tensors)
+    if os.environ.get(BACKEND_ENV) == "torch":
+        return _torch_fingerprints(tensors)
+    return _fingerprints(tensors, _cpu.load()[0], use_triton=True)
+
+
+def _fingerprints(tensors: list, kernel: Optional[_cpu.CpuKernel], use_triton: bool) -> torch.Tensor:
+    """Dispatch: CPU tensors to the C kernel (when loaded), CUDA ones to Triton (when installed;
+    imported only once a CUDA tensor comes), the rest to the torch reference path."""
+    out = torch.zeros(len(tensors), 2, dtype=torch.int64)
+    desc = array("q")
+    keep = []  # contiguous copies must outlive the kernel call
+    others: list[int] = []
+    sizes = _ELEMENT_SIZE
+    strided = torch.strided
+    # Hot loop: a model has thousands of small tensors, so each costs only a few attribute reads.
+    for k, t in enumerate(tensors):
+        if t is None:
+            desc.extend((0, 0, 1))
+            continue
+        size = sizes.get(t.dtype)
+        if size is None:
+            size = _check_dtype(t)  # raises: no readable fixed-size bits
+        if kernel is None or not t.is_cpu:
+            others.append(k)
+            desc.extend((0, 0, 1))
+            continue
+        if t.layout is not strided or not t.is_contiguous() or t.is_conj() or t.is_neg():
+            t = _flat_bits(t, size).view(_INT_VIEW[size])  # one element per element
+            keep.append(t)
+        desc.extend((t.data_ptr(), t.numel(), size))
+    if kernel is not None and len(others) < len(tensors):
+        kernel.run(desc, out.data_ptr(), torch.get_num_threads())
+    if others:
+        rest = [tensors[k] for k in others]
+        triton_mod = _triton() if use_triton and any(t.is_cuda for t in rest) else None
+        out[others] = _device_fingerprints(rest, triton_mod)
+    return out
+
+
+def _device_fingerprints(tensors: list, triton_mod) -> torch.Tensor:
+    """Fingerprints of tensors the C kernel does not take: CUDA ones by Triton when given, the rest
+    by the torch reference path."""
+    if triton_mod is None:
+        return _torch_fingerprints(tensors)
+    out = torch.zeros(len(tensors), 2, dtype=torch.int64)
+    cuda = [k for k, t in enumerate(tensors) if t.is_cuda]
+    rest = [k for k, t in enumerate(tensors) if not t.is_cuda]
+    if cuda:
+        sizes = [_check_dtype(tensors[k]) for k in cuda]
+        out[cuda] = triton_mod.fingerprints([_flat_bits(tensors[k], size).view(_INT_VIEW[size])
+                                             for k, size in zip(cuda, sizes)])
+    if rest:
+        out[rest] = _torch_fingerprints([tensors[k] for k in rest])
+    return out
+
+
+@torch.no_grad()
+def _torch_fingerprints(tensors: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
+    """The pure-torch reference path: same contract as fingerprints()."""
     tensors = list(tensors)
     sizes = [None if t is None else _check_dtype(t) for t in tensors]
     per_device: dict[torch.device, torch.Tensor] = {}

@@ -1,4 +1,6 @@
-"""Fingerprints are bit-identical to the plain definition for every dtype, shape and stride."""
+"""Fingerprints are bit-identical to the plain definition for every dtype, shape and stride, on
+the path fingerprints() takes here (the compiled kernel, see test_fingerprint_kernels.py) and on the
+pure-torch reference path."""
 
 from __future__ import annotations
 
@@ -13,6 +15,9 @@ from screener.fingerprint import (UnsupportedDtypeError, digest, fingerprint, fi
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 MASK = (1 << 64) - 1
+
+# fingerprints() as called (the native kernel where built) and the pure-torch reference path.
+IMPLS = {"default": fingerprints, "torch": fp_mod._torch_fingerprints}
 
 
 def reference(t):
@@ -45,12 +50,13 @@ def random_bits(shape, dtype, seed):
     return raw.view(dtype).reshape(shape)
 
 
-@settings(max_examples=60, deadline=None)
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+@settings(max_examples=40, deadline=None)
 @given(dtype=st.sampled_from(DTYPES),
        shape=st.lists(st.integers(0, 7), min_size=0, max_size=4),
        seed=st.integers(0, 2**31 - 1),
        data=st.data())
-def test_matches_definition_for_any_dtype_shape_and_view(dtype, shape, seed, data):
+def test_matches_definition_for_any_dtype_shape_and_view(impl, dtype, shape, seed, data):
     base = random_bits(tuple(s + 2 for s in shape), dtype, seed)
     # A non-contiguous view: a slice with a step, then a permutation of the dimensions.
     index = tuple(slice(data.draw(st.integers(0, 1)), None, data.draw(st.integers(1, 2)))
@@ -59,7 +65,7 @@ def test_matches_definition_for_any_dtype_shape_and_view(dtype, shape, seed, dat
     if view.dim() > 1:
         perm = data.draw(st.permutations(list(range(view.dim()))))
         view = view.permute(*perm)
-    got = fingerprints([view, None, base])
+    got = IMPLS[impl]([view, None, base])
     assert got.dtype == torch.int64 and got.shape == (3, 2) and got.device.type == "cpu"
     assert tuple(got[0].tolist()) == reference(view)
     assert tuple(got[1].tolist()) == (0, 0)
@@ -73,7 +79,9 @@ def test_larger_than_any_internal_chunk(dtype):
     _, _, _, rows, cols = fp_mod._PLANS[size]
     n = rows * cols * fp_mod._CHUNK_BLOCKS * 2 + 12345
     t = random_bits((n,), dtype, seed=n)
-    assert fingerprint(t) == reference(t)
+    want = reference(t)
+    for name, impl in IMPLS.items():
+        assert tuple(impl([t])[0].tolist()) == want, name
 
 
 def test_empty_scalar_and_none():
