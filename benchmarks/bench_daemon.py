@@ -77,7 +77,8 @@ def idle_footprint(seconds: float, kind: str = "local") -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         work = Path(tmp)
         now = time.time()
-        seed = lifecycle.KatScreen((Verdict("cuda:0", Outcome.PASS),))
+        # A node that passed its full burn-in a moment ago: healthy, no screen due.
+        seed = lifecycle.KatScreen((Verdict("cuda:0", Outcome.PASS),), kind=lifecycle.KIND_FULL)
         extra: tuple[str, ...] = ()
         if kind == "kube":
             from kubeapi import KubeAPI
@@ -93,7 +94,7 @@ def idle_footprint(seconds: float, kind: str = "local") -> dict[str, Any]:
             store = LocalStore(work / "state.db")
             where = {"store": "local", "db": str(work / "state.db")}
         apply_event(store, NODE, seed, now=now)
-        store.set_verdict(NODE, {"time": now, "outcome": "pass"})  # screened a moment ago
+        store.set_verdict(NODE, {"time": now, "outcome": "pass", "kind": "full"})
         store.close()
         cfg = _config(work / "d.json", metrics_port=0, tick_s=5, probe_interval_s=15,
                       idle_window_s=0, **where)
