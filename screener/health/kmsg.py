@@ -39,6 +39,7 @@ import stat
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
+from screener import boundedjson
 from screener.errors import BadInputError, ScreenerError
 from screener.health.snapshot import XidEvent, normalize_pci
 
@@ -57,7 +58,8 @@ _XID_RE = re.compile(
 _PID_RE = re.compile(r"^pid=(?P<pid>'?<?[^,]*?>?'?)(?:,\s*|$)")
 _NAME_RE = re.compile(r"^name=(?P<name>[^,]*)(?:,\s*|$)")
 # /dev/kmsg record: "prio,seq,usec,flags[,...];message"
-_KMSG_RE = re.compile(r"^(?P<prio>\d+),(?P<seq>\d+),(?P<usec>\d+),[^;]*;(?P<msg>.*)$")
+# (bounded digit runs: a hostile "record" of 5,000 digits must not reach int())
+_KMSG_RE = re.compile(r"^(?P<prio>\d{1,4}),(?P<seq>\d{1,20}),(?P<usec>\d{1,20}),[^;]*;(?P<msg>.*)$")
 # syslog / journal: "<date> <host> kernel: [ 12.345678] message"
 _SYSLOG_RE = re.compile(r"^\S.*?\s(?P<tag>[\w./-]+(?:\[\d+\])?):\s(?P<msg>.*)$")
 # dmesg: "[   12.345678] message" or "[Mon Oct  1 12:00:00 2024] message"
@@ -79,7 +81,7 @@ def parse_xid_message(message: str, source: str = "kmsg", raw: str = "") -> Opti
     pm = _PID_RE.match(rest)
     if pm:
         token = pm.group("pid").strip("'")
-        pid = int(token) if token.isdigit() else None
+        pid = int(token) if token.isascii() and token.isdigit() and len(token) <= 10 else None
         rest = rest[pm.end():]
     nm = _NAME_RE.match(rest)
     if nm:
@@ -87,9 +89,11 @@ def parse_xid_message(message: str, source: str = "kmsg", raw: str = "") -> Opti
         if name == "<unknown>":
             name = None
         rest = rest[nm.end():]
+    # Bounded: a hostile line must not put megabytes into a finding's evidence.
     return XidEvent(code=int(m.group("code")), source=source,
-                    pci_bus_id=normalize_pci(m.group("pci")), pid=pid, process=name,
-                    text=rest.strip(), raw=raw or message)
+                    pci_bus_id=normalize_pci(m.group("pci")), pid=pid,
+                    process=name[:64] if name else None, text=rest.strip()[:512],
+                    raw=(raw or message)[:1024])
 
 
 def parse_line(line: str) -> Optional[XidEvent]:
@@ -132,11 +136,15 @@ class _State:
         if not path or not os.path.exists(path):
             return None
         try:
-            with open(path, encoding="utf-8") as f:
-                d = json.load(f)
-            return cls(kind=str(d.get("kind", "")), boot_id=str(d.get("boot_id", "")),
-                       seq=d.get("seq"), inode=d.get("inode"), device=d.get("device"),
-                       offset=int(d.get("offset") or 0))
+            d = boundedjson.loads(boundedjson.read_regular(path, 64 * 1024), max_bytes=64 * 1024,
+                                  max_depth=4)
+            ints = {k: d.get(k) for k in ("seq", "inode", "device", "offset")}
+            for k, v in ints.items():
+                if v is not None and (type(v) is not int or not 0 <= v < 2**64):
+                    raise ValueError(f"{k} {str(v)[:40]} is not a position")
+            return cls(kind=str(d.get("kind", ""))[:16], boot_id=str(d.get("boot_id", ""))[:64],
+                       seq=ints["seq"], inode=ints["inode"], device=ints["device"],
+                       offset=ints["offset"] or 0)
         except (OSError, ValueError, TypeError, AttributeError) as e:
             # A corrupt state file must not stop Xid reading; start over and say so.
             log.warning("ignoring unreadable kernel-log state %s: %s", path, e)
