@@ -4,15 +4,20 @@ Runs on CPU with gloo under torchrun; --nodes N simulates N Kubernetes nodes on 
 setting NODE_NAME per rank from LOCAL_RANK (named like HyperPod nodes, `hyperpod-i-<hex>`, so the
 alarm shows the instance ID a replacement would target):
 
-    torchrun --nproc-per-node 6 examples/train_ddp.py --nodes 3 --inject scale:rank=3,step=20
+    screener launch -- torchrun --nproc-per-node 6 examples/train_ddp.py --nodes 3 \
+        --inject flip:rank=3,step=20
     # ... ALARM: SDC alarm ring_replay at step 20: rank 3 on hyperpod-i-00000000000000002 ...
-    # ... exit code 75 (each worker's; torchrun reports them and exits 1 itself, see below)
+    # ... exit code 75 (the workers' and, through screener launch, the job's)
 
 Faults (--inject KIND[:rank=R,step=S], from screener.faults):
     nan        NaN in one element of a backward op on rank R at step S   -> nonfinite_local, rank R
     scale      one activation times 10,000 on rank R at step S           -> ring_replay, rank R
                (S must be an audit step: a multiple of --audit-every)
-    flip       lowest mantissa bit of one matmul output (audit step)     -> ring_replay, rank R
+    flip       mantissa bit 12 of one attention-times-values output     -> ring_replay, rank R
+               (audit step; the loss often keeps every bit, the gradients do not.
+               The lowest bit of the first matmul, q @ k^T, would be masked: one
+               ulp of one score vanishes in the softmax, whose backward never
+               reads the matmul's output)
     weight     a bit of one weight flipped after optimizer.step          -> weights, rank R
                (at the next weight check or verified save; an audit step that comes
                first sees the changed gradient and reports ring_replay, rank R)
@@ -20,11 +25,14 @@ Faults (--inject KIND[:rank=R,step=S], from screener.faults):
     none       a healthy run (the default): exit code 0
 
 Rank 0 prints the alarm, the alarm files in SCREENER_ALARM_DIR (--alarm-dir; a fresh temporary
-directory by default), the checkpoint to roll back to, and the exit code. Every rank logs JSON lines
-to stderr. Each worker exits with the code screener.audit.run_guarded chose: 75 hardware suspect,
-76 numeric, 77 a peer failed. torchrun prints every worker's exit code but itself exits 1 when a
-worker fails; a Kubernetes podFailurePolicy that matches on 75/77 needs the worker's code as the
-container's (one worker process per container, or a wrapper that passes the first failure's code on).
+directory by default), the checkpoint to roll back to, and the exit code; the injecting rank prints
+what its fault changed. Every rank logs JSON lines to stderr. Each worker exits with the code
+screener.audit.run_guarded chose: 75 hardware suspect, 76 numeric, 77 a peer failed. torchrun alone
+exits 1 when a worker fails; `screener launch -- torchrun ...` exits with the workers' code.
+
+Teardown order (screener.audit.shutdown): the models and the Auditor are dropped and their
+reference cycles collected before the process group is destroyed, so a healthy run never dies with
+SIGABRT at exit.
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from screener import faults, synthetic
-from screener.audit import Auditor, SDCAlarm, rollback_target, run_guarded
+from screener.audit import Auditor, SDCAlarm, rollback_target, run_guarded, shutdown
 from screener.types import ALARM_DIR_ENV, NODE_NAME_ENV, AlarmRecord
 
 KINDS = ("none", "nan", "scale", "flip", "weight", "allreduce")
@@ -137,7 +145,7 @@ def train(args: argparse.Namespace) -> int:
 
     specs = {"nan": faults.FaultSpec(op="gelu_backward", element=3, mode="nan"),
              "scale": faults.FaultSpec(op="gelu", element=5, mode="scale", factor=1e4),
-             "flip": faults.FaultSpec(op="matmul", element=9, bit=0, mode="flip")}
+             "flip": faults.FaultSpec(op="matmul", call=1, element=9, bit=12, mode="flip")}
     try:
         for step in range(args.steps):
             opt.zero_grad(set_to_none=True)
@@ -147,6 +155,9 @@ def train(args: argparse.Namespace) -> int:
                 with ctx:
                     loss = synthetic.compute_loss(ddp, batch_fn(rank, step))
                     loss.backward()
+                for f in ctx.fired:
+                    print(f"rank {rank} step {step}: fault in {f['op']} output element "
+                          f"{f['element']}: {f['before']} -> {f['after']}", flush=True)
             else:
                 loss = synthetic.compute_loss(ddp, batch_fn(rank, step))
                 loss.backward()
@@ -173,6 +184,8 @@ def train(args: argparse.Namespace) -> int:
             print(f"roll back to: {target} (first suspect step {alarm.first_suspect_step})",
                   flush=True)
         raise
+    finally:
+        auditor.close()  # drops the forward pre-hook: the DDP model can go with train()'s frame
     say(f"done: {args.steps} steps, no alarm; counters {dict(auditor.counters)}")
     return 0
 
@@ -189,11 +202,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         if ALARM_DIR_ENV not in os.environ or args.alarm_dir:
             os.environ[ALARM_DIR_ENV] = str(shared_dir(args.alarm_dir, "alarms"))
         say(f"alarm directory: {os.environ[ALARM_DIR_ENV]}")
-        code = run_guarded(train, args)
+        code = run_guarded(train, args)  # train's models are gone when it returns
         say(f"exit code {code}")
-        return code
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        shutdown(1)  # a bug of ours: still tear down in order, then show the traceback
+        raise
+    return shutdown(code)  # collect the DDP/Auditor cycles, then destroy the group
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
-"""examples/train_ddp.py end to end under torchrun: three simulated nodes, a weight bit flipped on
-one rank, the alarm printed, one alarm file on that rank's node, and exit code 75 from the worker."""
+"""examples/train_ddp.py end to end under screener launch -- torchrun: three simulated nodes, one bit
+flipped in one activation of one rank at an audit step, the alarm printed, one alarm file on that
+rank's node, the checkpoint to roll back to, and exit code 75 from the job itself (not torchrun's 1).
+"""
 
 from __future__ import annotations
 
@@ -18,26 +20,27 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.timeout(300)
-def test_example_under_torchrun_shows_alarm_file_and_exit_code(tmp_path):
+def test_example_flip_is_caught_and_the_job_exits_75(tmp_path):
     alarms = tmp_path / "alarms"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
+    cmd = [sys.executable, "-m", "screener.launch", "--nproc-per-node", "3",
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            str(ROOT / "examples" / "train_ddp.py"), "--nodes", "3", "--steps", "8",
            "--audit-every", "5", "--weights-every", "2", "--ckpt-every", "2",
            "--ckpt-dir", str(tmp_path / "ckpt"), "--alarm-dir", str(alarms),
-           "--inject", "weight:rank=2,step=3"]
+           "--inject", "flip:rank=2,step=5"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     env.pop("NODE_NAME", None)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=280)
     out = proc.stdout
-    assert proc.returncode != 0, out  # torchrun itself exits 1 when a worker fails
-    assert "ALARM: SDC alarm weights at step 4: rank 2" in out, out + proc.stderr[-3000:]
+    assert proc.returncode == 75, out + proc.stderr[-3000:]
+    assert "rank 2 step 5: fault in bmm output element 9" in out
+    assert "ALARM: SDC alarm ring_replay at step 5: rank 2" in out, out + proc.stderr[-3000:]
     assert "exit code 75" in out
-    assert "exitcode  : 75" in proc.stderr  # torchrun's report of the worker's own exit code
     (f,) = alarms.iterdir()
     rec = AlarmRecord.from_dict(json.loads(f.read_text()))
     node = "hyperpod-i-00000000000000003"
     assert (rec.check, rec.step, rec.settled, rec.suspect_ranks, rec.node) == (
-        "weights", 4, True, (2,), node)
+        "ring_replay", 5, True, (2,), node)
     assert rec.suspect_nodes[0].instance_id == "i-00000000000000003"
-    assert f"roll back to: {tmp_path / 'ckpt' / 'step000002.pt'}" in out
+    assert f"roll back to: {tmp_path / 'ckpt' / 'step000000.pt'}" in out  # last clean audit: 0
+    assert "terminate called" not in proc.stderr

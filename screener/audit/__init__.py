@@ -13,7 +13,7 @@
             if step % ckpt_every == 0:
                 auditor.verified_save(lambda: save(step), step)
 
-    sys.exit(run_guarded(main))   # SDCAlarm -> 75, numeric -> 76, peer lost -> 77
+    sys.exit(shutdown(run_guarded(main)))  # SDCAlarm -> 75, numeric -> 76, peer lost -> 77
 
 Modules, one job each: topology (rank -> node, host, instance), hooks (the DDP comm hook recording
 local gradients), ring (replay assignment and recomputation), vote (majority over replicas), alarms
@@ -27,9 +27,9 @@ from __future__ import annotations
 from screener.audit.alarms import NumericFailure, SDCAlarm
 from screener.audit.auditor import AuditConfig, AuditError, Auditor
 from screener.audit.checkpoints import rollback_target
-from screener.audit.guard import classify, run_guarded
+from screener.audit.guard import classify, run_guarded, shutdown
 from screener.audit.topology import RankInfo, Topology, gather_topology
 
 __all__ = ["Auditor", "AuditConfig", "AuditError", "SDCAlarm", "NumericFailure",
-           "rollback_target", "run_guarded", "classify", "RankInfo", "Topology",
+           "rollback_target", "run_guarded", "shutdown", "classify", "RankInfo", "Topology",
            "gather_topology"]

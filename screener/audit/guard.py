@@ -26,10 +26,12 @@ by nature (it reads what CUDA, NCCL and gloo print); `classify` is public so a j
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import re
 import socket
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -42,7 +44,7 @@ from screener.audit.alarms import NumericFailure, SDCAlarm, alarm_dir, log_json,
 from screener.audit.topology import instance_id_of, node_name
 from screener.types import EXIT_DIR_ENV, AlarmRecord, ExitCode, SuspectNode
 
-__all__ = ["classify", "run_guarded", "record_exit_code", "hardware_error_alarm"]
+__all__ = ["classify", "run_guarded", "record_exit_code", "hardware_error_alarm", "shutdown"]
 
 log = logging.getLogger("screener.audit")
 
@@ -165,4 +167,33 @@ def run_guarded(main: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
     code = int(ExitCode.PASS) if isinstance(result, bool) or not isinstance(result, int) \
         else result
     record_exit_code(code)
+    return code
+
+
+def shutdown(code: int) -> int:
+    """Tear the job's process group down in the order that lets the process exit cleanly; returns
+    code, so a script ends with `sys.exit(shutdown(run_guarded(main)))`.
+
+    Why an order at all: a DDP model, its reducer, the comm hook's futures and the Auditor sit in
+    reference cycles that hold the gloo process group alive after destroy_process_group() removed
+    it; the cycle is then freed during interpreter finalisation, where gloo's worker threads still
+    hold work objects with Python references, and the process dies with SIGABRT ("terminate called
+    without an active exception") after a healthy run. So: first collect those cycles (the caller
+    has dropped its models and closed its Auditor: train() returned), then destroy the group
+    while the interpreter is whole. After 77 (a peer is gone) a destroy can wait forever on work
+    that will never complete: the process leaves at once with its code instead (the code is
+    already recorded for screener launch, and the logs flushed).
+    """
+    gc.collect()
+    if code == ExitCode.PEER_FAILED:
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(int(code))
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
     return code
