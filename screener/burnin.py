@@ -525,7 +525,7 @@ def run_full_burnin(node: str, devices: Sequence[str], kat: Callable[[], BurninR
 
     report = FullBurninReport(node=node)
     findings: list[Any] = []
-    before = None
+    before = after = None
     if plan.probes and probe is not None:
         progress("probes (before)")
         stage, before = probe_stage("probes-before", probe)
@@ -566,11 +566,16 @@ def run_full_burnin(node: str, devices: Sequence[str], kat: Callable[[], BurninR
         policy = policy or lifecycle.DEFAULT_POLICY
         report.state_before = store.get_state(node)
         events: list[Any] = [lifecycle.NodeSeen()]
+        # A finding's GPU serial counts for the lemon rule when this node's NVML reports it.
+        known = sorted({str(g.serial) for r in (before, after) if r is not None
+                        for g in r.gpus if g.serial})
+        findings = [replace(f, evidence=lifecycle.local_serials(f.evidence, known))
+                    for f in findings]
         if findings:
             events.append(lifecycle.Findings(tuple(findings)))
         verdicts = tuple(v for s in report.stages for v in s.verdicts)
         # Conditions seen after the load (a pending remap, a GPU gone) keep the node out.
-        conditions = tuple(f for f in (after.findings if plan.probes and probe is not None else ())
+        conditions = tuple(f for f in (after.findings if after is not None else ())
                            if is_condition(f))
         events.append(lifecycle.KatScreen(verdicts, kind=report.kind, conditions=conditions))
         for event in events:
