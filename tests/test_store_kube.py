@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -449,7 +450,8 @@ def test_training_job_manifest_is_valid_and_gated():
     names = {c.name for c in spec.containers}
     rules = {(r.action, tuple(r.on_exit_codes.values)) for r in job.spec.pod_failure_policy.rules
              if r.on_exit_codes}
-    assert rules == {("FailJob", (75,)), ("Ignore", (77,))}
+    # 75 hardware suspect and 76 numeric failure fail the Job; 77 (a peer failed) is requeued.
+    assert rules == {("FailJob", (75, 76)), ("Ignore", (77,))}
     for r in job.spec.pod_failure_policy.rules:
         if r.on_exit_codes:
             assert r.on_exit_codes.container_name in names and r.on_exit_codes.operator == "In"
@@ -476,3 +478,65 @@ def test_server_watch_streams_node_changes(api):
     assert seen[:3] == [("ADDED", "gpu-1"), ("ADDED", "gpu-2"), ("ADDED", "cpu-1")]
     assert seen[-1] == ("MODIFIED", "gpu-2")
     assert ("watch", "nodes", "") in api.verbs()
+
+
+# --- hostile kubeconfigs: one line naming the file, exit 2, never a traceback ---------------------
+
+GOOD_CONTEXT = ("current-context: x\ncontexts: [{name: x, context: {cluster: c, user: u}}]\n"
+                "users: [{name: u, user: {token: t}}]\n")
+KUBECONFIGS = {
+    "words": b"garbage",
+    "binary": b"\x00\xff\xfe\x80 binary",
+    "empty": b"",
+    "unclosed": b"a: [1, 2",
+    "list": b"- 1\n- 2\n",
+    "number": b"42",
+    "clusters-int": b"apiVersion: v1\nclusters: 5\n",
+    "clusters-strings": b"clusters: [a, b]\n",
+    "cluster-not-map": b"clusters: [{name: c, cluster: 7}]\n",
+    "context-int": b"current-context: x\ncontexts: [{name: x, context: 7}]\n",
+    "users-map": b"users: {u: 1}\n",
+    "name-int": b"clusters: [{name: 5, cluster: {server: http://h}}]\n",
+    "server-int": ("clusters: [{name: c, cluster: {server: 5}}]\n" + GOOD_CONTEXT).encode(),
+    "server-list": ("clusters: [{name: c, cluster: {server: [1]}}]\n" + GOOD_CONTEXT).encode(),
+    "deep-flow": b"a: " + b"[" * 5000 + b"]" * 5000,
+    "deep-map": b"a: " + b"{b: " * 3000 + b"1" + b"}" * 3000,
+    "anchor-bomb": b"a: &a [x, x]\nb: &b [*a, *a]\nc: &c [*b, *b]\nd: [*c, *c]\ne: [",
+    "tab-indent": b"clusters:\n\t- name: c\n",
+    "no-context": b"clusters: [{name: c, cluster: {server: http://h}}]\ncurrent-context: nope\n",
+    "context-missing-cluster": b"current-context: x\ncontexts: [{name: x, context: {cluster: c}}]\n"
+                               b"clusters: [{name: other, cluster: {server: http://h}}]\n",
+    "bad-exec": ("clusters: [{name: c, cluster: {server: http://h}}]\ncurrent-context: x\n"
+                 "contexts: [{name: x, context: {cluster: c, user: u}}]\n"
+                 "users: [{name: u, user: {exec: 5}}]\n").encode(),
+    "python-tag": b"!!python/object/apply:os.system ['true']\n",
+    "huge": b"a: " + b"x" * (1024 * 1024 + 10),
+}
+
+
+def test_hostile_kubeconfigs_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    """Through the console entry point (screener.cli.run), in this process to keep it quick."""
+    import os
+
+    from screener.cli import run
+
+    paths = {}
+    for name, data in KUBECONFIGS.items():
+        paths[name] = tmp_path / name
+        paths[name].write_bytes(data)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # opening it to read would wait for a writer forever
+    paths["fifo"] = fifo
+    assert len(paths) >= 20
+    for name, path in paths.items():
+        started = time.monotonic()
+        monkeypatch.setattr(sys, "argv", ["screener", "node", "status", "--kubeconfig", str(path),
+                                          "--spool", str(tmp_path / "spool.db")])
+        with pytest.raises(SystemExit) as e:
+            run()
+        out = capsys.readouterr()
+        assert e.value.code == 2, (name, out.err)
+        lines = [ln for ln in out.err.splitlines() if ln.strip()]
+        assert len(lines) == 1 and str(path) in lines[0], (name, out.err)
+        assert "Traceback" not in out.err and out.out == ""
+        assert time.monotonic() - started < 10, name

@@ -789,6 +789,17 @@ def check_kubeconfig(path: str) -> None:
         server = (c.get("cluster") or {}).get("server")
         if server is not None and not isinstance(server, str):
             raise ConfigError(f"{path}: kubeconfig cluster {c['name']!r}: server must be a URL")
+    for u in doc.get("users") or ():
+        user = u.get("user") or {}
+        for key in ("token", "tokenFile", "username", "password", "client-certificate",
+                    "client-key", "client-certificate-data", "client-key-data"):
+            if user.get(key) is not None and not isinstance(user[key], str):
+                raise ConfigError(f"{path}: kubeconfig user {u['name']!r}: {key} must be a string")
+        for key in ("exec", "auth-provider"):
+            if user.get(key) is not None and not isinstance(user[key], dict):
+                raise ConfigError(f"{path}: kubeconfig user {u['name']!r}: {key} must be a mapping")
+        if isinstance(user.get("exec"), dict) and not isinstance(user["exec"].get("command"), str):
+            raise ConfigError(f"{path}: kubeconfig user {u['name']!r}: exec needs a command")
 
 
 # --- parsing Node objects -------------------------------------------------------------------------
