@@ -382,7 +382,8 @@ def _refusal(rank: int, build: Callable[[], Any]) -> Optional[str]:
 
 
 def matrix(rank: int, world: int, root: str, healthy_steps: int,
-           setups: tuple[str, ...] = MATRIX_SETUPS, faults_too: bool = True) -> dict[str, Any]:
+           setups: tuple[str, ...] = MATRIX_SETUPS, faults_too: bool = True,
+           fault_ranks: tuple[int, ...] = (FAULT_RANK,), fault_steps: int = 2) -> dict[str, Any]:
     """Every setup healthy, then with a persistent fault on FAULT_RANK; the refusals and the
     numeric failures no node is blamed for. One process group for all of it."""
     import gc
@@ -400,8 +401,8 @@ def matrix(rank: int, world: int, root: str, healthy_steps: int,
 
     for setup in setups:
         run(f"{setup}/healthy", setup, steps=healthy_steps)
-        if faults_too:
-            run(f"{setup}/fault", setup, steps=2, fault_rank=FAULT_RANK)
+        for r in fault_ranks:
+            run(f"{setup}/fault{r}", setup, steps=fault_steps, fault_rank=r)
     if not faults_too:
         return results
 

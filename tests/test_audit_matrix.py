@@ -48,7 +48,7 @@ def test_healthy_setup_raises_nothing(runs, setup):
 
 @pytest.mark.parametrize("setup", audit_workers.MATRIX_SETUPS)
 def test_persistent_bit_flip_on_one_rank_is_caught_settled_and_localised(runs, setup):
-    outs = runs[f"{setup}/fault"]
+    outs = runs[f"{setup}/fault{audit_workers.FAULT_RANK}"]
     assert outs[audit_workers.FAULT_RANK]["fired"] > 0 and sum(o["fired"] for o in outs) == \
         outs[audit_workers.FAULT_RANK]["fired"]
     alarms = [o["alarm"] for o in outs]
