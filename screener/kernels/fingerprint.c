@@ -30,6 +30,7 @@
  */
 
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -294,10 +295,8 @@ typedef struct {
     piece_t *pieces;
     int64_t npieces;
     atomic_llong next;
-    int64_t done; /* guarded by lock */
+    atomic_llong done; /* pieces finished */
     atomic_int refs;
-    pthread_mutex_t lock;
-    pthread_cond_t all_done;
 } job_t;
 
 static void add_row(job_t *job, int64_t k, uint64_t s, uint64_t w) {
@@ -324,8 +323,6 @@ static void run_piece(job_t *job, const piece_t *pc) {
 
 static void release(job_t *job) {
     if (atomic_fetch_sub_explicit(&job->refs, 1, memory_order_acq_rel) == 1) {
-        pthread_mutex_destroy(&job->lock);
-        pthread_cond_destroy(&job->all_done);
         free(job->pieces);
         free(job);
     }
@@ -346,11 +343,8 @@ static int64_t drain(job_t *job) {
 static void finish(job_t *job, int64_t ran) {
     if (ran == 0)
         return;
-    pthread_mutex_lock(&job->lock);
-    job->done += ran;
-    if (job->done == job->npieces)
-        pthread_cond_broadcast(&job->all_done);
-    pthread_mutex_unlock(&job->lock);
+    /* Release: the caller that sees the count also sees this thread's atomic adds to out. */
+    atomic_fetch_add_explicit(&job->done, ran, memory_order_release);
 }
 
 static void *worker(void *arg) {
@@ -412,6 +406,14 @@ static int64_t make_pieces(const int64_t *desc, int64_t ntensors, int64_t piece_
     return n;
 }
 
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
 int sfp_abi_version(void) { return SFP_ABI_VERSION; }
 
 /* Which kernels run on this CPU: "avx2" or "generic". */
@@ -448,8 +450,7 @@ int sfp_fingerprints(const int64_t *desc, int64_t ntensors, int64_t *out, int nt
     }
     atomic_init(&job->next, 0);
     atomic_init(&job->refs, 1);
-    pthread_mutex_init(&job->lock, NULL);
-    pthread_cond_init(&job->all_done, NULL);
+    atomic_init(&job->done, 0);
 
     int64_t helpers = nthreads - 1;
     if (helpers > job->npieces - 1)
@@ -471,10 +472,15 @@ int sfp_fingerprints(const int64_t *desc, int64_t ntensors, int64_t *out, int nt
     }
     finish(job, drain(job));
     /* Wait only for pieces that some worker has claimed and not finished. */
-    pthread_mutex_lock(&job->lock);
-    while (job->done < job->npieces)
-        pthread_cond_wait(&job->all_done, &job->lock);
-    pthread_mutex_unlock(&job->lock);
+    /* The wait is at most one piece of a running worker (tens of microseconds), so spin rather than
+     * sleep: waking from a sleep on a busy machine costs a scheduling latency of milliseconds. After a
+     * while, yield the CPU, which may be the one the (descheduled) worker needs. */
+    for (long spins = 0; atomic_load_explicit(&job->done, memory_order_acquire) < job->npieces; spins++) {
+        if (spins < 20000)
+            cpu_relax();
+        else
+            sched_yield();
+    }
     release(job);
     return 0;
 }
