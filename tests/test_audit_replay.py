@@ -1,0 +1,141 @@
+"""What a replay reproduces, without a process group: the RNG states and loss scale a step started
+from (capture.py), micro-batch accumulation as .grad accumulates, loss_fn outputs with extras; the
+blast-radius rule; the setups refused at construction; run_guarded's records for screener launch."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from screener.audit import run_guarded
+from screener.audit.auditor import _refuse_unreplayable
+from screener.audit.blast import too_wide
+from screener.audit.capture import StateCodec, StepState, capture, restored
+from screener.audit.ring import loss_of, replay
+from screener.fingerprint import fingerprints
+from screener.types import AlarmRecord
+
+CPU = torch.device("cpu")
+
+
+def _net(dropout: bool = True) -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(6, 8), torch.nn.GELU()]
+    if dropout:
+        layers.append(torch.nn.Dropout(0.5))
+    return torch.nn.Sequential(*layers, torch.nn.Linear(8, 2))
+
+
+def _batch(i: int):
+    g = torch.Generator().manual_seed(100 + i)
+    return torch.randn(5, 6, generator=g), torch.randn(5, 2, generator=g)
+
+
+def _loss(model, batch):
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def test_state_survives_the_codec_and_restores_the_same_dropout_masks():
+    codec = StateCodec(CPU)
+    torch.manual_seed(1234)
+    state = capture(CPU)
+    first = torch.rand(8)
+    torch.rand(100)  # the stream moves on
+    back = codec.decode(codec.encode(state))
+    assert back.scale is None and torch.equal(back.cpu_rng, state.cpu_rng)
+    mine = torch.get_rng_state()
+    with restored(back, CPU):
+        assert torch.equal(torch.rand(8), first)
+    assert torch.equal(torch.get_rng_state(), mine)  # this rank's own stream is untouched
+    assert codec.decode(codec.encode(None)).cpu_rng is None
+    assert codec.decode(codec.encode(StepState(None, None, 2.0 ** 13))).scale == 2.0 ** 13
+
+
+def test_a_dropout_step_replays_bit_for_bit_from_the_owner_state_only():
+    model = _net()
+    torch.manual_seed(99)  # the owner's stream, whatever it is
+    state = capture(CPU)
+    loss = _loss(model, _batch(0))
+    loss.backward()
+    owner = fingerprints([p.grad for p in model.parameters()])
+    torch.manual_seed(7)  # the replayer's stream is elsewhere
+    params = list(model.parameters())
+    rl, rg = replay(model, params, _loss, _batch(0), device=CPU, state=state)
+    assert torch.equal(rl, loss.detach()) and torch.equal(fingerprints(rg), owner)
+    rl2, rg2 = replay(model, params, _loss, _batch(0), device=CPU, state=None)
+    assert not torch.equal(fingerprints(rg2), owner)  # without the state, other masks
+
+
+def test_scaled_replay_and_accumulation_match_the_training_step_bits():
+    model = _net(dropout=False)
+    params = list(model.parameters())
+    scale = 2.0 ** 10
+    micro = [_batch(i) for i in range(3)]
+    model.zero_grad(set_to_none=True)
+    total = 0
+    for mb in micro:  # what a loop does under no_sync: .grad accumulates
+        loss = _loss(model, mb) / 3
+        (loss * torch.full((1,), scale)).backward()
+        total = total + loss.detach()
+    owner = fingerprints([p.grad for p in params])
+    rl, rg = replay(model, params, lambda m, b: _loss(m, b) / 3, micro, device=CPU,
+                    state=StepState(None, None, scale), accumulation_steps=3)
+    assert torch.equal(fingerprints(rg), owner) and torch.equal(rl, total)
+    with pytest.raises(TypeError, match="accumulation_steps=3"):
+        replay(model, params, _loss, micro[0], device=CPU, accumulation_steps=3)
+
+
+def test_loss_fn_may_return_extras():
+    t = torch.tensor(1.5)
+    assert loss_of(t) is t and loss_of((t, "logits")) is t and loss_of({"loss": t, "x": 1}) is t
+
+    class Out:
+        loss = t
+    assert loss_of(Out()) is t
+    with pytest.raises(TypeError, match="one-element loss tensor"):
+        loss_of(torch.ones(3))
+
+
+def test_blast_radius_rule():
+    node_of = {0: "a", 1: "a", 2: "b", 3: "b", 4: "c", 5: "c"}
+    assert too_wide([3], node_of, 6) is None
+    assert too_wide([2, 3], node_of, 6) is None
+    assert "span 2 nodes (a, c)" in too_wide([1, 4], node_of, 6)
+    assert "3 of 4 ranks" in too_wide([0, 1, 2], {0: "a", 1: "a", 2: "a", 3: "a"}, 4)
+
+
+def test_syncbatchnorm_is_refused_in_one_line():
+    model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(
+        torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)))
+    with pytest.raises(ValueError) as e:
+        _refuse_unreplayable(model)
+    assert "SyncBatchNorm" in str(e.value) and "\n" not in str(e.value)
+    _refuse_unreplayable(_net())  # plain layers pass
+
+
+def test_run_guarded_records_its_code_and_alarms_its_node_on_a_hardware_error(tmp_path,
+                                                                             monkeypatch):
+    exits, alarms = tmp_path / "exits", tmp_path / "alarms"
+    exits.mkdir()
+    monkeypatch.setenv("SCREENER_EXIT_DIR", str(exits))
+    monkeypatch.setenv("SCREENER_ALARM_DIR", str(alarms))
+    monkeypatch.setenv("NODE_NAME", "hyperpod-i-0123456789abcdef0")
+    monkeypatch.setenv("RANK", "5")
+
+    def ecc():
+        raise RuntimeError("CUDA error: uncorrectable ECC error encountered")
+    assert run_guarded(ecc) == 75
+    (code,) = exits.glob("*.code")
+    assert code.read_text() == "75\n" and code.name.startswith("rank5-")
+    (f,) = alarms.glob("*.json")
+    rec = AlarmRecord.from_dict(json.loads(f.read_text()))
+    assert (rec.check, rec.settled, rec.node, rec.suspect_ranks) == (
+        "hardware_error", False, "hyperpod-i-0123456789abcdef0", ())
+    assert rec.suspect_nodes[0].instance_id == "i-0123456789abcdef0"
+    from screener.intake import validate  # the DaemonSet's reader takes it as it is
+    assert validate(json.loads(f.read_text())).check == "hardware_error"
+    assert run_guarded(lambda: 0) == 0 and len(list(exits.glob("*.code"))) == 1  # same pid: rewritten
+    assert len(list(alarms.glob("*.json"))) == 1  # a clean exit alarms nobody
