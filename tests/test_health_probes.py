@@ -236,3 +236,19 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path):
 def test_cli_help():
     r = screener("probe", "--help")
     assert r.returncode == 0 and "--kmsg" in r.stdout and "75" in r.stdout
+
+
+def test_the_deferred_reader_saves_its_position_only_on_commit(tmp_path):
+    from screener.health.probes import DeferredKernelLogReader
+
+    log_file = tmp_path / "kern.log"
+    log_file.write_text("[ 1.0] NVRM: Xid (PCI:0000:18:00): 79, pid=1, name=x, GPU has fallen off the bus.\n")
+    state = tmp_path / "kmsg.json"
+    first = DeferredKernelLogReader(str(log_file), state_file=str(state))
+    assert [e.code for e in first.read_new().events] == [79]
+    assert first.read_new().events == ()  # in memory the position moved on
+    assert not state.exists()  # but nothing was saved: a restart reads the Xid again
+    again = DeferredKernelLogReader(str(log_file), state_file=str(state))
+    assert [e.code for e in again.read_new().events] == [79]
+    again.commit()
+    assert DeferredKernelLogReader(str(log_file), state_file=str(state)).read_new().events == ()
