@@ -12,9 +12,11 @@ import importlib.util
 import math
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 from array import array
 
 import pytest
@@ -180,6 +182,38 @@ def test_large_tensor_with_threads_matches_single_thread():
     finally:
         torch.set_num_threads(before)
     assert run_kernel([t], 4, 1 << 16) == [want]
+
+
+def test_concurrent_calls_from_many_threads_agree():
+    # DDP comm hooks call fingerprints from autograd's threads: calls must not share state.
+    tensors = [random_bits(n, torch.bfloat16, n) for n in (5, 4096 * 3 + 1, 1 << 21)]
+    want = [definition(t) for t in tensors]
+    results = []
+    def work():
+        for _ in range(5):
+            results.append([tuple(r) for r in fingerprints(tensors).tolist()])
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert len(results) == 20 and all(r == want for r in results)
+
+
+def test_without_the_built_kernel_the_torch_path_runs(tmp_path):
+    # A copy of the package without the compiled library, as after an install without a compiler.
+    shutil.copytree(ROOT / "screener", tmp_path / "screener",
+                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    code = ("import torch, screener.fingerprint as f\n"
+            "t = torch.arange(-5000, 5000, dtype=torch.int16)\n"
+            "print(f.backend('cpu'), '|', f.native_unavailable_reason(), '|', f.fingerprint(t))")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", fp_mod.BACKEND_ENV)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                          env=dict(env, PYTHONPATH=str(tmp_path)), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    name, why, row = proc.stdout.strip().split(" | ")
+    t = torch.arange(-5000, 5000, dtype=torch.int16)
+    assert name == "torch" and "not built" in why and row == str(definition(t))
 
 
 def test_bad_descriptor_is_refused_without_touching_the_output():
