@@ -104,15 +104,18 @@ def test_history_leaves_the_node_and_the_summary_stays_bounded():
 
 def test_a_node_with_the_old_long_history_annotation_keeps_working():
     """Written by an earlier version: the whole history as a JSON list on the Node."""
-    old = []
-    prev = None
-    for k, to in enumerate([S.BURNIN, S.HEALTHY, S.QUARANTINED, S.BURNIN, S.HEALTHY,
-                            S.QUARANTINED, S.BURNIN, S.HEALTHY]):
-        t = Transition(node="gpu-old", time=NOW - 1000 + k, from_state=prev, to_state=to,
-                       reason=f"step {k}", failure=to == S.QUARANTINED, gpu_serials=("SN-OLD",)
-                       if to == S.QUARANTINED else (), evidence={"pad": "p" * 1500})
-        old.append(t.to_dict())
-        prev = to
+    def old_history(node: str) -> list:
+        out, prev = [], None
+        for k, to in enumerate([S.BURNIN, S.HEALTHY, S.QUARANTINED, S.BURNIN, S.HEALTHY,
+                                S.QUARANTINED, S.BURNIN, S.HEALTHY]):
+            t = Transition(node=node, time=NOW - 1000 + k, from_state=prev, to_state=to,
+                           reason=f"step {k}", failure=to == S.QUARANTINED, gpu_serials=("SN-OLD",)
+                           if to == S.QUARANTINED else (), evidence={"pad": "p" * 1500})
+            out.append(t.to_dict())
+            prev = to
+        return out
+
+    old = old_history("gpu-old")
     with KubeAPI() as api:
         api.add_node("gpu-old", labels={LABEL_STATE: "healthy"},
                      annotations={ANNOTATION_HISTORY: json.dumps(old)})
@@ -131,9 +134,18 @@ def test_a_node_with_the_old_long_history_annotation_keeps_working():
         assert [e["reason"] for e in stored][:8] == [f"step {k}" for k in range(8)]
         assert len(stored) == 9 and stored[0]["evidence"] == {"pad": "p" * 1500}
         assert [t.time for t in store.failures(0)] == [NOW - 998, NOW - 995]
+        assert [t.time for t in store.failures_for(["SN-OLD"], 0)] == [NOW - 998, NOW - 995]
         # The lemon rule still counts the old failures: a third confirmed failure is a lemon.
         d = apply_event(store, "gpu-old", confirmed(), now=NOW + 1)
         assert d.state == S.REPAIR and d.transition.evidence["lemon"]["count"] == 3
+        # A daemon starting on a node with the old format (no transition) moves it too.
+        api.add_node("gpu-old-2", labels={LABEL_STATE: "healthy"},
+                     annotations={ANNOTATION_HISTORY: json.dumps(old_history("gpu-old-2"))})
+        assert apply_event(store, "gpu-old-2", NodeSeen(), now=NOW + 2).transitions == ()
+        annotation = api.node("gpu-old-2")["metadata"]["annotations"][ANNOTATION_HISTORY]
+        assert json.loads(annotation)["v"] == 2 and len(annotation) <= kf.SUMMARY_BYTES
+        assert len(json.loads(api.configmap(NS, "screener-history-gpu-old-2")["data"]["history"])) == 8
+        assert "gpu-old-2" in {t.node for t in store.failures_for(["SN-OLD"], 0)}
         store.close()
 
 

@@ -551,6 +551,20 @@ class KubeStore:
         raise KubeApiError(f"history of {node}: still conflicting after "
                            f"{self.retry.conflict_attempts} rounds", 409)
 
+    def _migrate(self, node: str, entries: list[dict[str, Any]], cm: Optional[dict[str, Any]]) -> None:
+        """Move an old-format history annotation into the node's ConfigMap, leave the summary."""
+        self._append_history(node, entries[-1], cm, entries)
+
+        def change(obj: dict[str, Any]) -> Optional[dict[str, Any]]:
+            on_node, legacy = kf.parse_node_history(_annotation(obj, ANNOTATION_HISTORY), node)
+            if not legacy:
+                return None
+            return {"metadata": {"annotations": {ANNOTATION_HISTORY: kf.summary_annotation(on_node)}}}
+
+        self._update_node(node, change)
+        log.info("node %s: history moved from the Node annotation to ConfigMap %s/%s", node,
+                 self.namespace, kf.history_configmap_name(node))
+
     # --- the quarantine budget record -------------------------------------------------------
 
     def ledger(self) -> kf.Ledger:
@@ -873,6 +887,15 @@ class KubeTxn:
 
     def commit(self, transitions: Sequence[Transition]) -> None:
         store = self._store
+        if not transitions:
+            # A node still carrying the old long history annotation moves it off the Node the
+            # first time its daemon looks (at start-up: rolling out this version migrates the
+            # fleet, one node per daemon), so the per-GPU lookup finds its failures too.
+            on_node, legacy = kf.parse_node_history(_annotation(self._obj, ANNOTATION_HISTORY),
+                                                    self.node)
+            if legacy and on_node:
+                store._migrate(self.node, on_node, self._cm)
+            return
         first = True
         for t in transitions:
             if t.node != self.node:
