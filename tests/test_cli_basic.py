@@ -47,7 +47,7 @@ def test_version_and_help():
     assert r.returncode == 0 and "screener" in r.stdout
     r = screener("--help")
     assert r.returncode == 0 and "Exit codes" in r.stdout and "75" in r.stdout
-    for cmd in ("platform", "fingerprint"):
+    for cmd in ("platform", "fingerprint", "report"):
         r = screener(cmd, "--help")
         assert r.returncode == 0 and "Usage" in r.stdout
 
