@@ -585,7 +585,9 @@ def decide(node: str, current: Optional[NodeState], event: Any, *, now: float,
         if conditions:
             what = "; ".join(f"{c.code}" + (f" on GPU {c.gpu}" if c.gpu else "") for c in conditions)
             return stay(f"a passing screen clears nothing while a condition persists: {what}")
-        if kind != KIND_FULL and not (current == S.SUSPECT and earned_healthy(history)):
+        # A partial burn-in never clears; the quick screen only re-verifies a node that earned it.
+        if kind == KIND_PARTIAL or (kind != KIND_FULL
+                                    and not (current == S.SUSPECT and earned_healthy(history))):
             return stay(f"a {kind} screen passed, but only a full burn-in makes a node healthy "
                         f"that has not earned it since it entered burnin", (Action.START_BURNIN,))
         return move(S.HEALTHY, sig.reason, sig.code, sig.evidence)
