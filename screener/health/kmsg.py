@@ -51,6 +51,7 @@ _READ_SIZE = 16384  # /dev/kmsg returns one record per read and EINVAL for a sho
 KMSG_DEVICE = (1, 11)  # major, minor of /dev/kmsg on Linux
 MAX_RECORDS = 100_000  # per read_new(): the ring buffer holds far fewer
 MAX_FILE_BYTES = 64 * 1024 * 1024  # per read_new() of a plain log file
+MAX_LINE_BYTES = 16384  # a longer line is not an Xid line (and /dev/kmsg records are shorter)
 
 _XID_RE = re.compile(
     r"^NVRM: Xid \((?:PCI:)?(?P<pci>[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}(?:\.[0-7])?)\):"
@@ -335,6 +336,8 @@ class KernelLogReader:
         events, lines = [], 0
         for raw in data[:end].splitlines():
             lines += 1
+            if len(raw) > MAX_LINE_BYTES:  # no driver line is this long; not worth a regex
+                continue
             ev = parse_line(raw.decode("utf-8", errors="replace"))
             if ev is not None:
                 events.append(ev)
