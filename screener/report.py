@@ -212,8 +212,9 @@ def timeline_chart(plot_id: str, title: str, lanes: Mapping[str, Sequence[Segmen
     return _figure(plot_id, title, "".join(body), height, marks, legend, note)
 
 
-def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], numeric: Sequence[int] = ()) -> str:
-    """An HTML table; columns in `numeric` are right-aligned."""
+def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], numeric: Sequence[int] = (),
+          empty: str = "none") -> str:
+    """An HTML table; columns in `numeric` are right-aligned; `empty` is said when no row."""
     head = "".join(f"<th>{_e(h)}</th>" for h in headers)
     body = []
     for r in rows:
@@ -222,7 +223,7 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], numeric: Sequen
                         for i, c in enumerate(shown))
         body.append(f"<tr>{cells}</tr>")
     if not body:
-        return '<p class="meta">none</p>'
+        return f'<p class="meta">{_e(empty)}</p>'
     return f"<table><tr>{head}</tr>{''.join(body)}</table>"
 
 
@@ -464,10 +465,10 @@ def fleet_html(data: Mapping[str, Any]) -> str:
                   f"days)</h2>"
                   + table(("node", "failures", "state"),
                           [(x["node"], x["failures"], x["state"] or "unknown")
-                           for x in data["lemons"]], numeric=(1,))
+                           for x in data["lemons"]], numeric=(1,), empty="no lemon node")
                   + table(("GPU serial", "failures", "nodes"),
                           [(g["serial"], g["failures"], ", ".join(g["nodes"]))
-                           for g in data["lemon_gpus"]], numeric=(1,)))
+                           for g in data["lemon_gpus"]], numeric=(1,), empty="no lemon GPU"))
     by_job: dict[str, list[tuple[float, str, str]]] = {}
     for r in data["job_seconds"]:
         by_job.setdefault(r["job"], []).append(

@@ -319,3 +319,17 @@ def test_manifests_validate_against_the_kubernetes_schemas():
                 failures.append(f"{version} {o['kind']}/{o['metadata']['name']}: "
                                 f"{str(e).splitlines()[0] or type(e).__name__}")
     assert not failures, "\n".join(failures)
+
+
+def test_in_a_checkout_the_shipped_data_are_the_repositorys_folders(monkeypatch):
+    # The editable install maps screener._jobs and screener._golden onto jobs/ and golden/, so
+    # `screener golden record` without --out writes into the repository.
+    monkeypatch.delenv("SCREENER_JOBS_DIR", raising=False)
+    monkeypatch.delenv("SCREENER_GOLDEN_DIR", raising=False)
+    from screener.golden import default_golden_dir
+    from screener.workloads import default_jobs_dir
+
+    assert default_jobs_dir().resolve() == (ROOT / "jobs").resolve()
+    assert default_golden_dir().resolve() == (ROOT / "golden").resolve()
+    monkeypatch.setenv("SCREENER_GOLDEN_DIR", "/elsewhere")
+    assert str(default_golden_dir()) == "/elsewhere"
