@@ -93,6 +93,19 @@ def test_every_size_class_across_lane_block_and_piece_boundaries(size):
     assert [tuple(r) for r in fingerprints(tensors).tolist()] == want
 
 
+@pytest.mark.parametrize("size", [1, 2, 4, 8])
+def test_portable_kernels_match_the_definition_too(size):
+    # This machine runs the AVX2 kernels; a CPU without AVX2 (or not x86) runs the portable ones.
+    dtype = INT_VIEW[size]
+    cases = [random_bits(n, dtype, seed=n + size) for n in SIZES]
+    cases += [torch.full((5 * 4096 + 3,), v, dtype=dtype) for v in
+              ((0, 255) if size == 1 else (-(1 << (8 * size - 1)), (1 << (8 * size - 1)) - 1))]
+    for t in cases:
+        want = definition(t)
+        assert kernel().sums(t.data_ptr(), t.numel(), size, generic=True) == want, t.numel()
+        assert kernel().sums(t.data_ptr(), t.numel(), size, generic=False) == want, t.numel()
+
+
 @pytest.mark.parametrize("dtype,values", [
     (torch.int16, [-32768]), (torch.int16, [32767]), (torch.uint8, [255]), (torch.int32, [-2**31]),
     (torch.int32, [2**31 - 1]), (torch.int64, [-2**63]), (torch.int64, [2**63 - 1]),

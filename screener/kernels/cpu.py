@@ -35,6 +35,22 @@ class CpuKernel:
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
                              ctypes.c_int64, ctypes.c_int64]
+        self._sums = lib.sfp_sums
+        self._sums.restype = ctypes.c_int
+        self._sums.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+                               ctypes.c_void_p]
+        isa = lib.sfp_isa
+        isa.restype = ctypes.c_char_p
+        self.isa: str = isa().decode()  # "avx2" or "generic": the kernels this CPU runs
+
+    def sums(self, address: int, numel: int, element_size: int, generic: bool) -> tuple[int, int]:
+        """One contiguous tensor's (S, W) on one thread, with the portable kernels if `generic`
+        (those a CPU without AVX2 runs) or with this CPU's: for tests on any machine."""
+        out = (ctypes.c_int64 * 2)()
+        rc = self._sums(address, numel, element_size, int(generic), out)
+        if rc != 0:
+            raise RuntimeError(f"fingerprint kernel: failed with code {rc}")
+        return out[0], out[1]
 
     def run(self, desc: array, out_address: int, threads: int,
             piece_bytes: int = PIECE_BYTES, parallel_min_bytes: int = PARALLEL_MIN_BYTES) -> None:

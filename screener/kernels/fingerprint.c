@@ -14,15 +14,18 @@
  * and a block of L*M elements starting at element j0 contributes
  *     S += sum_l s_l
  *     W += (j0 + 1) sum_l s_l + L sum_l (M s_l - t_l) + sum_l l s_l.
- * The lanes are vector registers (GCC/Clang vector extensions). 1- and 2-byte elements are summed in 32-bit
- * lanes, flushed every M = 256 rows so that no lane can overflow: |v| <= 2**15 gives
- * |s| <= 2**23 and |t| <= 2**15 * 256 * 257 / 2 < 2**31. 4- and 8-byte elements use 64-bit lanes, in
- * which wrapping is harmless, so one block spans the whole piece.
+ * The lanes are vector registers: AVX2 intrinsics where the CPU has AVX2 (chosen at run time), else
+ * GCC/Clang vector extensions. 1- and 2-byte elements are summed in 32-bit lanes, flushed every
+ * M = 256 rows so that no lane can overflow: |v| <= 2**15 gives |s| <= 2**23 and
+ * |t| <= 2**15 * 256 * 257 / 2 < 2**31. 4- and 8-byte elements use 64-bit lanes, in which wrapping is
+ * harmless, so one block spans the whole piece.
  *
  * Threads: one parallel region per call. The caller builds a list of pieces (whole small tensors
  * grouped together, large tensors cut into ~1 MiB pieces); detached worker threads and the caller claim
  * pieces from an atomic counter. The caller returns as soon as every piece is done: a worker that was
- * descheduled before it claimed anything does not hold the call up, and finds no work when it runs.
+ * descheduled before it claimed anything does not hold the call up, and finds no work when it runs;
+ * the job is freed by whichever thread drops the last reference. A worker descheduled while holding
+ * a piece can still stall a call, but once per call, not once per chunk.
  * Results are added to the output with atomic adds (exact and commutative modulo 2**64).
  * Creating the threads per call (rather than keeping a pool) keeps the library safe across fork().
  *
@@ -256,13 +259,14 @@ static int cpu_has_avx2(void) {
 static int cpu_has_avx2(void) { return 0; }
 #endif
 
-/* Kernels by log2 of the element size, chosen once (a benign race: every thread picks the same). */
+/* Kernels by log2 of the element size, chosen once per process (pthread_once: concurrent first calls
+ * must not see a half-filled table). */
 static kernel_fn kernels[4];
 static const char *isa = "generic";
 
-static void pick_kernels(void) {
-    if (kernels[0])
-        return;
+static pthread_once_t kernels_once = PTHREAD_ONCE_INIT;
+
+static void choose_kernels(void) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
     if (cpu_has_avx2()) {
         kernel_fn k[4] = {avx2_u8, avx2_i16, avx2_i32, avx2_i64};
@@ -275,6 +279,8 @@ static void pick_kernels(void) {
     (void)cpu_has_avx2;
     memcpy(kernels, k, sizeof k);
 }
+
+static void pick_kernels(void) { pthread_once(&kernels_once, choose_kernels); }
 
 /* Sums of elements [start, start + count) of one tensor, with positions counted from start. */
 static sums_t piece_sums(const void *base, int64_t elem, int64_t start, int64_t count) {
@@ -415,6 +421,20 @@ static inline void cpu_relax(void) {
 }
 
 int sfp_abi_version(void) { return SFP_ABI_VERSION; }
+
+/* One tensor's sums with the generic kernels (generic != 0) or the ones this CPU runs, single-threaded:
+ * lets the tests check the generic kernels (what a CPU without AVX2 runs) on any machine. */
+int sfp_sums(const void *p, int64_t n, int64_t elem, int generic, int64_t *out) {
+    static const kernel_fn portable[4] = {sums_u8, sums_i16, sums_i32, sums_i64};
+    if ((elem != 1 && elem != 2 && elem != 4 && elem != 8) || n < 0)
+        return -2;
+    pick_kernels();
+    int log2 = elem == 1 ? 0 : elem == 2 ? 1 : elem == 4 ? 2 : 3;
+    sums_t r = (generic ? portable : kernels)[log2](p, n);
+    out[0] = (int64_t)r.s;
+    out[1] = (int64_t)r.w;
+    return 0;
+}
 
 /* Which kernels run on this CPU: "avx2" or "generic". */
 const char *sfp_isa(void) {
