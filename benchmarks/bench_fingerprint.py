@@ -30,6 +30,7 @@ from typing import Callable, Sequence
 import torch
 
 from screener.fingerprint import _torch_fingerprints, backend, fingerprints
+from screener.kernels import cpu as native_cpu
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -185,8 +186,10 @@ def main() -> None:
         "GPT-2-small params fp32": gpt2_small_params(dev),
         "10,000 tensors of 1-4 KiB": small_tensors(dev),
     }
+    kernel = native_cpu.load()[0]
+    isa = f" ({kernel.isa})" if kernel is not None and backend(dev) == "native" else ""
     print(f"device={dev} threads={torch.get_num_threads()} torch={torch.__version__} "
-          f"backend={backend(dev)} rounds={args.rounds} (median GB/s)")
+          f"backend={backend(dev)}{isa} rounds={args.rounds} (median GB/s)")
     if dev.startswith("cuda"):
         copy = copy_bandwidth(dev)
         print(f"HBM copy bandwidth: {copy:.0f} GB/s (read + write)")
