@@ -220,6 +220,8 @@ def test_sigterm_mid_screen_removes_the_taint_and_exits_cleanly(tmp_path, api):
         "store": "kube", "jobs": ["sleepy"], "jobs_dir": str(jobs),
         "golden_dir": str(tmp_path / "golden"), "idle_window_s": 0, "tick_s": 0.2,
         "job_poll_s": 0.1, "metrics_port": -1, "spool": str(tmp_path / "spool.db"),
+        # The test server's Node is months old: without this it would be adopted healthy.
+        "adopt": "off",
         "probes": {"kmsg_path": None, "disk_paths": [str(tmp_path)], "min_free_disk_fraction": 0,
                    "min_free_memory_fraction": 0}}))
     kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
