@@ -65,6 +65,7 @@ class Call:
     status: int = 0
     request_bytes: int = 0
     response_bytes: int = 0
+    server_seconds: float = 0.0  # time the server spent answering (its own work, not the client's)
 
 
 class ApiError(Exception):
@@ -445,6 +446,7 @@ class KubeAPI:
         parts = [unquote(p) for p in path.strip("/").split("/")]
         q = {k: v[-1] for k, v in query.items()}
         call = self._route(method, parts, q)
+        started = time.perf_counter()
         with self._lock:
             if self._fail and self._fail[0][1] in (None, call.verb) and \
                     self._fail[0][2] in (None, call.subresource):
@@ -460,7 +462,8 @@ class KubeAPI:
                 code, out, stream = e.code, status_body(e.code, e.reason, e.message), None
             data = json.dumps(out).encode() if stream is None else b""
             self.calls.append(Call(call.verb, call.resource, call.subresource, call.name,
-                                   call.namespace, code, len(body), len(data)))
+                                   call.namespace, code, len(body), len(data),
+                                   time.perf_counter() - started))
             delay = max([d for v, r, d in self._slow if v in (None, call.verb)
                          and r in (None, call.resource)], default=0.0)
         if delay:
