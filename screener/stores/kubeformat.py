@@ -17,7 +17,8 @@ them stays small and bounded. A node's full history lives off the Node:
     and which nodes are out of service.
 
 Earlier versions kept the whole history (a JSON list of full transitions) in the annotation. Such a
-node keeps working: its entries are read, and moved to the ConfigMap on its next transition.
+node keeps working: its entries are read, and moved to the ConfigMap the first time its daemon
+looks at the node (at start-up) or on its next transition.
 """
 
 from __future__ import annotations
@@ -27,8 +28,6 @@ import json
 import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional
-
-from screener.types import NodeState
 
 HISTORY_FORMAT = 2
 SUMMARY_KEEP = 5  # transitions in the Node's summary annotation
@@ -204,5 +203,42 @@ class Ledger:
                                                     sort_keys=True)}}
 
 
-def state_value(state: Optional[NodeState]) -> Optional[str]:
-    return state.value if state else None
+# --- evidence in the history ------------------------------------------------------------------------
+
+EVIDENCE_BYTES = 2048
+_BULK_KEYS = frozenset({"expected", "observed", "evidence"})
+
+
+def shrink_evidence(evidence: dict[str, Any], limit: int = EVIDENCE_BYTES) -> dict[str, Any]:
+    """Fit a transition's evidence into `limit` bytes of JSON for the history annotation.
+
+    Annotations share a 256 KiB budget per object, so the bulk goes (expected/observed values,
+    nested evidence, long strings and lists) while identifying fields stay: the alarm's alarm_id,
+    a verdict's device, job and tensor, a finding's code, the lemon and budget details.
+    """
+    if len(json.dumps(evidence)) <= limit:
+        return evidence
+
+    def trim(v: Any, depth: int) -> Any:
+        if isinstance(v, dict):
+            return {k: trim(x, depth + 1) for k, x in v.items() if not (depth >= 1 and k in _BULK_KEYS)}
+        if isinstance(v, list):
+            return [trim(x, depth + 1) for x in v[:8]]
+        if isinstance(v, str) and len(v) > 160:
+            return v[:160] + "..."
+        return v
+
+    out = trim(evidence, 0)
+    out["truncated"] = True
+    if len(json.dumps(out)) <= limit:
+        return out
+    # Still too big: keep only scalars, one level down.
+    flat: dict[str, Any] = {"truncated": True}
+    for k, v in out.items():
+        if isinstance(v, dict):
+            flat[k] = {a: b for a, b in v.items() if isinstance(b, (str, int, float, bool, type(None)))}
+        elif not isinstance(v, list):
+            flat[k] = v
+    if len(json.dumps(flat)) <= limit:
+        return flat
+    return {"truncated": True, "keys": sorted(evidence)[:20]}
