@@ -57,7 +57,9 @@ def test_metrics_health_and_readiness_over_http(served):
     before = scrape(server)
     assert value(before, "screener_screens_total", outcome="pass") == 0.0
 
-    rig.nvml.gpus[0].remapped_rows = (0, 0, 1, 0)  # a suspect-level finding on the first probe
+    # A suspect-level event on the first probe (not a persisting condition such as a pending row
+    # remap, which would keep the node out whatever the screen says).
+    rig.nvml.gpus[0].set_ecc(volatile_uncorrected=1, aggregate_uncorrected=1)
     first = rig.tick()  # burnin -> suspect (finding) -> healthy (screen passed)
     assert first.state.value == "healthy"
     status, _, body = get(server.url + "/readyz")
@@ -80,7 +82,8 @@ def test_metrics_health_and_readiness_over_http(served):
     # The probe of the first pass ran at the clock's start; the pass was recorded then.
     assert value(s, "screener_last_successful_screen_timestamp_seconds") == 1_000_000.0
     assert value(s, "screener_transitions_total", to="quarantined") == 1.0
-    assert value(s, "screener_probe_runs_total") == 2.0
+    # one probe per pass, and the full burn-in of the first pass probes again after its jobs
+    assert value(s, "screener_probe_runs_total") == 3.0
     assert value(s, "screener_screening") == 0.0
 
     # Liveness: the loop stops making progress for longer than liveness_s.
