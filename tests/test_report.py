@@ -193,3 +193,17 @@ def test_report_commands_write_files_and_refuse_bad_input(tmp_path):
                  "-o", str(tmp_path / "f.html"), "--burnin-report", str(BURNIN))
     assert r.returncode == 0, r.stderr
     assert 'data-plot="timeline"' in (tmp_path / "f.html").read_text()
+
+
+def test_burnin_report_of_several_gpus_has_a_bar_per_job_and_device():
+    report = load_burnin_report(BURNIN)
+    cpu = report["screen"]["timings"]["cpu"]
+    report["screen"]["timings"] = {f"cuda:{g}": {j: s * (1 + g) for j, s in cpu.items()}
+                                   for g in range(4)}
+    page = burnin_html(report)
+    p = parse(page).plots["job-seconds"]
+    assert p["declared"] == len(p["marks"]) == 4 * len(cpu)
+    assert all(f"cuda:{g}" in page for g in range(4)) and 'class="legend"' in page
+    widths = [float(a["width"]) for _, a in p["marks"]]
+    # Bars are ordered job by job, device by device: cuda:3 took four times as long as cuda:0.
+    assert widths[3] == pytest.approx(4 * widths[0], rel=0.01)
