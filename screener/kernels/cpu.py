@@ -22,7 +22,7 @@ _ABI_VERSION = 1
 # grouped to about this size. ~1 MiB: a few hundred microseconds of work at most, so threads share
 # the work evenly, and far more than the per-piece cost of a claim and two atomic adds.
 PIECE_BYTES = 1 << 20
-# Below this many bytes in a call, starting threads costs more than it saves.
+# Each thread gets at least this many bytes of a call: starting one costs tens of microseconds.
 PARALLEL_MIN_BYTES = 4 << 20
 
 

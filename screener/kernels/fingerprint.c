@@ -444,7 +444,7 @@ const char *sfp_isa(void) {
 
 /* Fingerprint `ntensors` contiguous tensors described by `desc` (address, elements, element size in
  * 1/2/4/8, three int64 per tensor) into `out` (two int64 per tensor, which the caller zeroes), with up
- * to `nthreads` threads (the caller's included) when the call has at least `parallel_min_bytes`.
+ * to `nthreads` threads (the caller's included), each with at least `parallel_min_bytes` of the work.
  * Returns 0, or -1 if out of memory (out untouched), or -2 for a bad descriptor. */
 int sfp_fingerprints(const int64_t *desc, int64_t ntensors, int64_t *out, int nthreads,
                      int64_t piece_bytes, int64_t parallel_min_bytes) {
@@ -456,8 +456,9 @@ int sfp_fingerprints(const int64_t *desc, int64_t ntensors, int64_t *out, int nt
             return -2;
         total += desc[3 * k + 1] * e;
     }
-    if (total < parallel_min_bytes)
-        nthreads = 1;
+    /* Each thread gets at least parallel_min_bytes: creating one costs tens of microseconds. */
+    if (parallel_min_bytes > 0 && nthreads > total / parallel_min_bytes)
+        nthreads = total / parallel_min_bytes > 1 ? (int)(total / parallel_min_bytes) : 1;
     job_t *job = (job_t *)calloc(1, sizeof(job_t));
     if (!job)
         return -1;
