@@ -3,10 +3,17 @@
 In-job checks (screener.audit) drop one JSON file per alarm into the alarm directory of the node
 the alarm is about (temp name, then rename). The daemon on that node reads them here:
 
-1. every `*.json` file not starting with a dot (a dot file is a write still in progress) is read
-   and parsed as a screener.types.AlarmRecord;
-2. a file that cannot be parsed, or that is not an alarm, is moved into `rejected/` with one log
-   line, and the intake goes on with the next file;
+1. every `*.json` entry not starting with a dot (a dot file is a write still in progress) is
+   opened with O_NOFOLLOW | O_NONBLOCK (a symlink or a FIFO swapped in after the scan is refused,
+   never followed or waited on), checked with fstat to be a regular file under MAX_ALARM_BYTES,
+   parsed within bounds (screener.boundedjson: depth, integer length, no NaN or infinity) and
+   validated field by field (`validate`);
+2. a file that cannot be read, parsed or validated is moved into `rejected/` with one log line,
+   and the intake goes on with the next file. No exception from one file ends a pass: a file
+   that cannot even be moved aside is skipped and remembered (logged once, tried again when it
+   changes), and a regular file squatting on the name `processed` or `rejected` is renamed out of
+   the way. What the pass could not do is in IntakeResult.stuck / .stalled, which the daemon
+   turns into /readyz and a gauge;
 3. a file about another node is left where it is (its own daemon takes it; several simulated nodes
    may share one directory in a drill or a test);
 4. an alarm is applied (handed to the lifecycle and its transition stored) and only then moved into
