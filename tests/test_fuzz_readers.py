@@ -588,6 +588,9 @@ NUMBER_CASES: list[tuple[str, ...]] = [
     ("probe", "--expected-gpus", "nan"),
     ("daemon", "--metrics-port", "nan"),
     ("daemon", "--metrics-port", "70000"),
+    ("plan", "--checkpoint-minutes", "nan", "--mttf-hours", "10"),
+    ("plan", "--checkpoint-minutes", "10", "--mttf-hours", "inf"),
+    ("plan", "--checkpoint-minutes", "10", "--mttf-hours", "10", "--interval-minutes", "nan"),
 ]
 
 
