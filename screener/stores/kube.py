@@ -50,7 +50,7 @@ from kubernetes.client.exceptions import ApiException
 from screener import configs
 from screener.errors import BadInputError, ConfigError, ExternalServiceError
 from screener.stores import kubeformat as kf
-from screener.stores.kubeconfig import check_kubeconfig
+from screener.stores.kubeconfig import check_kubeconfig, check_loaded
 from screener.stores.kubeformat import EVIDENCE_BYTES, shrink_evidence  # noqa: F401 (re-exported)
 from screener.stores.base import (ACTOR_SCREENER, BUDGET_STATES, BudgetConflict, StaleTransition,
                                   Transition, _json_safe, summary_row)
@@ -176,6 +176,7 @@ class KubeStore:
                     if path and os.path.exists(os.path.expanduser(path)):
                         check_kubeconfig(os.path.expanduser(path))
                 kubernetes.config.load_kube_config(context=context, client_configuration=cfg)
+            check_loaded(cfg, where)
         except ConfigError:
             raise
         except Exception as e:  # noqa: BLE001 - the loader parses hostile text; any failure is

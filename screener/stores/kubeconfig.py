@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import stat
+from typing import Any
 
 from screener.errors import ConfigError
 
@@ -80,3 +81,27 @@ def check_kubeconfig(path: str) -> None:
                 raise ConfigError(f"{path}: kubeconfig user {u['name']!r}: {key} must be a mapping")
         if isinstance(user.get("exec"), dict) and not isinstance(user["exec"].get("command"), str):
             raise ConfigError(f"{path}: kubeconfig user {u['name']!r}: exec needs a command")
+
+
+def check_loaded(cfg: Any, where: str) -> None:
+    """Check what a loaded configuration will use: the server URL, and the TLS material it names
+    (CA, client certificate and key), so a bad one is refused now, as bad input, instead of
+    failing every connection later as if the API server were unreachable."""
+    import ssl
+    from urllib.parse import urlsplit
+
+    try:
+        url = urlsplit(str(cfg.host or ""))
+        ok = url.scheme in ("http", "https") and bool(url.hostname)
+        url.port  # noqa: B018 - raises ValueError for a port that is not a number
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ConfigError(f"{where}: the cluster's server {cfg.host!r} is not an http(s) URL")
+    try:
+        ctx = ssl.create_default_context(cafile=cfg.ssl_ca_cert or None)
+        if cfg.cert_file or cfg.key_file:
+            ctx.load_cert_chain(cfg.cert_file, cfg.key_file or None)
+    except (ssl.SSLError, OSError, ValueError, TypeError) as e:
+        what = " ".join(str(e).split())[:200] or type(e).__name__
+        raise ConfigError(f"{where}: the TLS certificate or key it names is unusable: {what}") from e
