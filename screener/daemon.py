@@ -545,8 +545,7 @@ class Daemon:
     def _apply_findings(self) -> None:
         """Feed pending event findings and the persisting conditions to the lifecycle; only when
         that is recorded (or spooled) are they done and the kernel-log position saved."""
-        todo = tuple(self._pending) + tuple(f for f in self.conditions
-                                           if f.severity >= Severity.WARNING)
+        todo = tuple(self._pending) + tuple(f for f in self.conditions if self._could_move(f))
         if todo:
             try:
                 self._apply(lifecycle.Findings(todo), "probe findings")
@@ -559,6 +558,17 @@ class Daemon:
         self._unwritten = False
         if self.commit_kmsg is not None:
             self.commit_kmsg()
+
+    def _could_move(self, f: Finding) -> bool:
+        """Whether re-applying a persisting condition can still change the node's state; the
+        others are skipped, so a node held out costs no store reads per probe."""
+        if f.severity < Severity.WARNING or self.state == S.REPAIR:
+            return False
+        if self.state == S.QUARANTINED:
+            return f.code in lifecycle.REPAIR_CODES and f.severity >= Severity.CRITICAL
+        if self.state == S.SUSPECT:
+            return f.severity >= Severity.CRITICAL
+        return True
 
     def _localize(self, f: Finding) -> Finding:
         """The finding with its GPU serial under the key the lemon rule reads, when it is one
