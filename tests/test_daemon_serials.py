@@ -10,9 +10,8 @@ from fakes.fake_nvml import FakeNvml, h100
 from screener.lifecycle import HumanCommand
 from screener.stores import apply_event, lemon_counts
 from screener.stores.local import LocalStore
-from screener.types import AlarmRecord, NodeState, SuspectNode
+from screener.types import AlarmRecord, NodeState, Outcome, SuspectNode
 from test_daemon import DaemonRig, ScriptedRunner, outcome
-from screener.types import Outcome
 
 MOVED = "1650923077777"  # the GPU that moves from node A to node B
 
@@ -32,7 +31,6 @@ def test_a_gpu_that_keeps_failing_is_followed_by_its_serial_across_nodes(tmp_pat
                   idle_window_s=0.0)
     b = None
     try:
-        (tmp_path / "a").mkdir(exist_ok=True)
         assert a.tick().state == NodeState.HEALTHY  # full burn-in passed
         for i in range(2):  # the GPU stops answering NVML twice on node A
             lose(a)
@@ -50,7 +48,6 @@ def test_a_gpu_that_keeps_failing_is_followed_by_its_serial_across_nodes(tmp_pat
         assert by_node == {"node-a": 2} and by_serial == {MOVED: 2}
 
         # The GPU moves to node B (its first failure there): the third failure of the GPU.
-        (tmp_path / "b").mkdir()
         b = DaemonRig(tmp_path / "b", ScriptedRunner(outcome(Outcome.PASS)), store=store,
                       nvml=FakeNvml([h100(0), h100(1, serial=MOVED)]), node="node-b",
                       idle_window_s=0.0)
