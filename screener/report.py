@@ -1,4 +1,4 @@
-"""Self-contained HTML reports: one burn-in (`screener burnin --report FILE`) or the fleet (the store).
+"""Self-contained HTML reports of one burn-in (`screener burnin --report FILE`) or of the fleet.
 
 A report is one HTML file with its CSS and its plots inline (SVG written here, no script, no font or
 library fetched from anywhere), so it can be mailed, attached to a ticket or opened on an
@@ -89,7 +89,8 @@ def _figure(plot_id: str, title: str, svg_body: str, height: int, marks: int,
     leg = ""
     if legend and marks:
         leg = '<div class="legend">' + "".join(
-            f'<span><i style="background:{c}"></i>{_e(k)}</span>' for k, c in legend.items()) + "</div>"
+            f'<span><i style="background:{c}"></i>{_e(k)}</span>' for k, c in legend.items())
+        leg += "</div>"
     return (f'<figure class="plot" data-plot="{_e(plot_id)}" data-marks="{marks}">'
             f"<figcaption>{_e(title)}</figcaption>{leg}"
             f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
@@ -128,8 +129,11 @@ def bar_chart(plot_id: str, title: str, rows: Sequence[tuple[str, float, str]], 
     return _figure(plot_id, title, "".join(body), height, len(rows), legend, note)
 
 
-def dot_chart(plot_id: str, title: str, rows: Sequence[tuple[str, Sequence[tuple[float, str, str]]]],
-              unit: str, legend: Optional[Mapping[str, str]] = None, note: str = "") -> str:
+Dots = Sequence[tuple[float, str, str]]
+
+
+def dot_chart(plot_id: str, title: str, rows: Sequence[tuple[str, Dots]], unit: str,
+              legend: Optional[Mapping[str, str]] = None, note: str = "") -> str:
     """One row per label, one dot per (value, colour, tooltip): spread and outliers across a fleet;
     the row's median is a grey tick."""
     rows = [(lab, [(float(v), c, t) for v, c, t in pts if math.isfinite(float(v))])
@@ -190,8 +194,9 @@ def timeline_chart(plot_id: str, title: str, lanes: Mapping[str, Sequence[Segmen
         body.append(f'<text x="{x0 - 6}" y="{y + 15}" text-anchor="end">{_e(n)}</text>')
         for s in lanes[n]:
             xa, xb = x(s.t0), x(s.t1)
-            body.append(f'<rect class="mark" x="{xa:.1f}" y="{y + 3}" width="{max(xb - xa, 2):.1f}" '
-                        f'height="{ROW_H - 6}" fill="{STATE_COLORS.get(s.state, "#999")}">'
+            body.append(f'<rect class="mark" x="{xa:.1f}" y="{y + 3}" '
+                        f'width="{max(xb - xa, 2):.1f}" height="{ROW_H - 6}" '
+                        f'fill="{STATE_COLORS.get(s.state, "#999")}">'
                         f"<title>{_e(n)}: {_e(s.state)} from {_e(_utc(s.t0))}</title></rect>")
         for t in failures.get(n, ()):
             xf = x(t)
@@ -390,11 +395,13 @@ def fleet_data(store: Any, *, now: float, days: float = 30.0, min_failures: int 
         verdicts[n] = store.get_verdict(n)
     failures = store.failures(since)
     by_node, by_serial = lemon_counts(failures)
+    worst_first = sorted(by_node.items(), key=lambda kv: (-kv[1], kv[0]))
     lemons = [{"node": n, "failures": c, "state": states.get(n)}
-              for n, c in sorted(by_node.items(), key=lambda kv: (-kv[1], kv[0])) if c >= min_failures]
+              for n, c in worst_first if c >= min_failures]
     gpus = [{"serial": s, "failures": c,
              "nodes": sorted({t.node for t in failures if s in t.gpu_serials})}
-            for s, c in sorted(by_serial.items(), key=lambda kv: (-kv[1], kv[0])) if c >= min_failures]
+            for s, c in sorted(by_serial.items(), key=lambda kv: (-kv[1], kv[0]))
+            if c >= min_failures]
     job_seconds: list[dict[str, Any]] = []
     hbm: list[dict[str, Any]] = []
     for n, v in verdicts.items():
@@ -407,7 +414,8 @@ def fleet_data(store: Any, *, now: float, days: float = 30.0, min_failures: int 
                     job_seconds.append({"node": n, "device": dv.get("device"), "job": job,
                                         "seconds": float(j["seconds"])})
             if dv.get("job") == "hbm" and _num(ev.get("bandwidth_gbps")):
-                hbm.append({"node": n, "device": dv.get("device"), "ok": dv.get("outcome") == "pass",
+                hbm.append({"node": n, "device": dv.get("device"),
+                            "ok": dv.get("outcome") == "pass",
                             "bandwidth_gbps": float(ev["bandwidth_gbps"]), "source": "store"})
     for rep in burnin_reports:
         for d in _hbm_devices(rep):
