@@ -179,6 +179,12 @@ def test_wheel_in_a_fresh_venv_runs_kat_list_and_burnin_from_any_folder(fresh, t
     for spec in (ROOT / "jobs").glob("*.toml"):
         assert spec.stem in ran, f"burn-in report has no {spec.stem}"
 
+    # The HTML report of that burn-in, with the core install alone.
+    page = tmp_path / "burnin.html"
+    r = _run(fresh, "report", "burnin", str(report), "-o", str(page))
+    assert r.returncode == 0, r.stderr
+    assert page.read_text().count('<figure class="plot"') == 3
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("args,extra", [
