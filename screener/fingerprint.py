@@ -216,6 +216,9 @@ def _readable_sizes() -> dict[torch.dtype, int]:
 
 
 _ELEMENT_SIZE = _readable_sizes()
+# Tensor types whose data_ptr() is their own dense storage: what the C kernel may read directly.
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer) if hasattr(torch.nn, "Buffer") \
+    else (torch.Tensor, torch.nn.Parameter)
 
 
 def backend(device: Union[str, torch.device] = "cpu") -> str:
@@ -281,6 +284,7 @@ def _fingerprints(tensors: list, kernel: Optional[_cpu.CpuKernel], use_triton: b
     others: list[int] = []
     sizes = _ELEMENT_SIZE
     strided = torch.strided
+    plain = _PLAIN_TYPES
     # Hot loop: a model has thousands of small tensors, so each costs only a few attribute reads.
     for k, t in enumerate(tensors):
         if t is None:
@@ -289,7 +293,8 @@ def _fingerprints(tensors: list, kernel: Optional[_cpu.CpuKernel], use_triton: b
         size = sizes.get(t.dtype)
         if size is None:
             size = _check_dtype(t)  # raises: no readable fixed-size bits
-        if kernel is None or not t.is_cpu:
+        # Subclasses (DTensor, fake tensors) may have no storage of their own: torch path.
+        if kernel is None or type(t) not in plain or not t.is_cpu:
             others.append(k)
             desc.extend((0, 0, 1))
             continue
