@@ -17,7 +17,11 @@ machine noise hits all of them alike:
     auditor+clip DDP + Auditor(check_reduced=False) given clip_grad_norm_'s norm as grad_norm: the
                  hook makes one read pass over the gradients instead of two
 
-plus the cost of one weight check (fingerprints of every weight + a tiny all_gather), a plain local
+Steps with the Auditor include the RNG capture a replay needs (capture.py: the CPU generator's 5 KB
+state copied by a forward pre-hook every step; an audit step sends the states to the replayers in
+one more small all_gather before the replays, and runs a self-check replay on its first audit).
+
+plus the cost of one RNG capture, one weight check (fingerprints of every weight + a tiny all_gather), a plain local
 forward+backward, and the fingerprint speed on the gradients, to explain the audit step's cost.
 Reports median step times (wall clock, and the CPU time of the rank's process, which other load
 on a shared machine disturbs less) and their ratios to `plain`. Targets (issue 4): at most 5 % on
@@ -73,6 +77,7 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: 
 
     from screener import synthetic
     from screener.audit import Auditor
+    from screener.audit.capture import capture
     from screener.fingerprint import fingerprints
 
     torch.set_num_threads(args.threads)
@@ -150,6 +155,12 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: 
                 for g in grads:
                     torch.linalg.vector_norm(g, dtype=torch.float32)
             norms.append(time.process_time() - c0)
+        captures = []
+        for i in range(args.pieces):
+            c0 = time.perf_counter()
+            for _ in range(100):
+                capture(torch.device("cpu"))
+            captures.append((time.perf_counter() - c0) / 100)
         checker = runs["auditor"]["auditor"]
         for i in range(args.pieces):
             dist.barrier()
@@ -174,6 +185,8 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: 
             "clip_ratio": paired(runs["auditor+clip"]["times"], runs["plain+clip"]["times"]),
             "clip_cpu_ratio": paired(runs["auditor+clip"]["cpu"], runs["plain+clip"]["cpu"]),
             "weight_check_cpu_ms": 1e3 * statistics.median(weight_checks),
+            "rng_capture_us": 1e6 * statistics.median(captures),
+            "rng_capture_ratio": statistics.median(captures) / med["plain"],
             "weight_check_ratio": statistics.median(weight_checks) / cpu["plain"],
             "norm_passes_cpu_ms": 1e3 * statistics.median(norms),
             "check_gradients_cpu_ms": 1e3 * statistics.median(runs["auditor"]["check_cpu"]),
@@ -219,6 +232,8 @@ def _table(results: dict[str, Any], world: int, threads: int) -> str:
                      f"forward+backward ({r['local_fwd_bwd_ms']:.1f} ms) + 2 x gradient "
                      f"fingerprints ({r['fingerprint_grads_ms']:.1f} ms, "
                      f"{r['fingerprint_gb_per_s']:.2f} GB/s) + the every-step cost")
+        lines.append(f"  the RNG capture on every step: {r['rng_capture_us']:.1f} us "
+                     f"({100 * r['rng_capture_ratio']:.3f} % of a plain step)")
         lines.append(f"  a weight check: {r['weight_check_cpu_ms']:.1f} ms cpu "
                      f"(x{r['weight_check_ratio']:.3f} of a plain step)")
     return "\n".join(lines)
