@@ -18,7 +18,8 @@ import pytest
 from kubeapi import KubeAPI
 from screener.screening import KatOptions, KatProcessRunner, ScreeningWindow, ScreenRequest
 from screener.stores.kube import KubeStore
-from screener.types import (LABEL_STATE, TAINT_SCREENING_KEY, ExitCode, NodeState, Outcome)
+from screener.types import (ANNOTATION_DIGESTS, LABEL_STATE, TAINT_SCREENING_KEY, ExitCode, NodeState,
+                            Outcome)
 from test_daemon import NODE, DaemonRig, ScriptedRunner, outcome, wait_for_cancel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -254,3 +255,29 @@ def test_sigterm_mid_screen_removes_the_taint_and_exits_cleanly(tmp_path, api):
     assert "signal" in events and "stopped" in events
     done = [x for x in lines if x.get("event") == "screen_done"]
     assert done and done[0]["stopped"] == "shutdown"
+
+
+def test_the_daemons_full_burnin_cross_checks_with_same_platform_peers(api, kube_rig):
+    """On a cluster the daemon's full burn-in compares its digests with the nodes of the same
+    platform (their annotations): agreeing peers make the cross-check part of a full burn-in;
+    disagreeing ones make the node suspect instead of healthy."""
+    from screener.types import ANNOTATION_VERDICT
+
+    for peer in ("peer-1", "peer-2", "peer-3"):
+        api.add_node(peer, annotations={ANNOTATION_DIGESTS: json.dumps({"p1": {"gemm-fp32": "d1"}})})
+    rig = kube_rig(ScriptedRunner(outcome(Outcome.PASS)), idle_window_s=0.0, adopt="off")
+    report = rig.tick()
+    assert report.state == NodeState.HEALTHY
+    verdict = json.loads(api.node(NODE)["metadata"]["annotations"][ANNOTATION_VERDICT])
+    assert verdict["kind"] == "full"
+    assert "crosscheck" in [s["name"] for s in verdict["stages"]]
+
+
+def test_digests_that_disagree_with_the_fleet_keep_the_node_out(api, kube_rig):
+    for peer in ("peer-1", "peer-2", "peer-3"):
+        api.add_node(peer, annotations={ANNOTATION_DIGESTS: json.dumps({"p1": {"gemm-fp32": "ee"}})})
+    rig = kube_rig(ScriptedRunner(outcome(Outcome.PASS)), idle_window_s=0.0, adopt="off")
+    report = rig.tick()
+    assert report.state == NodeState.SUSPECT
+    t = rig.store.history(NODE)[-1]
+    assert t.evidence["verdicts"][-1]["reason"] == "fleet_digest_mismatch"
