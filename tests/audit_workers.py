@@ -318,7 +318,8 @@ def _faulty(loss_fn: Callable, spec: faults.FaultSpec, fired: list) -> Callable:
 def matrix_run(rank: int, setup: str, *, steps: int, alarm_dir: str, fault_rank: Optional[int] = None,
                audit_every: int = 1, weights_every: int = 1, pass_scaler: bool = True,
                loss_override: Optional[Callable] = None, fault: Optional[faults.FaultSpec] = None,
-               after_step: Optional[Callable[..., Any]] = None) -> dict[str, Any]:
+               after_step: Optional[Callable[..., Any]] = None,
+               topology: Any = None) -> dict[str, Any]:
     """Train one setup of the matrix under an Auditor auditing and voting every step."""
     s = build_setup(setup, rank)
     model, scaler, k = s["model"], s["scaler"], s["k"]
@@ -332,7 +333,7 @@ def matrix_run(rank: int, setup: str, *, steps: int, alarm_dir: str, fault_rank:
     auditor = Auditor(ddp, loss_fn=loss_fn, batch_fn=s["batch_fn"], audit_every=audit_every,
                       weights_every=weights_every, alarm_dir=alarm_dir, job=setup,
                       scaler=scaler if pass_scaler else None, accumulation_steps=k,
-                      check_reduced=not s["clip"])
+                      check_reduced=not s["clip"], topology=topology)
     try:
         for step in range(steps):
             opt.zero_grad(set_to_none=True)
@@ -388,12 +389,15 @@ def matrix(rank: int, world: int, root: str, healthy_steps: int,
     numeric failures no node is blamed for. One process group for all of it."""
     import gc
 
+    from screener.audit import gather_topology
+
     results: dict[str, Any] = {}
+    topology = gather_topology()  # once: every run below uses the same group
 
     def run(name: str, setup: str, **kw: Any) -> None:
         d = os.path.join(root, name)
         t0 = time.perf_counter()
-        results[name] = matrix_run(rank, setup, alarm_dir=d, **kw)
+        results[name] = matrix_run(rank, setup, alarm_dir=d, topology=topology, **kw)
         results[name]["seconds"] = time.perf_counter() - t0
         dist.barrier()  # every rank has written its files before anyone reads
         results[name]["files"] = read_alarm_dir(d)
