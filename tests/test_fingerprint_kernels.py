@@ -120,6 +120,15 @@ def test_extreme_values_in_long_runs_do_not_overflow_the_lanes(dtype, values):
     assert tuple(fingerprints([t])[0].tolist()) == definition(t)
 
 
+def test_bytes_past_the_flush_of_the_avx2_byte_kernel():
+    # The AVX2 byte kernel flushes its 32-bit weighted lanes every 2**16 rows of 32 bytes (2 MiB):
+    # runs of 255 (the largest byte) past that, in one piece and on one thread.
+    for t in (torch.full(((5 << 20) + 13,), 255, dtype=torch.uint8), random_bits((5 << 20) + 31, torch.uint8, 7)):
+        want = definition(t)
+        assert kernel().sums(t.data_ptr(), t.numel(), 1, generic=False) == want
+        assert run_kernel([t], 1, 1 << 30) == [want]
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64,
                                    torch.float8_e4m3fn, torch.float8_e5m2])
 def test_nan_inf_and_signed_zero_bit_patterns(dtype):

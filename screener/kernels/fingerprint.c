@@ -15,7 +15,8 @@
  *     S += sum_l s_l
  *     W += (j0 + 1) sum_l s_l + L sum_l (M s_l - t_l) + sum_l l s_l.
  * The lanes are vector registers: AVX2 intrinsics where the CPU has AVX2 (chosen at run time), else
- * GCC/Clang vector extensions. 1- and 2-byte elements are summed in 32-bit lanes, flushed every
+ * GCC/Clang vector extensions (the AVX2 byte kernel differs: see avx2_u8). 1- and 2-byte elements
+ * are summed in 32-bit lanes, flushed every
  * M = 256 rows so that no lane can overflow: |v| <= 2**15 gives |s| <= 2**23 and
  * |t| <= 2**15 * 256 * 257 / 2 < 2**31. 4- and 8-byte elements use 64-bit lanes, in which wrapping is
  * harmless, so one block spans the whole piece.
@@ -239,14 +240,53 @@ typedef sums_t (*kernel_fn)(const void *, int64_t);
         return acc;                                                                          \
     }
 
-#define U8_LO(q) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q)))
-#define U8_HI(q) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)((q) + 8)))
 #define I16_LO(q) _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(q)))
 #define I16_HI(q) _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)((q) + 8)))
 #define I32_4(q) _mm256_cvtepi32_epi64(_mm_loadu_si128((const __m128i *)(q)))
 #define I64_4(q) _mm256_loadu_si256((const __m256i *)(q))
 
-AVX2_NARROW_KERNEL(avx2_u8, uint8_t, U8_LO, U8_HI)
+/* Bytes: widening each byte to a 32-bit lane costs more than the read, so rows of 32 bytes are taken
+ * whole. vpsadbw sums each 8-byte group into a 64-bit lane (4 lanes, 64-bit s and t: no flush), and
+ * vpmaddubsw/vpmaddwd give each group's sum of i * v_i for i = 0..7 within the group, accumulated in
+ * 32-bit lanes u (per row and lane at most (4+5+6+7) * 255 = 5610, so 2**16 rows stay below 2**31).
+ * Element 32 r + 8 g + i has position 32 r + 8 g + i + 1, hence for R rows
+ *     W = 32 sum_g (R s_g - t_g) + sum_g (8 g + 1) s_g + sum u. */
+#define U8_FLUSH_ROWS (1 << 16)
+
+AVX2 static sums_t avx2_u8(const void *pv, int64_t n) {
+    const uint8_t *p = (const uint8_t *)pv;
+    sums_t acc = {0, 0};
+    int64_t rows = n / 32, j = rows * 32;
+    const __m256i zero = _mm256_setzero_si256(), ones16 = _mm256_set1_epi16(1);
+    const __m256i in_group = _mm256_set1_epi64x(0x0706050403020100LL); /* byte i of a group: i */
+    __m256i s = zero, t = zero;
+    uint64_t u = 0;
+    for (int64_t r0 = 0; r0 < rows; r0 += U8_FLUSH_ROWS) {
+        int64_t r1 = rows - r0 < U8_FLUSH_ROWS ? rows : r0 + U8_FLUSH_ROWS;
+        __m256i u32 = zero;
+        for (int64_t r = r0; r < r1; r++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(p + 32 * r));
+            s = _mm256_add_epi64(s, _mm256_sad_epu8(v, zero));
+            t = _mm256_add_epi64(t, s);
+            u32 = _mm256_add_epi32(u32, _mm256_madd_epi16(_mm256_maddubs_epi16(v, in_group), ones16));
+        }
+        uint32_t ul[8];
+        _mm256_storeu_si256((__m256i *)ul, u32);
+        for (int l = 0; l < 8; l++)
+            u += ul[l];
+    }
+    uint64_t sl[4], tl[4], inner = 0, groupw = 0;
+    _mm256_storeu_si256((__m256i *)sl, s);
+    _mm256_storeu_si256((__m256i *)tl, t);
+    for (int g = 0; g < 4; g++) {
+        acc.s += sl[g];
+        inner += (uint64_t)rows * sl[g] - tl[g];
+        groupw += (uint64_t)(8 * g + 1) * sl[g];
+    }
+    acc.w = 32 * inner + groupw + u;
+    TAIL(acc, p, j, n)
+    return acc;
+}
 AVX2_NARROW_KERNEL(avx2_i16, int16_t, I16_LO, I16_HI)
 AVX2_WIDE_KERNEL(avx2_i32, int32_t, I32_4)
 AVX2_WIDE_KERNEL(avx2_i64, int64_t, I64_4)
