@@ -183,6 +183,7 @@ def main() -> None:
     workloads = {
         "fp32 256 MiB": [torch.randn(64 << 20, generator=g).to(dev)],
         "bf16 256 MiB": [torch.randn(128 << 20, generator=g).to(torch.bfloat16).to(dev)],
+        "fp8 e4m3 256 MiB": [torch.randn(256 << 20, generator=g).to(torch.float8_e4m3fn).to(dev)],
         "GPT-2-small params fp32": gpt2_small_params(dev),
         "10,000 tensors of 1-4 KiB": small_tensors(dev),
     }
