@@ -33,7 +33,8 @@ arithmetic modulo 2**64:
 for a block starting at offset o. Everything runs on the tensor's device; a call makes one small
 device-to-host copy of the result.
 
-This module imports only torch and the standard library: training jobs import it.
+This module imports only torch, the standard library and screener.kernels.cpu (ctypes): training
+jobs import it. The compiled kernel is opened on the first call, Triton when a CUDA tensor comes.
 """
 
 from __future__ import annotations
