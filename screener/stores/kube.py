@@ -147,6 +147,7 @@ class KubeStore:
         self.page_size = page_size
         self.recount_s = recount_s
         self.claim_grace_s = claim_grace_s
+        self._recount_jitter = rng()
         self.retry = retry
         self.clock, self.sleep, self.rng = clock, sleep, rng
         self.component = component
@@ -579,7 +580,9 @@ class KubeStore:
                     return fresh
                 continue  # another daemon created it first
             ledger = kf.Ledger.from_configmap(cm)
-            if self.clock() - ledger.counted > self.recount_s:
+            # Each store waits its own random extra quarter, so thousands of daemons do not all
+            # recount in the same second the record turns an hour old.
+            if self.clock() - ledger.counted > self.recount_s * (1 + 0.25 * self._recount_jitter):
                 # Once an hour some transition pays for one paginated list of Node metadata, so
                 # deleted nodes and lost claims leave the count; a conflict means someone else did.
                 return self._recount(ledger) or kf.Ledger.from_configmap(
