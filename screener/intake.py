@@ -196,7 +196,17 @@ class AlarmIntake:
                 log.info("alarm file %s is about node %s, not %s: left for its own daemon",
                          path.name, record.node, self.node)
             return
-        if os.path.lexists(self.processed_dir / path.name) or self.already_applied(record):
+        try:
+            # The store may be unreachable (API server down): that is not the file's fault, so
+            # the file stays and is tried again next pass rather than being remembered as stuck.
+            applied_before = (os.path.lexists(self.processed_dir / path.name)
+                              or self.already_applied(record))
+        except Exception as e:  # noqa: BLE001 - retried next pass
+            result.failed.append(path.name)
+            log.error("alarm %s not checked against the store, will retry: %s: %s",
+                      record.alarm_id, type(e).__name__, e)
+            return
+        if applied_before:
             self._move(path, self.processed_dir)
             result.duplicates.append(record.alarm_id)
             log.info("alarm %s was applied before; moved aside without applying it again",

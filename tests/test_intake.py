@@ -115,6 +115,32 @@ def test_a_failed_apply_leaves_the_file_for_the_next_pass(tmp_path, store):
     assert store.get_state(NODE) == NodeState.QUARANTINED
 
 
+def test_a_store_outage_during_the_duplicate_check_does_not_shelve_the_alarm(tmp_path, store):
+    # The same intake object across the outage: a file must not be remembered as "stuck" because
+    # the store could not be read (that memory lasts until the file changes, so it would be lost).
+    clock = Clock()
+    alarms = tmp_path / "alarms"
+    drop(alarms, alarm("a3"))
+    down = {"on": True}
+
+    def apply(record):
+        apply_event(store, NODE, record, now=clock())
+
+    def before(record):
+        if down["on"]:
+            raise ConnectionError("API unreachable")
+        return applied_in_history(store.history(NODE), record.alarm_id)
+
+    intake = AlarmIntake(alarms, NODE, apply, before)
+    result = intake.run()
+    assert result.failed == ["a3.json"] and result.stuck == [] and result.applied == []
+    assert (alarms / "a3.json").exists()
+    down["on"] = False
+    result = intake.run()
+    assert [r.alarm_id for r in result.applied] == ["a3"]
+    assert store.get_state(NODE) == NodeState.QUARANTINED
+
+
 def test_malformed_files_are_rejected_with_one_log_line_and_the_rest_applied(tmp_path, store,
                                                                               caplog):
     clock = Clock()
