@@ -43,6 +43,7 @@ import hashlib
 import os
 import struct
 import threading
+import warnings
 from array import array
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
@@ -322,8 +323,16 @@ def _device_fingerprints(tensors: list, triton_mod) -> torch.Tensor:
     rest = [k for k, t in enumerate(tensors) if not t.is_cuda]
     if cuda:
         sizes = [_check_dtype(tensors[k]) for k in cuda]
-        out[cuda] = triton_mod.fingerprints([_flat_bits(tensors[k], size).view(_INT_VIEW[size])
-                                             for k, size in zip(cuda, sizes)])
+        bits = [_flat_bits(tensors[k], size).view(_INT_VIEW[size]) for k, size in zip(cuda, sizes)]
+        try:
+            out[cuda] = triton_mod.fingerprints(bits)
+        except Exception as exc:  # noqa: BLE001 - e.g. no C compiler for Triton's launcher stub
+            # Triton compiles at first use and can fail where it imports (no host compiler, an
+            # unsupported GPU). That is our failure, not the device's: fall back for this process.
+            _TRITON_STATE[:] = [None]
+            warnings.warn(f"fingerprints: the Triton kernel failed ({type(exc).__name__}: {exc}); "
+                          f"using the torch path from now on", RuntimeWarning, stacklevel=3)
+            out[cuda] = _torch_fingerprints([tensors[k] for k in cuda])
     if rest:
         out[rest] = _torch_fingerprints([tensors[k] for k in rest])
     return out
