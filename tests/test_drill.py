@@ -29,7 +29,7 @@ def drill(tmp_path_factory):
 def test_the_drill_catches_the_fault_and_quarantines_the_faulty_node(drill):
     result, work = drill
     assert result.return_value == 0
-    report = json.loads(result.output)
+    report = json.loads(result.stdout)  # stderr (logs, progress) apart
     assert report["ok"] and report["caught"]
     assert report["states"] == {"drill-node-a": "burnin", "drill-node-b": "quarantined",
                                 "drill-node-c": "burnin"}
