@@ -1,9 +1,10 @@
 """Golden records: the known answers of a job on one platform, as plain diffable JSON files.
 
-One file per (job, platform): `<job>.<platform_hash>.json` in the golden folder. It holds the
-schema version, the job's name, version and spec hash, the platform signature and its numeric hash,
-how it was recorded (devices, repeats, host, time, screener version), the results (per step the loss
-bits in hex and every tensor's fingerprint), their digest, and a sha256 over the canonical content.
+One file per (job, result): `<job>.<platform_hash>.json` in the golden folder, named by the
+platform it was first recorded on. It holds the schema version, the job's name, version and spec
+hash, the platform signature and its numeric hash, how it was recorded (devices, repeats, host,
+time, screener version), the results (per step the loss bits in hex and every tensor's
+fingerprint), their digest, and a sha256 over the canonical content.
 
 Loading validates everything: a file that is truncated, edited, of another schema, misnamed or
 recorded for another version of the job raises GoldenError (exit 2) with one line naming the file
@@ -11,8 +12,13 @@ and the problem. The checksum catches corruption, not tampering (anyone can reco
 content is validated too: the file is parsed within bounds (screener.boundedjson: no NaN or
 infinity, no huge integer, bounded nesting and size), steps are numbered 0..n-1, every loss is a
 float bit pattern, every fingerprint a pair of signed 64-bit values, and with its job spec, the
-number of steps is the one the spec implies on the recorded device. A broken golden is bad input, never a hardware verdict. Golden files are written
-only by `screener golden record` (record_from_results + write), atomically.
+number of steps is the one the spec implies on the recorded device. A broken golden is bad input,
+never a hardware verdict. Golden files are written only by `screener golden record`
+(record_from_results + write), atomically.
+
+Schema 2 adds `also`: the other platforms (hash, signature, how recorded) whose devices gave the
+same bits, added by `golden record` instead of writing a copy. A record without `also` is still
+written as schema 1, and schema 1 files load as before.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import re
 import socket
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
@@ -34,6 +40,9 @@ from screener.workloads import (Difference, JobResult, JobSpec, Step, expected_s
                                 first_difference, steps_digest)
 
 SCHEMA = 1
+SCHEMA_ALSO = 2  # a record that lists other platforms with the same bits (field "also")
+MAX_ALSO = 1000
+_HASH_RE = re.compile(r"^[0-9a-f]{16}$")
 GOLDEN_DIR_ENV = "SCREENER_GOLDEN_DIR"
 _FIELDS = ("schema", "job", "job_version", "spec_hash", "platform", "platform_hash", "recorded",
            "digest", "steps", "sha256")
@@ -82,17 +91,32 @@ class GoldenRecord:
     recorded: Mapping[str, Any]
     steps: tuple[Step, ...]
     path: str = field(default="", compare=False)
+    # Other platforms whose devices gave these same bits: {"platform_hash", "platform", "recorded"}.
+    also: tuple[Mapping[str, Any], ...] = ()
 
     @property
     def digest(self) -> str:
         return steps_digest(self.steps)
 
+    @property
+    def platform_hashes(self) -> tuple[str, ...]:
+        """Every platform this record is the golden of: the first, then the added ones."""
+        return (self.platform_hash,) + tuple(str(a["platform_hash"]) for a in self.also)
+
+    def platforms(self) -> list[tuple[str, Mapping[str, Any]]]:
+        """(hash, signature) of every platform this record is the golden of."""
+        return [(self.platform_hash, self.platform)] + [
+            (str(a["platform_hash"]), a.get("platform") or {}) for a in self.also]
+
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
-            "schema": SCHEMA, "job": self.job, "job_version": self.job_version,
+            "schema": SCHEMA_ALSO if self.also else SCHEMA, "job": self.job,
+            "job_version": self.job_version,
             "spec_hash": self.spec_hash, "platform": dict(self.platform),
             "platform_hash": self.platform_hash, "recorded": dict(self.recorded),
             "digest": self.digest, "steps": [s.to_dict() for s in self.steps]}
+        if self.also:
+            d["also"] = [dict(a) for a in self.also]
         d["sha256"] = checksum(d)
         return d
 
@@ -114,12 +138,15 @@ def parse(path: str | os.PathLike[str], text: str) -> GoldenRecord:
         raise _fail(p, f"{e}; truncated or corrupted") from None
     if not isinstance(d, dict):
         raise _fail(p, "is not a JSON object")
-    if d.get("schema") != SCHEMA:
-        raise _fail(p, f"schema {d.get('schema')!r} is not the supported schema {SCHEMA}")
+    if d.get("schema") not in (SCHEMA, SCHEMA_ALSO):
+        raise _fail(p, f"schema {d.get('schema')!r} is not a supported schema "
+                       f"({SCHEMA} or {SCHEMA_ALSO})")
     missing = [k for k in _FIELDS if k not in d]
+    if d["schema"] == SCHEMA_ALSO and "also" not in d:
+        missing.append("also")
     if missing:
         raise _fail(p, f"missing field(s) {', '.join(missing)}")
-    unknown = sorted(set(d) - set(_FIELDS))
+    unknown = sorted(set(d) - set(_FIELDS) - ({"also"} if d["schema"] == SCHEMA_ALSO else set()))
     if unknown:
         raise _fail(p, f"unknown field(s) {', '.join(unknown)}")
     if not isinstance(d["sha256"], str) or d["sha256"] != checksum(d):
@@ -138,7 +165,7 @@ def parse(path: str | os.PathLike[str], text: str) -> GoldenRecord:
     if took is not None and (isinstance(took, bool) or not isinstance(took, (int, float))
                              or not 0 <= took <= 1e7):
         raise _fail(p, f"'recorded' seconds {str(took)[:40]} is not a job time in seconds")
-    problem = _steps_problem(d["steps"])
+    problem = _steps_problem(d["steps"]) or _also_problem(d)
     if problem:
         raise _fail(p, problem)
     try:
@@ -152,7 +179,28 @@ def parse(path: str | os.PathLike[str], text: str) -> GoldenRecord:
                        f"{d['platform_hash']!r}: expected {d['job']}.{d['platform_hash']}.json)")
     return GoldenRecord(job=d["job"], job_version=d["job_version"], spec_hash=d["spec_hash"],
                         platform=d["platform"], platform_hash=d["platform_hash"],
-                        recorded=d["recorded"], steps=steps, path=str(p))
+                        recorded=d["recorded"], steps=steps, path=str(p),
+                        also=tuple(d.get("also") or ()))
+
+
+def _also_problem(d: Mapping[str, Any]) -> str:
+    """What is wrong with a schema-2 record's `also` list ("" when nothing is)."""
+    if "also" not in d:
+        return ""
+    also = d["also"]
+    if not isinstance(also, list) or not also or len(also) > MAX_ALSO:
+        return f"'also' is not a list of 1 to {MAX_ALSO} platforms"
+    seen = {d["platform_hash"]}
+    for i, a in enumerate(also):
+        if not isinstance(a, dict) or set(a) != {"platform_hash", "platform", "recorded"}:
+            return f"'also' entry {i} is not an object with platform_hash, platform and recorded"
+        h = a["platform_hash"]
+        if not isinstance(h, str) or not _HASH_RE.match(h) or h in seen:
+            return f"'also' entry {i}: platform_hash {str(h)[:40]!r} is not a new 16-hex-digit hash"
+        seen.add(h)
+        if not isinstance(a["platform"], dict) or not isinstance(a["recorded"], dict):
+            return f"'also' entry {i}: platform and recorded must be objects"
+    return ""
 
 
 def _steps_problem(steps: Any) -> str:
@@ -227,19 +275,52 @@ def load(path: str | os.PathLike[str], *, spec: Optional[JobSpec] = None,
         problem = spec_problem(record, spec)
         if problem:
             raise _fail(p, problem)
-    if platform_hash is not None and record.platform_hash != platform_hash:
+    if platform_hash is not None and platform_hash not in record.platform_hashes:
         raise _fail(p, f"is for platform {record.platform_hash}, not {platform_hash}")
     return record
 
 
+def job_records(golden_dir: str | os.PathLike[str], spec: JobSpec) -> list[GoldenRecord]:
+    """Every golden record of `spec` in the folder (any platform); GoldenError for a broken or
+    stale one."""
+    return [load(p, spec=spec) for p in sorted(Path(golden_dir).glob(f"{spec.name}.*.json"))
+            if _HASH_RE.match(p.name[len(spec.name) + 1:-len(".json")])]
+
+
 def find(golden_dir: str | os.PathLike[str], spec: JobSpec,
          platform_hash: str) -> Optional[GoldenRecord]:
-    """The golden record of `spec` on `platform_hash`, None when there is none; GoldenError when
-    the file exists but is broken or stale."""
+    """The golden record of `spec` on `platform_hash` (its own file, or a record that lists the
+    platform in `also`), None when there is none; GoldenError when a file is broken or stale."""
     p = golden_path(golden_dir, spec.name, platform_hash)
-    if not p.exists():
-        return None
-    return load(p, spec=spec, platform_hash=platform_hash)
+    if p.exists():
+        return load(p, spec=spec, platform_hash=platform_hash)
+    return next((r for r in job_records(golden_dir, spec) if platform_hash in r.platform_hashes),
+                None)
+
+
+def find_siblings(golden_dir: str | os.PathLike[str], spec: JobSpec,
+                  platform: Mapping[str, Any]) -> list[GoldenRecord]:
+    """The golden records of `spec` recorded on sibling platforms of `platform` (same kind,
+    torch build and dispatch level or GPU model: screener.platform.sibling_key) but not on
+    `platform` itself: what a device without a golden of its own is compared with."""
+    from screener.platform import sibling_key
+
+    key = sibling_key(dict(platform))
+    if key is None:
+        return []
+    own = platform.get("numeric_hash")
+    return [r for r in job_records(golden_dir, spec) if own not in r.platform_hashes
+            and any(sibling_key(dict(pl)) == key for _, pl in r.platforms())]
+
+
+def add_platform(record: GoldenRecord, platform: Mapping[str, Any], platform_hash: str,
+                 recorded: Mapping[str, Any]) -> GoldenRecord:
+    """The record with one more platform whose devices gave the same bits (see `also`)."""
+    if platform_hash in record.platform_hashes:
+        return record
+    entry = {"platform_hash": platform_hash, "platform": dict(platform),
+             "recorded": dict(recorded)}
+    return replace(record, also=tuple(record.also) + (entry,))
 
 
 def load_dir(golden_dir: str | os.PathLike[str]) -> tuple[list[GoldenRecord], list[GoldenError]]:
@@ -293,8 +374,14 @@ def format_record(record: GoldenRecord) -> str:
     d = record.to_dict()
     steps = d.pop("steps")
     sha = d.pop("sha256")
+    also = d.pop("also", None)
     lines = ["{"]
     lines += [f" {json.dumps(k)}: {json.dumps(v, sort_keys=True)}," for k, v in d.items()]
+    if also is not None:
+        lines.append(' "also": [')
+        lines += [f"  {json.dumps(a, sort_keys=True)}{',' if i < len(also) - 1 else ''}"
+                  for i, a in enumerate(also)]
+        lines.append(" ],")
     lines.append(' "steps": [')
     for i, step in enumerate(steps):
         head = {k: step[k] for k in ("step", "label", "loss")}

@@ -18,14 +18,19 @@ it suspect:
   and a hung device look the same. A child streams its
 results as JSON lines; the parent compares, for each device and job:
 
-(a) with the golden record for the device's platform signature (screener.golden);
+(a) with the golden record for the device's platform signature (screener.golden); without one,
+    with the goldens of sibling platforms (same torch build and dispatch level, or GPU model:
+    screener.platform.sibling_key): equal bits pass (the verdict names the golden), different
+    bits are inconclusive with the record command, never suspect;
 (b) with the other devices of the same platform in this run: a device that differs from a strict
     majority is suspect even without a golden;
 (c) across repeats on the device itself: a device that disagrees with itself is suspect.
 
 A job that disagrees with itself on every device is a screener bug (NondeterminismError, exit 1,
 with the evidence). With no golden and fewer than three agreeing devices the verdict is
-inconclusive (exit 3) and names the command that records a golden. A broken golden file is bad
+inconclusive (exit 3) and names the command that records a golden. In every verdict `expected`
+is the golden's (or the majority's) value and `observed` the device's, also when the device went
+wrong in its first repeat. A broken golden file is bad
 input (GoldenError, exit 2), never a verdict.
 
 `run_screen` is the plain function the CLI, the burn-in and the daemon call; `execute` (run the
@@ -566,7 +571,8 @@ class _Issue:
 # Which issue names a device's verdict when it has several: the most specific evidence first.
 _REASON_RANK = {"timeout": 0, "crash": 0, "killed": 0, "device_error": 0, "self_mismatch": 1,
                 "golden_mismatch": 2, "peer_mismatch": 3, "peer_split": 4,
-                "golden_disagrees_with_peers": 5, "no_golden": 6, "incomplete": 6}
+                "golden_disagrees_with_peers": 5, "sibling_golden_differs": 6, "no_golden": 6,
+                "incomplete": 6}
 
 
 def judge(runs: Mapping[str, DeviceRun], specs: Sequence[JobSpec], golden: GoldenLookup, *,
@@ -611,9 +617,13 @@ def judge(runs: Mapping[str, DeviceRun], specs: Sequence[JobSpec], golden: Golde
     for device, run in ok.items():
         groups.setdefault(run.platform_hash or "", []).append(device)
 
+    siblings = getattr(golden, "siblings", None)
+    matched: dict[str, dict[str, dict[str, Any]]] = {d: {} for d in runs}
     for spec in specs:
         for phash, members in groups.items():
             record = goldens.get((spec.name, phash))
+            kin = (siblings(spec, ok[members[0]].platform)
+                   if record is None and siblings is not None and phash else [])
             have = [d for d in members if spec.name in ok[d].jobs]
             for d in members:
                 if d not in have:
@@ -627,10 +637,10 @@ def judge(runs: Mapping[str, DeviceRun], specs: Sequence[JobSpec], golden: Golde
                 ref = runs_d.reference
                 if runs_d.mismatch is not None:
                     it, other = runs_d.mismatch
-                    issues[d].append(_Issue(Outcome.SUSPECT, "self_mismatch", spec.name,
-                                            first_difference(ref.steps, other.steps),
-                                            detail=f"iteration {it} differs from iteration 0"))
+                    trusted = _trusted_steps(record, kin, ref, other, refs, counts, majority)
+                    issues[d].append(_self_mismatch(it, ref, other, trusted, spec.name))
                 if record is not None:
+                    matched[d][spec.name] = {"golden": record.path, "platform_hash": phash}
                     diff = record.compare(ref)
                     if diff is not None:
                         agreeing = counts[ref.digest]
@@ -645,6 +655,22 @@ def judge(runs: Mapping[str, DeviceRun], specs: Sequence[JobSpec], golden: Golde
                                                     spec.name, diff, detail=record.path))
                         continue
                     continue  # matches the golden
+                sibling_differs = False
+                if kin:
+                    same = next((r for r in kin if r.compare(ref) is None), None)
+                    if same is not None:  # a sibling platform's golden, bit for bit
+                        matched[d][spec.name] = {"golden": same.path, "platform_hash":
+                                                 same.platform_hash, "sibling": True}
+                        continue
+                    sibling_differs = True
+                    issues[d].append(_Issue(
+                        Outcome.INCONCLUSIVE, "sibling_golden_differs", spec.name,
+                        kin[0].compare(ref),
+                        detail=f"no golden for platform {phash}; the results differ from the "
+                               f"golden(s) of sibling platforms (same torch build and dispatch "
+                               f"level, another library path, thread count or driver): "
+                               f"{', '.join(r.path for r in kin)}; record one with: "
+                               f"{record_command([spec.name], members, golden_dir)}"))
                 if len(have) >= 2 and majority is not None and ref.digest != majority:
                     peer = next(p for p in have if refs[p].digest == majority)
                     issues[d].append(_Issue(
@@ -657,7 +683,7 @@ def judge(runs: Mapping[str, DeviceRun], specs: Sequence[JobSpec], golden: Golde
                         Outcome.SUSPECT, "peer_split", spec.name,
                         detail=f"{len(have)} devices of one platform give {len(counts)} different "
                                f"results and no strict majority agrees"))
-                elif counts[ref.digest] < MIN_PEERS:
+                elif counts[ref.digest] < MIN_PEERS and not sibling_differs:
                     issues[d].append(_Issue(
                         Outcome.INCONCLUSIVE, "no_golden", spec.name,
                         detail=f"no golden for platform {phash} and only {counts[ref.digest]} "
@@ -666,7 +692,8 @@ def judge(runs: Mapping[str, DeviceRun], specs: Sequence[JobSpec], golden: Golde
 
     verdicts = []
     for device, run in runs.items():
-        verdicts.append(_verdict(device, run, issues[device], specs, golden_dir))
+        verdicts.append(_verdict(device, run, issues[device], specs, golden_dir,
+                                 matched[device]))
     outcomes = {v.outcome for v in verdicts}
     if Outcome.SUSPECT in outcomes:
         outcome, code = Outcome.SUSPECT, ExitCode.HARDWARE_SUSPECT
@@ -753,6 +780,42 @@ def _check_nondeterminism(ok: Mapping[str, DeviceRun], specs: Sequence[JobSpec],
                     f"screener bug, not a hardware verdict")
 
 
+def _trusted_steps(record: Any, kin: Sequence[Any], ref: JobResult, other: JobResult,
+                   refs: Mapping[str, JobResult], counts: "Counter[str]",
+                   majority: Optional[str]) -> Any:
+    """The steps a device's disagreeing repeats are judged against: its golden, else a sibling
+    golden that one repeat reproduces, else the result a strict majority of two or more devices
+    agree on; None when nothing outside the device says which repeat is right."""
+    if record is not None:
+        return record.steps
+    for r in kin:
+        if r.compare(ref) is None or r.compare(other) is None:
+            return r.steps
+    if majority is not None and len(refs) >= 2 and counts[majority] >= 2:
+        return next(r.steps for r in refs.values() if r.digest == majority)
+    return None
+
+
+def _self_mismatch(it: int, ref: JobResult, other: JobResult, trusted: Any, job: str) -> _Issue:
+    """A device that disagrees with itself. Expected is the trusted value (golden or majority)
+    and observed the device's wrong one, whichever repeat went wrong: a fault in the first
+    repeat must not make the corrupted value 'expected'."""
+    if trusted is None:
+        return _Issue(Outcome.SUSPECT, "self_mismatch", job,
+                      first_difference(ref.steps, other.steps),
+                      detail=f"iteration {it} differs from iteration 0 (no golden or majority "
+                             f"says which is right; expected is iteration 0's value)")
+    ref_diff = first_difference(trusted, ref.steps)
+    bad, good, bad_it, good_it = ((ref, other, 0, it) if ref_diff is not None
+                                  else (other, ref, it, 0))
+    # digests differ, so at least one repeat differs from the trusted result
+    diff = ref_diff or first_difference(trusted, bad.steps)
+    agrees = first_difference(trusted, good.steps) is None
+    return _Issue(Outcome.SUSPECT, "self_mismatch", job, diff,
+                  detail=f"iteration {bad_it} differs from the trusted result, which iteration "
+                         f"{good_it} {'reproduces' if agrees else 'does not reproduce either'}")
+
+
 def _golden_reproduced(record: Any, runs: JobRuns) -> bool:
     """Whether any run of the job reproduced its golden bit for bit."""
     if record is None:
@@ -769,13 +832,16 @@ def _where(diff: Optional[Difference]) -> str:
 
 
 def _verdict(device: str, run: DeviceRun, issues: list[_Issue], specs: Sequence[JobSpec],
-             golden_dir: Optional[str]) -> Verdict:
+             golden_dir: Optional[str],
+             matched: Optional[Mapping[str, Mapping[str, Any]]] = None) -> Verdict:
     evidence: dict[str, Any] = {
         "status": run.status,
         "platform": run.platform.get("name") if run.platform else None,
         "iterations": run.iterations,
+        # per job: its digest and, when compared with one, the golden (and whether a sibling's)
         "jobs": {j: {"digest": r.reference.digest, "runs": r.runs,
-                     "seconds": round(sum(r.seconds), 4)} for j, r in run.jobs.items()},
+                     "seconds": round(sum(r.seconds), 4), **(matched or {}).get(j, {})}
+                 for j, r in run.jobs.items()},
     }
     if issues:
         evidence["issues"] = [i.to_dict() for i in issues]
@@ -791,8 +857,9 @@ def _verdict(device: str, run: DeviceRun, issues: list[_Issue], specs: Sequence[
     if chosen is None:
         return Verdict(device=device, outcome=Outcome.PASS, reason="", platform_hash=run.platform_hash,
                        evidence=evidence)
-    if chosen.reason in ("no_golden", "incomplete"):
-        names = [i.job for i in inconclusive if i.reason == "no_golden" and i.job]
+    if chosen.reason in ("no_golden", "incomplete", "sibling_golden_differs"):
+        names = [i.job for i in inconclusive
+                 if i.reason in ("no_golden", "sibling_golden_differs") and i.job]
         if names:
             evidence["command"] = record_command(names, [device], golden_dir)
     diff = chosen.diff
@@ -858,6 +925,11 @@ def golden_lookup(golden_dir: Optional[str]) -> GoldenLookup:
             cache[key] = _golden.find(d, spec, platform_hash)
         return cache[key]
 
+    def siblings(spec: JobSpec, platform: Mapping[str, Any]) -> list[Any]:
+        """Goldens of sibling platforms, for a device with none of its own (judge reads it)."""
+        return _golden.find_siblings(d, spec, platform)
+
+    lookup.siblings = siblings  # type: ignore[attr-defined]
     return lookup
 
 
@@ -904,16 +976,19 @@ def run_screen(jobs: Optional[Sequence[str | JobSpec]] = None, devices: Sequence
 
 @dataclass(frozen=True)
 class RecordResult:
-    """What `record_goldens` did: files written, left unchanged or refused, and its exit code."""
+    """What `record_goldens` did: files written, platforms added to an existing record with the
+    same bits, files left unchanged or refused, and its exit code."""
 
     written: tuple[str, ...]
     unchanged: tuple[str, ...]
     refused: tuple[str, ...]
     exit_code: ExitCode
     screen: Optional[ScreenResult] = None
+    added: tuple[str, ...] = ()  # "<path> (platform <hash>)"
 
     def lines(self) -> list[str]:
         out = [f"wrote     {p}" for p in self.written]
+        out += [f"added to  {p}" for p in self.added]
         out += [f"unchanged {p}" for p in self.unchanged]
         out += [f"refused   {r}" for r in self.refused]
         if self.refused and self.screen is not None:
@@ -921,7 +996,8 @@ class RecordResult:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return {"written": list(self.written), "unchanged": list(self.unchanged),
+        return {"written": list(self.written), "added": list(self.added),
+                "unchanged": list(self.unchanged),
                 "refused": list(self.refused), "exit_code": int(self.exit_code),
                 "screen": self.screen.to_dict() if self.screen else None}
 
@@ -963,7 +1039,7 @@ def write_goldens(runs: Mapping[str, DeviceRun], specs: Sequence[JobSpec], out: 
         return RecordResult((), (), tuple(
             f"{v.device}: {v.reason}" + (f" in {v.job}" if v.job else "") for v in bad),
             ExitCode.HARDWARE_SUSPECT, screen)
-    written, unchanged, refused = [], [], []
+    written, unchanged, refused, added = [], [], [], []
     for spec in specs:
         groups: dict[str, list[str]] = {}
         for d, run in runs.items():
@@ -974,6 +1050,23 @@ def write_goldens(runs: Mapping[str, DeviceRun], specs: Sequence[JobSpec], out: 
             record = _golden.record_from_results(spec, runs[members[0]].platform, phash, results,
                                                  repeats=repeat)
             path = _golden.golden_path(out, spec.name, phash)
+            if not path.exists():
+                # Results equal to an existing golden of another platform: add this platform
+                # to that record rather than writing a copy of its bits.
+                try:
+                    same = [r for r in _golden.job_records(out, spec) if r.digest == record.digest
+                            and r.compare(results[0][1]) is None]
+                except GoldenError:
+                    same = []  # a broken record is replaced by nobody here; write our own
+                if same:
+                    old = same[0]
+                    if phash in old.platform_hashes:
+                        unchanged.append(old.path)
+                    else:
+                        _golden.write(_golden.add_platform(old, record.platform, phash,
+                                                           record.recorded), out)
+                        added.append(f"{old.path} (platform {phash})")
+                    continue
             if path.exists():
                 try:
                     old = _golden.load(path, spec=spec, platform_hash=phash)
@@ -989,7 +1082,8 @@ def write_goldens(runs: Mapping[str, DeviceRun], specs: Sequence[JobSpec], out: 
                     continue
             written.append(str(_golden.write(record, out)))
     code = ExitCode.HARDWARE_SUSPECT if refused else ExitCode.PASS
-    return RecordResult(tuple(written), tuple(unchanged), tuple(refused), code, screen)
+    return RecordResult(tuple(written), tuple(unchanged), tuple(refused), code, screen,
+                        tuple(added))
 
 
 def local_platform(device: str = "cpu", threads: int = DEFAULT_THREADS) -> Any:
@@ -1021,6 +1115,10 @@ def format_verdicts(result: ScreenResult) -> str:
             lines.append(f"{'':10s}   {detail}")
         if v.evidence.get("command"):
             lines.append(f"{'':10s}   record a golden: {v.evidence['command']}")
+        kin = sorted({j["golden"] for j in v.evidence.get("jobs", {}).values()
+                      if j.get("sibling")})
+        if kin:
+            lines.append(f"{'':10s}   matched sibling platform golden(s): {', '.join(kin)}")
     lines.append(f"{result.outcome.value} (exit {int(result.exit_code)}): {len(result.jobs)} job(s) "
                  f"on {len(result.verdicts)} device(s) in {result.seconds:.1f} s")
     return "\n".join(lines)

@@ -20,21 +20,22 @@ def _hex(v: int) -> str:
               help="Device to describe: cpu or cuda:N.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def platform_cmd(device: str, as_json: bool) -> None:
-    """Show the platform signature of DEVICE and its numeric hash.
+    """Show the platform signature of DEVICE and its numeric hash, as a screening child sees it
+    (thread count pinned): the key golden records are filed under.
 
-    The hash covers only what can change float results (model, SM count, driver and library
-    versions, CPU instruction-set paths, thread count), so devices that share it must compute
-    the same bits and share golden records.
+    The hash covers only what can change float results (GPU: model, SM count, driver, CUDA,
+    cuBLAS, cuDNN; CPU: torch build, dispatch level, MKL and oneDNN code paths, thread count),
+    so devices that share it must compute the same bits and share golden records.
     """
-    from screener.platform import NUMERIC_FIELDS, signature
+    from screener.kat import local_platform
 
-    p = signature(device)
+    p = local_platform(device)
     d = p.to_dict()
     if as_json:
         click.echo(json.dumps(d, indent=2, sort_keys=True))
     else:
         for k, v in d.items():
-            mark = "*" if k in NUMERIC_FIELDS else " "
+            mark = "*" if k in p.numeric_fields else " "
             if isinstance(v, list):
                 v = " ".join(v) or "-"
             click.echo(f"{mark} {k:20s} {v if v is not None else '-'}")
