@@ -436,12 +436,15 @@ def mark_confirmed(v: Verdict, iterations: int) -> Verdict:
     return v
 
 
-def hbm_stage(devices: Sequence[str], plan: BurninPlan, inject: Any = None) -> Stage:
+def hbm_stage(devices: Sequence[str], plan: BurninPlan, inject: Any = None,
+              step: Optional[Callable[[str], None]] = None) -> Stage:
+    """The HBM pattern test on every device; step(item) after each pattern (progress)."""
     from screener.hbm import hbm_test
 
     t0 = time.monotonic()
     results = [hbm_test(d, fraction=plan.hbm_fraction, max_bytes=plan.hbm_max_bytes,
-                        inject=inject.get(d) if isinstance(inject, Mapping) else inject)
+                        inject=inject.get(d) if isinstance(inject, Mapping) else inject,
+                        progress=step)
                for d in dict.fromkeys(devices)]
     verdicts = tuple(r.verdict() for r in results)
     bad = [r for r in results if not r.ok]
@@ -510,7 +513,8 @@ def run_full_burnin(node: str, devices: Sequence[str], kat: Callable[[], BurninR
                     collective_inject: Any = None, peers: Sequence[str] = (),
                     peer_steps: int = 8,
                     requirement: Optional[BurninRequirement] = None,
-                    progress: Callable[[str], None] = lambda s: None) -> FullBurninReport:
+                    progress: Callable[[str], None] = lambda s: None,
+                    step: Optional[Callable[[str], None]] = None) -> FullBurninReport:
     """Run the stages in order (see the module docstring) and move the node through the lifecycle.
 
     kat(): runs the known-answer rounds and returns a BurninReport (run_burnin). store: the
@@ -519,6 +523,7 @@ def run_full_burnin(node: str, devices: Sequence[str], kat: Callable[[], BurninR
     cluster the peer burn-in is its own Indexed Job, see screener.peer).
     requirement: what makes the run full (default BurninRequirement(): one hour); a partial run is
     recorded as partial and never makes a node healthy.
+    progress(name): a stage starts; step(item): an item of it finished (screener.progress).
     """
     from screener import lifecycle
     from screener.stores import apply_event
@@ -537,7 +542,7 @@ def run_full_burnin(node: str, devices: Sequence[str], kat: Callable[[], BurninR
     gpus = [d for d in devices if d.startswith("cuda")] or list(devices)[:1]
     if plan.hbm:
         progress("HBM pattern test")
-        report.stages.append(hbm_stage(gpus, plan, hbm_inject))
+        report.stages.append(hbm_stage(gpus, plan, hbm_inject, step))
     if plan.collective and len(devices) > 1:
         progress("all-reduce check")
         report.stages.append(collective_stage(devices, plan, collective_inject))

@@ -157,8 +157,10 @@ def daemon_passes(nodes: Sequence[str], alarm_dir: Path, store: Any, *, taint: A
 
 def run_drill(options: DrillOptions, workdir: str | os.PathLike[str], *,
               kubeconfig: Optional[str] = None, timeout: float = 300.0,
-              clock: Callable[[], float] = time.time) -> DrillReport:
-    """The whole drill (see the module docstring); the store is local unless a kubeconfig is given."""
+              clock: Callable[[], float] = time.time,
+              progress: Callable[[str], None] = lambda s: None) -> DrillReport:
+    """The whole drill (see the module docstring); the store is local unless a kubeconfig is given.
+    progress(name): a stage starts (screener.progress: the CLI shows it with elapsed times)."""
     from screener.screening import LocalTaint
     from screener.stores import open_store
 
@@ -168,6 +170,7 @@ def run_drill(options: DrillOptions, workdir: str | os.PathLike[str], *,
     started = clock()
     report.hops.append({"time": started, "what": f"training starts: {len(options.nodes)} simulated "
                         f"nodes, one rank each, the audit on every step"})
+    progress(f"training on {len(options.nodes)} simulated nodes with the in-job audit")
     result = run_job(options, alarm_dir, timeout=timeout)
     fault = next((r["fault"] for r in result.ranks if r.get("fault")), None)
     if fault is not None:
@@ -199,6 +202,7 @@ def run_drill(options: DrillOptions, workdir: str | os.PathLike[str], *,
     if not files:
         report.problems.append(f"no alarm file in {alarm_dir}")
 
+    progress("daemon passes (alarm intake, transitions)")
     if kubeconfig:
         store = open_store("kube", kubeconfig=kubeconfig, spool=work / "spool.db")
         taint: Any = store

@@ -128,8 +128,10 @@ def _sync(dev: torch.device) -> None:
 
 def hbm_test(device: str, *, fraction: float = 0.5, max_bytes: Optional[int] = None,
              chunk_bytes: int = CHUNK_BYTES, patterns: Sequence[str] = PATTERNS,
-             inject: Optional[Inject] = None, max_errors: int = 8) -> HbmResult:
-    """Run every pattern over `fraction` of the device's free memory; see the module docstring."""
+             inject: Optional[Inject] = None, max_errors: int = 8,
+             progress: Optional[Callable[[str], None]] = None) -> HbmResult:
+    """Run every pattern over `fraction` of the device's free memory; see the module docstring.
+    progress(item), when given, after each pattern (a large GPU takes a while)."""
     unknown = [p for p in patterns if p not in FILLERS]
     if unknown:
         raise BadInputError(f"unknown HBM pattern(s) {', '.join(unknown)}; known: {', '.join(PATTERNS)}")
@@ -187,6 +189,8 @@ def hbm_test(device: str, *, fraction: float = 0.5, max_bytes: Optional[int] = N
                     if bool(torch.ne(c, expected).any()):
                         confirmed = True
                 del expected, bad
+            if progress is not None:
+                progress(f"{device} pattern {name}: {mismatches} mismatches so far")
         _sync(dev)
         seconds = time.perf_counter() - t0
     finally:

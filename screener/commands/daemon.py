@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import sys
 import threading
 from pathlib import Path
 from typing import Any, Optional
@@ -240,14 +241,18 @@ def drill_cmd(workdir: Optional[str], kubeconfig: Optional[str], nodes: tuple[st
     audit_log = logging.getLogger("screener.audit")
     saved_level = audit_log.level
     audit_log.setLevel(logging.ERROR)
+    from screener.progress import Progress
+
+    prog = Progress(sys.stderr, json_lines=as_json, prefix="drill")  # a line per stage, timed
     try:
         if workdir:
             Path(workdir).mkdir(parents=True, exist_ok=True)
-            report = run_drill(options, workdir, kubeconfig=kubeconfig)
+            report = run_drill(options, workdir, kubeconfig=kubeconfig, progress=prog.begin)
         else:
             with tempfile.TemporaryDirectory(prefix="screener-drill-") as tmp:
-                report = run_drill(options, tmp, kubeconfig=kubeconfig)
+                report = run_drill(options, tmp, kubeconfig=kubeconfig, progress=prog.begin)
     finally:
+        prog.close()
         audit_log.setLevel(saved_level)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2, default=str))

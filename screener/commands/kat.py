@@ -37,12 +37,12 @@ def _faults(specs: Sequence[str], devices: Sequence[str]) -> dict[str, list[Any]
     return out
 
 
-def _progress(total: Optional[int], duration: Optional[float], always: bool) -> Any:
-    from screener.burnin import TextProgress
+def _progress(total: Optional[int], stage: str, as_json: bool = False) -> Any:
+    """The known-answer runs' progress on stderr (screener.progress): a bar on a terminal, else
+    a line per finished job run with the elapsed time (JSON lines with --json)."""
+    from screener.progress import JobEvents, Progress
 
-    if not always and not sys.stderr.isatty():
-        return None
-    return TextProgress(total_runs=total, duration=duration, stream=sys.stderr)
+    return JobEvents(Progress(sys.stderr, json_lines=as_json), stage, total)
 
 
 def _echo_json(obj: Any) -> None:
@@ -92,7 +92,7 @@ def kat_run(jobs: tuple[str, ...], devices: tuple[str, ...], golden_dir: Optiona
 
     specs = resolve_jobs(list(jobs), jobs_dir)
     devs = resolve_devices(list(devices))
-    progress = _progress(len(specs) * len(devs) * repeat, None, always=False)
+    progress = _progress(len(specs) * len(devs) * repeat, "known-answer", as_json)
     try:
         result = run_screen(specs, devs, golden_dir=golden_dir, jobs_dir=jobs_dir, repeat=repeat,
                             timeout=timeout, faults=_faults(inject, devs), progress=progress)
@@ -115,7 +115,8 @@ def kat_run(jobs: tuple[str, ...], devices: tuple[str, ...], golden_dir: Optiona
 def kat_list(jobs_dir: Optional[str], golden_dir: Optional[str], as_json: bool) -> None:
     """List the job specs: name, kind, version, quick-screen membership, spec hash, and whether
     a golden record exists for this machine's CPU platform."""
-    from screener.golden import default_golden_dir, golden_path
+    from screener.errors import GoldenError
+    from screener.golden import default_golden_dir, golden_path, job_records
     from screener.kat import local_platform
     from screener.workloads import describe, load_jobs
 
@@ -123,8 +124,14 @@ def kat_list(jobs_dir: Optional[str], golden_dir: Optional[str], as_json: bool) 
     phash = local_platform("cpu").numeric_hash
     gdir = golden_dir or str(default_golden_dir())
     rows = describe(specs)
+    names = {s.name: s for s in specs}
     for row in rows:
-        row["cpu_golden"] = golden_path(gdir, row["name"], phash).exists()
+        # its own file, or a record its bits were added to (golden schema 2, "also")
+        try:
+            row["cpu_golden"] = golden_path(gdir, row["name"], phash).exists() or any(
+                phash in r.platform_hashes for r in job_records(gdir, names[row["name"]]))
+        except GoldenError:  # a broken record is `golden verify`'s to report, not the list's
+            row["cpu_golden"] = False
     if as_json:
         _echo_json({"cpu_platform_hash": phash, "jobs": rows})
     else:
@@ -166,6 +173,8 @@ def golden_record(jobs: tuple[str, ...], devices: tuple[str, ...], out: Optional
                   as_json: bool) -> None:
     """Run jobs on devices and write their golden records, one file per (job, platform).
 
+    When the results equal an existing golden of the job (another platform that computes the
+    same bits), this platform is added to that record instead of writing a copy.
     Refuses to write unless every run on every device agrees bit for bit; it prints the
     disagreement instead (exit 75). An existing golden that is stale (the job changed) or broken
     is replaced; one that is valid but differs is kept unless --force (a platform change the
@@ -175,7 +184,7 @@ def golden_record(jobs: tuple[str, ...], devices: tuple[str, ...], out: Optional
 
     specs = resolve_jobs(list(jobs), jobs_dir, quick_only=False)
     devs = resolve_devices(list(devices))
-    progress = _progress(len(specs) * len(devs) * repeat, None, always=False)
+    progress = _progress(len(specs) * len(devs) * repeat, "golden runs", as_json)
     try:
         rec = record_goldens(specs, devs, out_dir=out, repeat=repeat, timeout=timeout, force=force,
                              progress=progress)
@@ -251,7 +260,8 @@ def golden_list(golden_dir: Optional[str], as_json: bool) -> None:
     rows = [{"job": r.job, "platform_hash": r.platform_hash,
              "platform": r.platform.get("name"), "devices": r.recorded.get("devices"),
              "repeats": r.recorded.get("repeats"), "time": r.recorded.get("time"),
-             "digest": r.digest, "local": r.platform_hash in local, "path": r.path}
+             "digest": r.digest, "local": bool(local & set(r.platform_hashes)),
+             "platform_hashes": list(r.platform_hashes), "path": r.path}
             for r in records]
     if as_json:
         _echo_json({"folder": str(d), "records": rows, "problems": [str(e) for e in errors]})
@@ -349,24 +359,23 @@ def burnin_cmd(devices: tuple[str, ...], jobs: tuple[str, ...], duration: Option
     specs = resolve_jobs(list(jobs), jobs_dir, quick_only=False)
     devs = resolve_devices(list(devices))
     n = iterations if iterations is not None else (None if seconds else DEFAULT_ITERATIONS)
-    progress = None if no_progress else _progress(
-        len(specs) * len(devs) * n if n and not seconds else None, seconds, always=True)
     from dataclasses import replace
 
     from screener.burnin import BurninPlan, run_full_burnin
+    from screener.progress import JobEvents, Progress
+
+    # One progress for the whole burn-in: a line (or the bar) per stage, per job run in the
+    # known-answer stage and per pattern in the HBM stage, each with the elapsed time.
+    prog = Progress(sys.stderr, json_lines=as_json, enabled=not no_progress, prefix="burn-in")
 
     def known_answer() -> Any:
-        try:
-            return run_burnin(devs, specs, duration=seconds, iterations=iterations,
-                              golden_dir=golden_dir, jobs_dir=jobs_dir, timeout=timeout,
-                              progress=progress, faults=_faults(inject, devs))
-        finally:
-            if progress is not None:
-                progress.close()
+        return run_burnin(devs, specs, duration=seconds, iterations=iterations,
+                          golden_dir=golden_dir, jobs_dir=jobs_dir, timeout=timeout,
+                          progress=JobEvents(prog, None, len(specs) * len(devs) * n
+                                             if n and not seconds else None),
+                          faults=_faults(inject, devs))
 
-    def stage(name: str) -> None:
-        if not no_progress:
-            click.echo(f"burn-in: {name}", err=True)
+    stage = prog.begin
 
     plan = BurninPlan(probes=not no_probes, hbm=not no_hbm, hbm_fraction=hbm_fraction,
                       collective=not no_collective)
@@ -375,8 +384,9 @@ def burnin_cmd(devices: tuple[str, ...], jobs: tuple[str, ...], duration: Option
         full = run_full_burnin(node or _node_name(), devs, known_answer, plan=plan,
                                store=the_store, probe=probe,
                                peers=(peer_names or ("peer-a", "peer-b")) if peers else (),
-                               progress=stage)
+                               progress=stage, step=prog.step)
     finally:
+        prog.close()
         for c in closers:
             c.close()
     rep = replace(full.kat, extra=full.extra())
