@@ -9,18 +9,23 @@ stages, drill) reports through one `Progress`:
   done, cpu gemm-fp32 #1 (14.2 s)`; with `json=True` the same as one JSON object a line
   (`{"event": "progress", "stage": ..., "done": ..., "total": ..., "item": ..., "elapsed_s": ...}`)
   for commands whose output is JSON.
-Results never go here: they are stdout's. The clock and the stream are passed in (tests).
+A stage whose work reports nothing for a while (a peer burn-in's DDP training, the drill's) gets
+a heartbeat: with `heartbeat_s`, a "running" line (or a redrawn bar) whenever that many seconds
+pass without one, so a log never goes silent for long. Results never go here: they are stdout's.
+The clock and the stream are passed in (tests).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from typing import Any, Callable, Mapping, Optional, TextIO
 
 BAR_WIDTH = 30
 LINE_WIDTH = 120
+HEARTBEAT_S = 10.0  # the CLI's: no stage goes silent for longer
 
 
 class Progress:
@@ -34,7 +39,8 @@ class Progress:
 
     def __init__(self, stream: Optional[TextIO] = None, *, tty: Optional[bool] = None,
                  json_lines: bool = False, enabled: bool = True,
-                 clock: Callable[[], float] = time.monotonic, prefix: str = "screener") -> None:
+                 clock: Callable[[], float] = time.monotonic, prefix: str = "screener",
+                 heartbeat_s: Optional[float] = None) -> None:
         self.stream = stream if stream is not None else sys.stderr
         self.tty = (bool(getattr(self.stream, "isatty", lambda: False)()) if tty is None
                     else tty)
@@ -50,38 +56,53 @@ class Progress:
         self.unit = ""
         self.item = ""
         self._drawn = False
+        self._lock = threading.RLock()  # the heartbeat thread writes too
+        self._last_emit = self.t0
+        self._stop = threading.Event()
+        self._beat: Optional[threading.Thread] = None
+        if heartbeat_s is not None and enabled:
+            self._beat = threading.Thread(target=self._heartbeat, args=(heartbeat_s,),
+                                          name="progress-heartbeat", daemon=True)
+            self._beat.start()
 
     # --- what callers say ---------------------------------------------------------------------
 
     def begin(self, stage: str, total: Optional[int] = None, unit: str = "") -> None:
         """A stage starts (ending the one under way, if any); `unit` names what it counts."""
-        if self.stage is not None:
-            self.end()
-        self.stage, self.total, self.done, self.item, self.unit = stage, total, 0, "", unit
-        self.stage_t0 = self.clock()
-        self._emit("begin")
+        with self._lock:
+            if self.stage is not None:
+                self.end()
+            self.stage, self.total, self.done, self.item, self.unit = stage, total, 0, "", unit
+            self.stage_t0 = self.clock()
+            self._emit("begin")
 
     def step(self, item: str = "", n: int = 1) -> None:
         """`n` more items of the stage are done; `item` names the last one."""
-        self.done += n
-        self.item = item
-        self._emit("step")
+        with self._lock:
+            self.done += n
+            self.item = item
+            self._emit("step")
 
     def note(self, text: str) -> None:
         """Something worth a line (a device timed out, a stage measured a figure)."""
-        self.item = text
-        self._emit("note")
+        with self._lock:
+            self.item = text
+            self._emit("note")
 
     def end(self, detail: str = "") -> None:
         """The stage under way is finished."""
-        if self.stage is None:
-            return
-        self.item = detail
-        self._emit("end")
-        self.stage = None
+        with self._lock:
+            if self.stage is None:
+                return
+            self.item = detail
+            self._emit("end")
+            self.stage = None
 
     def close(self) -> None:
         """End the stage under way and leave the terminal's cursor on a fresh line."""
+        self._stop.set()
+        if self._beat is not None:
+            self._beat.join()
         self.end()
         if self.tty and self._drawn and self.enabled:
             self.stream.write("\n")
@@ -128,15 +149,28 @@ class Progress:
             text = f"{count} done{item}"
         elif kind == "note":
             text = self.item
+        elif kind == "beat":
+            text = f"running, {count} done" if self.done else "running"
         else:
             text = (f"finished, {count} done{item}" if self.done else f"finished{item}")
         tail = (f" ({elapsed:.1f} s, {self.clock() - self.t0:.1f} s in all)" if kind == "end"
                 else f" ({elapsed:.1f} s)")
         return f"{self.prefix}: {self.stage}: {text}{tail}"
 
+    def _heartbeat(self, interval: float) -> None:
+        while not self._stop.wait(min(interval, 1.0)):
+            with self._lock:
+                if self.stage is not None and self.clock() - self._last_emit >= interval:
+                    self._emit("beat")
+
     def _emit(self, kind: str) -> None:
         if not self.enabled:
             return
+        with self._lock:
+            self._last_emit = self.clock()
+            self._write(kind)
+
+    def _write(self, kind: str) -> None:
         if self.tty:
             self.stream.write("\r" + self.bar().ljust(LINE_WIDTH))
             self._drawn = True

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import time
 
 from screener.hbm import hbm_test
 from screener.progress import BAR_WIDTH, JobEvents, Progress
@@ -116,3 +117,20 @@ def test_the_hbm_test_reports_each_pattern():
     r = hbm_test("cpu", max_bytes=1 << 16, progress=seen.append)
     assert r.ok and len(seen) == len(r.patterns)
     assert seen[0] == f"cpu pattern {r.patterns[0]}: 0 mismatches so far"
+
+
+def test_a_silent_stage_gets_heartbeat_lines():
+    out = io.StringIO()
+    p = Progress(out, tty=False, heartbeat_s=0.05, prefix="drill")
+    p.begin("training")
+    deadline = time.monotonic() + 10
+    while "running" not in out.getvalue() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    p.close()
+    lines = _lines(out)
+    assert lines[0] == "drill: training: started (0.0 s)"
+    assert any(x.startswith("drill: training: running (") for x in lines[1:-1])
+    assert lines[-1].startswith("drill: training: finished (")
+    n = len(lines)
+    time.sleep(0.15)
+    assert len(_lines(out)) == n  # closed: the heartbeat stopped

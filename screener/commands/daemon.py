@@ -241,9 +241,10 @@ def drill_cmd(workdir: Optional[str], kubeconfig: Optional[str], nodes: tuple[st
     audit_log = logging.getLogger("screener.audit")
     saved_level = audit_log.level
     audit_log.setLevel(logging.ERROR)
-    from screener.progress import Progress
+    from screener.progress import HEARTBEAT_S, Progress
 
-    prog = Progress(sys.stderr, json_lines=as_json, prefix="drill")  # a line per stage, timed
+    # a line per stage, timed, and a heartbeat while the training runs
+    prog = Progress(sys.stderr, json_lines=as_json, prefix="drill", heartbeat_s=HEARTBEAT_S)
     try:
         if workdir:
             Path(workdir).mkdir(parents=True, exist_ok=True)

@@ -40,9 +40,10 @@ def _faults(specs: Sequence[str], devices: Sequence[str]) -> dict[str, list[Any]
 def _progress(total: Optional[int], stage: str, as_json: bool = False) -> Any:
     """The known-answer runs' progress on stderr (screener.progress): a bar on a terminal, else
     a line per finished job run with the elapsed time (JSON lines with --json)."""
-    from screener.progress import JobEvents, Progress
+    from screener.progress import HEARTBEAT_S, JobEvents, Progress
 
-    return JobEvents(Progress(sys.stderr, json_lines=as_json), stage, total)
+    return JobEvents(Progress(sys.stderr, json_lines=as_json, heartbeat_s=HEARTBEAT_S), stage,
+                     total)
 
 
 def _echo_json(obj: Any) -> None:
@@ -362,11 +363,12 @@ def burnin_cmd(devices: tuple[str, ...], jobs: tuple[str, ...], duration: Option
     from dataclasses import replace
 
     from screener.burnin import BurninPlan, run_full_burnin
-    from screener.progress import JobEvents, Progress
+    from screener.progress import HEARTBEAT_S, JobEvents, Progress
 
     # One progress for the whole burn-in: a line (or the bar) per stage, per job run in the
     # known-answer stage and per pattern in the HBM stage, each with the elapsed time.
-    prog = Progress(sys.stderr, json_lines=as_json, enabled=not no_progress, prefix="burn-in")
+    prog = Progress(sys.stderr, json_lines=as_json, enabled=not no_progress, prefix="burn-in",
+                    heartbeat_s=HEARTBEAT_S)
 
     def known_answer() -> Any:
         return run_burnin(devs, specs, duration=seconds, iterations=iterations,
