@@ -25,7 +25,8 @@
 
 Each stage is a function of plain inputs; the known-answer rounds are passed to run_full_burnin
 as a callable, so the sequence only orders the stages, collects their verdicts and decides the
-exit code. `TextProgress` is the progress bar the CLI shows on stderr.
+exit code. The CLI shows progress through screener.progress (run_full_burnin's `progress` and
+`step`); `TextProgress` is the older known-answer-only bar, kept for library callers.
 """
 
 from __future__ import annotations
