@@ -477,6 +477,7 @@ class Daemon:
                                                                   sorted(self._known_serials)))
         self._apply(record, f"alarm {record.alarm_id}")
         self.metrics.alarm("applied")
+        self.metrics.alarm_applied(record.check, record.settled)
         log.warning("alarm %s applied: %s at step %d (%s)", record.alarm_id, record.check,
                     record.step, "settled" if record.settled else "unsettled",
                     extra={"event": "alarm", "alarm_id": record.alarm_id, "check": record.check,

@@ -66,6 +66,13 @@ class DaemonMetrics:
                            "state, 0 for the others.", ["node", "state"], registry=r)
         self.alarms = Counter("screener_alarms", "Alarm files taken in, by what became of them "
                               "(applied, duplicate, rejected).", ["node", "result"], registry=r)
+        # Separate from screener_alarms: only an applied alarm's check is trusted (a rejected
+        # file's fields are not), and keeping screener_alarms' labels keeps existing queries valid.
+        self.alarms_by_check = Counter("screener_alarms_applied", "Alarms applied to the node, by "
+                                       "the check that raised them (nonfinite_local, ring_replay, "
+                                       "weights, straggler, hardware_error, ...) and whether the "
+                                       "audit settled them.", ["node", "check", "settled"],
+                                       registry=r)
         self.findings = Counter("screener_findings", "Probe findings, by severity.",
                                 ["node", "severity"], registry=r)
         self.probes = Counter("screener_probe_runs", "Health probe runs.", ["node"], registry=r)
@@ -152,6 +159,10 @@ class DaemonMetrics:
     def alarm(self, result: str, n: int = 1) -> None:
         if n:
             self.alarms.labels(self.node, result).inc(n)
+
+    def alarm_applied(self, check: str, settled: bool) -> None:
+        """Count one applied alarm by its check (the intake has validated `check` already)."""
+        self.alarms_by_check.labels(self.node, check, "true" if settled else "false").inc()
 
     def finding(self, severity: Severity) -> None:
         self.findings.labels(self.node, severity.label).inc()

@@ -78,6 +78,7 @@ def test_metrics_health_and_readiness_over_http(served):
     assert value(s, "screener_node_state", state="healthy") == 0.0
     assert value(s, "screener_alarms_total", result="applied") == 1.0
     assert value(s, "screener_alarms_total", result="rejected") == 1.0
+    assert value(s, "screener_alarms_applied_total", check="weights", settled="false") == 1.0
     assert value(s, "screener_findings_total", severity="suspect") == 1.0
     # The probe of the first pass ran at the clock's start; the pass was recorded then.
     assert value(s, "screener_last_successful_screen_timestamp_seconds") == 1_000_000.0

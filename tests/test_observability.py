@@ -34,6 +34,7 @@ def exported() -> dict[str, set[str]]:
     m.set_state(NodeState.HEALTHY)
     m.screen_done(Outcome.PASS, [Outcome.PASS], 12.0, passed_at=1000.0)
     m.error("screen")  # errors_total has no series until the first error
+    m.alarm_applied("weights", True)  # labelled by check: no series until the first alarm
     names: dict[str, set[str]] = {}
     for line in m.exposition().decode().splitlines():
         if not line or line.startswith("#"):
@@ -120,11 +121,13 @@ def test_dashboard_queries_use_real_metrics_and_cover_the_issue():
             used |= check_expr(t["expr"], f"panel {p['title']!r}")
     # states over time, screens and outcomes, alarms, budget, duration, last successful screen
     for m in ("screener_node_state", "screener_screens_total", "screener_verdicts_total",
-              "screener_alarms_total", "screener_screen_duration_seconds_bucket",
+              "screener_alarms_total", "screener_alarms_applied_total",
+              "screener_screen_duration_seconds_bucket",
               "screener_last_successful_screen_timestamp_seconds"):
         assert m in used, f"no panel shows {m}"
     titles = " ".join(p["title"].lower() for p in d["panels"])
-    for word in ("states over time", "budget", "screens by outcome", "alarms", "duration",
+    for word in ("states over time", "budget", "screens by outcome", "alarms applied, by check",
+                 "duration",
                  "last successful screen"):
         assert word in titles
 
