@@ -345,3 +345,12 @@ def test_admission_policy_keeps_a_pod_bound_token_to_its_own_node(objs):
     bare = {"metadata": {"name": "n1"}, "spec": {}}  # no labels, taints or status yet
     assert _admit(spec, bare, {"metadata": {"name": "n1", "labels": {LABEL_STATE: "burnin"}},
                                "spec": {}}) == []
+
+
+def test_the_training_job_can_write_alarms_and_only_through_the_writers_group():
+    job = load_all(MANIFESTS / "training-job.yaml")[0]
+    spec = job["spec"]["template"]["spec"]
+    assert ALARM_GID in spec["securityContext"]["supplementalGroups"]
+    assert "fsGroup" not in spec["securityContext"]  # no effect on hostPath; the folder is setgid
+    mounts = {m["mountPath"] for c in spec["containers"] for m in c.get("volumeMounts", [])}
+    assert DEFAULT_ALARM_DIR in mounts
