@@ -9,8 +9,8 @@ default in force.
 
 Nested tables are handed to their owners' own strict parsers: [probes] to
 screener.health.config.ProbeConfig, [lifecycle] to screener.lifecycle.LifecyclePolicy, [hyperpod]
-to screener.hyperpod.HyperPodConfig (kept as a plain mapping here so that boto3 is imported only
-when a deep health check is switched on).
+to screener.hyperpod_config.HyperPodConfig (a module without boto3, so every table is validated at
+load whether or not its feature is on; boto3 is imported only when a deep health check is on).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Any, Mapping, Optional
 from screener import boundedjson, configs
 from screener.errors import ConfigError
 from screener.health.config import ProbeConfig
+from screener.hyperpod_config import HyperPodConfig
 from screener.lifecycle import LifecyclePolicy
 from screener.types import ALARM_DIR_ENV, DEFAULT_ALARM_DIR, NODE_NAME_ENV
 
@@ -127,7 +128,7 @@ class DaemonConfig:
     work_dir: Optional[str] = None
     probes: ProbeConfig = field(default_factory=ProbeConfig)
     lifecycle: LifecyclePolicy = field(default_factory=LifecyclePolicy)
-    hyperpod: Mapping[str, Any] = field(default_factory=dict)
+    hyperpod: HyperPodConfig = field(default_factory=HyperPodConfig)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ConfigError:
@@ -174,7 +175,7 @@ class DaemonConfig:
         for name in ("publish_digests", "screens"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be true or false")
-        if not isinstance(self.hyperpod, Mapping):
+        if not isinstance(self.hyperpod, HyperPodConfig):
             raise bad("hyperpod", "must be a table")
         if not self.alarm_dir:
             raise bad("alarm_dir", "must be a directory")
@@ -195,8 +196,9 @@ class DaemonConfig:
                     values["probes"] = ProbeConfig.from_mapping(values["probes"])
                 if "lifecycle" in values and not isinstance(values["lifecycle"], LifecyclePolicy):
                     values["lifecycle"] = LifecyclePolicy.from_mapping(values["lifecycle"])
+                # Validated now, whether or not the feature is on: a misspelt key is an error.
                 if isinstance(values.get("hyperpod"), Mapping):
-                    values["hyperpod"] = dict(values["hyperpod"])
+                    values["hyperpod"] = HyperPodConfig.from_mapping(values["hyperpod"])
             return configs.from_mapping(cls, values, "daemon")
         except ConfigError as e:
             if source is None:
@@ -226,7 +228,8 @@ class DaemonConfig:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["probes"] = self.probes.to_dict()
         d["lifecycle"] = dataclasses.asdict(self.lifecycle)
-        d["hyperpod"] = dict(self.hyperpod)
+        d["hyperpod"] = dataclasses.asdict(self.hyperpod)
+        d["hyperpod"]["checks"] = list(self.hyperpod.checks)
         d["jobs"], d["devices"] = list(self.jobs), list(self.devices)
         return d
 

@@ -32,6 +32,9 @@ import botocore.exceptions
 
 from screener import configs
 from screener.errors import BadInputError, ConfigError, ExternalServiceError
+# The settings live in a module without boto3, so the daemon validates [hyperpod] at load.
+from screener.hyperpod_config import (DEEP_HEALTH_CHECKS, DEFAULT_CHECKS, HyperPodConfig,  # noqa: F401
+                                      validate_checks as _validate_checks)
 from screener.types import NodeState
 
 log = logging.getLogger(__name__)
@@ -43,8 +46,6 @@ _PROVIDER_ID_RE = re.compile(rf"aws:///[^/]*/({_INSTANCE_ID})")
 _BARE_ID_RE = re.compile(_INSTANCE_ID)
 _HOSTNAME_RE = re.compile(r"ip-\d{1,3}-\d{1,3}-\d{1,3}-\d{1,3}(\..*)?")
 
-DEEP_HEALTH_CHECKS = ("InstanceStress", "InstanceConnectivity", "MultiNodeTrainingValidation")
-DEFAULT_CHECKS = ("InstanceStress", "InstanceConnectivity")
 BATCH_LIMIT = 25  # BatchReboot/BatchReplaceClusterNodes take at most 25 node IDs per request
 HEALTH_CHECK_IDS_LIMIT = 500  # InstanceIds per instance group in StartClusterHealthCheck
 
@@ -75,46 +76,6 @@ class AccessDenied(ExternalServiceError):
 
 
 # --- configuration --------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class HyperPodConfig:
-    """HyperPod settings for the daemon and the CLI.
-
-    deep_check_on_quarantine is off by default: when on, the daemon starts a deep health check on a
-    node as it enters quarantine. There is deliberately no setting for automatic replacement.
-    """
-
-    cluster: str = ""
-    region: Optional[str] = None
-    endpoint_url: Optional[str] = None
-    deep_check_on_quarantine: bool = False
-    checks: tuple[str, ...] = DEFAULT_CHECKS
-    max_attempts: int = 8  # botocore standard retry mode: total attempts including the first
-
-    def __post_init__(self) -> None:
-        # A config file gives a list; keep a tuple so the frozen config stays hashable.
-        if isinstance(self.checks, str):
-            raise ConfigError("hyperpod checks must be a list of deep health check names")
-        object.__setattr__(self, "checks", tuple(self.checks))
-        _validate_checks(self.checks)
-        if self.max_attempts < 1:
-            raise ConfigError(f"hyperpod max_attempts {self.max_attempts} must be at least 1")
-
-    @classmethod
-    def from_mapping(cls, d: Mapping[str, Any]) -> "HyperPodConfig":
-        """Build from a config table; unknown keys are an error, not silently dropped."""
-        return configs.from_mapping(cls, d, "hyperpod")
-
-
-def _validate_checks(checks: Sequence[str]) -> tuple[str, ...]:
-    checks = tuple(checks)
-    if not checks:
-        raise BadInputError("no deep health check given; choose from " + ", ".join(DEEP_HEALTH_CHECKS))
-    bad = [c for c in checks if c not in DEEP_HEALTH_CHECKS]
-    if bad:
-        raise BadInputError(f"unknown deep health check {bad[0]!r}; expected one of "
-                            + ", ".join(DEEP_HEALTH_CHECKS))
-    return tuple(dict.fromkeys(checks))
 
 
 def make_client(region: Optional[str] = None, *, endpoint_url: Optional[str] = None,

@@ -389,6 +389,31 @@ def test_config_rejects_unknown_keys_and_reads_env(tmp_path):
     assert json.loads(json.dumps(cfg.to_dict()))["probes"]["kmsg_path"] == "/x"
 
 
+def test_the_hyperpod_table_is_validated_at_load_even_with_the_feature_off(tmp_path):
+    # Issue 15: a misspelt key used to load silently and leave the deep check unwired.
+    from screener.errors import ConfigError
+    from screener.hyperpod_config import HyperPodConfig
+
+    f = tmp_path / "d.toml"
+    f.write_text('[hyperpod]\ndeep_check_on_quarantin = true\nregoin = "us-west-2"\n')
+    with pytest.raises(ConfigError, match=r"d\.toml: hyperpod config: unknown key\(s\) "
+                                          r"deep_check_on_quarantin, regoin"):
+        DaemonConfig.load(f, environ={})
+    for table, why in (({"checks": ["InstanceStres"]}, "unknown deep health check"),
+                       ({"checks": "InstanceStress"}, "must be a list"),
+                       ({"max_attempts": 0}, "at least 1"),
+                       ({"deep_check_on_quarantine": "yes"}, "true or false"),
+                       ({"cluster": 5}, "must be a string")):
+        with pytest.raises(ConfigError, match=why):
+            DaemonConfig.from_mapping({"hyperpod": table})
+    cfg = DaemonConfig.from_mapping({"hyperpod": {"cluster": "c1", "region": "us-west-2",
+                                                  "checks": ["InstanceStress", "InstanceStress"]}})
+    assert cfg.hyperpod == HyperPodConfig(cluster="c1", region="us-west-2",
+                                          checks=("InstanceStress",))
+    assert DaemonConfig.from_mapping({}).hyperpod.deep_check_on_quarantine is False
+    assert json.loads(json.dumps(cfg.to_dict()))["hyperpod"]["checks"] == ["InstanceStress"]
+
+
 def test_once_from_the_command_line_uses_the_local_store_and_exits_with_the_contract(tmp_path):
     """`screener daemon --once` as a user runs it: no cluster configured -> the local store under
     $XDG_STATE_HOME; a settled alarm -> quarantined -> exit 75; JSON log lines on stderr."""

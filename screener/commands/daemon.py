@@ -73,10 +73,10 @@ def build_daemon(config: Any, *, stop: threading.Event, metrics: Any = None) -> 
                                          burnin_min_iterations=config.burnin_min_iterations),
                               work_dir=work_dir)
     kwargs["reap"] = lambda: reap_stale_screens(work_dir)
-    if config.hyperpod.get("deep_check_on_quarantine"):
+    if config.hyperpod.deep_check_on_quarantine:
         from screener import hyperpod
 
-        hp = hyperpod.HyperPodConfig.from_mapping(config.hyperpod)
+        hp = config.hyperpod
         client = hyperpod.make_client(hp.region, endpoint_url=hp.endpoint_url,
                                       max_attempts=hp.max_attempts)
         kwargs["on_quarantine"] = lambda node: hyperpod.on_quarantine(client, hp, node)
