@@ -108,3 +108,25 @@ def test_fingerprint_bad_files_are_one_line_exit_2(checkpoints, name, needle):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and name in lines[0], r.stderr
     assert "executed" not in r.stdout
+
+
+def test_read_only_store_commands_refuse_a_missing_database_and_create_nothing(tmp_path):
+    # A misspelt --db used to open a fresh, empty database: an empty fleet reads as "all clear".
+    from click.testing import CliRunner
+
+    from screener.cli import main
+
+    missing = tmp_path / "nowhere" / "state.db"
+    runner = CliRunner()
+    for args in (["node", "status"], ["node", "history", "n1"], ["lemons"],
+                 ["report", "fleet", "-o", str(tmp_path / "r.html")]):
+        r = runner.invoke(main, [*args, "--store", "local", "--db", str(missing)])
+        assert r.exit_code == 2, (args, r.output)
+        assert "no state database there" in r.output and "Traceback" not in r.output
+        assert not missing.parent.exists(), args
+    # A person's decision may start a database; the readers then see it.
+    r = runner.invoke(main, ["node", "set", "n1", "burnin", "--reason", "new rack", "--store",
+                             "local", "--db", str(missing)])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(main, ["node", "status", "--json", "--store", "local", "--db", str(missing)])
+    assert r.exit_code == 0 and "burnin" in r.output

@@ -25,8 +25,16 @@ STORE_HELP = ("Where node states live: 'local' (SQLite, the default outside a cl
               "given or when running inside a pod, else local.")
 
 
-def store_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """--store, --db, --kubeconfig, --spool: shared by every command here."""
+def store_options(fn: Optional[Callable[..., Any]] = None, *,
+                  create: bool = False) -> Any:
+    """--store, --db, --kubeconfig, --spool: shared by every command here.
+
+    A command that only reads (`create=False`, the default) refuses a `--db` that does not exist
+    (exit 2): a misspelt path must not show an empty fleet, which reads as "all clear", nor leave
+    an empty database behind. `node set` (`create=True`) may start a new one.
+    """
+    if fn is None:
+        return functools.partial(store_options, create=create)
     @click.option("--store", "store_kind", type=click.Choice(["auto", "local", "kube"]),
                   default="auto", show_default=True, envvar="SCREENER_STORE", help=STORE_HELP)
     @click.option("--db", type=click.Path(dir_okay=False), default=None, envvar="SCREENER_DB",
@@ -46,6 +54,10 @@ def store_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         kind = store_kind
         if kind == "auto":
             kind = "kube" if kubeconfig or os.environ.get("KUBERNETES_SERVICE_HOST") else "local"
+        if kind == "local" and db is not None and not create and not os.path.exists(db):
+            raise click.BadParameter(f"{db}: no state database there (a command that only reads "
+                                     "never creates one; omit --db for the default)",
+                                     param_hint="'--db'")
         store = (open_store("local", db=db) if kind == "local"
                  else open_store("kube", kubeconfig=kubeconfig, spool=spool))
         try:
@@ -154,7 +166,7 @@ def history_cmd(node: str, days: Optional[float], as_json: bool, store: Any) -> 
 @click.argument("state", type=click.Choice([s.value for s in NodeState]))
 @click.option("--reason", required=True, help="Why (recorded in the history and the Event).")
 @click.option("--json", "as_json", is_flag=True, help="Print the recorded transition as JSON.")
-@store_options
+@store_options(create=True)
 def set_cmd(node: str, state: str, reason: str, as_json: bool, store: Any) -> int:
     """Record a person's decision: move NODE to STATE (actor "human").
 
