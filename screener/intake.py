@@ -328,7 +328,7 @@ def validate(d: Any) -> AlarmRecord:
             raise ValueError(f"alarm lacks the field {key!r}")
     _name(d["alarm_id"], "alarm_id", MAX_ID_LEN)
     node = _name(d["node"], "node", MAX_NAME_LEN)
-    if d["check"] not in ALARM_CHECK_REASONS:
+    if not isinstance(d["check"], str) or d["check"] not in ALARM_CHECK_REASONS:
         raise ValueError(f"alarm check {str(d['check'])[:40]!r} is not one of "
                          f"{sorted(ALARM_CHECK_REASONS)}")
     _int(d["step"], "step", 2**63 - 1)

@@ -152,10 +152,13 @@ def straggler_alarm(s: Straggler, result: StepResult, *, k: float, window: int, 
     """The unsettled alarm for a straggler that persisted for the window (s.node must be set)."""
     import uuid
 
+    from screener.audit.alarms import bounded_alarm_id
+
     if s.node is None:
         raise ValueError("a straggler alarm needs the straggler's node")
     return AlarmRecord(
-        alarm_id=f"straggler-{s.node.node}-{uuid.uuid4().hex[:12]}", check=STRAGGLER_CHECK,
+        alarm_id=bounded_alarm_id("straggler", s.node.node, unique=uuid.uuid4().hex[:12]),
+        check=STRAGGLER_CHECK,
         step=int(result.step), settled=False, suspect_ranks=(int(s.rank),), suspect_nodes=(s.node,),
         node=s.node.node, job=job, created=float(created),
         evidence={"rank": s.rank, "slowdown": s.slowdown, "score": s.score,

@@ -255,6 +255,7 @@ def _valid(aid: str, **over) -> dict:
     ("bigev.json", json.dumps(_valid("x", evidence={"blob": "y" * 200_000})).encode(), "evidence"),
     ("huge.json", b" " * (5 * 1024 * 1024), "larger than"),
     ("utf.json", b'{"schema": 1, "alarm_id": "\xff\xfe"}', "UTF-8"),
+    ("listcheck.json", json.dumps(_valid("x", check=["ring_replay"])).encode(), "check"),
     ("other.json", json.dumps(_valid("x", suspect_nodes=[{"node": "victim", "hostname": "v",
                                                           "instance_id": None}])).encode(),
      "acts only on its own node"),
@@ -350,3 +351,34 @@ def test_an_unlistable_folder_stalls_the_intake_without_raising(tmp_path, store)
     alarms.write_text("a file where the folder should be")
     result = make_intake(alarms, store, clock).run()
     assert result.stalled.startswith("cannot list") and result.count == 0
+
+
+def test_alarms_our_writers_make_for_long_job_and_node_names_are_taken(tmp_path, store,
+                                                                       monkeypatch):
+    """The in-job writers (auditor, exit-75 guard, straggler) keep their alarm ids within what
+    the intake accepts, however long the job's and the node's names are."""
+    from screener.audit.alarms import SDCAlarm, node_records, write_alarm_file
+    from screener.audit.guard import hardware_error_alarm
+    from screener.straggler import StepResult, Straggler, straggler_alarm
+
+    node = "ip-172-31-100-200.ap-southeast-2.compute.internal." + "gpu-pool-a" * 6
+    job = "llm-pretrain-70b-stage2-" + "run" * 13
+    me = SuspectNode(node=node, hostname=node)
+    sdc = SDCAlarm("ring_replay", 7, (3,), (me,), True, {}, candidate_ranks=(3,),
+                   key=f"{job}-ring_replay-s7")
+    monkeypatch.setenv("NODE_NAME", node)
+    records = [node_records(sdc, {3: node}, {node: me}, job=job)[node],
+               hardware_error_alarm(RuntimeError("uncorrectable ECC error"), job=job, step=7),
+               straggler_alarm(Straggler(rank=3, score=9.0, slowdown=0.5, consecutive=20,
+                                         duration=1.5, node=me),
+                               StepResult(step=7, median=1.0, mad=0.1, scale=0.15, scores=(),
+                                          stragglers=()), k=6.0, window=20, job=job)]
+    alarms = tmp_path / "alarms"
+    for r in records:
+        write_alarm_file(r, alarms)
+    clock = Clock()
+    intake = AlarmIntake(alarms, node, lambda r: apply_event(store, node, r, now=clock()),
+                         lambda r: applied_in_history(store.history(node), r.alarm_id))
+    result = intake.run()
+    assert result.rejected == [] and len(result.applied) == 3, result
+    assert sorted(r.alarm_id for r in result.applied) == sorted(r.alarm_id for r in records)

@@ -144,6 +144,15 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("._") or "x"
 
 
+def bounded_alarm_id(*parts: str, unique: str) -> str:
+    """`part-part-...-unique`, the parts cut so the whole fits what the daemon's intake accepts
+    (screener.intake.MAX_ID_LEN): a long job or node name must not get the alarm rejected."""
+    from screener.intake import MAX_ID_LEN
+
+    head = "-".join(_slug(p) for p in parts)[:max(1, MAX_ID_LEN - len(unique) - 1)]
+    return f"{head.strip('._-') or 'x'}-{unique}"
+
+
 def node_records(alarm: SDCAlarm, node_of: Mapping[int, str],
                  node_info: Mapping[str, SuspectNode], *, job: str = "",
                  created: Optional[float] = None) -> dict[str, AlarmRecord]:
@@ -168,7 +177,7 @@ def node_records(alarm: SDCAlarm, node_of: Mapping[int, str],
                          "candidate_ranks": sorted(named.get(node, []) + candidates.get(node, [])),
                          "alarm_settled": alarm.settled})
         records[node] = AlarmRecord(
-            alarm_id=f"{_slug(alarm.key)}-{_slug(node)}-{uuid.uuid4().hex[:8]}",
+            alarm_id=bounded_alarm_id(alarm.key, node, unique=uuid.uuid4().hex[:8]),
             check=alarm.check, step=alarm.step, settled=settled,
             suspect_ranks=tuple(sorted(named.get(node, []))),
             suspect_nodes=(node_info[node],), node=node, job=job, created=created,

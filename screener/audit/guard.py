@@ -39,8 +39,8 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
-from screener.audit.alarms import NumericFailure, SDCAlarm, alarm_dir, log_json, write_alarm_file, \
-    write_atomic
+from screener.audit.alarms import NumericFailure, SDCAlarm, alarm_dir, bounded_alarm_id, log_json, \
+    write_alarm_file, write_atomic
 from screener.audit.topology import instance_id_of, node_name
 from screener.types import EXIT_DIR_ENV, AlarmRecord, ExitCode, SuspectNode
 
@@ -119,8 +119,7 @@ def hardware_error_alarm(exc: BaseException, *, job: str = "", step: int = 0) ->
     evidence = {"error": type(exc).__name__, "message": str(exc)[:2000], "rank": _rank(),
                 "local_rank": os.environ.get("LOCAL_RANK"), "candidate_ranks": [_rank()],
                 "why": "the worker failed with a hardware error message (exit 75)"}
-    return AlarmRecord(alarm_id=f"{key}-{re.sub(r'[^A-Za-z0-9_.-]+', '_', node)}-"
-                                f"{uuid.uuid4().hex[:8]}",
+    return AlarmRecord(alarm_id=bounded_alarm_id(key, node, unique=uuid.uuid4().hex[:8]),
                        check="hardware_error", step=int(step), settled=False, suspect_ranks=(),
                        suspect_nodes=(SuspectNode(node=node, hostname=host,
                                                   instance_id=instance_id_of(node)),),
