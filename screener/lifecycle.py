@@ -122,6 +122,9 @@ TRANSITIONS: Mapping[tuple[Optional[NodeState], NodeState], frozenset[Trigger]] 
     (S.SUSPECT, S.QUARANTINED): frozenset({A, H}),
     (S.SUSPECT, S.REPAIR): frozenset({A, H}),
     (S.SUSPECT, S.BURNIN): frozenset({H}),
+    # A suspect node's confirmed failure that the budget holds is recorded (it counts, and marks
+    # the node held: no pass clears it, and reconsider_held gives it the next free slot).
+    (S.SUSPECT, S.SUSPECT): frozenset({A}),
     (S.QUARANTINED, S.BURNIN): frozenset({A, H}),
     (S.QUARANTINED, S.REPAIR): frozenset({A, H}),
     (S.REPAIR, S.BURNIN): frozenset({H}),
@@ -630,7 +633,16 @@ def decide(node: str, current: Optional[NodeState], event: Any, *, now: float,
             held = (f"{reason}; held in suspect: the quarantine budget ({limit} of {fleet.total} "
                     f"nodes) is used up, a person decides")
             if current == S.SUSPECT:
-                return stay(held, (Action.ALERT_BUDGET_EXHAUSTED,))
+                if _held_by_budget(history):
+                    return stay(held, (Action.ALERT_BUDGET_EXHAUSTED,))
+                # Not `move`: the table's only self-move. Unrecorded, the failure would be lost:
+                # a later pass would clear the node and a freed slot would never find it.
+                acts = (Action.ALERT_BUDGET_EXHAUSTED.value,)
+                transitions.append(Transition(
+                    node=node, time=now, from_state=S.SUSPECT, to_state=S.SUSPECT, reason=held,
+                    actor=ACTOR_SCREENER, code=CODE_BUDGET, evidence=evidence, failure=True,
+                    gpu_serials=sig.serials, rollback=rollback, actions=acts))
+                return Decision(state=S.SUSPECT, transitions=tuple(transitions), actions=acts)
             return move(S.SUSPECT, held, CODE_BUDGET, evidence, failure=True, serials=sig.serials,
                         rollback=rollback, actions=(Action.ALERT_BUDGET_EXHAUSTED,))
     return move(target, reason, code, evidence, failure=True, serials=sig.serials, rollback=rollback)

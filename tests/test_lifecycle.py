@@ -186,7 +186,8 @@ def test_budget_allows_then_holds():
     assert decide("n1", S.HEALTHY, alarm(True), now=NOW, fleet=FleetCounts(3, 1)).state == S.SUSPECT
     # A suspect node past the budget stays suspect and alerts; a burn-in node is held in suspect too.
     d = decide("n1", S.SUSPECT, KAT_MISMATCH, now=NOW, fleet=FleetCounts(20, 2))
-    assert d.state == S.SUSPECT and not d.transitions and d.actions == (ABE,)
+    assert d.state == S.SUSPECT and d.actions == (ABE,)
+    assert [(t.from_state, t.to_state) for t in d.transitions] == [(S.SUSPECT, S.SUSPECT)]
     d = decide("n1", S.BURNIN, KAT_CONFIRMED, now=NOW, fleet=FleetCounts(10, 1))
     assert d.state == S.SUSPECT and d.actions == (ABE,)
     # A person's quarantine is not limited by the budget.
@@ -202,6 +203,27 @@ def test_budget_hold_is_not_cleared_by_a_pass_but_quarantines_when_room_returns(
     assert d.state == S.SUSPECT and not d.transitions and d.actions == (ABE,)
     d = decide("n1", S.SUSPECT, alarm(True), now=NOW + 120, history=hist, fleet=FleetCounts(20, 1))
     assert d.state == S.QUARANTINED
+
+
+def test_a_suspect_nodes_failure_held_by_the_budget_is_recorded_and_not_cleared_by_a_pass():
+    # Healthy (earned), then an unconfirmed mismatch: suspect. The confirming screen fails while
+    # the budget is used up: the node is held, and that is recorded.
+    hist = [Transition("n1", NOW - 100, S.BURNIN, S.HEALTHY, "full burn-in passed"),
+            decide("n1", S.HEALTHY, KatScreen((verdict(Outcome.SUSPECT),)), now=NOW - 50).transition]
+    d = decide("n1", S.SUSPECT, KAT_MISMATCH, now=NOW, history=hist, fleet=FleetCounts(20, 2))
+    (t,) = d.transitions
+    assert (t.from_state, t.to_state, t.code, t.failure) == (S.SUSPECT, S.SUSPECT,
+                                                              "QuarantineBudgetExhausted", True)
+    assert t.evidence["held_by_budget"] is True and t.evidence["wanted"] == "quarantined"
+    assert t.rollback["time"] == NOW - 50  # the suspect period began with the first mismatch
+    hist.append(t)
+    # A later passing screen does not clear it (it would have: the node had earned healthy).
+    p = decide("n1", S.SUSPECT, KAT_PASS, now=NOW + 60, history=hist, fleet=FleetCounts(20, 2))
+    assert p.state == S.SUSPECT and not p.transitions and p.actions == (ABE,)
+    # Held once: another failure while held records nothing more.
+    again = decide("n1", S.SUSPECT, KAT_MISMATCH, now=NOW + 120, history=hist,
+                   fleet=FleetCounts(20, 2))
+    assert again.state == S.SUSPECT and not again.transitions and again.actions == (ABE,)
 
 
 def test_budget_counts_from_states():

@@ -261,6 +261,31 @@ def test_a_node_held_by_the_budget_takes_the_slot_when_it_frees(tmp_path):
     store.close()
 
 
+def test_a_suspect_node_whose_confirming_screen_fails_past_the_budget_is_held_then_released(
+        tmp_path):
+    from screener.lifecycle import KatScreen, Remediation
+    from screener.stores import reconsider_held
+    from screener.types import Outcome, Verdict
+
+    store = LocalStore(tmp_path / "held.db")
+    healthy_fleet(store, [f"n{k}" for k in range(10)])  # budget: 1 node
+    assert apply_event(store, "n0", confirmed(), now=NOW).state == S.QUARANTINED
+    mismatch = Verdict(device="cuda:0", outcome=Outcome.SUSPECT, reason="mismatch", job="gemm-fp32")
+    assert apply_event(store, "n1", mismatch, now=NOW + 1).state == S.SUSPECT  # not yet re-run
+    # The confirming screen fails too, with the budget used up: held, and recorded as held.
+    assert apply_event(store, "n1", mismatch, now=NOW + 2).state == S.SUSPECT
+    last = store.history("n1")[-1]
+    assert last.evidence.get("held_by_budget") is True and last.failure
+    # A lucky pass does not clear a node with a confirmed failure.
+    passed = Verdict(device="cuda:0", outcome=Outcome.PASS, reason="", job="gemm-fp32")
+    assert apply_event(store, "n1", KatScreen((passed,)), now=NOW + 3).state == S.SUSPECT
+    # The slot frees: the held node takes it.
+    apply_event(store, "n0", Remediation(passed=True), now=NOW + 4)
+    assert reconsider_held(store, "n1", S.SUSPECT, now=NOW + 5) == S.QUARANTINED
+    assert store.get_state("n1") == S.QUARANTINED
+    store.close()
+
+
 def test_the_gpu_lemon_rule_finds_a_serial_without_reading_the_fleet(tmp_path):
     store = LocalStore(tmp_path / "lemon.db")
     healthy_fleet(store, [f"n{k}" for k in range(40)])  # budget: 4 nodes
