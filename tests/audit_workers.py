@@ -180,6 +180,19 @@ def fault_matrix(rank: int, world: int, root: str) -> dict[str, Any]:
     return results
 
 
+def three_nodes_persistent(rank: int, world: int, root: str) -> dict[str, Any]:
+    """One rank per node (n0, n1, n2) and a persistent fault on rank 1: every forward it computes,
+    its training steps and the replay it does for rank 2. Two of the three owners disagree with
+    their replayers, both because of rank 1."""
+    d = os.path.join(root, "three")
+    spec = faults.FaultSpec(op="gelu", element=11, mode="scale", factor=1e4)
+    loss_fn = _faulty(compute_loss, spec, []) if rank == 1 else compute_loss
+    out = train(rank, alarm_dir=d, steps=4, audit_every=2, weights_every=0, loss_fn=loss_fn)
+    dist.barrier()
+    out["files"] = read_alarm_dir(d)
+    return out
+
+
 def healthy(rank: int, world: int, root: str, steps: int) -> dict[str, Any]:
     """A long healthy run auditing every step (weights every tenth): must raise nothing."""
     out = train(rank, alarm_dir=os.path.join(root, "healthy"), steps=steps, audit_every=1,

@@ -148,3 +148,17 @@ def test_healthy_run_auditing_every_step_raises_nothing(runs):
         assert o["weights_finite"]
     assert len({o["weights_after"] for o in runs["healthy"]}) == 1
     assert runs["healthy"][0]["saved"] == list(range(0, HEALTHY_STEPS, 100))
+
+
+def test_a_persistent_fault_among_three_single_rank_nodes_is_settled_not_called_numeric(tmp_path):
+    # Rank 1's fault spoils its own record and its replay of rank 2: two of three owners
+    # mismatch. That is one GPU, which the referees on the third nodes name.
+    outs = run_ranks(audit_workers.three_nodes_persistent, ["n0", "n1", "n2"], timeout=240,
+                     root=str(tmp_path))
+    assert all(o["numeric"] is None for o in outs), outs[0]["numeric"]
+    a = same_alarm_everywhere(outs)
+    assert (a["check"], a["settled"], a["suspect_ranks"]) == ("ring_replay", True, [1])
+    assert [n["node"] for n in a["suspect_nodes"]] == ["n1"]
+    assert sorted(c["owner"] for c in a["evidence"]["mismatches"]) == [1, 2]
+    (rec,) = files_of(outs)
+    assert (rec.node, rec.settled, rec.suspect_ranks) == ("n1", True, (1,))

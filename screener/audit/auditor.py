@@ -688,9 +688,11 @@ class Auditor:
         named = sorted(suspects)
         evidence = {"mismatches": cases, "audit_every": self.config.audit_every,
                     "last_clean_audit": self._last_clean_audit}
-        if 2 * len(mismatched) > self.world_size:
-            # One faulty GPU spoils at most its own record and the replays it computes: most
-            # owners disagreeing with their replayers is the setup, not a GPU.
+        # One faulty GPU spoils at most its own record and the replays it computes (1 + m owners,
+        # 2 of 3 ranks in a world of three nodes): with a referee for each, that is for them.
+        one_gpu = len(mismatched) <= 1 + m and len(topo.nodes) >= 3
+        if 2 * len(mismatched) > self.world_size and not one_gpu:
+            # Most owners disagreeing with their replayers is the setup, not a GPU.
             evidence["why"] = "most ranks disagree with their replayers"
             self._numeric(step, sorted(set(mismatched)), evidence, reason=(
                 f"{len(mismatched)} of {self.world_size} ranks disagree with their replays at "
