@@ -540,3 +540,23 @@ def test_hostile_kubeconfigs_are_one_line_and_exit_2(tmp_path, monkeypatch, caps
         assert len(lines) == 1 and str(path) in lines[0], (name, out.err)
         assert "Traceback" not in out.err and out.out == ""
         assert time.monotonic() - started < 10, name
+
+
+def test_a_garbled_history_annotation_on_the_node_does_not_stop_its_events(api):
+    """The Node's annotation is writable by more than screener: entries with a time that is no
+    number, or serials that are no list, are skipped, and the node's events are still recorded."""
+    junk = [{"id": "junk-time", "time": "yesterday", "to": "healthy"},
+            {"id": "junk-list", "time": ["x"], "to": "healthy"},
+            {"id": "junk-serials", "time": NOW - 10, "to": "healthy", "failure": True,
+             "gpu_serials": 5}]
+    for name, raw in (("gpu-2", {"v": 2, "last": junk}), ("cpu-1", junk)):  # summary, old format
+        node = api.nodes[name]
+        node["metadata"]["labels"][LABEL_STATE] = "healthy"
+        node["metadata"].setdefault("annotations", {})[ANNOTATION_HISTORY] = json.dumps(raw)
+        store = make_store(api)
+        alarm = AlarmRecord(alarm_id=f"a-{name}", check="ring_replay", step=3, settled=False,
+                            suspect_ranks=(), suspect_nodes=(SuspectNode(name, name),),
+                            node=name)
+        assert apply_event(store, name, alarm, now=NOW).state == S.SUSPECT
+        assert store.get_state(name) == S.SUSPECT
+        assert stored_history(api, name)[-1]["to"] == "suspect"

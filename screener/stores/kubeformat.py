@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional
@@ -127,7 +128,17 @@ def merge_entries(*sources: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     for src in sources:
         for e in src:
             seen.setdefault(str(e["id"]), e)
-    return sorted(seen.values(), key=lambda e: float(e.get("time") or 0.0))
+    return sorted(seen.values(), key=_entry_time)
+
+
+def _entry_time(entry: Mapping[str, Any]) -> float:
+    """An entry's time for ordering; 0 when it is no finite number (the Node's annotation is
+    writable by more than screener, and one bad entry must not stop the node's events)."""
+    try:
+        t = float(entry.get("time") or 0.0)
+    except (TypeError, ValueError):
+        return 0.0
+    return t if math.isfinite(t) else 0.0
 
 
 def history_configmap(node: str, entries: list[dict[str, Any]], *, namespace: str,
@@ -141,8 +152,9 @@ def history_configmap(node: str, entries: list[dict[str, Any]], *, namespace: st
         text = json.dumps(entries, separators=(",", ":"), sort_keys=True)
     labels = {**MANAGED_BY, LABEL_HISTORY: "true"}
     for e in entries:
-        if e.get("failure"):
-            for s in e.get("gpu_serials") or ():
+        serials = e.get("gpu_serials")
+        if e.get("failure") and isinstance(serials, list):
+            for s in serials:
                 labels[serial_label(str(s))] = "true"
     meta: dict[str, Any] = {"name": history_configmap_name(node), "namespace": namespace,
                             "labels": labels, "annotations": {ANNOTATION_NODE: node}}
