@@ -56,7 +56,7 @@ def peer_digests(store: Any, node: str, label_selector: str = "") -> dict[str, d
                 raise ValueError("not an object")
             out[other] = {str(p): {str(j): str(d) for j, d in jobs.items()}
                           for p, jobs in data.items() if isinstance(jobs, dict)}
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # json raises RecursionError when too deep
             log.warning("node %s: ignoring its %s annotation: %s", other, ANNOTATION_DIGESTS, e)
     return out
 

@@ -281,3 +281,14 @@ def test_digests_that_disagree_with_the_fleet_keep_the_node_out(api, kube_rig):
     assert report.state == NodeState.SUSPECT
     t = rig.store.history(NODE)[-1]
     assert t.evidence["verdicts"][-1]["reason"] == "fleet_digest_mismatch"
+
+
+def test_a_peer_annotation_nested_past_the_parsers_limit_is_skipped_not_fatal(api, kube_rig):
+    """Another node's digests annotation is not ours to trust: one nested 50,000 deep (json
+    raises RecursionError, not ValueError) is skipped, and the burn-in's verdict still lands."""
+    for peer in ("peer-1", "peer-2", "peer-3"):
+        api.add_node(peer, annotations={ANNOTATION_DIGESTS: json.dumps({"p1": {"gemm-fp32": "d1"}})})
+    api.add_node("peer-deep", annotations={ANNOTATION_DIGESTS: "[" * 50_000 + "]" * 50_000})
+    rig = kube_rig(ScriptedRunner(outcome(Outcome.PASS)), idle_window_s=0.0, adopt="off")
+    report = rig.tick()
+    assert report.errors == [] and report.state == NodeState.HEALTHY
