@@ -560,3 +560,15 @@ def test_a_garbled_history_annotation_on_the_node_does_not_stop_its_events(api):
         assert apply_event(store, name, alarm, now=NOW).state == S.SUSPECT
         assert store.get_state(name) == S.SUSPECT
         assert stored_history(api, name)[-1]["to"] == "suspect"
+
+
+def test_node_annotations_nested_past_the_parsers_limit_are_unparsable_not_fatal(api):
+    deep = "[" * 50_000 + "]" * 50_000  # json raises RecursionError here, not ValueError
+    api.nodes["gpu-2"]["metadata"]["annotations"][ANNOTATION_HISTORY] = deep
+    api.nodes["gpu-1"]["metadata"]["annotations"][ANNOTATION_VERDICT] = deep
+    store = make_store(api)
+    assert apply_event(store, "gpu-2", NodeSeen(), now=NOW).state == S.BURNIN
+    assert store.get_state("gpu-2") == S.BURNIN
+    assert "unparsable" in store.get_verdict("gpu-1")
+    api.nodes["gpu-1"]["metadata"]["annotations"][ANNOTATION_VERDICT] = "[1]"  # not an object
+    assert "unparsable" in store.get_verdict("gpu-1")

@@ -407,9 +407,11 @@ class KubeStore:
         if not raw:
             return None
         try:
-            return json.loads(raw)
-        except ValueError:
-            return {"unparsable": raw[:200]}
+            data = json.loads(raw)
+        except (ValueError, RecursionError):  # RecursionError: nested past json's limit
+            data = None
+        # Anyone who may edit the Node may write it: what is not an object is unparsable.
+        return data if isinstance(data, dict) else {"unparsable": raw[:200]}
 
     def close(self) -> None:
         self.spool.close()

@@ -79,7 +79,7 @@ def parse_node_history(raw: Optional[str], node: str) -> tuple[list[dict[str, An
         return [], False
     try:
         data = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested past json's limit
         return [], False
     if isinstance(data, list):
         items, legacy = data, True
