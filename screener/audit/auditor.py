@@ -688,9 +688,11 @@ class Auditor:
         named = sorted(suspects)
         evidence = {"mismatches": cases, "audit_every": self.config.audit_every,
                     "last_clean_audit": self._last_clean_audit}
-        # One faulty GPU spoils at most its own record and the replays it computes (1 + m owners,
-        # 2 of 3 ranks in a world of three nodes): with a referee for each, that is for them.
-        one_gpu = len(mismatched) <= 1 + m and len(topo.nodes) >= 3
+        # One faulty GPU spoils its own record and the replays it computes (2 of 3 owners in a
+        # world of three one-rank nodes): when one rank is in every mismatched pair, the referees
+        # on the third nodes settle it.
+        one_gpu = len(topo.nodes) >= 3 and bool(set.intersection(
+            *({o, self._plan[o]} for o in mismatched)))
         if 2 * len(mismatched) > self.world_size and not one_gpu:
             # Most owners disagreeing with their replayers is the setup, not a GPU.
             evidence["why"] = "most ranks disagree with their replayers"
