@@ -159,19 +159,25 @@ class LocalStore:
         row = self._query("SELECT state FROM nodes WHERE node = ?", (node,))
         return NodeState(row[0][0]) if row else None
 
-    def record(self, transition: Transition) -> None:
-        t = transition
+    @contextmanager
+    def _write(self, what: str) -> Iterator[None]:
+        """One BEGIN IMMEDIATE transaction: the write lock is taken before anything is read,
+        committed at the end, rolled back on any error; an SQLite error names `what` failed."""
         with self._lock:
             try:
-                self._db.execute("BEGIN IMMEDIATE")  # take the write lock before reading the state
+                self._db.execute("BEGIN IMMEDIATE")
                 try:
-                    self._insert(t)
+                    yield
                     self._db.execute("COMMIT")
                 except BaseException:
                     self._rollback()
                     raise
             except sqlite3.Error as e:
-                raise self._error(f"record the transition of {t.node}", e) from e
+                raise self._error(what, e) from e
+
+    def record(self, transition: Transition) -> None:
+        with self._write(f"record the transition of {transition.node}"):
+            self._insert(transition)
 
     def _insert(self, t: Transition) -> None:
         """Write one transition inside an open write transaction (a replay of it is a no-op)."""
@@ -202,18 +208,8 @@ class LocalStore:
         between the budget count this decision reads and the transition it writes: however many
         daemons race for the last budget slot, one gets it.
         """
-        with self._lock:
-            try:
-                self._db.execute("BEGIN IMMEDIATE")
-                try:
-                    txn = LocalTxn(self, node)
-                    yield txn
-                    self._db.execute("COMMIT")
-                except BaseException:
-                    self._rollback()
-                    raise
-            except sqlite3.Error as e:
-                raise self._error(f"record a decision about {node}", e) from e
+        with self._write(f"record a decision about {node}"):
+            yield LocalTxn(self, node)
 
     def failures_for(self, serials: Sequence[str], since: float) -> list[Transition]:
         """Failures at or after `since` that blame one of `serials` (the per-GPU lemon rule)."""
