@@ -85,7 +85,7 @@ from screener.audit.alarms import NumericFailure, SDCAlarm, alarm_dir, log_json,
 from screener.audit.checkpoints import write_marker
 from screener.audit.collective import comm_device, gather
 from screener.audit.hooks import GradientRecorder
-from screener.audit.topology import Topology, gather_topology
+from screener.audit.topology import Topology, gather_topology, job_name
 from screener.audit.vote import vote
 from screener.fingerprint import digest, fingerprints
 
@@ -124,14 +124,6 @@ class AuditConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be an integer >= 0, not {v!r}")
-
-
-def _default_job() -> str:
-    for var in ("SCREENER_JOB", "JOB_NAME", "TORCHELASTIC_RUN_ID"):
-        v = os.environ.get(var, "").strip()
-        if v and v.lower() != "none":
-            return v
-    return ""
 
 
 def _num(x: float) -> Any:
@@ -191,7 +183,7 @@ class Auditor:
                                   check_reduced=check_reduced, confirm_nonfinite=confirm_nonfinite,
                                   accumulation_steps=accumulation_steps,
                                   self_check_every=self_check_every,
-                                  job=_default_job() if job is None else job,
+                                  job=job_name() if job is None else job,
                                   alarm_dir=None if alarm_dir is None else os.fspath(alarm_dir))
         self.model = model
         self.module: torch.nn.Module = module

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from screener.audit.alarms import NumericFailure, SDCAlarm, alarm_dir, bounded_alarm_id, log_json, \
     write_alarm_file, write_atomic
-from screener.audit.topology import instance_id_of, node_name
+from screener.audit.topology import instance_id_of, job_name, node_name
 from screener.types import EXIT_DIR_ENV, AlarmRecord, ExitCode, SuspectNode
 
 __all__ = ["classify", "run_guarded", "record_exit_code", "hardware_error_alarm", "shutdown"]
@@ -126,14 +126,6 @@ def hardware_error_alarm(exc: BaseException, *, job: str = "", step: int = 0) ->
                        node=node, job=job, created=time.time(), evidence=evidence)
 
 
-def _job() -> str:
-    for var in ("SCREENER_JOB", "JOB_NAME", "TORCHELASTIC_RUN_ID"):
-        v = os.environ.get(var, "").strip()
-        if v and v.lower() != "none":
-            return v
-    return ""
-
-
 def run_guarded(main: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
     """Run main(*args, **kwargs); return its exit code (0, or the int it returned) or the mapped one.
 
@@ -152,7 +144,7 @@ def run_guarded(main: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
                           first_suspect_step=e.first_suspect_step)
         if code == ExitCode.HARDWARE_SUSPECT and not isinstance(e, SDCAlarm):
             try:
-                fields["alarm_file"] = str(write_alarm_file(hardware_error_alarm(e, job=_job()),
+                fields["alarm_file"] = str(write_alarm_file(hardware_error_alarm(e, job=job_name()),
                                                             alarm_dir()))
             except OSError as err:  # never hides the failure itself
                 fields["alarm_file_error"] = f"{type(err).__name__}: {err}"

@@ -45,6 +45,16 @@ def node_name() -> str:
     return os.environ.get(NODE_NAME_ENV, "").strip() or socket.gethostname()
 
 
+def job_name() -> str:
+    """The job this process belongs to, for alarms: SCREENER_JOB, else JOB_NAME, else torchrun's
+    TORCHELASTIC_RUN_ID ("none" counts as unset); empty when none is set."""
+    for var in ("SCREENER_JOB", "JOB_NAME", "TORCHELASTIC_RUN_ID"):
+        v = os.environ.get(var, "").strip()
+        if v and v.lower() != "none":
+            return v
+    return ""
+
+
 @dataclass(frozen=True)
 class RankInfo:
     """What one rank reports about itself at start-up. `rank` is the global rank."""
