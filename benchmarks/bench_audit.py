@@ -5,29 +5,38 @@ thread each) and trains the synthetic tiny LM at two sizes. For each size, four 
 same model are trained in turn, one step each per round (the order rotating every round), so
 machine noise hits all of them alike:
 
-    plain        DDP, no comm hook (torch's built-in all-reduce)
-    hook         DDP with a Python comm hook that only calls torch's allreduce_hook
-    auditor      DDP + Auditor on steps without an audit (check 1 only: bucket norms before and
-                 after the all-reduce, one small all_gather)
+    plain        DDP, no comm hook (torch's built-in all-reduce; it folds the division by the
+                 world size into its copy of the gradients into the buckets)
+    hook         DDP with a Python comm hook that only calls torch's allreduce_hook (a division
+                 pass of its own, then the all-reduce)
+    auditor      DDP + Auditor on steps without an audit (check 1 only: the hook's sum all-reduce,
+                 then one fused pass that divides and checks finiteness; one small all_gather)
     audit        DDP + Auditor auditing every step (check 1 + ring replay: one extra forward and
                  backward per replayed micro-batch, gradient fingerprints in the hook and of the
                  replay)
 
     plain+clip   plain, with clip_grad_norm_ after backward (what most training loops do)
-    auditor+clip DDP + Auditor(check_reduced=False) given clip_grad_norm_'s norm as grad_norm: the
-                 hook makes one read pass over the gradients instead of two
+    auditor+clip DDP + Auditor(check_reduced=False) given clip_grad_norm_'s norm as grad_norm (on
+                 the default path the same one pass as `auditor`; with a reduce hook of the
+                 caller's it saves the hook's norm of the reduced buckets)
 
 Steps with the Auditor include the RNG capture a replay needs (capture.py: the CPU generator's 5 KB
 state copied by a forward pre-hook every step; an audit step sends the states to the replayers in
 one more small all_gather before the replays, and runs a self-check replay on its first audit).
 
-plus the cost of one RNG capture, one weight check (fingerprints of every weight + a tiny all_gather), a plain local
-forward+backward, and the fingerprint speed on the gradients, to explain the audit step's cost.
-Reports median step times (wall clock, and the CPU time of the rank's process, which other load
-on a shared machine disturbs less) and their ratios to `plain`. Targets (issue 4): at most 5 % on
-steps without an audit on the large model (step >= 100 ms); an audit step about one extra
-forward+backward plus fingerprints.
+Then, in CPU time: one RNG capture, one weight check (fingerprints of every weight + a tiny
+all_gather), a plain local forward+backward and the fingerprint speed on the gradients (what an
+audit step is made of), and the passes a step without an audit is made of: allreduce_hook's
+division, the auditor's fused divide-and-check, and the two norm passes of the generic path (a
+reduce hook of the caller's).
 
+Reports median step times (wall clock, and the CPU time of the rank's process, which other load
+on a shared machine disturbs less) and their ratios to `plain`, paired per round, with the spread
+of those ratios (interquartile range) so the noise is on the page. Targets (issue 16): at most 5 %
+on steps without an audit on the large model (3 ranks), at most x2 a plain step on audit steps.
+
+    python benchmarks/bench_audit.py --world 3 --sizes large --rounds 60 \
+        --configs plain,hook,auditor,audit   # issue 16's figures
     python benchmarks/bench_audit.py                 # both sizes, table on stdout
     python benchmarks/bench_audit.py --json          # results as JSON on stdout
 """
@@ -65,6 +74,15 @@ def paired(xs: list[float], base: list[float]) -> float:
     return statistics.median(x / b for x, b in zip(xs, base))
 
 
+def paired_iqr(xs: list[float], base: list[float]) -> tuple[float, float]:
+    """The interquartile range of the per-round ratios: how much one round's ratio wanders."""
+    ratios = sorted(x / b for x, b in zip(xs, base))
+    if len(ratios) < 4:
+        return ratios[0], ratios[-1]
+    q = statistics.quantiles(ratios, n=4)
+    return q[0], q[2]
+
+
 def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
@@ -93,7 +111,7 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: 
                                        vocab=shape["vocab"])
 
         runs: dict[str, Any] = {}
-        for name in CONFIGS:
+        for name in args.configs:
             model = synthetic.make_model(1, **shape)
             ddp = DDP(model)
             auditor = None
@@ -134,13 +152,14 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: 
             run["cpu"].clear()
             run.pop("check_cpu", None)
         for k in range(args.rounds):
-            for j in range(len(CONFIGS)):
+            for j in range(len(args.configs)):
                 dist.barrier()
-                one_step(runs[CONFIGS[(j + k) % len(CONFIGS)]])
+                one_step(runs[args.configs[(j + k) % len(args.configs)]])
 
         # The pieces the auditor's cost is made of, in CPU time of this rank's process.
         local = runs["plain"]["model"]
-        fwd_bwd, fp_grads, norms, weight_checks = [], [], [], []
+        fwd_bwd, fp_grads, norms, weight_checks, divs, fused = [], [], [], [], [], []
+        inv = torch.full((1,), 1.0 / world, dtype=torch.float32)
         for i in range(args.pieces):
             c0 = time.process_time()
             local.zero_grad(set_to_none=True)
@@ -155,6 +174,13 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: 
                 for g in grads:
                     torch.linalg.vector_norm(g, dtype=torch.float32)
             norms.append(time.process_time() - c0)
+            c0 = time.process_time()
+            for g in grads:  # allreduce_hook's division before its all-reduce
+                g.div_(world)
+            divs.append(time.process_time() - c0)
+            c0 = time.process_time()  # the auditor's one pass: divide the sum and check it
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, torch.zeros(1), inv)
+            fused.append(time.process_time() - c0)
         captures = []
         for i in range(args.pieces):
             c0 = time.perf_counter()
@@ -171,34 +197,42 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: 
         med = {n: statistics.median(r["times"]) for n, r in runs.items()}
         cpu = {n: statistics.median(r["cpu"]) for n, r in runs.items()}
         fp_s = statistics.median(fp_grads)
-        own = statistics.median(norms) + statistics.median(runs["auditor"]["check_cpu"])
+        base = runs.get("plain")
+        check = statistics.median(runs["auditor"]["check_cpu"]) if "auditor" in runs else 0.0
+        own = statistics.median(fused) + check
         results[size] = {
             "parameters": params,
+            "configs": list(runs),
             "step_ms": {n: 1e3 * v for n, v in med.items()},
             # paired: the median over rounds of (this configuration / plain in the same round)
-            "ratio_to_plain": {n: paired(r["times"], runs["plain"]["times"])
-                               for n, r in runs.items()},
+            "ratio_to_plain": {n: paired(r["times"], base["times"]) for n, r in runs.items()},
+            "ratio_iqr": {n: paired_iqr(r["times"], base["times"]) for n, r in runs.items()},
             "cpu_ms": {n: 1e3 * v for n, v in cpu.items()},
-            "cpu_ratio_to_plain": {n: paired(r["cpu"], runs["plain"]["cpu"])
-                                   for n, r in runs.items()},
-            # auditor+clip against its own baseline (plain+clip), paired per round
-            "clip_ratio": paired(runs["auditor+clip"]["times"], runs["plain+clip"]["times"]),
-            "clip_cpu_ratio": paired(runs["auditor+clip"]["cpu"], runs["plain+clip"]["cpu"]),
+            "cpu_ratio_to_plain": {n: paired(r["cpu"], base["cpu"]) for n, r in runs.items()},
+            "cpu_ratio_iqr": {n: paired_iqr(r["cpu"], base["cpu"]) for n, r in runs.items()},
             "weight_check_cpu_ms": 1e3 * statistics.median(weight_checks),
             "rng_capture_us": 1e6 * statistics.median(captures),
             "rng_capture_ratio": statistics.median(captures) / med["plain"],
             "weight_check_ratio": statistics.median(weight_checks) / cpu["plain"],
             "norm_passes_cpu_ms": 1e3 * statistics.median(norms),
-            "check_gradients_cpu_ms": 1e3 * statistics.median(runs["auditor"]["check_cpu"]),
+            "division_pass_cpu_ms": 1e3 * statistics.median(divs),
+            "fused_pass_cpu_ms": 1e3 * statistics.median(fused),
+            "check_gradients_cpu_ms": 1e3 * check,
             "auditor_own_work_ratio": own / cpu["plain"],
             "local_fwd_bwd_ms": 1e3 * statistics.median(fwd_bwd),
             "fingerprint_grads_ms": 1e3 * fp_s,
             "fingerprint_gb_per_s": params * 4 / fp_s / 1e9,
-            # what the issue expects an audit step to cost: one more forward+backward and the
-            # fingerprints of the gradients twice (in the hook and of the replay)
-            "audit_expected_cpu_ms": 1e3 * (cpu["auditor"] + statistics.median(fwd_bwd) + 2 * fp_s),
-            "samples_per_config": len(runs["plain"]["times"]),
+            # what an audit step should cost: one more forward+backward and the fingerprints of
+            # the gradients twice (in the hook and of the replay)
+            "audit_expected_cpu_ms": 1e3 * (cpu.get("auditor", cpu["plain"])
+                                            + statistics.median(fwd_bwd) + 2 * fp_s),
+            "samples_per_config": len(base["times"]),
         }
+        if "auditor+clip" in runs and "plain+clip" in runs:
+            # auditor+clip against its own baseline (plain+clip), paired per round
+            clipped, plain_clip = runs["auditor+clip"], runs["plain+clip"]
+            results[size]["clip_ratio"] = paired(clipped["times"], plain_clip["times"])
+            results[size]["clip_cpu_ratio"] = paired(clipped["cpu"], plain_clip["cpu"])
         del runs
     dist.destroy_process_group()
     if rank == 0:
@@ -207,31 +241,39 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: 
 
 def _table(results: dict[str, Any], world: int, threads: int) -> str:
     lines = [f"screener.audit overhead: gloo on CPU, {world} ranks x {threads} thread(s); "
-             f"median step times, ratios paired per round"]
+             f"median step times, ratios paired per round (their interquartile range in [])"]
     for size, r in results.items():
-        ms, ratio = r["step_ms"], r["ratio_to_plain"]
-        cms, cratio = r["cpu_ms"], r["cpu_ratio_to_plain"]
+        ms, ratio, iqr = r["step_ms"], r["ratio_to_plain"], r["ratio_iqr"]
+        cms, cratio, ciqr = r["cpu_ms"], r["cpu_ratio_to_plain"], r["cpu_ratio_iqr"]
         lines.append(f"\n{size}: {r['parameters'] / 1e6:.2f} M parameters, "
                      f"{r['samples_per_config']} steps per configuration")
-        lines.append(f"  {'':<12} {'wall':>9}    {'ratio':<7} {'cpu':>9}    ratio")
-        for name in CONFIGS:
-            lines.append(f"  {name:<12} {ms[name]:9.1f} ms x{ratio[name]:.3f}  "
-                         f"{cms[name]:9.1f} ms x{cratio[name]:.3f}")
+        lines.append(f"  {'':<12} {'wall':>9}    {'ratio':<21} {'cpu':>9}    ratio")
+        for name in r["configs"]:
+            lines.append(f"  {name:<12} {ms[name]:9.1f} ms x{ratio[name]:.3f} "
+                         f"[{iqr[name][0]:.3f}-{iqr[name][1]:.3f}] "
+                         f"{cms[name]:9.1f} ms x{cratio[name]:.3f} "
+                         f"[{ciqr[name][0]:.3f}-{ciqr[name][1]:.3f}]")
         lines.append(f"  steps without an audit add {100 * (ratio['auditor'] - 1):+.1f} % wall, "
                      f"{100 * (cratio['auditor'] - 1):+.1f} % cpu (target <= 5 % on the large "
-                     f"model)")
-        clip, ccl = r["clip_ratio"], r["clip_cpu_ratio"]
-        lines.append(f"  with clip_grad_norm_'s norm passed in (one read pass): "
-                     f"{100 * (clip - 1):+.1f} % wall, {100 * (ccl - 1):+.1f} % cpu vs plain+clip")
-        lines.append(f"  the auditor's own work on such a step: 2 norm passes "
-                     f"{r['norm_passes_cpu_ms']:.1f} ms + check_gradients "
-                     f"{r['check_gradients_cpu_ms']:.1f} ms cpu = "
-                     f"{100 * r['auditor_own_work_ratio']:.1f} % of a plain step")
-        lines.append(f"  an audit step adds {cms['audit'] - cms['plain']:.1f} ms cpu; expected "
-                     f"about {r['audit_expected_cpu_ms'] - cms['plain']:.1f} ms = one "
-                     f"forward+backward ({r['local_fwd_bwd_ms']:.1f} ms) + 2 x gradient "
-                     f"fingerprints ({r['fingerprint_grads_ms']:.1f} ms, "
-                     f"{r['fingerprint_gb_per_s']:.2f} GB/s) + the every-step cost")
+                     f"model, 3 ranks)")
+        if "audit" in ratio:
+            lines.append(f"  an audit step: x{ratio['audit']:.2f} wall, x{cratio['audit']:.2f} "
+                         f"cpu (target <= x2); it adds {cms['audit'] - cms['plain']:.1f} ms cpu; "
+                         f"expected about {r['audit_expected_cpu_ms'] - cms['plain']:.1f} ms = "
+                         f"one forward+backward ({r['local_fwd_bwd_ms']:.1f} ms) + 2 x gradient "
+                         f"fingerprints ({r['fingerprint_grads_ms']:.1f} ms, "
+                         f"{r['fingerprint_gb_per_s']:.2f} GB/s) + the every-step cost")
+        lines.append(f"  the auditor's own work on a step without an audit: the fused divide-and-"
+                     f"check pass {r['fused_pass_cpu_ms']:.1f} ms (allreduce_hook's division "
+                     f"alone: {r['division_pass_cpu_ms']:.1f} ms; DDP without a hook folds it "
+                     f"into its bucket copy) + check_gradients {r['check_gradients_cpu_ms']:.1f} "
+                     f"ms cpu = {100 * r['auditor_own_work_ratio']:.1f} % of a plain step")
+        lines.append(f"  the generic path (a reduce hook of the caller's) would add 2 norm passes: "
+                     f"{r['norm_passes_cpu_ms']:.1f} ms cpu")
+        if "clip_ratio" in r:
+            clip, ccl = r["clip_ratio"], r["clip_cpu_ratio"]
+            lines.append(f"  with clip_grad_norm_'s norm passed in: {100 * (clip - 1):+.1f} % "
+                         f"wall, {100 * (ccl - 1):+.1f} % cpu vs plain+clip")
         lines.append(f"  the RNG capture on every step: {r['rng_capture_us']:.1f} us "
                      f"({100 * r['rng_capture_ratio']:.3f} % of a plain step)")
         lines.append(f"  a weight check: {r['weight_check_cpu_ms']:.1f} ms cpu "
@@ -249,12 +291,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="rounds; each trains one step of every configuration")
     p.add_argument("--pieces", type=int, default=5,
                    help="repetitions of the local forward+backward, fingerprint, weight check")
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help=f"comma-separated, from {', '.join(CONFIGS)} (plain and auditor always "
+                        f"run)")
     p.add_argument("--json", action="store_true", help="print results as JSON")
     args = p.parse_args(argv)
     args.sizes = [s for s in args.sizes.split(",") if s]
     unknown = [s for s in args.sizes if s not in SIZES]
+    wanted = {c for c in args.configs.split(",") if c} | {"plain", "auditor"}
+    unknown += sorted(wanted - set(CONFIGS))
+    args.configs = [c for c in CONFIGS if c in wanted]
     if unknown or args.world < 2 or args.pieces < 1 or args.rounds < 1:
-        print(f"bad arguments: sizes {unknown or 'ok'}, world >= 2, rounds/pieces >= 1",
+        print(f"bad arguments: unknown {unknown or 'none'}, world >= 2, rounds/pieces >= 1",
               file=sys.stderr)
         return 2
     import torch.multiprocessing as mp

@@ -13,6 +13,7 @@ import logging
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from screener import faults, synthetic
@@ -44,12 +45,15 @@ def group(tmp_path_factory):
     dist.destroy_process_group()
 
 
-def test_hook_records_each_local_gradient_by_parameter_across_bucket_rebuilds(group):
+@pytest.mark.parametrize("reduce_hook", [None, allreduce_hook], ids=["default", "generic"])
+def test_hook_records_each_local_gradient_by_parameter_across_bucket_rebuilds(group, reduce_hook):
     model = synthetic.make_model(3, **SHAPE)
     params = list(model.parameters())
     ddp = DDP(model, bucket_cap_mb=0.002)  # several buckets; rebuilt after the first iteration
-    rec = GradientRecorder(params)
+    rec = GradientRecorder(params, reduce_hook=reduce_hook)
     ddp.register_comm_hook(None, rec.hook)
+    plain = synthetic.make_model(3, **SHAPE)
+    plain_ddp = DDP(plain, bucket_cap_mb=0.002)  # no hook: DDP's own reduction
     buckets = []
     for step in range(4):
         rec.record_step = step if step != 2 else None
@@ -59,14 +63,59 @@ def test_hook_records_each_local_gradient_by_parameter_across_bucket_rebuilds(gr
         stats = rec.take(torch.device("cpu"))
         buckets.append(stats.buckets)
         grads = [p.grad for p in params]  # world size 1: the reduced gradient is the local one
-        want = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-        assert torch.allclose(stats.local_norm, want) and torch.allclose(stats.reduced_norm, want)
+        if reduce_hook is None:  # finite: known from the fused scale pass, no norm taken
+            assert float(stats.local_norm) == 0.0 and float(stats.reduced_norm) == 0.0
+        else:
+            want = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g)
+                                                         for g in grads]))
+            assert torch.allclose(stats.local_norm, want)
+            assert torch.allclose(stats.reduced_norm, want)
         if step == 2:
             assert stats.grad_fingerprints is None and stats.step is None
         else:
             assert stats.step == step
             assert torch.equal(stats.grad_fingerprints, fingerprints(grads))
+        plain_ddp.zero_grad(set_to_none=True)
+        synthetic.compute_loss(plain_ddp, batch_fn(0, step)).backward()
+        # the hook leaves the reduced gradient as DDP's own reduction does (world 1: bit for bit)
+        assert torch.equal(fingerprints(grads), fingerprints([p.grad for p in plain.parameters()]))
     assert buckets[0] == 1 and buckets[1] > 1  # DDP's first-iteration bucket, then the rebuild
+
+
+@pytest.mark.parametrize("as_view", [False, True], ids=["grad-copies", "grad-bucket-views"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_hook_finds_a_non_finite_local_gradient_without_a_norm_on_clean_steps(group, as_view,
+                                                                             bad):
+    """The default path reads no norm on a finite step; a NaN/Inf in one gradient element shows
+    in the local norm (measured from .grad, or before the reduction when .grad is the bucket) and
+    in the reduced one, and the next clean step is clean again."""
+    model = synthetic.make_model(3, **SHAPE)
+    params = list(model.parameters())
+    ddp = DDP(model, bucket_cap_mb=0.002, gradient_as_bucket_view=as_view)
+    rec = GradientRecorder(params, reduce_state=group, grads_are_bucket_views=as_view)
+    ddp.register_comm_hook(None, rec.hook)
+    poison = {"step": 2}
+    target = params[len(params) // 2]
+
+    def inject(g: torch.Tensor) -> torch.Tensor:
+        if poison["step"] == poison.get("now"):
+            g = g.clone()
+            g.view(-1)[0] = bad
+        return g
+
+    target.register_hook(inject)
+    for step in range(4):
+        poison["now"] = step
+        ddp.zero_grad(set_to_none=True)
+        synthetic.compute_loss(ddp, batch_fn(0, step)).backward()
+        stats = rec.take(torch.device("cpu"))
+        if step == 2:
+            for norm in (stats.local_norm, stats.reduced_norm):
+                assert torch.isnan(norm) if bad != bad else torch.isinf(norm)
+        elif as_view:  # measured before the reduction: the real norms
+            assert torch.isfinite(stats.local_norm) and float(stats.local_norm) > 0
+        else:
+            assert float(stats.local_norm) == 0.0 and float(stats.reduced_norm) == 0.0
 
 
 class _Stateful(torch.nn.Module):

@@ -11,10 +11,13 @@
         auditor.check_weights(step)           # check 3 every weights_every steps
 
 Check 1 (every step): one all_gather of (loss, local gradient norm, reduced gradient norm) per rank.
-A rank whose loss or local gradient is NaN/Inf is flagged; its micro-batch is then replayed on another
-node: a finite replay names the rank (settled, "nonfinite_local"), a non-finite one means the model or
-data produced it (NumericFailure, exit 76). A non-finite reduced gradient while every local one was
-finite means the reduction is suspect: "nonfinite_reduced", nobody named.
+The comm hook (hooks.py) learns both gradients' finiteness from the one pass that divides the
+summed buckets by the world size, and measures norms only when something is not finite (0 stands
+for a gradient known finite). A rank whose loss or local gradient is NaN/Inf is flagged; its
+micro-batch is then replayed on another node: a finite replay names the rank (settled,
+"nonfinite_local"), a non-finite one means the model or data produced it (NumericFailure, exit 76).
+A non-finite reduced gradient while every local one was finite means the reduction is suspect:
+"nonfinite_reduced", nobody named.
 
 Check 2 (steps where step % audit_every == 0): ring replay (see ring.py). Each rank replays its
 assigned owners' micro-batches; small digests of the records (loss bits plus a digest of the
@@ -246,7 +249,8 @@ class Auditor:
         self._recorder = GradientRecorder(
             self._grad_params, reduce_hook=reduce_hook,
             reduce_state=self.group if reduce_state is _GROUP else reduce_state,
-            check_reduced=check_reduced)
+            check_reduced=check_reduced,
+            grads_are_bucket_views=bool(getattr(model, "gradient_as_bucket_view", False)))
         if start_step is None:
             self._recorder.record_step = _UNKNOWN if self._audits_on() else None
         else:
@@ -337,9 +341,9 @@ class Auditor:
         loss: the step's loss, unscaled (or what loss_fn returned: a tuple's first element, a
         mapping's "loss"); with accumulation_steps > 1, the sum of the micro-batch losses.
         grad_norm: the total norm of the reduced gradient when the loop already computes it
-        (the return value of clip_grad_norm_). Given it, construct the Auditor with
-        check_reduced=False: the hook then skips its own pass over the reduced buckets, so a
-        step without an audit reads the gradients once.
+        (the return value of clip_grad_norm_). Given it, the Auditor may be constructed with
+        check_reduced=False: with a reduce_hook of the caller's, the hook then skips its own
+        norm of the reduced buckets (the default reduction checks them for free).
 
         Collective: every rank of the group calls it at every step. Raises SDCAlarm (or
         NumericFailure for numbers no hardware explains) on every rank alike. One all_gather on a

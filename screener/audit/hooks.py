@@ -1,16 +1,35 @@
-"""The DDP communication hook that records each rank's local gradient before the all-reduce.
+"""The DDP communication hook: check 1's finiteness of each rank's local and reduced gradient, and
+on audit steps the local gradient's fingerprints, at the least cost to the training step.
 
-DDP hands the hook one bucket (a flat buffer holding a group of parameters' gradients) at a time. The
-hook reads the bucket before anything changes it, because the stock all-reduce hook divides the
-buffer in place and then overwrites it with the reduced sum:
+DDP hands the hook one bucket (a flat buffer holding a group of parameters' gradients) at a time.
 
-- every step: the bucket's L2 norm (one read pass), so check 1 can tell whose local gradient is
-  NaN/Inf; the squared norms of the buckets sum to the squared norm of the local gradient;
-- on audit steps: each parameter's gradient fingerprint, for the ring replay audit (check 2).
+The default path (no reduce_hook of the caller's, float32 buckets on the CPU, gradients that are
+not views of the buckets) adds one pass over the gradients to what DDP does without any hook:
 
-Then it calls the reduce hook (default torch's allreduce_hook; fault injection passes its own) and,
-when the reduction completes, takes the norm of the reduced bucket (check 1's second half: a NaN/Inf
-born inside the reduction). That callback runs while later buckets are still in flight.
+- the hook starts the sum all-reduce of the bucket as it is (nothing reads it first, except the
+  fingerprints on audit steps);
+- when the sum arrives, one fused pass (the GradScaler's unscale kernel) multiplies it by
+  1/world, the same factor DDP's own reduction applies, and notes whether any element is NaN/Inf.
+  DDP's hook-less path folds that multiplication into its copy of the gradients into the bucket;
+  a hook has to do it itself, so the finiteness check rides on a pass that is needed anyway.
+- a finite sum proves every rank's local gradient finite (a NaN or Inf in any addend makes the sum
+  NaN or Inf: +inf + -inf is NaN), so on the usual step nothing else is read and no norm is taken.
+  Only when the sum is not finite does the callback measure the local gradient, from the
+  parameters' own .grad, which DDP overwrites with the reduced bucket only at the end of backward:
+  that names the rank whose gradient was NaN/Inf, or says every local gradient was finite and the
+  reduction produced it.
+
+Summing before dividing can overflow where dividing first would not only for float32 elements
+past ~1e38 / world, an overflow in all but name; float16/bfloat16 buckets, whose range is small,
+take the generic path, which divides first.
+
+The generic path (the caller's reduce_hook, e.g. fault injection, compression; other dtypes or
+devices; gradient_as_bucket_view=True, where .grad is the bucket and the local values are gone
+after the reduction) measures the bucket's L2 norm before calling the reduce hook and the reduced
+bucket's norm when it completes, as a reduce hook may do anything to the values.
+
+StepStats carries norms where they were measured and 0 for a bucket known finite and not
+measured, so a non-finite total is exactly a non-finite gradient on either path.
 
 Gradients are mapped to parameters by identity (`id(param)`), never by bucket order: DDP builds its
 first-iteration buckets in reverse parameter order and rebuilds them after the first iteration in the
@@ -25,6 +44,7 @@ import threading
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from screener.fingerprint import fingerprints
@@ -33,13 +53,17 @@ __all__ = ["GradientRecorder", "StepStats"]
 
 ReduceHook = Callable[[Any, Any], "torch.futures.Future[Any]"]
 
+_ZERO = torch.zeros((), dtype=torch.float32)  # the stand-in norm of a bucket known finite
+
 
 class StepStats:
     """What the hook recorded during one backward pass, handed to the checks after it."""
 
     def __init__(self, local_norm: torch.Tensor, reduced_norm: torch.Tensor, buckets: int,
                  grad_fingerprints: Optional[torch.Tensor], step: Optional[int]) -> None:
-        self.local_norm = local_norm  # 0-d float32 on the gradients' device
+        # 0-d float32 on the gradients' device: the norm over the measured buckets (a bucket known
+        # finite without a measurement counts 0), so it is NaN/Inf exactly when a gradient is
+        self.local_norm = local_norm
         self.reduced_norm = reduced_norm
         self.buckets = buckets  # how many buckets the hook saw (0: no backward since last take)
         self.grad_fingerprints = grad_fingerprints  # (P, 2) int64 CPU, complete, or None
@@ -53,24 +77,38 @@ def _norm(t: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(t.detach(), dtype=torch.float32)
 
 
+def _local_norm(params: Sequence[torch.nn.Parameter], device: torch.device) -> torch.Tensor:
+    """The norm of the parameters' .grad (a missing .grad is the zeros DDP puts in the bucket)."""
+    norms = [_norm(p.grad) for p in params if p.grad is not None]
+    if not norms:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
 class GradientRecorder:
     """State and body of the comm hook. Register `recorder.hook` with `ddp.register_comm_hook`.
 
     params: the parameters DDP reduces, in the order of the fingerprint rows. The owner of the
     recorder sets `record_step` to the step the *next* backward belongs to when that step is an
     audit step (None otherwise): the hook runs before the training loop says which step it is in.
+    reduce_hook/reduce_state: the reduction (default: the sum all-reduce over the process group
+    reduce_state, divided by its size, as DDP does). grads_are_bucket_views: the DDP model's
+    gradient_as_bucket_view (then the local gradient cannot be read after the reduction, and the
+    hook measures it before; see the module docstring).
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], *,
                  reduce_hook: Optional[ReduceHook] = None, reduce_state: Any = None,
-                 check_reduced: bool = True) -> None:
+                 check_reduced: bool = True, grads_are_bucket_views: bool = False) -> None:
         self.params = list(params)
         self._row = {id(p): k for k, p in enumerate(self.params)}
+        self._fused = reduce_hook is None and not grads_are_bucket_views
         self.reduce_hook: ReduceHook = reduce_hook if reduce_hook is not None else allreduce_hook
         self.reduce_state = reduce_state
         self.check_reduced = check_reduced
         self.record_step: Optional[int] = None
         self._lock = threading.Lock()  # reduction callbacks may run on the backend's threads
+        self._inv_world: Optional[torch.Tensor] = None
         self._reset()
 
     def _reset(self) -> None:
@@ -82,15 +120,19 @@ class GradientRecorder:
         self._unknown = 0
 
     def hook(self, state, bucket):  # no annotations: DDP checks them against GradBucket/Future
-        """The DDP comm hook: record, then reduce with the reduce hook, then note the result."""
+        """The DDP comm hook: record, reduce, then note what the reduction gave."""
         index = bucket.index()
         buf = bucket.buffer()
+        fused = self._fused and buf.dtype == torch.float32 and buf.device.type == "cpu"
         with self._lock:
             if index == 0:  # DDP launches buckets in index order: bucket 0 opens a new backward
                 self._reset()
-            self._local[index] = _norm(buf)
             if self.record_step is not None:
-                self._record_fingerprints(bucket)
+                self._record_fingerprints(bucket)  # before anything changes the buffer
+            if not fused:
+                self._local[index] = _norm(buf)
+        if fused:
+            return self._sum_then_scale(index, buf, bucket.parameters())
         fut = self.reduce_hook(self.reduce_state, bucket)
         if not self.check_reduced:
             return fut
@@ -104,6 +146,32 @@ class GradientRecorder:
             return value
 
         return fut.then(note_reduced)
+
+    def _sum_then_scale(self, index: int, buf: torch.Tensor,
+                        params: Sequence[torch.nn.Parameter]) -> "torch.futures.Future[Any]":
+        """The default path: sum all-reduce, then one fused pass that divides and checks."""
+        if self._inv_world is None:
+            world = dist.get_world_size(self.reduce_state)
+            self._inv_world = torch.full((1,), 1.0 / world, dtype=torch.float32)
+        inv = self._inv_world
+        work = dist.all_reduce(buf, group=self.reduce_state, async_op=True)
+
+        def scale(f: "torch.futures.Future[Any]") -> torch.Tensor:
+            reduced = f.value()[0]
+            found = torch.zeros(1, dtype=torch.float32)
+            # One pass: reduced *= 1/world, found = 1 if any element is NaN/Inf.
+            torch._amp_foreach_non_finite_check_and_unscale_([reduced], found, inv)
+            if found.item() == 0.0:
+                local = reduced_norm = _ZERO
+            else:  # rare: whose was it? .grad still holds this rank's own gradient
+                local, reduced_norm = _local_norm(params, reduced.device), _norm(reduced)
+            with self._lock:
+                self._local[index] = local
+                if self.check_reduced:
+                    self._reduced[index] = reduced_norm
+            return reduced
+
+        return work.get_future().then(scale)
 
     def _record_fingerprints(self, bucket: Any) -> None:
         if self._fp is None:
