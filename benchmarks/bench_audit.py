@@ -135,9 +135,10 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: 
             norm = (torch.nn.utils.clip_grad_norm_(ddp.parameters(), max_norm=1e9)
                     if run["clip"] else None)
             if auditor is not None:
-                g0 = time.process_time()
+                g0, w0 = time.process_time(), time.perf_counter()
                 auditor.check_gradients(step, loss, grad_norm=norm)
                 run.setdefault("check_cpu", []).append(time.process_time() - g0)
+                run.setdefault("check_wall", []).append(time.perf_counter() - w0)
             opt.step()
             if auditor is not None:
                 auditor.check_weights(step)
@@ -151,6 +152,7 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: 
             run["times"].clear()
             run["cpu"].clear()
             run.pop("check_cpu", None)
+            run.pop("check_wall", None)
         for k in range(args.rounds):
             for j in range(len(args.configs)):
                 dist.barrier()
@@ -193,6 +195,17 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: 
             c0 = time.process_time()
             checker.check_weights(10_000 + i, force=True)
             weight_checks.append(time.process_time() - c0)
+        # check 1's all_gather on its own (3 float64 per rank), after a barrier: what
+        # check_gradients costs beyond its own bookkeeping
+        bare_cpu, bare_wall = [], []
+        head = torch.zeros(3, dtype=torch.float64)
+        gathered = torch.empty(world * 3, dtype=torch.float64)
+        for i in range(10 * args.pieces):
+            dist.barrier()
+            c0, w0 = time.process_time(), time.perf_counter()
+            dist.all_gather_into_tensor(gathered, head)
+            bare_cpu.append(time.process_time() - c0)
+            bare_wall.append(time.perf_counter() - w0)
 
         med = {n: statistics.median(r["times"]) for n, r in runs.items()}
         cpu = {n: statistics.median(r["cpu"]) for n, r in runs.items()}
@@ -218,6 +231,9 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: 
             "division_pass_cpu_ms": 1e3 * statistics.median(divs),
             "fused_pass_cpu_ms": 1e3 * statistics.median(fused),
             "check_gradients_cpu_ms": 1e3 * check,
+            "check_gradients_wall_ms": 1e3 * statistics.median(runs["auditor"]["check_wall"]),
+            "bare_gather_cpu_ms": 1e3 * statistics.median(bare_cpu),
+            "bare_gather_wall_ms": 1e3 * statistics.median(bare_wall),
             "auditor_own_work_ratio": own / cpu["plain"],
             "local_fwd_bwd_ms": 1e3 * statistics.median(fwd_bwd),
             "fingerprint_grads_ms": 1e3 * fp_s,
@@ -268,6 +284,10 @@ def _table(results: dict[str, Any], world: int, threads: int) -> str:
                      f"alone: {r['division_pass_cpu_ms']:.1f} ms; DDP without a hook folds it "
                      f"into its bucket copy) + check_gradients {r['check_gradients_cpu_ms']:.1f} "
                      f"ms cpu = {100 * r['auditor_own_work_ratio']:.1f} % of a plain step")
+        lines.append(f"  check_gradients: {r['check_gradients_cpu_ms']:.2f} ms cpu, "
+                     f"{r['check_gradients_wall_ms']:.2f} ms wall (waiting for the slowest rank); "
+                     f"a bare all_gather of its 3 numbers after a barrier: "
+                     f"{r['bare_gather_cpu_ms']:.2f} ms cpu, {r['bare_gather_wall_ms']:.2f} ms wall")
         lines.append(f"  the generic path (a reduce hook of the caller's) would add 2 norm passes: "
                      f"{r['norm_passes_cpu_ms']:.1f} ms cpu")
         if "clip_ratio" in r:
