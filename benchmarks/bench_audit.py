@@ -93,7 +93,7 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: 
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from screener import synthetic
+    from screener.known_answer import synthetic
     from screener.audit import Auditor
     from screener.audit.capture import capture
     from screener.fingerprint import fingerprints

@@ -69,8 +69,8 @@ def idle_footprint(seconds: float, kind: str = "local") -> dict[str, Any]:
     DaemonSet's case: the kubernetes client loaded, the node's pods listed at every probe)."""
     import contextlib
 
-    from screener import lifecycle
-    from screener.stores import apply_event
+    from screener.lifecycle import machine as lifecycle
+    from screener.lifecycle.apply import apply_event
     from screener.stores.local import LocalStore
     from screener.types import Outcome, Verdict
 
@@ -153,8 +153,8 @@ def _latencies(state_of: Callable[[], Optional[str]], reset: Callable[[], None],
 
 
 def latency_local(samples: int, tick_s: float) -> list[float]:
-    from screener import lifecycle
-    from screener.stores import apply_event
+    from screener.lifecycle import machine as lifecycle
+    from screener.lifecycle.apply import apply_event
     from screener.stores.local import LocalStore
     from screener.types import NodeState
 
@@ -200,8 +200,8 @@ def latency_kube(samples: int, tick_s: float) -> list[float]:
 
             def reset() -> None:
                 if label() in ("quarantined", "repair"):
-                    from screener import lifecycle
-                    from screener.stores import apply_event
+                    from screener.lifecycle import machine as lifecycle
+                    from screener.lifecycle.apply import apply_event
                     from screener.stores.kube import KubeStore
                     from screener.types import NodeState
 

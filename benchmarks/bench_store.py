@@ -40,11 +40,12 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 from kubeapi import KubeAPI  # noqa: E402
-from screener import lifecycle  # noqa: E402
-from screener.crosscheck import peer_digests  # noqa: E402
-from screener.stores import apply_event, lemon_counts  # noqa: E402
+from screener.lifecycle import machine as lifecycle  # noqa: E402
+from screener.known_answer.crosscheck import peer_digests  # noqa: E402
+from screener.lifecycle.apply import apply_event
+from screener.lifecycle.records import lemon_counts  # noqa: E402
 from screener.stores import kubeformat as kf  # noqa: E402
-from screener.stores.base import Transition  # noqa: E402
+from screener.lifecycle.records import Transition  # noqa: E402
 from screener.stores.kube import KubeStore  # noqa: E402
 from screener.stores.local import LocalStore  # noqa: E402
 from screener.types import (ANNOTATION_DIGESTS, ANNOTATION_HISTORY, ANNOTATION_VERDICT,  # noqa: E402

@@ -68,6 +68,12 @@ class NodeState(str, enum.Enum):
                              f"{', '.join(s.value for s in cls)}") from None
 
 
+# States that take a node out of service and count against the quarantine budget.
+BUDGET_STATES = frozenset({NodeState.QUARANTINED, NodeState.REPAIR})
+# States in which a node takes no new work: tainted NoSchedule, and not screened while idle.
+NO_WORK_STATES = frozenset({NodeState.SUSPECT, NodeState.QUARANTINED, NodeState.REPAIR})
+
+
 class Outcome(str, enum.Enum):
     """The result of a known-answer screen of one device (or of a whole run)."""
 
@@ -88,6 +94,9 @@ ANNOTATION_DIGESTS = "screener.io/kat-digests"
 
 ALARM_DIR_ENV = "SCREENER_ALARM_DIR"
 DEFAULT_ALARM_DIR = "/var/run/screener/alarms"
+# The longest alarm_id (and instance id) the daemon's intake accepts: the Kubernetes store keeps 160
+# characters of a string in history, and the writer cuts its ids to fit.
+MAX_ID_LEN = 128
 NODE_NAME_ENV = "NODE_NAME"
 EXIT_DIR_ENV = "SCREENER_EXIT_DIR"  # set by screener launch: run_guarded records its exit code there
 
@@ -103,7 +112,7 @@ ALARM_CHECK_REASONS: Mapping[str, str] = {
     "nonfinite_reduced": REASON_NONFINITE,
     "ring_replay": REASON_RING_REPLAY,
     "weights": REASON_WEIGHTS,
-    "straggler": "Straggler",  # screener.straggler: a rank slower than its peers for w steps
+    "straggler": "Straggler",  # screener.audit.straggler: a rank slower than its peers for w steps
     # screener.audit.run_guarded: a worker ended with 75 on a hardware error (ECC, uncorrectable)
     "hardware_error": "HardwareErrorInJob",
 }

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from screener import faults, synthetic
+from screener.known_answer import faults
+from screener.known_answer import synthetic
 from screener.audit import Auditor, NumericFailure, SDCAlarm, rollback_target
 from screener.fingerprint import digest, fingerprints
 

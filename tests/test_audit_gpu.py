@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from screener import faults, synthetic
+from screener.known_answer import faults
+from screener.known_answer import synthetic
 from screener.audit import Auditor, SDCAlarm
 from screener.audit.hooks import GradientRecorder
 from screener.audit.ring import replay

@@ -16,7 +16,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from screener import faults, synthetic
+from screener.known_answer import faults
+from screener.known_answer import synthetic
 from screener.audit import Auditor, SDCAlarm, rollback_target
 from screener.audit.hooks import GradientRecorder
 from screener.audit.ring import replay

@@ -27,7 +27,7 @@ import pytest
 
 from kubeapi import KubeAPI
 from screener.stores.local import LocalStore
-from screener.stores.base import Transition
+from screener.lifecycle.records import Transition
 from screener.types import LABEL_STATE, NodeState
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +38,7 @@ NAMESPACE = "screener-system"
 
 WORKER = textwrap.dedent("""
     import json, sys, threading, time
-    from screener.stores import apply_event
+    from screener.lifecycle.apply import apply_event
     from screener.stores.local import LocalStore
     from screener.types import Outcome, Verdict
 

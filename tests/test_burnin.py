@@ -11,7 +11,9 @@ from pathlib import Path
 import click
 import pytest
 
-from screener import burnin, golden, kat
+from screener.agent import burnin
+from screener.known_answer import golden
+from screener.known_answer import kat
 from screener.commands.kat import parse_duration
 from screener.types import ExitCode, Outcome
 

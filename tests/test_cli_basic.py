@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from screener.platform import signature
+from screener.known_answer.platform import signature
 
 
 def screener(*args, cwd=None):

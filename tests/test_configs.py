@@ -1,4 +1,4 @@
-"""screener.configs.from_mapping: the one strict builder of frozen config dataclasses."""
+"""screener.settings.strict.from_mapping: the one strict builder of frozen config dataclasses."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from screener import configs
+from screener.settings import strict as configs
 from screener.errors import ConfigError
 from screener.types import ExitCode
 

@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
-from screener import correlate as corr
+from screener.remediation import correlate as corr
 from screener.cli import main
 from screener.errors import BadInputError, ExternalServiceError
 from screener.types import Severity

@@ -15,13 +15,13 @@ from typing import Any, Callable, Optional
 import pytest
 
 from fakes.fake_nvml import FakeNvml, h100
-from screener.config import DaemonConfig
-from screener.daemon import Daemon
-from screener.health.config import ProbeConfig
+from screener.settings.daemon import DaemonConfig
+from screener.agent.daemon import Daemon
+from screener.settings.health import ProbeConfig
 from screener.health.nvml import NvmlAdapter
 from screener.health.probes import run_probes
-from screener.metrics import DaemonMetrics
-from screener.screening import LocalTaint, ScreenOutcome, ScreenRequest
+from screener.agent.metrics import DaemonMetrics
+from screener.agent.screening import LocalTaint, ScreenOutcome, ScreenRequest
 from screener.stores.local import LocalStore
 from screener.types import (AlarmRecord, ExitCode, NodeState, Outcome, SuspectNode, Verdict)
 
@@ -392,7 +392,7 @@ def test_config_rejects_unknown_keys_and_reads_env(tmp_path):
 def test_the_hyperpod_table_is_validated_at_load_even_with_the_feature_off(tmp_path):
     # Issue 15: a misspelt key used to load silently and leave the deep check unwired.
     from screener.errors import ConfigError
-    from screener.hyperpod_config import HyperPodConfig
+    from screener.settings.hyperpod import HyperPodConfig
 
     f = tmp_path / "d.toml"
     f.write_text('[hyperpod]\ndeep_check_on_quarantin = true\nregoin = "us-west-2"\n')

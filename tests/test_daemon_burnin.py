@@ -10,15 +10,15 @@ import pytest
 
 from fakes.fake_nvml import FakeNvml, h100
 from kubeapi import KubeAPI
-from screener.burnin import BurninPlan, BurninRequirement, run_burnin, run_full_burnin
-from screener.health.config import ProbeConfig
+from screener.agent.burnin import BurninPlan, BurninRequirement, run_burnin, run_full_burnin
+from screener.settings.health import ProbeConfig
 from screener.health.probes import run_probes
-from screener.hbm import stuck_bit
-from screener.kat import DeviceFault, record_goldens
+from screener.health.hbm import stuck_bit
+from screener.known_answer.kat import DeviceFault, record_goldens
 from screener.stores.kube import KubeStore
 from screener.stores.local import LocalStore
 from screener.types import ANNOTATION_DIGESTS, ExitCode, NodeState, Outcome
-from screener.workloads import select_jobs
+from screener.known_answer.workloads import select_jobs
 
 JOB = """name = "tiny-gemm"
 version = 1
@@ -166,7 +166,7 @@ def test_digests_that_disagree_with_the_fleet_make_the_node_suspect(kat_env, tmp
 
 
 def test_only_passing_devices_publish_digests_by_platform():
-    from screener.crosscheck import platform_digests
+    from screener.known_answer.crosscheck import platform_digests
     from screener.types import Verdict
 
     verdicts = [Verdict("cuda:0", Outcome.PASS, platform_hash="p1"),
@@ -182,7 +182,7 @@ def test_the_daemon_runs_the_full_burnin_itself_in_its_worker(kat_env, tmp_path)
     """A new node, idle: the daemon's real worker process runs the burn-in's device stages (the
     known-answer jobs for the configured seconds, at least twice, and the HBM test), the daemon
     adds the probes before and after, and the node becomes healthy with a verdict saying so."""
-    from screener.screening import KatOptions, KatProcessRunner
+    from screener.agent.screening import KatOptions, KatProcessRunner
     from test_daemon import DaemonRig
 
     kat, _ = kat_env

@@ -19,12 +19,12 @@ from typing import Any, Callable
 import pytest
 
 from fakes.fake_nvml import FakeNvml, h100
-from screener.config import DaemonConfig
-from screener.daemon import Daemon
-from screener.health.config import ProbeConfig
+from screener.settings.daemon import DaemonConfig
+from screener.agent.daemon import Daemon
+from screener.settings.health import ProbeConfig
 from screener.health.nvml import NvmlAdapter
 from screener.health.probes import DeferredKernelLogReader, run_probes
-from screener.screening import LocalTaint
+from screener.agent.screening import LocalTaint
 from screener.stores.local import LocalStore
 from screener.types import NodeState
 from test_daemon import FakeClock, ScriptedRunner

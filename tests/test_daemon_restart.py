@@ -15,9 +15,9 @@ from pathlib import Path
 
 import psutil
 
-from screener.config import DaemonConfig
-from screener.daemon import Daemon
-from screener.screening import LocalTaint, reap_stale_screens
+from screener.settings.daemon import DaemonConfig
+from screener.agent.daemon import Daemon
+from screener.agent.screening import LocalTaint, reap_stale_screens
 from screener.stores.local import LocalStore
 from test_daemon import FakeClock, ScriptedRunner
 

@@ -7,8 +7,9 @@ finding from the real rules, the transition from the real lifecycle and store.
 from __future__ import annotations
 
 from fakes.fake_nvml import FakeNvml, h100
-from screener.lifecycle import HumanCommand
-from screener.stores import apply_event, lemon_counts
+from screener.lifecycle.machine import HumanCommand
+from screener.lifecycle.apply import apply_event
+from screener.lifecycle.records import lemon_counts
 from screener.stores.local import LocalStore
 from screener.types import AlarmRecord, NodeState, Outcome, SuspectNode
 from test_daemon import DaemonRig, ScriptedRunner, outcome

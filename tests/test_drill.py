@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from kubeapi import KubeAPI
 from screener.cli import main
-from screener.drill import DrillOptions, daemon_passes
+from screener.agent.drill import DrillOptions, daemon_passes
 from screener.stores.kube import KubeStore
 from screener.stores.local import LocalStore
 from screener.types import CONDITION_TYPE, LABEL_STATE, TAINT_STATE_KEY

@@ -62,8 +62,8 @@ def _sparse(path: Path, size: int) -> None:
 # --- golden records ----------------------------------------------------------------------------
 
 def _golden_record() -> dict[str, Any]:
-    from screener import golden as g
-    from screener import workloads as w
+    from screener.known_answer import golden as g
+    from screener.known_answer import workloads as w
 
     spec = next(s for s in w.load_jobs(ROOT / "jobs") if s.name == "gemm-fp32")
     steps = tuple(w.Step(i, f"link {i}", None, (("product[192x256x256]", (i + 1, -i - 7)),))
@@ -76,7 +76,7 @@ def _golden_record() -> dict[str, Any]:
 
 def _resealed(edit: Callable[[dict], None]) -> Callable[[Path], None]:
     def write(path: Path) -> None:
-        from screener import golden as g
+        from screener.known_answer import golden as g
 
         d = _golden_record()
         edit(d)
@@ -252,7 +252,7 @@ ALARM_CASES: dict[str, Callable[[Path], None]] = {
 @pytest.mark.parametrize("case", sorted(ALARM_CASES))
 def test_alarm_intake_moves_hostile_files_aside_and_goes_on(case, tmp_path):
     from screener.audit.alarms import write_alarm_file
-    from screener.intake import AlarmIntake
+    from screener.agent.intake import AlarmIntake
     from screener.types import AlarmRecord
 
     alarms = tmp_path / "alarms"
@@ -306,7 +306,7 @@ CONFIG_CASES: dict[str, tuple[str, Callable[[Path], None]]] = {
 
 @pytest.mark.parametrize("case", sorted(CONFIG_CASES))
 def test_daemon_config_refuses(case, tmp_path):
-    from screener.config import DaemonConfig
+    from screener.settings.daemon import DaemonConfig
     from screener.errors import ConfigError
 
     suffix, write = CONFIG_CASES[case]
@@ -325,7 +325,7 @@ def test_daemon_config_refuses(case, tmp_path):
                                        ("SCREENER_DAEMON_IDLE_WINDOW_S", "NaN"),
                                        ("SCREENER_DAEMON_METRICS_PORT", "9" * 5000)])
 def test_daemon_config_from_the_environment_refuses(var, value):
-    from screener.config import DaemonConfig
+    from screener.settings.daemon import DaemonConfig
     from screener.errors import ConfigError
 
     with pytest.raises(ConfigError, match=var):
@@ -333,7 +333,7 @@ def test_daemon_config_from_the_environment_refuses(var, value):
 
 
 def test_config_dev_zero_is_refused_not_read_forever():
-    from screener.config import read_file
+    from screener.settings.daemon import read_file
     from screener.errors import ConfigError
 
     with pytest.raises(ConfigError, match="not a regular file"):

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from screener import golden as g
-from screener import workloads as w
+from screener.known_answer import golden as g
+from screener.known_answer import workloads as w
 from screener.determinism import preserved
 from screener.errors import GoldenError
 
@@ -178,7 +178,7 @@ def test_committed_goldens_verify():
 
 def test_cli_verify_and_kat_run_reject_a_corrupted_golden(spec_and_result, tmp_path):
     spec, result = spec_and_result
-    from screener.kat import local_platform
+    from screener.known_answer.kat import local_platform
 
     phash = local_platform("cpu").numeric_hash
     _, path = _record(spec, result, tmp_path, phash=phash)

@@ -19,10 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from screener import golden, kat
-from screener import workloads as w
+from screener.known_answer import golden
+from screener.known_answer import kat
+from screener.known_answer import workloads as w
 from screener.determinism import preserved
-from screener.faults import FaultSpec, inject
+from screener.known_answer.faults import FaultSpec, inject
 from screener.types import ExitCode, Outcome
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from screener.health.config import ProbeConfig
+from screener.settings.health import ProbeConfig
 from screener.health.nvml import NvmlAdapter
 from screener.health.probes import run_probes
 

@@ -14,7 +14,7 @@ import pytest
 
 from fakes.fake_nvml import FakeNvml, h100
 from screener.errors import ConfigError
-from screener.health.config import ProbeConfig
+from screener.settings.health import ProbeConfig
 from screener.health.kmsg import KernelLogReader
 from screener.health.nvml import NvmlAdapter
 from screener.health.probes import run_probes

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from screener.health.config import ProbeConfig
+from screener.settings.health import ProbeConfig
 from screener.health.rules import (NO_DRIVER_MESSAGE, evaluate, host_rules, worst_severity,
                                    xid_rules)
 from screener.health.snapshot import (DiskUsage, EccCounts, GpuProcess, GpuSnapshot, HostSnapshot,

@@ -19,10 +19,10 @@ import pytest
 from botocore.stub import Stubber
 from click.testing import CliRunner
 
-from screener import hyperpod as hp
+from screener.remediation import hyperpod as hp
 from screener.cli import main
 from screener.errors import BadInputError, ConfigError, ExternalServiceError
-from screener.stores.base import Transition
+from screener.lifecycle.records import Transition
 from screener.stores.local import LocalStore
 from screener.types import NodeState
 

@@ -9,7 +9,7 @@ import os
 from fakes.fake_nvml import FakeNvml, h100
 from kubeapi import KubeAPI
 from screener.health.nvml import NvmlAdapter
-from screener.idle import IdleTracker, observe, own_pids
+from screener.health.idle import IdleTracker, observe, own_pids
 from screener.stores.kube import KubeStore
 
 

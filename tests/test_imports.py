@@ -51,11 +51,11 @@ def _importers(name: str) -> set[str]:
 
 @pytest.mark.parametrize("client,allowed", [
     ("kubernetes", {"screener/stores/kube.py"}),
-    ("boto3", {"screener/hyperpod.py"}),
-    ("botocore", {"screener/hyperpod.py"}),
+    ("boto3", {"screener/remediation/hyperpod.py"}),
+    ("botocore", {"screener/remediation/hyperpod.py"}),
     ("pynvml", {"screener/health/nvml.py"}),
-    ("prometheus_client", {"screener/metrics.py"}),
-    ("safetensors", {"screener/checkpoint.py"}),
+    ("prometheus_client", {"screener/agent/metrics.py"}),
+    ("safetensors", {"screener/tensorfile.py"}),
 ])
 def test_each_vendor_client_has_one_importer(client, allowed):
     assert _importers(client) <= allowed

@@ -9,9 +9,9 @@ import shutil
 
 import pytest
 
-from screener import lifecycle
-from screener.intake import AlarmIntake, applied_in_history
-from screener.stores import apply_event
+from screener.lifecycle import machine as lifecycle
+from screener.agent.intake import AlarmIntake, applied_in_history
+from screener.lifecycle.apply import apply_event
 from screener.stores.local import LocalStore
 from screener.types import AlarmRecord, NodeState, SuspectNode
 
@@ -153,7 +153,7 @@ def test_malformed_files_are_rejected_with_one_log_line_and_the_rest_applied(tmp
     (alarms / "bad-check.json").write_text(json.dumps(bad_check))
     (alarms / ".in-progress.tmp").write_text("partial")  # a write under way: not touched
     drop(alarms, alarm("good"))
-    with caplog.at_level(logging.WARNING, logger="screener.intake"):
+    with caplog.at_level(logging.WARNING, logger="screener.agent.intake"):
         result = make_intake(alarms, store, clock).run()
     assert sorted(result.rejected) == ["bad-check.json", "garbage.json", "wrong.json"]
     assert [r.alarm_id for r in result.applied] == ["good"]
@@ -267,7 +267,7 @@ def test_hostile_files_are_rejected_and_the_pass_goes_on(tmp_path, store, caplog
     apply_event(store, NODE, lifecycle.NodeSeen(), now=clock())
     _raw(alarms, name, content)
     drop(alarms, alarm("good", settled=False))
-    with caplog.at_level(logging.WARNING, logger="screener.intake"):
+    with caplog.at_level(logging.WARNING, logger="screener.agent.intake"):
         result = make_intake(alarms, store, clock).run()
     assert result.rejected == [name], result
     assert [r.alarm_id for r in result.applied] == ["good"]
@@ -315,7 +315,7 @@ def test_regular_files_squatting_on_the_aside_folders_do_not_block_intake(tmp_pa
 
 def test_a_file_that_cannot_be_moved_is_skipped_remembered_and_shows_in_readiness(tmp_path,
                                                                                  store, caplog):
-    from screener.metrics import DaemonMetrics
+    from screener.agent.metrics import DaemonMetrics
 
     clock = Clock()
     alarms = tmp_path / "alarms"
@@ -327,7 +327,7 @@ def test_a_file_that_cannot_be_moved_is_skipped_remembered_and_shows_in_readines
     intake = make_intake(alarms, store, clock)
     metrics = DaemonMetrics(NODE)
     metrics.ready = True
-    with caplog.at_level(logging.ERROR, logger="screener.intake"):
+    with caplog.at_level(logging.ERROR, logger="screener.agent.intake"):
         first = intake.run()
         second = intake.run()
     assert first.stuck == ["bad.json"] and second.stuck == ["bad.json"]
@@ -359,7 +359,7 @@ def test_alarms_our_writers_make_for_long_job_and_node_names_are_taken(tmp_path,
     the intake accepts, however long the job's and the node's names are."""
     from screener.audit.alarms import SDCAlarm, node_records, write_alarm_file
     from screener.audit.guard import hardware_error_alarm
-    from screener.straggler import StepResult, Straggler, straggler_alarm
+    from screener.audit.straggler import StepResult, Straggler, straggler_alarm
 
     node = "ip-172-31-100-200.ap-southeast-2.compute.internal." + "gpu-pool-a" * 6
     job = "llm-pretrain-70b-stage2-" + "run" * 13

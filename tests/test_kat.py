@@ -12,11 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from screener import faults, golden, kat
-from screener import workloads as w
+from screener.known_answer import faults
+from screener.known_answer import golden
+from screener.known_answer import kat
+from screener.known_answer import workloads as w
 from screener.determinism import preserved
 from screener.errors import BadInputError, NondeterminismError, ScreenerError
-from screener.faults import FaultSpec, inject
+from screener.known_answer.faults import FaultSpec, inject
 from screener.types import ExitCode, Outcome
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -413,7 +415,7 @@ def test_a_job_too_big_for_the_device_is_bad_input_before_allocating(tmp_path):
 def test_an_error_of_ours_in_the_child_is_reported_not_a_crash(request_, kind):
     """What escapes child_main (a bad request, a bug of ours) must reach the parent as an error
     event; a child that merely died would be judged a crash, i.e. a hardware verdict."""
-    r = subprocess.run([sys.executable, "-m", "screener.kat", "child"], input=json.dumps(request_),
+    r = subprocess.run([sys.executable, "-m", "screener.known_answer.kat", "child"], input=json.dumps(request_),
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     events = [json.loads(line[len(kat.PROTOCOL_PREFIX):]) for line in r.stdout.splitlines()

@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from screener.errors import ConfigError, TransitionRefused
-from screener.lifecycle import (DEFAULT_POLICY, TRANSITIONS, Action, FleetCounts, Findings,
+from screener.lifecycle.machine import (DEFAULT_POLICY, TRANSITIONS, Action, FleetCounts, Findings,
                                 HumanCommand, KatScreen, LifecyclePolicy, NodeSeen, Remediation,
                                 Trigger, camel, decide, earned_healthy)
-from screener.stores.base import Transition
+from screener.lifecycle.records import Transition
 from screener.types import (AlarmRecord, Finding, NodeState, Outcome, Severity, SuspectNode,
                             Verdict)
 
@@ -405,7 +405,7 @@ def test_a_pending_remap_keeps_the_node_out_with_reason_reset_required():
 
 
 def test_local_serials_keep_only_this_nodes_gpus():
-    from screener.lifecycle import local_serials
+    from screener.lifecycle.machine import local_serials
 
     ev = local_serials({"serial": "S-mine", "gpu_serials": ["S-other", "S-mine"], "index": 0},
                        ["S-mine", "S-2"])
@@ -415,7 +415,7 @@ def test_local_serials_keep_only_this_nodes_gpus():
 
 
 def test_adoption_makes_a_new_node_healthy_but_unscreened_and_only_a_new_one():
-    from screener.lifecycle import Adopted
+    from screener.lifecycle.machine import Adopted
 
     d = decide("n1", None, Adopted("3 GPU pods running"), now=NOW)
     assert [t.to_state for t in d.transitions] == [S.HEALTHY]

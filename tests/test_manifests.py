@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from screener.config import DaemonConfig
+from screener.settings.daemon import DaemonConfig
 from screener.types import (DEFAULT_ALARM_DIR, LABEL_STATE, TAINT_SCREENING_KEY, TAINT_STATE_KEY)
 
 if sys.version_info >= (3, 11):
@@ -179,7 +179,7 @@ def test_commands_in_the_manifests_and_the_dockerfile_exist():
         if o["kind"] not in ("DaemonSet", "Job") or o["metadata"]["name"] == "llm-train":
             continue
         c = o["spec"]["template"]["spec"]["containers"][0]
-        if c.get("command"):  # torchrun -m screener.peer, checked above
+        if c.get("command"):  # torchrun -m screener.known_answer.peer_training, checked above
             continue
         assert c["args"][0] in COMMANDS, f"{o['metadata']['name']}: unknown command {c['args'][0]}"
 

@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from screener.metrics import MetricsServer
+from screener.agent.metrics import MetricsServer
 from test_daemon import NODE, DaemonRig, ScriptedRunner, outcome
 from screener.types import Outcome
 
@@ -133,7 +133,7 @@ def test_idle_connections_cannot_starve_the_server(tmp_path):
     import socket
     import time
 
-    from screener.metrics import DaemonMetrics
+    from screener.agent.metrics import DaemonMetrics
 
     metrics = DaemonMetrics(NODE)
     server = MetricsServer(metrics, "127.0.0.1", 0, max_connections=16, read_timeout_s=30).start()
@@ -160,7 +160,7 @@ def test_a_silent_client_is_dropped_after_the_read_timeout():
     import socket
     import time
 
-    from screener.metrics import DaemonMetrics
+    from screener.agent.metrics import DaemonMetrics
 
     server = MetricsServer(DaemonMetrics(NODE), "127.0.0.1", 0, read_timeout_s=0.5).start()
     try:
@@ -174,7 +174,7 @@ def test_a_silent_client_is_dropped_after_the_read_timeout():
 
 
 def test_readiness_says_when_the_intake_is_stalled():
-    from screener.metrics import DaemonMetrics
+    from screener.agent.metrics import DaemonMetrics
 
     metrics = DaemonMetrics(NODE)
     server = MetricsServer(metrics, "127.0.0.1", 0).start()

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from screener.metrics import DaemonMetrics
+from screener.agent.metrics import DaemonMetrics
 from screener.types import NodeState, Outcome
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import torch
 
-from screener import golden, kat
-from screener.platform import Platform, cpu_math_paths, sibling_key, signature
+from screener.known_answer import golden
+from screener.known_answer import kat
+from screener.known_answer.platform import Platform, cpu_math_paths, sibling_key, signature
 
 ROOT = Path(__file__).resolve().parents[1]
 

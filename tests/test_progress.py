@@ -1,4 +1,4 @@
-"""screener.progress: the bar on a terminal, the timed lines elsewhere (text and JSON), the
+"""screener.output.progress: the bar on a terminal, the timed lines elsewhere (text and JSON), the
 known-answer events it is fed, and the HBM stage's per-pattern steps."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import io
 import json
 import time
 
-from screener.hbm import hbm_test
-from screener.progress import BAR_WIDTH, JobEvents, Progress
+from screener.health.hbm import hbm_test
+from screener.output.progress import BAR_WIDTH, JobEvents, Progress
 
 
 class Clock:
@@ -86,7 +86,7 @@ def test_disabled_writes_nothing():
 
 
 def test_job_events_count_results_and_note_timeouts():
-    # the events screener.kat.execute hands its progress callback (a child's, with "device")
+    # the events screener.known_answer.kat.execute hands its progress callback (a child's, with "device")
     out, clock = io.StringIO(), Clock()
     p = Progress(out, tty=False, clock=clock)
     feed = JobEvents(p, "known-answer", total=2)

@@ -90,7 +90,7 @@ def exercise_daemon(api: KubeAPI, tmp_path: Path) -> None:
 
 
 def exercise_burnin_crosscheck(api: KubeAPI) -> None:
-    from screener.crosscheck import peer_digests
+    from screener.known_answer.crosscheck import peer_digests
 
     store = KubeStore(api.api_client(), sleep=lambda s: None, instance="rbac")
     try:
@@ -102,8 +102,8 @@ def exercise_burnin_crosscheck(api: KubeAPI) -> None:
 def exercise_budget_and_lemons(api: KubeAPI) -> None:
     """A confirmed failure naming a GPU serial (the per-GPU lemon rule looks the serial up), a
     node held by the budget and released when a slot frees, and the hourly recount."""
-    from screener import lifecycle
-    from screener.stores import apply_event, reconsider_held
+    from screener.lifecycle import machine as lifecycle
+    from screener.lifecycle.apply import apply_event, reconsider_held
     from screener.types import NodeState, Verdict
 
     store = KubeStore(api.api_client(), sleep=lambda s: None, instance="rbac", recount_s=0.0)

@@ -15,10 +15,10 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from screener import recovery
+from screener.remediation import plan as recovery
 from screener.cli import main
 from screener.errors import BadInputError
-from screener.stores.base import Transition
+from screener.lifecycle.records import Transition
 from screener.stores.local import LocalStore
 from screener.types import NodeState as S
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from screener.report import burnin_html, fleet_data, fleet_html, load_burnin_report
-from screener.stores.base import Transition
+from screener.output.report import burnin_html, fleet_data, fleet_html, load_burnin_report
+from screener.lifecycle.records import Transition
 from screener.stores.local import LocalStore
 from screener.types import NodeState
 
@@ -148,7 +148,7 @@ def test_fleet_report_reads_the_store(tmp_path):
     for name, p in plots.items():
         assert p["declared"] == len(p["marks"]) > 0, name
     # States: one bar per state, widths by count (3 healthy, 1 suspect, 1 repair, 0 others).
-    from screener.report import STATE_COLORS
+    from screener.output.report import STATE_COLORS
     widths = dict(zip(STATE_COLORS, (float(a["width"]) for _, a in plots["states"]["marks"])))
     assert widths["burnin"] == widths["quarantined"] == 0
     assert widths["healthy"] == 3 * widths["suspect"] == 3 * widths["repair"] > 0

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from screener.report import burnin_html, fleet_data, fleet_html, load_burnin_report
+from screener.output.report import burnin_html, fleet_data, fleet_html, load_burnin_report
 from screener.stores.local import LocalStore
 
 from test_report import BURNIN, NOW, _fleet_store

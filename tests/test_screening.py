@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from kubeapi import KubeAPI
-from screener.screening import KatOptions, KatProcessRunner, ScreeningWindow, ScreenRequest
+from screener.agent.screening import KatOptions, KatProcessRunner, ScreeningWindow, ScreenRequest
 from screener.stores.kube import KubeStore
 from screener.types import (ANNOTATION_DIGESTS, LABEL_STATE, TAINT_SCREENING_KEY, ExitCode, NodeState,
                             Outcome)
@@ -191,17 +191,17 @@ def test_the_real_known_answer_runner_is_killed_at_once_when_a_job_lands(tmp_pat
         kids = []
         for k in me.children(recursive=True):
             try:
-                if any(m in " ".join(k.cmdline()) for m in ("screener.kat", "screener.screening")):
+                if any(m in " ".join(k.cmdline()) for m in ("screener.known_answer.kat", "screener.agent.screening")):
                     kids.append(k)
             except psutil.Error:
                 pass
         # Land the job once the per-device child (the worker's child) is running.
-        if any("screener.kat" in " ".join(k.cmdline()) for k in kids if k.is_running()):
+        if any("screener.known_answer.kat" in " ".join(k.cmdline()) for k in kids if k.is_running()):
             family.extend(kids)
             return "pod ml/trainer-0 (GPU pod)"
         return None
 
-    from screener.screening import LocalTaint
+    from screener.agent.screening import LocalTaint
 
     taint = LocalTaint(tmp_path / "taint")
     window = ScreeningWindow(NODE, taint, runner, job_check, time_cap_s=60.0, poll_s=0.1)

@@ -14,8 +14,9 @@ from click.testing import CliRunner
 
 from kubeapi import KubeAPI, json_patch, merge_patch, strategic_merge_patch
 from screener.cli import main
-from screener.lifecycle import NodeSeen, decide
-from screener.stores import StaleTransition, Transition, apply_event
+from screener.lifecycle.machine import NodeSeen, decide
+from screener.lifecycle.apply import apply_event
+from screener.lifecycle.records import StaleTransition, Transition
 from screener.stores.kube import (KubeApiError, KubeStore, NodeNotFound, RetryPolicy,
                                   TransientKubeError)
 from screener.stores.spool import Spool
@@ -332,7 +333,7 @@ def test_cli_against_the_api(api, tmp_path):
 
 
 def test_kubernetes_is_imported_only_by_the_kube_store():
-    code = ("import sys, screener.lifecycle, screener.stores, screener.stores.local, "
+    code = ("import sys, screener.lifecycle.machine, screener.stores, screener.stores.local, "
             "screener.stores.spool, screener.commands.node; "
             "print([m for m in sys.modules if m.split('.')[0] == 'kubernetes'])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

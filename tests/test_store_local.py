@@ -17,8 +17,10 @@ from click.testing import CliRunner
 
 from screener.cli import main
 from screener.errors import BadInputError
-from screener.lifecycle import NodeSeen
-from screener.stores import StaleTransition, Transition, apply_event, open_store
+from screener.lifecycle.machine import NodeSeen
+from screener.lifecycle.apply import apply_event
+from screener.lifecycle.records import StaleTransition, Transition
+from screener.stores import open_store
 from screener.stores.local import SCHEMA_VERSION, LocalStore
 from screener.types import AlarmRecord, NodeState, SuspectNode
 
@@ -112,7 +114,7 @@ def test_default_path_follows_xdg(tmp_path, monkeypatch):
 WRITER = textwrap.dedent("""
     import sys, time
     from screener.stores.local import LocalStore
-    from screener.stores.base import Transition
+    from screener.lifecycle.records import Transition
     from screener.types import NodeState as S
     CYCLE = [S.BURNIN, S.HEALTHY, S.SUSPECT, S.QUARANTINED]
     store = LocalStore(sys.argv[1])
@@ -236,8 +238,8 @@ def healthy_fleet(store, names, when=NOW - 1000):
 
 
 def test_a_node_held_by_the_budget_takes_the_slot_when_it_frees(tmp_path):
-    from screener.lifecycle import Remediation
-    from screener.stores import reconsider_held
+    from screener.lifecycle.machine import Remediation
+    from screener.lifecycle.apply import reconsider_held
 
     store = LocalStore(tmp_path / "budget.db")
     healthy_fleet(store, [f"n{k}" for k in range(10)])  # budget: 1 node
@@ -263,8 +265,8 @@ def test_a_node_held_by_the_budget_takes_the_slot_when_it_frees(tmp_path):
 
 def test_a_suspect_node_whose_confirming_screen_fails_past_the_budget_is_held_then_released(
         tmp_path):
-    from screener.lifecycle import KatScreen, Remediation
-    from screener.stores import reconsider_held
+    from screener.lifecycle.machine import KatScreen, Remediation
+    from screener.lifecycle.apply import reconsider_held
     from screener.types import Outcome, Verdict
 
     store = LocalStore(tmp_path / "held.db")
@@ -307,7 +309,8 @@ def test_the_gpu_lemon_rule_finds_a_serial_without_reading_the_fleet(tmp_path):
 FULL_DISK = textwrap.dedent("""
     import json, os, subprocess, sys
     from screener.stores.local import LocalStore
-    from screener.stores.base import DiskFullError, Transition
+    from screener.lifecycle.records import Transition
+    from screener.stores.base import DiskFullError
     from screener.types import NodeState as S
     d = sys.argv[1]
     db = os.path.join(d, "state.db")

@@ -12,10 +12,10 @@ import json
 import pytest
 
 from kubeapi import KubeAPI
-from screener.lifecycle import NodeSeen, Remediation
-from screener.stores import apply_event, reconsider_held
+from screener.lifecycle.machine import NodeSeen, Remediation
+from screener.lifecycle.apply import apply_event, reconsider_held
 from screener.stores import kubeformat as kf
-from screener.stores.base import Transition
+from screener.lifecycle.records import Transition
 from screener.stores.kube import KubeStore
 from screener.types import ANNOTATION_HISTORY, LABEL_STATE, NodeState, Outcome, Verdict
 
@@ -79,7 +79,7 @@ def test_history_leaves_the_node_and_the_summary_stays_bounded():
     with KubeAPI() as api:
         (name,) = fleet(api, 1)
         store = make_store(api)
-        from screener.lifecycle import HumanCommand
+        from screener.lifecycle.machine import HumanCommand
 
         apply_event(store, name, confirmed("SN-29"), now=NOW)  # healthy -> quarantined
         apply_event(store, name, Remediation(passed=True, evidence={"log": "z" * 4000}), now=NOW + 1)
@@ -165,7 +165,7 @@ def test_the_budget_record_holds_claims_and_recounts_the_fleet():
         assert ledger.fleet == 10 and sorted(ledger.out) == [names[0]]
 
         # A person's quarantine is not limited by the budget but counts in it.
-        from screener.lifecycle import HumanCommand
+        from screener.lifecycle.machine import HumanCommand
         apply_event(store, names[2], HumanCommand(S.QUARANTINED, "smells of smoke"), now=NOW + 2)
         apply_event(store, names[0], Remediation(passed=True), now=NOW + 3)
         ledger = kf.Ledger.from_configmap(api.configmap(NS, kf.BUDGET_CONFIGMAP))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from screener.straggler import (DEFAULT_K, DEFAULT_WINDOW, MAD_TO_SIGMA, StragglerDetector,
+from screener.audit.straggler import (DEFAULT_K, DEFAULT_WINDOW, MAD_TO_SIGMA, StragglerDetector,
                                 straggler_findings, summarize)
 from screener.types import Severity
 
@@ -145,7 +145,7 @@ def _rank_main(rank, store_path, out):
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch.distributed as dist
 
-    from screener.straggler import StragglerDetector, StragglerMonitor
+    from screener.audit.straggler import StragglerDetector, StragglerMonitor
 
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
                             world_size=WORLD)

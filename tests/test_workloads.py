@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from screener import workloads as w
+from screener.known_answer import workloads as w
 from screener.determinism import preserved
 from screener.errors import BadInputError, ConfigError
 from screener.fingerprint import fingerprints
-from screener.synthetic import batch_for
+from screener.known_answer.synthetic import batch_for
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -37,7 +37,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from screener.types import ALARM_DIR_ENV, DEFAULT_ALARM_DIR, AlarmRecord, SuspectNode
+from screener.types import ALARM_DIR_ENV, DEFAULT_ALARM_DIR, MAX_ID_LEN, AlarmRecord, SuspectNode
 
 __all__ = ["SDCAlarm", "NumericFailure", "CHECKS", "alarm_dir", "node_records",
            "write_alarm_file", "write_atomic", "log_json"]
@@ -146,8 +146,7 @@ def _slug(text: str) -> str:
 
 def bounded_alarm_id(*parts: str, unique: str) -> str:
     """`part-part-...-unique`, the parts cut so the whole fits what the daemon's intake accepts
-    (screener.intake.MAX_ID_LEN): a long job or node name must not get the alarm rejected."""
-    from screener.intake import MAX_ID_LEN
+    (MAX_ID_LEN): a long job or node name must not get the alarm rejected."""
 
     head = "-".join(_slug(p) for p in parts)[:max(1, MAX_ID_LEN - len(unique) - 1)]
     return f"{head.strip('._-') or 'x'}-{unique}"

@@ -27,7 +27,7 @@ def platform_cmd(device: str, as_json: bool) -> None:
     cuBLAS, cuDNN; CPU: torch build, dispatch level, MKL and oneDNN code paths, thread count),
     so devices that share it must compute the same bits and share golden records.
     """
-    from screener.kat import local_platform
+    from screener.known_answer.kat import local_platform
 
     p = local_platform(device)
     d = p.to_dict()
@@ -56,7 +56,7 @@ def fingerprint_cmd(path: str, path2: Optional[str], as_json: bool) -> None:
     With two paths, lists the tensors that differ or exist on one side only; exit 0 when every
     tensor is bit-identical, 75 otherwise.
     """
-    from screener.checkpoint import load_tensors
+    from screener.tensorfile import load_tensors
     from screener.fingerprint import digest, fingerprints
 
     def table(p: str) -> dict[str, dict]:

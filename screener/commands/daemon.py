@@ -1,7 +1,7 @@
 """`screener daemon` (the DaemonSet entrypoint) and `screener drill` (an end-to-end fire drill).
 
 Thin wiring: build the configuration, the store, the probes, the screen runner, the metrics
-server and the signal handlers, then hand them to screener.daemon.Daemon (or screener.drill).
+server and the signal handlers, then hand them to screener.agent.daemon.Daemon (or screener.agent.drill).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ log = logging.getLogger("screener.daemon")
 
 def build_daemon(config: Any, *, stop: threading.Event, metrics: Any = None) -> tuple[Any, list[Any]]:
     """The real Daemon for a config, and the things to close when it stops."""
-    from screener.daemon import Daemon
+    from screener.agent.daemon import Daemon
     from screener.health.nvml import NvmlAdapter
     from screener.health.probes import DeferredKernelLogReader, run_probes
-    from screener.idle import own_pids
-    from screener.screening import KatOptions, KatProcessRunner, LocalTaint, reap_stale_screens
+    from screener.health.idle import own_pids
+    from screener.agent.screening import KatOptions, KatProcessRunner, LocalTaint, reap_stale_screens
     from screener.stores import default_state_dir, open_store
 
     closers: list[Any] = []
@@ -74,7 +74,7 @@ def build_daemon(config: Any, *, stop: threading.Event, metrics: Any = None) -> 
                               work_dir=work_dir)
     kwargs["reap"] = lambda: reap_stale_screens(work_dir)
     if config.hyperpod.deep_check_on_quarantine:
-        from screener import hyperpod
+        from screener.remediation import hyperpod
 
         hp = config.hyperpod
         client = hyperpod.make_client(hp.region, endpoint_url=hp.endpoint_url,
@@ -133,9 +133,9 @@ def daemon_cmd(config_path: Optional[str], once: bool, node: Optional[str],
 
     Without a cluster configured it keeps node states in the local SQLite store.
     """
-    from screener.config import DaemonConfig
-    from screener.daemon import setup_json_logging
-    from screener.metrics import DaemonMetrics, MetricsServer
+    from screener.settings.daemon import DaemonConfig
+    from screener.agent.daemon import setup_json_logging
+    from screener.agent.metrics import DaemonMetrics, MetricsServer
 
     setup_json_logging(getattr(logging, log_level.upper()))
     config = DaemonConfig.load(config_path, overrides={
@@ -231,7 +231,7 @@ def drill_cmd(workdir: Optional[str], kubeconfig: Optional[str], nodes: tuple[st
     """
     import tempfile
 
-    from screener.drill import DEFAULT_NODES, DrillOptions, run_drill, with_nodes
+    from screener.agent.drill import DEFAULT_NODES, DrillOptions, run_drill, with_nodes
 
     if kubeconfig and not nodes:
         raise click.UsageError("with --kubeconfig, name the three real nodes with --node")
@@ -241,7 +241,7 @@ def drill_cmd(workdir: Optional[str], kubeconfig: Optional[str], nodes: tuple[st
     audit_log = logging.getLogger("screener.audit")
     saved_level = audit_log.level
     audit_log.setLevel(logging.ERROR)
-    from screener.progress import HEARTBEAT_S, Progress
+    from screener.output.progress import HEARTBEAT_S, Progress
 
     # a line per stage, timed, and a heartbeat while the training runs
     prog = Progress(sys.stderr, json_lines=as_json, prefix="drill", heartbeat_s=HEARTBEAT_S)

@@ -1,6 +1,6 @@
 """`screener kat`, `screener golden` and `screener burnin`: known-answer screening from the shell.
 
-Thin wrappers: parse options, call screener.kat / screener.golden / screener.burnin, print a table
+Thin wrappers: parse options, call screener.known_answer.kat / screener.known_answer.golden / screener.agent.burnin, print a table
 (or JSON with --json) on stdout, logs and progress on stderr, and exit with the contract's code.
 """
 
@@ -27,7 +27,7 @@ _INJECT_HELP = ("Inject a fault in a device's child, to prove the screen catches
 
 
 def _faults(specs: Sequence[str], devices: Sequence[str]) -> dict[str, list[Any]]:
-    from screener.kat import parse_fault
+    from screener.known_answer.kat import parse_fault
 
     out: dict[str, list[Any]] = {}
     for text in specs:
@@ -38,9 +38,9 @@ def _faults(specs: Sequence[str], devices: Sequence[str]) -> dict[str, list[Any]
 
 
 def _progress(total: Optional[int], stage: str, as_json: bool = False) -> Any:
-    """The known-answer runs' progress on stderr (screener.progress): a bar on a terminal, else
+    """The known-answer runs' progress on stderr (screener.output.progress): a bar on a terminal, else
     a line per finished job run with the elapsed time (JSON lines with --json)."""
-    from screener.progress import HEARTBEAT_S, JobEvents, Progress
+    from screener.output.progress import HEARTBEAT_S, JobEvents, Progress
 
     return JobEvents(Progress(sys.stderr, json_lines=as_json, heartbeat_s=HEARTBEAT_S), stage,
                      total)
@@ -89,7 +89,7 @@ def kat_run(jobs: tuple[str, ...], devices: tuple[str, ...], golden_dir: Optiona
     Exit: 0 pass, 75 a device is suspect, 3 inconclusive, 2 bad input (e.g. a broken golden
     file), 1 the screener failed (e.g. a job that is nondeterministic on every device).
     """
-    from screener.kat import format_verdicts, resolve_devices, resolve_jobs, run_screen
+    from screener.known_answer.kat import format_verdicts, resolve_devices, resolve_jobs, run_screen
 
     specs = resolve_jobs(list(jobs), jobs_dir)
     devs = resolve_devices(list(devices))
@@ -117,9 +117,9 @@ def kat_list(jobs_dir: Optional[str], golden_dir: Optional[str], as_json: bool) 
     """List the job specs: name, kind, version, quick-screen membership, spec hash, and whether
     a golden record exists for this machine's CPU platform."""
     from screener.errors import GoldenError
-    from screener.golden import default_golden_dir, golden_path, job_records
-    from screener.kat import local_platform
-    from screener.workloads import describe, load_jobs
+    from screener.known_answer.golden import default_golden_dir, golden_path, job_records
+    from screener.known_answer.kat import local_platform
+    from screener.known_answer.workloads import describe, load_jobs
 
     specs = load_jobs(jobs_dir)
     phash = local_platform("cpu").numeric_hash
@@ -181,7 +181,7 @@ def golden_record(jobs: tuple[str, ...], devices: tuple[str, ...], out: Optional
     is replaced; one that is valid but differs is kept unless --force (a platform change the
     signature does not capture, or a bad device).
     """
-    from screener.kat import record_goldens, resolve_devices, resolve_jobs
+    from screener.known_answer.kat import record_goldens, resolve_devices, resolve_jobs
 
     specs = resolve_jobs(list(jobs), jobs_dir, quick_only=False)
     devs = resolve_devices(list(devices))
@@ -212,8 +212,8 @@ def golden_verify(golden_dir: Optional[str], jobs_dir: Optional[str], as_json: b
 
     Exit 0 when all are valid, 2 (one line per problem on stderr) otherwise.
     """
-    from screener.golden import default_golden_dir, load_dir, spec_problem
-    from screener.workloads import load_jobs
+    from screener.known_answer.golden import default_golden_dir, load_dir, spec_problem
+    from screener.known_answer.workloads import load_jobs
 
     d = Path(golden_dir) if golden_dir else default_golden_dir()
     if not d.is_dir():
@@ -251,8 +251,8 @@ def golden_verify(golden_dir: Optional[str], jobs_dir: Optional[str], as_json: b
 def golden_list(golden_dir: Optional[str], as_json: bool) -> None:
     """List the golden records in GOLDEN_DIR (default: golden/); '*' marks records for a
     platform of this machine. Broken files are listed as problems (exit 2)."""
-    from screener.golden import default_golden_dir, load_dir
-    from screener.kat import local_platform, resolve_devices
+    from screener.known_answer.golden import default_golden_dir, load_dir
+    from screener.known_answer.kat import local_platform, resolve_devices
 
     d = Path(golden_dir) if golden_dir else default_golden_dir()
     records, errors = load_dir(d) if d.is_dir() else ([], [])
@@ -351,8 +351,8 @@ def burnin_cmd(devices: tuple[str, ...], jobs: tuple[str, ...], duration: Option
     Prints a progress bar (stderr) and a final table; exit 0 pass, 75 a device is suspect,
     3 inconclusive (no golden), 2 bad input, 1 the screener failed.
     """
-    from screener.burnin import DEFAULT_ITERATIONS, run_burnin
-    from screener.kat import resolve_devices, resolve_jobs
+    from screener.agent.burnin import DEFAULT_ITERATIONS, run_burnin
+    from screener.known_answer.kat import resolve_devices, resolve_jobs
 
     seconds = parse_duration(duration) if duration is not None else None
     if report and not os.access(Path(report).resolve().parent, os.W_OK):
@@ -362,8 +362,8 @@ def burnin_cmd(devices: tuple[str, ...], jobs: tuple[str, ...], duration: Option
     n = iterations if iterations is not None else (None if seconds else DEFAULT_ITERATIONS)
     from dataclasses import replace
 
-    from screener.burnin import BurninPlan, run_full_burnin
-    from screener.progress import HEARTBEAT_S, JobEvents, Progress
+    from screener.agent.burnin import BurninPlan, run_full_burnin
+    from screener.output.progress import HEARTBEAT_S, JobEvents, Progress
 
     # One progress for the whole burn-in: a line (or the bar) per stage, per job run in the
     # known-answer stage and per pattern in the HBM stage, each with the elapsed time.
@@ -414,7 +414,7 @@ def _node_name() -> str:
 def _burnin_store_and_probe(kind: str, db: Optional[str], kubeconfig: Optional[str],
                             probes: bool) -> tuple[Any, Any, list[Any]]:
     """The store the burn-in moves the node in, and the probe function (see
-    screener.burnin.run_full_burnin)."""
+    screener.agent.burnin.run_full_burnin)."""
     from screener.stores import open_store
 
     closers: list[Any] = []
@@ -429,7 +429,7 @@ def _burnin_store_and_probe(kind: str, db: Optional[str], kubeconfig: Optional[s
         closers.append(the_store)
     probe = None
     if probes:
-        from screener.health.config import ProbeConfig
+        from screener.settings.health import ProbeConfig
         from screener.health.probes import run_probes
 
         cfg = ProbeConfig()

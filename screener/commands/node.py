@@ -174,8 +174,8 @@ def set_cmd(node: str, state: str, reason: str, as_json: bool, store: Any) -> in
     screen (set it to burnin to screen it), and repair is left only to burnin, for example after a
     GPU was replaced: screener node set gpu-7 burnin --reason "GPU 3 replaced, ticket 1234".
     """
-    from screener.lifecycle import HumanCommand
-    from screener.stores import apply_event
+    from screener.lifecycle.machine import HumanCommand
+    from screener.lifecycle.apply import apply_event
 
     try:
         user = getpass.getuser()
@@ -204,7 +204,7 @@ def set_cmd(node: str, state: str, reason: str, as_json: bool, store: Any) -> in
 def lemons_cmd(days: float, min_failures: int, as_json: bool, store: Any) -> int:
     """List nodes, and GPUs by serial across nodes, with at least --min-failures confirmed failures
     in the last --days days: the repeat offenders that go to repair even when diagnostics pass."""
-    from screener.stores import lemon_counts
+    from screener.lifecycle.records import lemon_counts
 
     failures = store.failures(time.time() - days * 86400)
     by_node, by_serial = lemon_counts(failures)

@@ -50,7 +50,7 @@ def probe_cmd(as_json: bool, kmsg_file: Optional[str], kmsg_state: Optional[str]
 
     Exit 0 when nothing is suspect or worse, 75 when something is, 1 when a probe itself failed.
     """
-    from screener.health.config import ProbeConfig
+    from screener.settings.health import ProbeConfig
     from screener.health.kmsg import KernelLogReader
     from screener.health.probes import run_probes
 

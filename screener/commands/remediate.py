@@ -90,7 +90,7 @@ def _client(ctx: click.Context, region: Optional[str], profile: Optional[str],
     given = _obj(ctx).get("sagemaker_client")
     if given is not None:
         return given
-    from screener.hyperpod import make_client
+    from screener.remediation.hyperpod import make_client
 
     return make_client(region, endpoint_url=endpoint_url, profile=profile)
 
@@ -153,7 +153,7 @@ def check_cmd(ctx: click.Context, nodes: tuple[str, ...], cluster: str, region: 
     when every node passed, 75 when any failed, 3 when any did not finish in time. A passing deep
     health check is triage, not proof: it never clears a node (only a known-answer screen does).
     """
-    from screener import hyperpod
+    from screener.remediation import hyperpod
 
     if record and not wait:
         raise BadInputError("--record needs --wait (there is no result to record before the check ends)")
@@ -198,7 +198,7 @@ def _record_remediation(ctx: click.Context, results: Sequence[Any], store_kind: 
                         db: Optional[str], kubeconfig: Optional[str],
                         spool: Optional[str]) -> dict[str, str]:
     """Feed finished checks of quarantined nodes to the lifecycle and record its decision."""
-    from screener.lifecycle import Remediation, decide
+    from screener.lifecycle.machine import Remediation, decide
 
     store = _open_store(ctx, store_kind, db, kubeconfig, spool)
     now = _clock(ctx)()
@@ -237,7 +237,7 @@ def reboot_cmd(ctx: click.Context, nodes: tuple[str, ...], cluster: str, region:
 
     Exit 0 when SageMaker accepted every node, 1 when it refused any (each refusal is listed).
     """
-    from screener import hyperpod
+    from screener.remediation import hyperpod
 
     client = _client(ctx, region, profile, endpoint_url)
     resolved = hyperpod.resolve_nodes(client, cluster, list(nodes))
@@ -281,8 +281,8 @@ def replace_cmd(ctx: click.Context, nodes: tuple[str, ...], cluster: str, region
     secondary volumes: resume from a checkpoint on shared storage saved before the suspect window.
     Replacement is never automatic.
     """
-    from screener import hyperpod
-    from screener.lifecycle import DEFAULT_POLICY, Action
+    from screener.remediation import hyperpod
+    from screener.lifecycle.machine import DEFAULT_POLICY, Action
 
     client = _client(ctx, region, profile, endpoint_url)
     resolved = hyperpod.resolve_nodes(client, cluster, list(nodes))
@@ -293,7 +293,7 @@ def replace_cmd(ctx: click.Context, nodes: tuple[str, ...], cluster: str, region
                                     budget=budget, dry_run=not yes)
     recorded: list[str] = []
     if not result.dry_run:
-        from screener.stores.base import ACTOR_HUMAN, Transition
+        from screener.lifecycle.records import ACTOR_HUMAN, Transition
 
         now = _clock(ctx)()
         why = reason.strip() or "replaced after review"
@@ -341,7 +341,7 @@ def correlate_cmd(ctx: click.Context, node: str, url: str, around: str, window: 
     corroborates a fault, 3 otherwise. It confirms, never clears: clean telemetry does not release
     a node, since silent data corruption raises no counter.
     """
-    from screener import correlate as corr
+    from screener.remediation import correlate as corr
 
     now = _clock(ctx)()
     t0 = corr.parse_time(around, now)
@@ -404,7 +404,7 @@ def plan_cmd(ctx: click.Context, c: float, m: Optional[float], node_mttf_hours: 
     --node-mttf-hours and --nodes (job MTTF = 1 / (nodes * per-node failure rate)), or --history to
     measure the failure rate from the store (failures of in-service nodes per node-hour).
     """
-    from screener import recovery
+    from screener.remediation import plan as recovery
 
     sources = sum(x for x in (m is not None, node_mttf_hours is not None, history))
     if sources != 1:

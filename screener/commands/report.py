@@ -48,7 +48,7 @@ def burnin_report_cmd(report_file: str, out: str) -> int:
     """A burn-in written by `screener burnin --report REPORT.json`: stages and their time, per-job
     known-answer times per device, HBM bandwidth per device, verdicts, probe findings and the
     node's lifecycle change. Prints the path written."""
-    from screener.report import burnin_html, load_burnin_report
+    from screener.output.report import burnin_html, load_burnin_report
 
     data = load_burnin_report(report_file)
     _write(out, burnin_html(data, source=report_file))
@@ -73,7 +73,7 @@ def fleet_report_cmd(out: str, days: float, min_failures: int, burnin_reports: t
     """The fleet from the store: nodes per state, every node's states over the window with its
     confirmed failures, lemons (nodes and GPU serials), the last screen's seconds per job and
     device, and HBM bandwidth per GPU. Prints the path written."""
-    from screener.report import fleet_data, fleet_html, load_burnin_report
+    from screener.output.report import fleet_data, fleet_html, load_burnin_report
 
     reports = [load_burnin_report(f) for f in burnin_reports]
     data = fleet_data(store, now=time.time(), days=days, min_failures=min_failures,

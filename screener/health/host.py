@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from screener.health.config import ProbeConfig
+from screener.settings.health import ProbeConfig
 from screener.health.snapshot import DiskUsage, HostSnapshot, MountCheck
 
 

@@ -42,11 +42,10 @@ from typing import Callable, Iterator, Optional
 from screener import boundedjson
 from screener.errors import BadInputError, ScreenerError
 from screener.health.snapshot import XidEvent, normalize_pci
+from screener.settings.health import DEFAULT_BOOT_ID, DEFAULT_KMSG
 
 log = logging.getLogger(__name__)
 
-DEFAULT_KMSG = "/dev/kmsg"
-DEFAULT_BOOT_ID = "/proc/sys/kernel/random/boot_id"
 _READ_SIZE = 16384  # /dev/kmsg returns one record per read and EINVAL for a short buffer
 KMSG_DEVICE = (1, 11)  # major, minor of /dev/kmsg on Linux
 MAX_RECORDS = 100_000  # per read_new(): the ring buffer holds far fewer

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Union
 
 from screener.errors import BadInputError, ScreenerError
-from screener.health.config import ProbeConfig
+from screener.settings.health import ProbeConfig
 from screener.health.host import read_host
 from screener.health.kmsg import KernelLogReader, KmsgUnavailable
 from screener.health.nvml import NvmlAdapter, NvmlError

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Iterable, Optional, Sequence
 
-from screener.health.config import ProbeConfig
+from screener.settings.health import ProbeConfig
 from screener.health.snapshot import GpuSnapshot, HostSnapshot, ProbeSnapshot, XidEvent
 from screener.health.xid import lookup
 from screener.types import Finding, Severity

@@ -47,13 +47,14 @@ import kubernetes.config
 import urllib3
 from kubernetes.client.exceptions import ApiException
 
-from screener import configs
+from screener.settings import strict as configs
 from screener.errors import BadInputError, ConfigError, ExternalServiceError
 from screener.stores import kubeformat as kf
 from screener.stores.kubeconfig import check_kubeconfig, check_loaded
 from screener.stores.kubeformat import EVIDENCE_BYTES, shrink_evidence  # noqa: F401 (re-exported)
-from screener.stores.base import (ACTOR_SCREENER, BUDGET_STATES, BudgetConflict, StaleTransition,
-                                  Transition, _json_safe, summary_row)
+from screener.lifecycle.records import (ACTOR_SCREENER, BUDGET_STATES, BudgetConflict, StaleTransition, Transition)
+from screener.lifecycle.records import json_safe
+from screener.stores.base import summary_row
 from screener.stores.spool import Spool
 from screener.types import (ANNOTATION_HISTORY, ANNOTATION_VERDICT, CONDITION_TYPE, LABEL_STATE,
                             TAINT_SCREENING_KEY, TAINT_STATE_KEY, NodeState)
@@ -399,7 +400,7 @@ class KubeStore:
 
 
     def set_verdict(self, node: str, verdict: Mapping[str, Any]) -> None:
-        self.set_annotations(node, {ANNOTATION_VERDICT: json.dumps(_json_safe(dict(verdict)),
+        self.set_annotations(node, {ANNOTATION_VERDICT: json.dumps(json_safe(dict(verdict)),
                                                                    sort_keys=True)})
 
     def get_verdict(self, node: str) -> Optional[dict[str, Any]]:

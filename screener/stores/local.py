@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
 from screener.errors import BadInputError, ScreenerError
-from screener.stores.base import (BUDGET_STATES, DiskFullError, StaleTransition,
-                                  Transition, _json_safe, summary_row)
+from screener.lifecycle.records import BUDGET_STATES, StaleTransition, Transition
+from screener.lifecycle.records import json_safe
+from screener.stores.base import DiskFullError, summary_row
 from screener.types import NodeState
 
 SCHEMA_VERSION = 1
@@ -240,7 +241,7 @@ class LocalStore:
         return [Transition.from_dict(json.loads(r[0])) for r in rows]
 
     def set_verdict(self, node: str, verdict: Mapping[str, Any]) -> None:
-        payload = json.dumps(_json_safe(dict(verdict)), sort_keys=True)
+        payload = json.dumps(json_safe(dict(verdict)), sort_keys=True)
         with self._lock:
             try:
                 self._db.execute("INSERT INTO verdicts (node, verdict) VALUES (?, ?) ON CONFLICT(node) "

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from screener.errors import BadInputError, ScreenerError
-from screener.stores.base import Transition
+from screener.lifecycle.records import Transition
 
 SPOOL_SCHEMA_VERSION = 1
 

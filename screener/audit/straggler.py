@@ -38,7 +38,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from screener.types import AlarmRecord, Finding, Severity, SuspectNode
 
-STRAGGLER_CHECK = "straggler"  # the alarm check (screener.lifecycle.STRAGGLER_CHECK)
+STRAGGLER_CHECK = "straggler"  # the alarm check (screener.lifecycle.machine.STRAGGLER_CHECK)
 
 DEFAULT_K = 3.0
 DEFAULT_WINDOW = 5

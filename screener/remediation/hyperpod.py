@@ -30,10 +30,10 @@ import botocore
 import botocore.config
 import botocore.exceptions
 
-from screener import configs
+from screener.settings import strict as configs
 from screener.errors import BadInputError, ConfigError, ExternalServiceError
 # The settings live in a module without boto3, so the daemon validates [hyperpod] at load.
-from screener.hyperpod_config import (DEEP_HEALTH_CHECKS, DEFAULT_CHECKS, HyperPodConfig,  # noqa: F401
+from screener.settings.hyperpod import (DEEP_HEALTH_CHECKS, DEFAULT_CHECKS, HyperPodConfig,  # noqa: F401
                                       validate_checks as _validate_checks)
 from screener.types import NodeState
 

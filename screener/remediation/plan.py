@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 from screener.errors import BadInputError
-from screener.stores.base import Transition
+from screener.lifecycle.records import Transition
 from screener.types import NodeState
 
 # A failure of a node in these states interrupts no job: it was already out of service.

@@ -2,13 +2,13 @@
 
 Anyone can run it on a laptop (`screener drill`), and it exercises the whole path end to end:
 
-1. a small DDP training (screener.synthetic's tiny language model) runs as one process per
+1. a small DDP training (screener.known_answer.synthetic's tiny language model) runs as one process per
    simulated node, gloo on the CPU, with the in-job Auditor checking every step;
 2. at step `fault_step` one bit of one matmul output flips on the faulty node (the lowest mantissa
    bit: the smallest error there is);
 3. the audit's ring replay sees the mismatch, a rank on a third node settles it, every rank raises
    the same SDCAlarm, and the faulty node's lowest rank writes the alarm file into the alarm folder;
-4. one daemon pass per node (screener.daemon, screens off) takes the files in: the faulty node's
+4. one daemon pass per node (screener.agent.daemon, screens off) takes the files in: the faulty node's
    daemon applies the settled alarm through the lifecycle and records the transition in the store
    (the local SQLite store, or with a kubeconfig the cluster's Node objects);
 5. the drill prints the path the alarm took with the time of each hop, and passes (exit 0) when the
@@ -115,8 +115,8 @@ class DrillReport:
 
 
 def run_job(options: DrillOptions, alarm_dir: Path, *, timeout: float = 300.0) -> Any:
-    """Steps 1-3: the audited training with the fault; returns screener.peer.PeerResult."""
-    from screener.peer import PeerFault, PeerOptions, run_local
+    """Steps 1-3: the audited training with the fault; returns screener.known_answer.peer_training.PeerResult."""
+    from screener.known_answer.peer_training import PeerFault, PeerOptions, run_local
 
     peers = [n for n in options.nodes if n != options.faulty]
     opts = PeerOptions(under_test=options.faulty, steps=options.steps, audit_every=1,
@@ -130,11 +130,11 @@ def run_job(options: DrillOptions, alarm_dir: Path, *, timeout: float = 300.0) -
 def daemon_passes(nodes: Sequence[str], alarm_dir: Path, store: Any, *, taint: Any,
                   state_dir: Path, clock: Callable[[], float] = time.time) -> dict[str, Any]:
     """Step 4: one daemon pass per node over the shared alarm folder; node -> PassReport."""
-    from screener.config import DaemonConfig
-    from screener.daemon import Daemon
-    from screener.health.config import ProbeConfig
+    from screener.settings.daemon import DaemonConfig
+    from screener.agent.daemon import Daemon
+    from screener.settings.health import ProbeConfig
     from screener.health.probes import run_probes
-    from screener.screening import ScreenOutcome
+    from screener.agent.screening import ScreenOutcome
 
     probe_cfg = ProbeConfig(kmsg_path=None, disk_paths=(str(state_dir),), nvml_events=False,
                             min_free_disk_fraction=0.0, min_free_memory_fraction=0.0)
@@ -160,8 +160,8 @@ def run_drill(options: DrillOptions, workdir: str | os.PathLike[str], *,
               clock: Callable[[], float] = time.time,
               progress: Callable[[str], None] = lambda s: None) -> DrillReport:
     """The whole drill (see the module docstring); the store is local unless a kubeconfig is given.
-    progress(name): a stage starts (screener.progress: the CLI shows it with elapsed times)."""
-    from screener.screening import LocalTaint
+    progress(name): a stage starts (screener.output.progress: the CLI shows it with elapsed times)."""
+    from screener.agent.screening import LocalTaint
     from screener.stores import open_store
 
     work = Path(workdir)

@@ -9,7 +9,7 @@ kind has a loss) and the fingerprints of every tensor the step produced. Kinds:
   or on, float16, bfloat16), fingerprinting every product. On CUDA the size is derived from the
   SM count so every SM gets several output tiles; on CPU the shapes are fixed in the spec.
 - conv: a chain of 3x3 convolutions (cuDNN on CUDA), fingerprinting every output.
-- train: several AdamW steps of the tiny transformer of screener.synthetic, in float32 or under
+- train: several AdamW steps of the tiny transformer of screener.known_answer.synthetic, in float32 or under
   bf16/fp16 autocast; per step the loss bits, each parameter's gradient fingerprint and each
   weight fingerprint after the update.
 - replay: forward and backward of the micro-batch of (seed, rank, step) on a fresh model, the same
@@ -22,7 +22,7 @@ Specs are hostile input until validated: every parameter has a type and a range 
 child allocates anything, so an oversized spec is bad input (exit 2 naming the fields), never a
 timeout or a crash that would read as a hardware verdict.
 
-All data are generated on the device from integer seeds (screener.synthetic), nothing is
+All data are generated on the device from integer seeds (screener.known_answer.synthetic), nothing is
 downloaded. Each kind has an implementation version that enters the spec hash, so a change in the
 code that changes result bits invalidates goldens just as an edit of the spec does.
 """
@@ -74,11 +74,11 @@ KINDS: dict[str, tuple[int, dict[str, tuple[Any, Any]]]] = {
 
 def default_jobs_dir() -> Path:
     """$SCREENER_JOBS_DIR, or the specs shipped with the package (screener._jobs: in a checkout,
-    the repository's jobs/ folder; see screener/packagedata.py)."""
+    the repository's jobs/ folder; see screener/known_answer/packagedata.py)."""
     env = os.environ.get(JOBS_DIR_ENV)
     if env:
         return Path(env)
-    from screener.packagedata import data_dir
+    from screener.known_answer.packagedata import data_dir
 
     return data_dir("jobs")
 
@@ -553,7 +553,7 @@ def _run_gemm(spec: JobSpec, p: Mapping[str, Any], device: str, injector: Any,
     import torch
 
     from screener.fingerprint import fingerprints
-    from screener.synthetic import mix_key, uniform
+    from screener.known_answer.synthetic import mix_key, uniform
 
     dtype = _dtype(p["dtype"])
     shapes = gemm_shapes(p, device)
@@ -586,7 +586,7 @@ def _run_conv(spec: JobSpec, p: Mapping[str, Any], device: str, injector: Any,
     import torch.nn.functional as F
 
     from screener.fingerprint import fingerprints
-    from screener.synthetic import mix_key, uniform
+    from screener.known_answer.synthetic import mix_key, uniform
 
     dtype = _dtype(p["dtype"])
     b, c, s, layers = int(p["batch"]), int(p["channels"]), int(p["size"]), int(p["layers"])
@@ -657,7 +657,7 @@ def _run_train(spec: JobSpec, p: Mapping[str, Any], device: str, injector: Any, 
     import torch
 
     from screener.fingerprint import fingerprints
-    from screener.synthetic import batch_for, compute_loss, make_model
+    from screener.known_answer.synthetic import batch_for, compute_loss, make_model
 
     model = make_model(int(p["seed"]), **_model_kwargs(p)).to(device)
     opt = _AdamW(list(model.parameters()), lr=float(p["lr"]),
@@ -695,7 +695,7 @@ def _run_train(spec: JobSpec, p: Mapping[str, Any], device: str, injector: Any, 
 def _run_replay(spec: JobSpec, p: Mapping[str, Any], device: str, injector: Any,
                 keep_values: bool) -> tuple[list[Step], dict[str, Any]]:
     from screener.fingerprint import fingerprints
-    from screener.synthetic import batch_for, compute_loss, make_model
+    from screener.known_answer.synthetic import batch_for, compute_loss, make_model
 
     model = make_model(int(p["seed"]), **_model_kwargs(p)).to(device)
     names = [n for n, _ in model.named_parameters()]
@@ -740,7 +740,7 @@ def run_job(spec: JobSpec, device: str = "cpu", *, injector: Optional[ContextMan
     """Run one job on one device in this process and return its result.
 
     Calls make_deterministic first (the job's TF32 setting, `threads` CPU threads). `injector`
-    (e.g. a screener.faults.FaultInjector) is entered around the computation only;
+    (e.g. a screener.known_answer.faults.FaultInjector) is entered around the computation only;
     `after_step(step, model)` runs after each optimizer step of a train job (to corrupt a
     parameter, say). Process-wide settings are left changed: the runner's child processes exist
     for this job; wrap the call in screener.determinism.preserved() in a shared process.

@@ -7,9 +7,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from screener import configs
+from screener.settings import strict as configs
 from screener.errors import ConfigError
-from screener.health.kmsg import DEFAULT_BOOT_ID, DEFAULT_KMSG
+
+# Where the kernel log and the boot id are on a Linux node (the kernel-log reader's defaults too).
+DEFAULT_KMSG = "/dev/kmsg"
+DEFAULT_BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 
 @dataclass(frozen=True)

@@ -384,7 +384,7 @@ def fleet_data(store: Any, *, now: float, days: float = 30.0, min_failures: int 
 
     One history read per node (a fleet-wide report, not a hot path).
     """
-    from screener.stores import lemon_counts
+    from screener.lifecycle.records import lemon_counts
 
     since = now - days * 86400
     states = {n: s.value for n, s in store.all_states().items()}

@@ -8,8 +8,8 @@ file, or an unknown SCREENER_DAEMON_* variable, is an error: a typo must not sil
 default in force.
 
 Nested tables are handed to their owners' own strict parsers: [probes] to
-screener.health.config.ProbeConfig, [lifecycle] to screener.lifecycle.LifecyclePolicy, [hyperpod]
-to screener.hyperpod_config.HyperPodConfig (a module without boto3, so every table is validated at
+screener.settings.health.ProbeConfig, [lifecycle] to screener.lifecycle.machine.LifecyclePolicy, [hyperpod]
+to screener.settings.hyperpod.HyperPodConfig (a module without boto3, so every table is validated at
 load whether or not its feature is on; boto3 is imported only when a deep health check is on).
 """
 
@@ -25,11 +25,12 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from screener import boundedjson, configs
+from screener import boundedjson
+from screener.settings import strict as configs
 from screener.errors import ConfigError
-from screener.health.config import ProbeConfig
-from screener.hyperpod_config import HyperPodConfig
-from screener.lifecycle import LifecyclePolicy
+from screener.settings.health import ProbeConfig
+from screener.settings.hyperpod import HyperPodConfig
+from screener.lifecycle.machine import LifecyclePolicy
 from screener.types import ALARM_DIR_ENV, DEFAULT_ALARM_DIR, NODE_NAME_ENV
 
 if sys.version_info >= (3, 11):

@@ -36,7 +36,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from screener import boundedjson
 from screener.errors import GoldenError
-from screener.workloads import (Difference, JobResult, JobSpec, Step, expected_steps,
+from screener.known_answer.workloads import (Difference, JobResult, JobSpec, Step, expected_steps,
                                 first_difference, steps_digest)
 
 SCHEMA = 1
@@ -56,11 +56,11 @@ _LOSS_RE = re.compile(r"^0x(?:[0-9a-f]{4}|[0-9a-f]{8}|[0-9a-f]{16})$")
 
 def default_golden_dir() -> Path:
     """$SCREENER_GOLDEN_DIR, or the records shipped with the package (screener._golden: in a
-    checkout, the repository's golden/ folder; see screener/packagedata.py)."""
+    checkout, the repository's golden/ folder; see screener/known_answer/packagedata.py)."""
     env = os.environ.get(GOLDEN_DIR_ENV)
     if env:
         return Path(env)
-    from screener.packagedata import data_dir
+    from screener.known_answer.packagedata import data_dir
 
     return data_dir("golden")
 
@@ -301,9 +301,9 @@ def find(golden_dir: str | os.PathLike[str], spec: JobSpec,
 def find_siblings(golden_dir: str | os.PathLike[str], spec: JobSpec,
                   platform: Mapping[str, Any]) -> list[GoldenRecord]:
     """The golden records of `spec` recorded on sibling platforms of `platform` (same kind,
-    torch build and dispatch level or GPU model: screener.platform.sibling_key) but not on
+    torch build and dispatch level or GPU model: screener.known_answer.platform.sibling_key) but not on
     `platform` itself: what a device without a golden of its own is compared with."""
-    from screener.platform import sibling_key
+    from screener.known_answer.platform import sibling_key
 
     key = sibling_key(dict(platform))
     if key is None:

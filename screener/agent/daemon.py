@@ -11,7 +11,7 @@ running, or a Node object older than `adopt_min_age_s` / `adopt_created_before`)
 adopted as healthy-but-unscreened and gets a quick screen at its next idle window.
 
 Each pass (`tick`):
-  1. takes in alarm files (screener.intake): each applied through the lifecycle exactly once, with
+  1. takes in alarm files (screener.agent.intake): each applied through the lifecycle exactly once, with
      the GPU serials it names kept only when this node's NVML reports them;
   2. replays transitions the kube store spooled while the API was unreachable;
   3. every `probe_interval_s`: runs the probes and feeds the findings to the lifecycle. An event
@@ -21,12 +21,12 @@ Each pass (`tick`):
      blocks every pass while present. A finding is marked seen, and the kernel-log position saved,
      only after its transition is recorded (or spooled); a failed write is retried on every tick;
   4. when a screen is due and the node has been idle for the idle window, opens a screening window
-     (screener.screening) and feeds its verdicts to the lifecycle.
+     (screener.agent.screening) and feeds its verdicts to the lifecycle.
 
 What a screen is: a node in burnin, or suspect without having been healthy since it entered
 burnin, gets the FULL burn-in (the worker runs the known-answer jobs for `burnin_duration_s`, the
 HBM test and the collective; the daemon adds the probes before and after and the cross-check with
-same-platform peers, and screener.burnin.missing_for_full decides whether it was full or partial);
+same-platform peers, and screener.agent.burnin.missing_for_full decides whether it was full or partial);
 a node that earned healthy gets the quick known-answer screen. The verdict annotation says which
 kind passed (quick, full, partial, or unscreened for an adopted node).
 
@@ -49,21 +49,22 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
-from screener import lifecycle
-from screener.burnin import (BurninRequirement, crosscheck_digests_stage, missing_for_full,
+from screener.lifecycle import machine as lifecycle
+from screener.agent.burnin import (BurninRequirement, crosscheck_digests_stage, missing_for_full,
                              probe_report_stage)
-from screener.config import DaemonConfig
-from screener.crosscheck import platform_digests
+from screener.settings.daemon import DaemonConfig
+from screener.known_answer.crosscheck import platform_digests
 from screener.errors import BadInputError, ScreenerError
 from screener.health.probes import ProbeReport
 from screener.health.rules import is_condition
-from screener.idle import Activity, IdleTracker, observe
-from screener.intake import AlarmIntake, IntakeResult, applied_in_history
-from screener.metrics import DaemonMetrics
-from screener.screening import (KIND_FULL, KIND_QUICK, SHUTDOWN, YIELDED, ScreeningWindow,
+from screener.health.idle import Activity, IdleTracker, observe
+from screener.agent.intake import AlarmIntake, IntakeResult, applied_in_history
+from screener.agent.metrics import DaemonMetrics
+from screener.agent.screening import (KIND_FULL, KIND_QUICK, SHUTDOWN, YIELDED, ScreeningWindow,
                                 ScreenOutcome, ScreenRunner, TaintControl)
-from screener.stores import apply_event, reconsider_held
-from screener.stores.base import ACTOR_HUMAN, Store
+from screener.lifecycle.apply import apply_event, reconsider_held
+from screener.lifecycle.ports import Store
+from screener.lifecycle.records import ACTOR_HUMAN
 from screener.types import (ANNOTATION_DIGESTS, AlarmRecord, ExitCode, Finding, NodeState, Outcome,
                             Severity)
 

@@ -1,6 +1,6 @@
 """Known-answer screening: run jobs on each device in a child process, compare bits, give Verdicts.
 
-Each device's jobs run in a child process of their own (`python -m screener.kat child`), so a
+Each device's jobs run in a child process of their own (`python -m screener.known_answer.kat child`), so a
 device that hangs or crashes is reported and cannot take the screener down, and every child sets
 determinism before CUDA is first touched. Before a job allocates anything its child compares the
 job's estimated memory and arithmetic with the device (workloads.check_fits): a job that cannot
@@ -18,9 +18,9 @@ it suspect:
   and a hung device look the same. A child streams its
 results as JSON lines; the parent compares, for each device and job:
 
-(a) with the golden record for the device's platform signature (screener.golden); without one,
+(a) with the golden record for the device's platform signature (screener.known_answer.golden); without one,
     with the goldens of sibling platforms (same torch build and dispatch level, or GPU model:
-    screener.platform.sibling_key): equal bits pass (the verdict names the golden), different
+    screener.known_answer.platform.sibling_key): equal bits pass (the verdict names the golden), different
     bits are inconclusive with the record command, never suspect;
 (b) with the other devices of the same platform in this run: a device that differs from a strict
     majority is suspect even without a golden;
@@ -56,7 +56,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 from screener.errors import BadInputError, NondeterminismError, ScreenerError
 from screener.types import ExitCode, Outcome, Verdict
-from screener.workloads import (Difference, JobResult, JobSpec, first_difference, select_jobs)
+from screener.known_answer.workloads import (Difference, JobResult, JobSpec, first_difference, select_jobs)
 
 PROTOCOL_PREFIX = "@@screener "
 DEFAULT_TIMEOUT = 300.0
@@ -70,7 +70,7 @@ Progress = Callable[[Mapping[str, Any]], None]
 
 # --- faults a child applies (drills and tests) ---------------------------------------------------
 
-_FAULT_MODES = ("flip", "scale", "nan", "inf", "set")  # = screener.faults.MODES
+_FAULT_MODES = ("flip", "scale", "nan", "inf", "set")  # = screener.known_answer.faults.MODES
 
 @dataclass(frozen=True)
 class DeviceFault:
@@ -95,7 +95,7 @@ class DeviceFault:
     iteration: Optional[int] = None
 
     def __post_init__(self) -> None:
-        # Checked here without importing torch (screener.faults does), so the parent process of
+        # Checked here without importing torch (screener.known_answer.faults does), so the parent process of
         # a screen stays light; the child builds the FaultSpec, which checks again.
         if (self.op is None) == (self.parameter is None):
             raise BadInputError("a fault needs exactly one of op= and parameter=")
@@ -106,7 +106,7 @@ class DeviceFault:
             raise BadInputError("fault call, element, bit, output and step must be >= 0")
 
     def fault_spec(self) -> Any:
-        from screener.faults import FaultSpec
+        from screener.known_answer.faults import FaultSpec
 
         try:
             return FaultSpec(op=str(self.op), call=self.call, element=self.element, bit=self.bit,
@@ -243,9 +243,9 @@ def child_main(request: Mapping[str, Any]) -> int:
     import torch  # noqa: F401  (import time is part of startup, before the first event)
 
     from screener.determinism import make_deterministic
-    from screener.faults import corrupt_parameter, inject
-    from screener.platform import signature
-    from screener.workloads import check_fits, gemm_shapes, run_job
+    from screener.known_answer.faults import corrupt_parameter, inject
+    from screener.known_answer.platform import signature
+    from screener.known_answer.workloads import check_fits, gemm_shapes, run_job
 
     device = request["device"]
     threads = int(request.get("threads", DEFAULT_THREADS))
@@ -361,7 +361,7 @@ class _Child:
         self.started = time.monotonic()
         self.last = self.started
         self.oom_before = oom_kills()
-        self.proc = subprocess.Popen([python, "-m", "screener.kat", "child"],
+        self.proc = subprocess.Popen([python, "-m", "screener.known_answer.kat", "child"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.stderr, env=env, start_new_session=True)
         assert self.proc.stdin is not None
@@ -893,13 +893,13 @@ def resolve_jobs(jobs: Optional[Sequence[str | JobSpec]], jobs_dir: Optional[str
 def resolve_devices(devices: Optional[Sequence[str]]) -> list[str]:
     """Device names; None, empty or "all": every local CUDA device, or the CPU without one."""
     if not devices or list(devices) == ["all"]:
-        from screener.platform import local_devices  # imports torch: only when asked for "all"
+        from screener.known_answer.platform import local_devices  # imports torch: only when asked for "all"
 
         return local_devices()
     out: list[str] = []
     for d in devices:
         if d == "all":
-            from screener.platform import local_devices
+            from screener.known_answer.platform import local_devices
 
             out.extend(x for x in local_devices() if x not in out)
             continue
@@ -913,8 +913,8 @@ def resolve_devices(devices: Optional[Sequence[str]]) -> list[str]:
 
 
 def golden_lookup(golden_dir: Optional[str]) -> GoldenLookup:
-    """The golden records of a folder (default: screener.golden.default_golden_dir())."""
-    from screener import golden as _golden
+    """The golden records of a folder (default: screener.known_answer.golden.default_golden_dir())."""
+    from screener.known_answer import golden as _golden
 
     d = golden_dir or str(_golden.default_golden_dir())
     cache: dict[tuple[str, str], Any] = {}
@@ -937,7 +937,7 @@ def prevalidate_goldens(golden_dir: str, specs: Sequence[JobSpec]) -> int:
     """Load every golden file of these jobs (any platform) before any device runs, so a broken
     or stale golden fails at once (GoldenError, exit 2) rather than after the jobs. Returns the
     number of files checked."""
-    from screener import golden as _golden
+    from screener.known_answer import golden as _golden
 
     n = 0
     for spec in specs:
@@ -963,7 +963,7 @@ def run_screen(jobs: Optional[Sequence[str | JobSpec]] = None, devices: Sequence
     specs = resolve_jobs(jobs, jobs_dir)
     devs = resolve_devices(devices)
     if golden_dir is None:
-        from screener.golden import default_golden_dir
+        from screener.known_answer.golden import default_golden_dir
 
         golden_dir = str(default_golden_dir())
     prevalidate_goldens(golden_dir, specs)
@@ -1014,7 +1014,7 @@ def record_goldens(specs: Sequence[JobSpec], devices: Sequence[str], *,
     the verdicts as evidence. A valid existing golden with other results is only replaced with
     `force`; a stale or broken one is replaced. (`faults`: as for execute, for drills.)
     """
-    from screener import golden as _golden
+    from screener.known_answer import golden as _golden
 
     if repeat < 1:
         raise BadInputError(f"repeat {repeat} must be >= 1")
@@ -1030,7 +1030,7 @@ def record_goldens(specs: Sequence[JobSpec], devices: Sequence[str], *,
 def write_goldens(runs: Mapping[str, DeviceRun], specs: Sequence[JobSpec], out: str, *,
                   repeat: int, force: bool = False, seconds: float = 0.0) -> RecordResult:
     """The deciding half of record_goldens: judge the runs without goldens, then write."""
-    from screener import golden as _golden
+    from screener.known_answer import golden as _golden
     from screener.errors import GoldenError
 
     screen = judge(runs, specs, lambda spec, phash: None, golden_dir=out, seconds=seconds)
@@ -1091,7 +1091,7 @@ def local_platform(device: str = "cpu", threads: int = DEFAULT_THREADS) -> Any:
     import torch
 
     from screener.determinism import preserved
-    from screener.platform import signature
+    from screener.known_answer.platform import signature
 
     with preserved():
         torch.set_num_threads(threads)
@@ -1126,7 +1126,7 @@ def format_verdicts(result: ScreenResult) -> str:
 
 def _main(argv: Sequence[str]) -> int:
     if list(argv[:1]) != ["child"]:
-        print("usage: python -m screener.kat child  (internal: reads a JSON request on stdin)",
+        print("usage: python -m screener.known_answer.kat child  (internal: reads a JSON request on stdin)",
               file=sys.stderr)
         return 2
     try:

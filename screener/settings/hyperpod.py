@@ -1,6 +1,6 @@
 """The [hyperpod] settings and the names of HyperPod's deep health checks, without boto3.
 
-Kept apart from screener.hyperpod (the one importer of boto3) so that the daemon's config file can
+Kept apart from screener.remediation.hyperpod (the one importer of boto3) so that the daemon's config file can
 validate its [hyperpod] table at load, whether or not the feature is on and whether or not boto3 is
 installed: a misspelt key there is an error at start, not a feature that silently never runs.
 """
@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from screener import configs
+from screener.settings import strict as configs
 from screener.errors import BadInputError, ConfigError
 
 DEEP_HEALTH_CHECKS = ("InstanceStress", "InstanceConnectivity", "MultiNodeTrainingValidation")

@@ -41,9 +41,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence, Union
 
-from screener import configs
+from screener.settings import strict as configs
 from screener.errors import ConfigError, TransitionRefused
-from screener.stores.base import ACTOR_HUMAN, ACTOR_SCREENER, Transition
+from screener.lifecycle.records import ACTOR_HUMAN, ACTOR_SCREENER, Transition
 from screener.types import (ALARM_CHECK_REASONS, REASON_KAT_MISMATCH, AlarmRecord, Finding, NodeState,
                             Outcome, Severity, Verdict)
 
@@ -68,7 +68,7 @@ REPAIR_CODES = frozenset({"row_remap_failure", "ecc_uncorrectable_recurring",
                           "retired_pages_over_threshold"})
 # Finding codes that a GPU reset (or reboot) clears: the node stays out until they are gone.
 RESET_CODES = frozenset({"row_remap_pending", "retired_pages_pending"})
-# Alarm check of a persistent straggler (screener.straggler.write_straggler_alarm).
+# Alarm check of a persistent straggler (screener.audit.straggler.write_straggler_alarm).
 STRAGGLER_CHECK = "straggler"
 
 # Condition/Event reasons for transitions that are not about a particular check.

@@ -10,10 +10,10 @@ An idle-time screen must never compete with a job for the GPUs, so the daemon op
 3. removes the taint, always: after a pass, a failure, an exception in the runner, a shutdown. At
    start-up the daemon also removes a screening taint a previous run left (`clear_stale`).
 
-The production runner (`KatProcessRunner`) runs screener.kat.run_screen (a quick screen) or the
-device stages of a full burn-in (screener.burnin: the known-answer rounds for the configured
+The production runner (`KatProcessRunner`) runs screener.known_answer.kat.run_screen (a quick screen) or the
+device stages of a full burn-in (screener.agent.burnin: the known-answer rounds for the configured
 duration, the HBM test, the intra-node collective) in a worker process of its own
-(`python -m screener.screening worker`), so stopping it is a kill that takes effect at once, and
+(`python -m screener.agent.screening worker`), so stopping it is a kill that takes effect at once, and
 the daemon itself never imports torch. Test runners are plain functions of a ScreenRequest.
 
 Restart hygiene: each worker runs in a folder of its own under the runner's `work_dir`, with a
@@ -52,7 +52,7 @@ TAINT_FAILED = "taint_failed"  # could not taint the node: no screen without the
 
 
 KIND_QUICK = "quick"  # the known-answer screen: re-verifies a node that earned healthy
-KIND_FULL = "full"  # a full burn-in's device stages (see screener.burnin)
+KIND_FULL = "full"  # a full burn-in's device stages (see screener.agent.burnin)
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ class ScreenOutcome:
     the end. digests: device -> job -> result digest, for publishing and cross-checks.
     platforms: device -> platform signature (with its hash) when the runner reports them.
     kind: what ran (KIND_QUICK, or KIND_FULL for a burn-in's device stages); stages: for a
-    burn-in, screener.burnin.Stage.to_dict() of every stage that ran.
+    burn-in, screener.agent.burnin.Stage.to_dict() of every stage that ran.
     """
 
     outcome: Outcome
@@ -102,7 +102,7 @@ class ScreenOutcome:
 
     @classmethod
     def from_screen_dict(cls, d: Mapping[str, Any]) -> "ScreenOutcome":
-        """From screener.kat.ScreenResult.to_dict()."""
+        """From screener.known_answer.kat.ScreenResult.to_dict()."""
         return cls(outcome=Outcome(d["outcome"]),
                    verdicts=tuple(Verdict.from_dict(v) for v in d.get("verdicts") or ()),
                    exit_code=ExitCode(int(d["exit_code"])),
@@ -289,7 +289,7 @@ def _with(o: ScreenOutcome, **changes: Any) -> ScreenOutcome:
     return replace(o, **changes)
 
 
-# --- the production runner: screener.kat in a worker process ------------------------------------
+# --- the production runner: screener.known_answer.kat in a worker process ------------------------------------
 
 SCREEN_ID_ENV = "SCREENER_SCREEN_ID"  # tags every process of one screen (see reap_stale_screens)
 WORKER_RECORD = "worker.json"
@@ -297,7 +297,7 @@ WORKER_RECORD = "worker.json"
 
 @dataclass(frozen=True)
 class KatOptions:
-    """What the worker passes to screener.kat.run_screen, and to the burn-in stages for a full one.
+    """What the worker passes to screener.known_answer.kat.run_screen, and to the burn-in stages for a full one.
 
     burnin_seconds / burnin_min_iterations: how long and how often the known-answer jobs repeat in
     a full burn-in; hbm_fraction / hbm_max_bytes: the HBM pattern test's size.
@@ -335,7 +335,7 @@ def _create_time(pid: int) -> Optional[float]:
 
 
 class KatProcessRunner:
-    """Runs a screen in `python -m screener.screening worker`, killable at once.
+    """Runs a screen in `python -m screener.agent.screening worker`, killable at once.
 
     work_dir: where each screen gets its folder (result, stderr, worker.json); default a fresh
     temporary folder per screen (no restart hygiene). The daemon passes one under its state
@@ -372,7 +372,7 @@ class KatProcessRunner:
         env = {**os.environ, SCREEN_ID_ENV: screen_id}
         mode = "burnin" if request.kind == KIND_FULL else "screen"
         with open(tmp / "stderr", "w+b") as err:
-            proc = subprocess.Popen([self.python, "-m", "screener.screening", "worker", str(out),
+            proc = subprocess.Popen([self.python, "-m", "screener.agent.screening", "worker", str(out),
                                      mode], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                     stderr=err, start_new_session=True, env=env)
             # Recorded before anything else can happen, so a crash of ours from here on is
@@ -504,7 +504,8 @@ def reap_stale_screens(work_dir: str | os.PathLike[str], *, grace_s: float = 5.0
 
 def _burnin_stages(opts: Mapping[str, Any], faults: Any) -> dict[str, Any]:
     """The device stages of a full burn-in, as a screen result dict with the stages."""
-    from screener import burnin, kat
+    from screener.agent import burnin
+    from screener.known_answer import kat
 
     devices = kat.resolve_devices(opts.get("devices") or None)
     specs = kat.resolve_jobs(opts.get("jobs") or None, opts.get("jobs_dir"), quick_only=False)
@@ -548,7 +549,7 @@ def _worker(result_path: str, mode: str = "screen") -> int:
         raise SystemExit(128 + signum)  # unwinds through kat.execute, which kills its children
 
     signal.signal(signal.SIGTERM, on_term)
-    from screener import kat
+    from screener.known_answer import kat
     from screener.errors import ScreenerError
 
     opts = json.loads(sys.stdin.read() or "{}")
@@ -577,5 +578,5 @@ def _worker(result_path: str, mode: str = "screen") -> int:
 if __name__ == "__main__":  # pragma: no cover - exercised through KatProcessRunner
     if len(sys.argv) in (3, 4) and sys.argv[1] == "worker":
         sys.exit(_worker(sys.argv[2], sys.argv[3] if len(sys.argv) == 4 else "screen"))
-    print("usage: python -m screener.screening worker RESULT.json [screen|burnin]", file=sys.stderr)
+    print("usage: python -m screener.agent.screening worker RESULT.json [screen|burnin]", file=sys.stderr)
     sys.exit(2)

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from screener import boundedjson
-from screener.types import ALARM_CHECK_REASONS, AlarmRecord
+from screener.types import ALARM_CHECK_REASONS, MAX_ID_LEN, AlarmRecord
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,6 @@ REJECTED = "rejected"
 MAX_ALARM_BYTES = 256 * 1024  # an alarm is a few KiB; anything this large is not one
 MAX_EVIDENCE_BYTES = 64 * 1024  # evidence is stored with the transition: keep it small
 MAX_DEPTH = 16
-MAX_ID_LEN = 128  # the Kubernetes store keeps 160 characters of a string in history
 MAX_NAME_LEN = 253  # a DNS subdomain, the longest Kubernetes node name
 MAX_RANKS = 65536
 MAX_SUSPECT_NODES = 64

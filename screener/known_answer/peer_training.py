@@ -1,11 +1,11 @@
 """Peer burn-in: the node under test trains a small model together with healthy peers, audited.
 
 Before a node takes work it can be cross-checked against nodes already known good: the node under
-test and at least two healthy nodes run a short DDP training of screener.synthetic's tiny language
+test and at least two healthy nodes run a short DDP training of screener.known_answer.synthetic's tiny language
 model (deterministic weights and data) with the in-job Auditor checking every step: the non-finite
 check, the ring replay audit (each rank's micro-batch recomputed on another node, a third node
 settling a mismatch) and the weight fingerprint vote. Then an all-reduce of a known pattern across
-all ranks checks the inter-node path and measures its bandwidth (screener.collective).
+all ranks checks the inter-node path and measures its bandwidth (screener.known_answer.allreduce).
 
 With three or more nodes the audit names a faulty rank, so the outcome says whom it blames:
 
@@ -17,7 +17,7 @@ With three or more nodes the audit names a faulty rank, so the outcome says whom
 
 Two ways to run it:
   * in a cluster, one pod per node (manifests/peer-burnin-job.yaml: an Indexed Job of three pods),
-    each `torchrun ... -m screener.peer --under-test NODE` with NCCL between the GPUs;
+    each `torchrun ... -m screener.known_answer.peer_training --under-test NODE` with NCCL between the GPUs;
   * on one machine, `run_local`: one process per simulated node with gloo on the CPU (the node
     names are set per process through NODE_NAME, which is how the audit tells nodes apart).
 
@@ -45,7 +45,7 @@ DEFAULT_PEERS = ("peer-a", "peer-b")
 
 @dataclass(frozen=True)
 class PeerFault:
-    """An operator fault on the node under test's first rank at one step (screener.faults)."""
+    """An operator fault on the node under test's first rank at one step (screener.known_answer.faults)."""
 
     step: int = 2
     op: str = "gelu"
@@ -57,7 +57,7 @@ class PeerFault:
     node: Optional[str] = None  # default: the node under test
 
     def spec(self) -> Any:
-        from screener.faults import FaultSpec
+        from screener.known_answer.faults import FaultSpec
 
         return FaultSpec(op=self.op, call=self.call, element=self.element, mode=self.mode,
                          factor=self.factor, bit=self.bit)
@@ -74,7 +74,7 @@ class PeerOptions:
     seed: int = 7
     batch: int = 2
     lr: float = 0.05
-    collective_numel: Optional[int] = None  # default: screener.collective's per device type
+    collective_numel: Optional[int] = None  # default: screener.known_answer.allreduce's per device type
     collective_iterations: int = 3
     alarm_dir: Optional[str] = None  # None: $SCREENER_ALARM_DIR (the DaemonSet's drop)
     job: str = "peer-burnin"
@@ -82,7 +82,7 @@ class PeerOptions:
 
 
 def _batch_fn(seed: int, batch: int, device: str) -> Any:
-    from screener import synthetic
+    from screener.known_answer import synthetic
 
     def batch_for(rank: int, step: int) -> Any:
         tokens, targets = synthetic.batch_for(seed, rank, step, batch=batch, seq=SEQ,
@@ -98,10 +98,11 @@ def peer_rank(rank: int, world: int, device: str, *, options: PeerOptions) -> di
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from screener import faults, synthetic
+    from screener.known_answer import faults
+    from screener.known_answer import synthetic
     from screener.audit import Auditor, NumericFailure, SDCAlarm
     from screener.audit.topology import node_name
-    from screener.collective import known_sum_rank
+    from screener.known_answer.allreduce import known_sum_rank
     from screener.determinism import make_deterministic
 
     node = node_name()
@@ -253,7 +254,7 @@ def run_local(options: PeerOptions, *, peers: Sequence[str] = DEFAULT_PEERS, ran
     """The peer burn-in on this machine: one process per rank, gloo on the CPU, the node under
     test and the peers as simulated nodes. Alarm files go to options.alarm_dir (default: a
     temporary folder, so a laptop run drops nothing into the real alarm folder)."""
-    from screener.collective import run_group
+    from screener.known_answer.allreduce import run_group
     from screener.errors import BadInputError
 
     if len(peers) < 2:
@@ -271,13 +272,13 @@ def run_local(options: PeerOptions, *, peers: Sequence[str] = DEFAULT_PEERS, ran
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point under torchrun (one process per GPU on each node): `-m screener.peer`."""
+    """Entry point under torchrun (one process per GPU on each node): `-m screener.known_answer.peer_training`."""
     import datetime
 
     import torch
     import torch.distributed as dist
 
-    p = argparse.ArgumentParser(prog="python -m screener.peer",
+    p = argparse.ArgumentParser(prog="python -m screener.known_answer.peer_training",
                                 description="Peer burn-in rank; run under torchrun on every node.")
     p.add_argument("--under-test", required=True, help="the node being burned in")
     p.add_argument("--steps", type=int, default=50)

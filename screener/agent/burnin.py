@@ -4,14 +4,14 @@
 
 1. the probes (NVML, kernel log, host): a node that is already visibly broken is reported so;
 2. the known-answer rounds (`run_burnin`): every job on every device for the duration, each
-   device in one child process for the whole burn-in (screener.kat.execute); every repeat is
+   device in one child process for the whole burn-in (screener.known_answer.kat.execute); every repeat is
    compared with the first (self-consistency), the first with the golden record of the device's
    platform and with the device's peers. Its BurninReport has a per-device, per-job table;
-3. the HBM pattern test on every GPU (screener.hbm);
-4. the intra-node all-reduce check with its bandwidth (screener.collective);
+3. the HBM pattern test on every GPU (screener.health.hbm);
+4. the intra-node all-reduce check with its bandwidth (screener.known_answer.allreduce);
 5. the cross-check of its known-answer digests with other nodes of the same platform, from their
-   annotations (screener.crosscheck; only with the kube store);
-   (with --peers, on one machine: the peer burn-in of screener.peer with simulated peer nodes;)
+   annotations (screener.known_answer.crosscheck; only with the kube store);
+   (with --peers, on one machine: the peer burn-in of screener.known_answer.peer_training with simulated peer nodes;)
 6. the probes again: counters that rose under the sustained load (ECC, Xid, throttling) show here;
 7. the lifecycle: probe findings, then every verdict of the stages as one known-answer screen,
    moving the node to healthy (all pass), suspect, quarantined or repair (lemon rule). Only a FULL
@@ -25,7 +25,7 @@
 
 Each stage is a function of plain inputs; the known-answer rounds are passed to run_full_burnin
 as a callable, so the sequence only orders the stages, collects their verdicts and decides the
-exit code. The CLI shows progress through screener.progress (run_full_burnin's `progress` and
+exit code. The CLI shows progress through screener.output.progress (run_full_burnin's `progress` and
 `step`); `TextProgress` is the older known-answer-only bar, kept for library callers.
 """
 
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Optional, Sequence, TextIO
 
 from screener.errors import BadInputError
-from screener.kat import (DEFAULT_TIMEOUT, DeviceFault, Progress, ScreenResult, execute,
+from screener.known_answer.kat import (DEFAULT_TIMEOUT, DeviceFault, Progress, ScreenResult, execute,
                           golden_lookup, judge, prevalidate_goldens, resolve_devices,
                           resolve_jobs)
 from screener.types import ExitCode, NodeState, Outcome, Severity, Verdict
@@ -167,7 +167,7 @@ def run_burnin(devices: Optional[Sequence[str]] = None, jobs: Optional[Sequence[
     specs = resolve_jobs(jobs, jobs_dir, quick_only=False)
     devs = resolve_devices(devices)
     if golden_dir is None:
-        from screener.golden import default_golden_dir
+        from screener.known_answer.golden import default_golden_dir
 
         golden_dir = str(default_golden_dir())
     prevalidate_goldens(golden_dir, specs)
@@ -440,7 +440,7 @@ def mark_confirmed(v: Verdict, iterations: int) -> Verdict:
 def hbm_stage(devices: Sequence[str], plan: BurninPlan, inject: Any = None,
               step: Optional[Callable[[str], None]] = None) -> Stage:
     """The HBM pattern test on every device; step(item) after each pattern (progress)."""
-    from screener.hbm import hbm_test
+    from screener.health.hbm import hbm_test
 
     t0 = time.monotonic()
     results = [hbm_test(d, fraction=plan.hbm_fraction, max_bytes=plan.hbm_max_bytes,
@@ -462,7 +462,7 @@ def hbm_stage(devices: Sequence[str], plan: BurninPlan, inject: Any = None,
 
 
 def collective_stage(devices: Sequence[str], plan: BurninPlan, inject: Any = None) -> Stage:
-    from screener.collective import run_collective
+    from screener.known_answer.allreduce import run_collective
 
     t0 = time.monotonic()
     r = run_collective(devices, numel=plan.collective_numel, inject=inject)
@@ -482,7 +482,7 @@ def crosscheck_stage(node: str, screen: ScreenResult, store: Any) -> Stage:
 def crosscheck_digests_stage(node: str, verdicts: Sequence[Verdict],
                              digests: Mapping[str, Mapping[str, str]], store: Any) -> Stage:
     """The cross-check of this node's known-answer digests with its same-platform peers'."""
-    from screener.crosscheck import cross_check, peer_digests, platform_digests
+    from screener.known_answer.crosscheck import cross_check, peer_digests, platform_digests
 
     t0 = time.monotonic()
     cc = cross_check(platform_digests(verdicts, digests), peer_digests(store, node))
@@ -493,8 +493,8 @@ def crosscheck_digests_stage(node: str, verdicts: Sequence[Verdict],
 
 
 def peers_stage(node: str, peers: Sequence[str], steps: int) -> Stage:
-    """The peer burn-in on this machine (simulated nodes, gloo): screener.peer.run_local."""
-    from screener.peer import PeerOptions, run_local
+    """The peer burn-in on this machine (simulated nodes, gloo): screener.known_answer.peer_training.run_local."""
+    from screener.known_answer.peer_training import PeerOptions, run_local
 
     t0 = time.monotonic()
     r = run_local(PeerOptions(under_test=node, steps=steps), peers=peers)
@@ -521,13 +521,13 @@ def run_full_burnin(node: str, devices: Sequence[str], kat: Callable[[], BurninR
     kat(): runs the known-answer rounds and returns a BurninReport (run_burnin). store: the
     node's store (local or kube), or None to move nothing. probe(previous): the health probes.
     peers: names of simulated peer nodes for a local peer burn-in stage (none: no such stage; in a
-    cluster the peer burn-in is its own Indexed Job, see screener.peer).
+    cluster the peer burn-in is its own Indexed Job, see screener.known_answer.peer_training).
     requirement: what makes the run full (default BurninRequirement(): one hour); a partial run is
     recorded as partial and never makes a node healthy.
-    progress(name): a stage starts; step(item): an item of it finished (screener.progress).
+    progress(name): a stage starts; step(item): an item of it finished (screener.output.progress).
     """
-    from screener import lifecycle
-    from screener.stores import apply_event
+    from screener.lifecycle import machine as lifecycle
+    from screener.lifecycle.apply import apply_event
 
     report = FullBurninReport(node=node)
     findings: list[Any] = []

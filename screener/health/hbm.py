@@ -26,7 +26,7 @@ from screener.types import Outcome, Verdict
 PATTERNS = ("zeros", "ones", "checker_a", "checker_5", "walking_one", "address")
 CHUNK_BYTES = 256 * 1024 * 1024
 CPU_MAX_BYTES = 64 * 1024 * 1024
-EVIDENCE_CONFIRMED = "confirmed"  # the lifecycle's key (screener.lifecycle.EVIDENCE_CONFIRMED)
+EVIDENCE_CONFIRMED = "confirmed"  # the lifecycle's key (screener.lifecycle.machine.EVIDENCE_CONFIRMED)
 
 # (chunks, pattern name) -> None: fault injection between writing and reading (tests, drills).
 Inject = Callable[[Sequence[torch.Tensor], str], None]

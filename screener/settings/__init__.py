@@ -1,0 +1,1 @@
+"""Settings: every config table as a frozen dataclass, built strictly (an unknown key is an error) at load."""
