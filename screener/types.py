@@ -100,21 +100,57 @@ MAX_ID_LEN = 128
 NODE_NAME_ENV = "NODE_NAME"
 EXIT_DIR_ENV = "SCREENER_EXIT_DIR"  # set by screener launch: run_guarded records its exit code there
 
-# Condition reasons (CamelCase, as Kubernetes expects).
-REASON_KAT_MISMATCH = "KnownAnswerMismatch"
-REASON_RING_REPLAY = "RingReplayMismatch"
-REASON_WEIGHTS = "WeightFingerprintMismatch"
-REASON_NONFINITE = "NonFiniteGradient"
-REASON_ROW_REMAP = "RowRemapFailure"
+class StrValue(str, enum.Enum):
+    """A str enum that formats as its value on every Python (f-strings, str(), JSON, YAML).
 
-ALARM_CHECK_REASONS: Mapping[str, str] = {
-    "nonfinite_local": REASON_NONFINITE,
-    "nonfinite_reduced": REASON_NONFINITE,
-    "ring_replay": REASON_RING_REPLAY,
-    "weights": REASON_WEIGHTS,
-    "straggler": "Straggler",  # screener.audit.straggler: a rank slower than its peers for w steps
+    Python 3.11 made format() of a (str, Enum) member give `Class.NAME`; values that end up in
+    Kubernetes objects, alarm files and messages must stay the plain strings they always were.
+    """
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class Reason(StrValue):
+    """The CamelCase reason of a transition: the GPUHardwareSuspect condition's and the Event's.
+
+    Reasons derived from a probe finding's code (e.g. RowRemapPending) are made from the code by
+    screener.lifecycle.machine.camel and are not listed here.
+    """
+
+    # evidence against the hardware
+    KAT_MISMATCH = "KnownAnswerMismatch"
+    RING_REPLAY = "RingReplayMismatch"
+    WEIGHTS = "WeightFingerprintMismatch"
+    NONFINITE = "NonFiniteGradient"
+    ROW_REMAP = "RowRemapFailure"
+    STRAGGLER = "Straggler"
+    HARDWARE_ERROR_IN_JOB = "HardwareErrorInJob"
+    REPEATED_FAILURES = "RepeatedFailures"
+    RESET_REQUIRED = "ResetRequired"
+    # the lifecycle's own moves
+    NEW_NODE = "NewNode"
+    KAT_PASSED = "KnownAnswerPassed"
+    BUDGET = "QuarantineBudgetExhausted"
+    REMEDIATED = "RemediationPassed"
+    REMEDIATION_FAILED = "RemediationFailed"
+    MANUAL = "ManualDecision"
+    ADOPTED = "AdoptedUnscreened"
+    REPLACED = "NodeReplaced"
+
+
+# What each alarm check (AlarmRecord.check) means as a transition reason.
+ALARM_CHECK_REASONS: Mapping[str, Reason] = {
+    "nonfinite_local": Reason.NONFINITE,
+    "nonfinite_reduced": Reason.NONFINITE,
+    "ring_replay": Reason.RING_REPLAY,
+    "weights": Reason.WEIGHTS,
+    "straggler": Reason.STRAGGLER,  # screener.audit.straggler: a rank slower than its peers for w steps
     # screener.audit.run_guarded: a worker ended with 75 on a hardware error (ECC, uncorrectable)
-    "hardware_error": "HardwareErrorInJob",
+    "hardware_error": Reason.HARDWARE_ERROR_IN_JOB,
 }
 
 

@@ -66,7 +66,7 @@ from screener.lifecycle.apply import apply_event, reconsider_held
 from screener.lifecycle.ports import Store
 from screener.lifecycle.records import ACTOR_HUMAN
 from screener.types import (ANNOTATION_DIGESTS, AlarmRecord, ExitCode, Finding, NodeState, Outcome,
-                            Severity)
+                            Reason, Severity)
 
 log = logging.getLogger("screener.daemon")
 
@@ -180,7 +180,7 @@ def _xid_key(f: Finding) -> tuple[str, str, int]:
 def _is_recovery(t: Any) -> bool:
     """A transition after which earlier Xids no longer hold the node: a person's decision, or a
     remediation (deep health check, GPU reset) that passed."""
-    return t.actor == ACTOR_HUMAN or t.code == lifecycle.CODE_REMEDIATED
+    return t.actor == ACTOR_HUMAN or t.code == Reason.REMEDIATED
 
 
 def _boot_time() -> float:

@@ -20,11 +20,10 @@ from typing import Any, Optional
 import click
 
 from screener.errors import BadInputError
-from screener.types import ExitCode, NodeState
+from screener.types import ExitCode, NodeState, Reason
 
 log = logging.getLogger(__name__)
 
-CODE_REPLACED = "NodeReplaced"
 
 
 # --- shared plumbing ------------------------------------------------------------------------------
@@ -304,7 +303,7 @@ def replace_cmd(ctx: click.Context, nodes: tuple[str, ...], cluster: str, region
             store.record(Transition(
                 node=name, time=now, from_state=state, to_state=NodeState.REPAIR,
                 reason=f"{why}: SageMaker HyperPod BatchReplaceClusterNodes accepted instance "
-                       f"{n.instance_id}", actor=ACTOR_HUMAN, code=CODE_REPLACED,
+                       f"{n.instance_id}", actor=ACTOR_HUMAN, code=Reason.REPLACED,
                 evidence={"hyperpod": {"action": "replace", **n.to_dict()}},
                 actions=(Action.REQUEST_REPAIR.value,)))
             recorded.append(name)

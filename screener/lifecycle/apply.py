@@ -15,7 +15,7 @@ from screener.lifecycle import machine as lifecycle
 from screener.lifecycle.ports import NodeTxn, Store
 from screener.lifecycle.records import (ACTOR_SCREENER, BUDGET_STATES, BudgetConflict, StaleTransition,
                                         Transition)
-from screener.types import NodeState
+from screener.types import NodeState, Reason
 
 __all__ = ["apply_event", "reconsider_held"]
 
@@ -105,7 +105,7 @@ def reconsider_held(store: Store, node: str, state: Optional[NodeState] = None, 
                     node=node, time=now, from_state=NodeState.SUSPECT, to_state=wanted,
                     reason=f"a quarantine budget slot is free ({txn.out_of_service + 1} of {limit}); "
                            f"held since {held.time:.0f}: {held.reason}"[:1024],
-                    actor=ACTOR_SCREENER, code=lifecycle.CODE_BUDGET,
+                    actor=ACTOR_SCREENER, code=Reason.BUDGET,
                     evidence={"released_by_budget": {"held_transition": held.id,
                                                      "limit": limit, "fleet": txn.fleet_total,
                                                      "out_of_service": txn.out_of_service}},

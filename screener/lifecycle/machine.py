@@ -44,8 +44,8 @@ from typing import Any, Mapping, Optional, Sequence, Union
 from screener.settings import strict as configs
 from screener.errors import ConfigError, TransitionRefused
 from screener.lifecycle.records import ACTOR_HUMAN, ACTOR_SCREENER, Transition
-from screener.types import (ALARM_CHECK_REASONS, REASON_KAT_MISMATCH, AlarmRecord, Finding, NodeState,
-                            Outcome, Severity, Verdict)
+from screener.types import (ALARM_CHECK_REASONS, BUDGET_STATES, AlarmRecord, Finding, NodeState,
+                            Outcome, Reason, Severity, Verdict)
 
 S = NodeState
 
@@ -70,18 +70,6 @@ REPAIR_CODES = frozenset({"row_remap_failure", "ecc_uncorrectable_recurring",
 RESET_CODES = frozenset({"row_remap_pending", "retired_pages_pending"})
 # Alarm check of a persistent straggler (screener.audit.straggler.write_straggler_alarm).
 STRAGGLER_CHECK = "straggler"
-
-# Condition/Event reasons for transitions that are not about a particular check.
-CODE_NEW_NODE = "NewNode"
-CODE_KAT_PASSED = "KnownAnswerPassed"
-CODE_REPEATED_FAILURES = "RepeatedFailures"
-CODE_BUDGET = "QuarantineBudgetExhausted"
-CODE_REMEDIATED = "RemediationPassed"
-CODE_REMEDIATION_FAILED = "RemediationFailed"
-CODE_MANUAL = "ManualDecision"
-CODE_RESET_REQUIRED = "ResetRequired"
-CODE_ADOPTED = "AdoptedUnscreened"
-CODE_STRAGGLER = "Straggler"
 
 
 class Action(str, enum.Enum):
@@ -397,21 +385,21 @@ def _classify(event: Any, current: Optional[NodeState]) -> _Signal:
             confirmed = event.confirmed or any(v.evidence.get(EVIDENCE_CONFIRMED) for v in bad)
             evidence = {"verdicts": verdicts, "confirmed": bool(confirmed)}
             if confirmed:
-                return _Signal("failure", REASON_KAT_MISMATCH,
+                return _Signal("failure", Reason.KAT_MISMATCH,
                                f"known-answer mismatch confirmed by a re-run on {devices}{where}",
                                evidence, serials)
             if current == S.SUSPECT:
                 # The node is suspect and this is the confirming screen we asked for: it failed.
-                return _Signal("failure", REASON_KAT_MISMATCH,
+                return _Signal("failure", Reason.KAT_MISMATCH,
                                f"confirming known-answer screen mismatched on {devices}{where}",
                                evidence, serials)
-            return _Signal("ambiguous", REASON_KAT_MISMATCH,
+            return _Signal("ambiguous", Reason.KAT_MISMATCH,
                            f"known-answer mismatch on {devices}{where}, not yet re-run",
                            evidence, serials)
         if event.verdicts and all(v.outcome == Outcome.PASS for v in event.verdicts):
             what = {KIND_FULL: "full burn-in", KIND_PARTIAL: "partial burn-in"}.get(
                 event.kind, "known-answer screen")
-            return _Signal("pass", CODE_KAT_PASSED,
+            return _Signal("pass", Reason.KAT_PASSED,
                            f"{what} passed on {len(event.verdicts)} device(s)",
                            {"verdicts": verdicts, "screen_kind": event.kind})
         return _Signal("none", "", "known-answer screen inconclusive; an inconclusive screen "
@@ -432,7 +420,7 @@ def _classify(event: Any, current: Optional[NodeState]) -> _Signal:
             reset = [f for f in relevant if f.code in RESET_CODES]
             if reset:
                 # A pending remap takes effect only at a GPU reset: the node stays out until then.
-                return _Signal("ambiguous", CODE_RESET_REQUIRED,
+                return _Signal("ambiguous", Reason.RESET_REQUIRED,
                                f"reset required: {reset[0].message}", evidence, serials)
             return _Signal("ambiguous", camel(worst.code), text, evidence, serials)
         return _Signal("none", "", "clean telemetry never clears or blames a node", {})
@@ -448,7 +436,7 @@ def _classify(event: Any, current: Optional[NodeState]) -> _Signal:
                 + (f": {float(slow):.0%} slower than the median" if isinstance(slow, (int, float))
                    else "") + (f" for {figures['consecutive']} steps" if "consecutive" in figures
                                else ""))
-        return _Signal("ambiguous", CODE_STRAGGLER, text, evidence,
+        return _Signal("ambiguous", Reason.STRAGGLER, text, evidence,
                        _dedupe(_serials(event.evidence)), step=event.step, job=event.job or None,
                        since=event.created if event.created > 0 else None)
 
@@ -517,7 +505,7 @@ def decide(node: str, current: Optional[NodeState], event: Any, *, now: float,
         actions = tuple(a.value for a in _ENTRY_ACTIONS[event.to_state])
         evidence: dict[str, Any] = {"user": event.user} if event.user else {}
         t = Transition(node=node, time=now, from_state=current, to_state=event.to_state,
-                       reason=event.reason.strip(), actor=ACTOR_HUMAN, code=CODE_MANUAL,
+                       reason=event.reason.strip(), actor=ACTOR_HUMAN, code=Reason.MANUAL,
                        evidence=evidence, actions=actions)
         return Decision(state=event.to_state, transitions=(t,), actions=actions)
 
@@ -526,13 +514,13 @@ def decide(node: str, current: Optional[NodeState], event: Any, *, now: float,
             return Decision(state=current, note="known node: adoption applies only to a new one")
         t = Transition(node=node, time=now, from_state=None, to_state=S.HEALTHY,
                        reason=f"adopted as healthy but not yet screened: {event.why}; screened at "
-                              "its next idle window", code=CODE_ADOPTED,
+                              "its next idle window", code=Reason.ADOPTED,
                        evidence={"adopted": True, "why": event.why, "screen_kind": "unscreened"})
         return Decision(state=S.HEALTHY, transitions=(t,))
 
     if current is None:
         t = Transition(node=node, time=now, from_state=None, to_state=S.BURNIN,
-                       reason="new node: screened before it takes work", code=CODE_NEW_NODE,
+                       reason="new node: screened before it takes work", code=Reason.NEW_NODE,
                        actions=(Action.START_BURNIN.value,))
         transitions.append(t)
         current = S.BURNIN
@@ -568,9 +556,9 @@ def decide(node: str, current: Optional[NodeState], event: Any, *, now: float,
                               **dict(event.evidence)}}
         if event.passed:
             return move(S.BURNIN, f"remediation passed{': ' + event.detail if event.detail else ''}; "
-                        "burn-in must prove the node", CODE_REMEDIATED, ev)
+                        "burn-in must prove the node", Reason.REMEDIATED, ev)
         return move(S.REPAIR, f"remediation failed{': ' + event.detail if event.detail else ''}",
-                    CODE_REMEDIATION_FAILED, ev, failure=True)
+                    Reason.REMEDIATION_FAILED, ev, failure=True)
 
     sig = _classify(event, current)
 
@@ -621,7 +609,7 @@ def decide(node: str, current: Optional[NodeState], event: Any, *, now: float,
     if lemon:
         evidence["lemon"] = lemon
         reason = f"{lemon['why']}; latest: {sig.reason}"
-        code = CODE_REPEATED_FAILURES
+        code = Reason.REPEATED_FAILURES
     rollback = _rollback(current, history, sig, now)
     if current not in OUT_OF_SERVICE:
         limit = policy.budget_limit(fleet.total)
@@ -640,10 +628,10 @@ def decide(node: str, current: Optional[NodeState], event: Any, *, now: float,
                 acts = (Action.ALERT_BUDGET_EXHAUSTED.value,)
                 transitions.append(Transition(
                     node=node, time=now, from_state=S.SUSPECT, to_state=S.SUSPECT, reason=held,
-                    actor=ACTOR_SCREENER, code=CODE_BUDGET, evidence=evidence, failure=True,
+                    actor=ACTOR_SCREENER, code=Reason.BUDGET, evidence=evidence, failure=True,
                     gpu_serials=sig.serials, rollback=rollback, actions=acts))
                 return Decision(state=S.SUSPECT, transitions=tuple(transitions), actions=acts)
-            return move(S.SUSPECT, held, CODE_BUDGET, evidence, failure=True, serials=sig.serials,
+            return move(S.SUSPECT, held, Reason.BUDGET, evidence, failure=True, serials=sig.serials,
                         rollback=rollback, actions=(Action.ALERT_BUDGET_EXHAUSTED,))
     return move(target, reason, code, evidence, failure=True, serials=sig.serials, rollback=rollback)
 
