@@ -278,3 +278,40 @@ class AlarmRecord:
                    settled=d["settled"], suspect_ranks=ranks, suspect_nodes=nodes,
                    node=str(d["node"]), job=str(d.get("job") or ""),
                    created=float(d.get("created") or 0.0), evidence=dict(d.get("evidence") or {}))
+
+
+class RunStatus(StrValue):
+    """How a device's known-answer child ended (screener.known_answer.runs.DeviceRun.status).
+
+    Only OK runs are compared; the others become a verdict (or an exception) on their own, and
+    the value is written as the verdict evidence's "status".
+    """
+
+    OK = "ok"
+    TIMEOUT = "timeout"  # no progress within the timeout; killed by the parent
+    CRASH = "crash"  # died of a signal other than SIGKILL, or exited without finishing
+    KILLED = "killed"  # SIGKILL from outside (the OOM killer, an operator): not the device
+    DEVICE_ERROR = "device_error"  # a CUDA error, ECC, illegal access inside a job
+    SCREENER_ERROR = "screener_error"  # a bug of ours in the child: ScreenerError, exit 1
+    BAD_INPUT = "bad_input"  # a missing device, a job that cannot fit: BadInputError, exit 2
+
+
+class KatReason(StrValue):
+    """Why a device's known-answer verdict is not a pass (Verdict.reason of a screen).
+
+    The first four repeat the RunStatus a child ended with; the rest come from comparing results
+    with goldens, peers and the device's own repeats (screener.known_answer.judgment).
+    """
+
+    TIMEOUT = "timeout"
+    CRASH = "crash"
+    KILLED = "killed"
+    DEVICE_ERROR = "device_error"
+    SELF_MISMATCH = "self_mismatch"  # the device disagrees with its own repeats
+    GOLDEN_MISMATCH = "golden_mismatch"
+    PEER_MISMATCH = "peer_mismatch"  # differs from a strict majority of its platform's devices
+    PEER_SPLIT = "peer_split"  # devices of one platform disagree and no strict majority agrees
+    GOLDEN_DISAGREES_WITH_PEERS = "golden_disagrees_with_peers"
+    SIBLING_GOLDEN_DIFFERS = "sibling_golden_differs"
+    NO_GOLDEN = "no_golden"
+    INCOMPLETE = "incomplete"  # the job produced no result on the device
