@@ -118,8 +118,6 @@ TRANSITIONS: Mapping[tuple[Optional[NodeState], NodeState], frozenset[Trigger]] 
     (S.REPAIR, S.BURNIN): frozenset({H}),
 }
 
-OUT_OF_SERVICE = frozenset({S.QUARANTINED, S.REPAIR})
-
 _ENTRY_ACTIONS: Mapping[NodeState, tuple[Action, ...]] = {
     S.BURNIN: (Action.START_BURNIN,),
     S.HEALTHY: (),
@@ -201,7 +199,7 @@ class FleetCounts:
     def from_states(cls, states: Mapping[str, NodeState], node: str) -> "FleetCounts":
         """Counts from a store's all_states(); `node` itself is included in the total only."""
         names = set(states) | {node}
-        out = sum(1 for n, s in states.items() if n != node and s in OUT_OF_SERVICE)
+        out = sum(1 for n, s in states.items() if n != node and s in BUDGET_STATES)
         return cls(total=len(names), out_of_service=out)
 
 
@@ -352,11 +350,20 @@ def earned_healthy(history: Sequence[Transition]) -> bool:
     return False
 
 
+class SignalKind(enum.Enum):
+    """What an automatic input says about the node, for the policy."""
+
+    FAILURE = "failure"  # confirmed: quarantine (or repair)
+    AMBIGUOUS = "ambiguous"  # one unconfirmed signal: suspect, confirm by a screen
+    PASS = "pass"  # a passing known-answer screen
+    NONE = "none"  # nothing to act on
+
+
 @dataclass(frozen=True)
 class _Signal:
     """An automatic input reduced to what the policy needs."""
 
-    kind: str  # "failure", "ambiguous", "pass", "none"
+    kind: SignalKind
     code: str
     reason: str
     evidence: Mapping[str, Any]
@@ -373,87 +380,95 @@ def _classify(event: Any, current: Optional[NodeState]) -> _Signal:
         event = KatScreen(tuple(event))
     elif isinstance(event, (list, tuple)) and all(isinstance(f, Finding) for f in event):
         event = Findings(tuple(event))
-
     if isinstance(event, KatScreen):
-        bad = [v for v in event.verdicts if v.outcome == Outcome.SUSPECT]
-        verdicts = [v.to_dict() for v in event.verdicts]
-        if bad:
-            serials = _dedupe([s for v in bad for s in _serials(v.evidence)])
-            devices = ", ".join(v.device for v in bad)
-            first = bad[0]
-            where = f" (job {first.job}, step {first.step}, tensor {first.tensor})" if first.job else ""
-            confirmed = event.confirmed or any(v.evidence.get(EVIDENCE_CONFIRMED) for v in bad)
-            evidence = {"verdicts": verdicts, "confirmed": bool(confirmed)}
-            if confirmed:
-                return _Signal("failure", Reason.KAT_MISMATCH,
-                               f"known-answer mismatch confirmed by a re-run on {devices}{where}",
-                               evidence, serials)
-            if current == S.SUSPECT:
-                # The node is suspect and this is the confirming screen we asked for: it failed.
-                return _Signal("failure", Reason.KAT_MISMATCH,
-                               f"confirming known-answer screen mismatched on {devices}{where}",
-                               evidence, serials)
-            return _Signal("ambiguous", Reason.KAT_MISMATCH,
-                           f"known-answer mismatch on {devices}{where}, not yet re-run",
-                           evidence, serials)
-        if event.verdicts and all(v.outcome == Outcome.PASS for v in event.verdicts):
-            what = {KIND_FULL: "full burn-in", KIND_PARTIAL: "partial burn-in"}.get(
-                event.kind, "known-answer screen")
-            return _Signal("pass", Reason.KAT_PASSED,
-                           f"{what} passed on {len(event.verdicts)} device(s)",
-                           {"verdicts": verdicts, "screen_kind": event.kind})
-        return _Signal("none", "", "known-answer screen inconclusive; an inconclusive screen "
-                       "never clears or blames a node", {"verdicts": verdicts})
-
+        return _classify_screen(event, current)
     if isinstance(event, Findings):
-        if not event.findings:
-            return _Signal("none", "", "no findings", {})
-        worst = max(event.findings, key=lambda f: f.severity)
-        relevant = [f for f in event.findings if f.severity >= Severity.WARNING]
-        serials = _dedupe([s for f in relevant for s in _serials(f.evidence)])
-        evidence = {"findings": [f.to_dict() for f in relevant]}
-        text = f"{worst.severity.label} finding {worst.code}" + (f" on GPU {worst.gpu}" if worst.gpu
-                                                                   else "") + f": {worst.message}"
-        if worst.severity >= Severity.CRITICAL:
-            return _Signal("failure", camel(worst.code), text, evidence, serials)
-        if worst.severity >= Severity.WARNING:
-            reset = [f for f in relevant if f.code in RESET_CODES]
-            if reset:
-                # A pending remap takes effect only at a GPU reset: the node stays out until then.
-                return _Signal("ambiguous", Reason.RESET_REQUIRED,
-                               f"reset required: {reset[0].message}", evidence, serials)
-            return _Signal("ambiguous", camel(worst.code), text, evidence, serials)
-        return _Signal("none", "", "clean telemetry never clears or blames a node", {})
-
+        return _classify_findings(event)
     if isinstance(event, AlarmRecord) and event.check == STRAGGLER_CHECK:
-        # A straggler is slow, not wrong: never a failure, always the confirming screen.
-        figures = {k: event.evidence.get(k) for k in ("slowdown", "score", "consecutive",
-                                                      "median", "duration", "window", "k")
-                   if k in event.evidence}
-        evidence = {"alarm": event.to_dict(), "straggler": figures}
-        slow = figures.get("slowdown")
-        text = (f"straggler at step {event.step}" + (f" of job {event.job}" if event.job else "")
-                + (f": {float(slow):.0%} slower than the median" if isinstance(slow, (int, float))
-                   else "") + (f" for {figures['consecutive']} steps" if "consecutive" in figures
-                               else ""))
-        return _Signal("ambiguous", Reason.STRAGGLER, text, evidence,
-                       _dedupe(_serials(event.evidence)), step=event.step, job=event.job or None,
-                       since=event.created if event.created > 0 else None)
-
+        return _classify_straggler(event)
     if isinstance(event, AlarmRecord):
-        code = ALARM_CHECK_REASONS.get(event.check, camel(event.check))
-        evidence = {"alarm": event.to_dict()}
-        where = f"in-job alarm {event.check} at step {event.step}" + (f" of job {event.job}"
-                                                                      if event.job else "")
-        since = event.created if event.created > 0 else None
-        if event.settled:
-            return _Signal("failure", code, f"settled {where}", evidence, _dedupe(_serials(event.evidence)),
-                           step=event.step, job=event.job or None, since=since)
-        return _Signal("ambiguous", code, f"unsettled {where}", evidence,
-                       _dedupe(_serials(event.evidence)), step=event.step, job=event.job or None,
-                       since=since)
-
+        return _classify_alarm(event)
     raise TypeError(f"not a lifecycle input: {type(event).__name__}")
+
+
+def _classify_screen(event: KatScreen, current: Optional[NodeState]) -> _Signal:
+    bad = [v for v in event.verdicts if v.outcome == Outcome.SUSPECT]
+    verdicts = [v.to_dict() for v in event.verdicts]
+    if bad:
+        serials = _dedupe([s for v in bad for s in _serials(v.evidence)])
+        devices = ", ".join(v.device for v in bad)
+        first = bad[0]
+        where = f" (job {first.job}, step {first.step}, tensor {first.tensor})" if first.job else ""
+        confirmed = event.confirmed or any(v.evidence.get(EVIDENCE_CONFIRMED) for v in bad)
+        evidence = {"verdicts": verdicts, "confirmed": bool(confirmed)}
+        if confirmed:
+            return _Signal(SignalKind.FAILURE, Reason.KAT_MISMATCH,
+                           f"known-answer mismatch confirmed by a re-run on {devices}{where}",
+                           evidence, serials)
+        if current == S.SUSPECT:
+            # The node is suspect and this is the confirming screen we asked for: it failed.
+            return _Signal(SignalKind.FAILURE, Reason.KAT_MISMATCH,
+                           f"confirming known-answer screen mismatched on {devices}{where}",
+                           evidence, serials)
+        return _Signal(SignalKind.AMBIGUOUS, Reason.KAT_MISMATCH,
+                       f"known-answer mismatch on {devices}{where}, not yet re-run",
+                       evidence, serials)
+    if event.verdicts and all(v.outcome == Outcome.PASS for v in event.verdicts):
+        what = {KIND_FULL: "full burn-in", KIND_PARTIAL: "partial burn-in"}.get(
+            event.kind, "known-answer screen")
+        return _Signal(SignalKind.PASS, Reason.KAT_PASSED,
+                       f"{what} passed on {len(event.verdicts)} device(s)",
+                       {"verdicts": verdicts, "screen_kind": event.kind})
+    return _Signal(SignalKind.NONE, "", "known-answer screen inconclusive; an inconclusive "
+                   "screen never clears or blames a node", {"verdicts": verdicts})
+
+
+def _classify_findings(event: Findings) -> _Signal:
+    if not event.findings:
+        return _Signal(SignalKind.NONE, "", "no findings", {})
+    worst = max(event.findings, key=lambda f: f.severity)
+    relevant = [f for f in event.findings if f.severity >= Severity.WARNING]
+    serials = _dedupe([s for f in relevant for s in _serials(f.evidence)])
+    evidence = {"findings": [f.to_dict() for f in relevant]}
+    on_gpu = f" on GPU {worst.gpu}" if worst.gpu else ""
+    text = f"{worst.severity.label} finding {worst.code}{on_gpu}: {worst.message}"
+    if worst.severity >= Severity.CRITICAL:
+        return _Signal(SignalKind.FAILURE, camel(worst.code), text, evidence, serials)
+    if worst.severity >= Severity.WARNING:
+        reset = [f for f in relevant if f.code in RESET_CODES]
+        if reset:
+            # A pending remap takes effect only at a GPU reset: the node stays out until then.
+            return _Signal(SignalKind.AMBIGUOUS, Reason.RESET_REQUIRED,
+                           f"reset required: {reset[0].message}", evidence, serials)
+        return _Signal(SignalKind.AMBIGUOUS, camel(worst.code), text, evidence, serials)
+    return _Signal(SignalKind.NONE, "", "clean telemetry never clears or blames a node", {})
+
+
+def _classify_straggler(event: AlarmRecord) -> _Signal:
+    """A straggler is slow, not wrong: never a failure, always the confirming screen."""
+    figures = {k: event.evidence.get(k) for k in ("slowdown", "score", "consecutive",
+                                                  "median", "duration", "window", "k")
+               if k in event.evidence}
+    evidence = {"alarm": event.to_dict(), "straggler": figures}
+    slow = figures.get("slowdown")
+    text = (f"straggler at step {event.step}" + (f" of job {event.job}" if event.job else "")
+            + (f": {float(slow):.0%} slower than the median" if isinstance(slow, (int, float))
+               else "") + (f" for {figures['consecutive']} steps" if "consecutive" in figures
+                           else ""))
+    return _Signal(SignalKind.AMBIGUOUS, Reason.STRAGGLER, text, evidence,
+                   _dedupe(_serials(event.evidence)), step=event.step, job=event.job or None,
+                   since=event.created if event.created > 0 else None)
+
+
+def _classify_alarm(event: AlarmRecord) -> _Signal:
+    """An in-job alarm: settled ones are failures, unsettled ones ambiguous."""
+    code = ALARM_CHECK_REASONS.get(event.check, camel(event.check))
+    where = f"in-job alarm {event.check} at step {event.step}" + (f" of job {event.job}"
+                                                                  if event.job else "")
+    kind = SignalKind.FAILURE if event.settled else SignalKind.AMBIGUOUS
+    return _Signal(kind, code, f"{'settled' if event.settled else 'unsettled'} {where}",
+                   {"alarm": event.to_dict()}, _dedupe(_serials(event.evidence)), step=event.step,
+                   job=event.job or None, since=event.created if event.created > 0 else None)
 
 
 def _rollback(current: Optional[NodeState], history: Sequence[Transition], sig: _Signal,
@@ -492,148 +507,188 @@ def decide(node: str, current: Optional[NodeState], event: Any, *, now: float,
     Raises TransitionRefused for a person's command the table does not allow; automatic inputs
     that change nothing return a Decision without transitions.
     """
-    fleet = fleet or FleetCounts(total=1, out_of_service=0)
-    transitions: list[Transition] = []
-
     if isinstance(event, HumanCommand):
-        why = refusal(current, event.to_state, H)
-        if why:
-            raise TransitionRefused(f"node {node}: {current.value if current else '(new)'} -> "
-                                    f"{event.to_state.value} refused: {why}")
-        if not event.reason.strip():
-            raise TransitionRefused(f"node {node}: a person's decision needs a reason")
-        actions = tuple(a.value for a in _ENTRY_ACTIONS[event.to_state])
-        evidence: dict[str, Any] = {"user": event.user} if event.user else {}
-        t = Transition(node=node, time=now, from_state=current, to_state=event.to_state,
-                       reason=event.reason.strip(), actor=ACTOR_HUMAN, code=Reason.MANUAL,
-                       evidence=evidence, actions=actions)
-        return Decision(state=event.to_state, transitions=(t,), actions=actions)
-
+        return _human(node, current, event, now)
     if isinstance(event, Adopted):
-        if current is not None:
-            return Decision(state=current, note="known node: adoption applies only to a new one")
-        t = Transition(node=node, time=now, from_state=None, to_state=S.HEALTHY,
-                       reason=f"adopted as healthy but not yet screened: {event.why}; screened at "
-                              "its next idle window", code=Reason.ADOPTED,
-                       evidence={"adopted": True, "why": event.why, "screen_kind": "unscreened"})
-        return Decision(state=S.HEALTHY, transitions=(t,))
-
+        return _adopt(node, current, event, now)
+    d = _Deciding(node, current, list(history), now)
     if current is None:
-        t = Transition(node=node, time=now, from_state=None, to_state=S.BURNIN,
+        d.enter_burnin()
+        if isinstance(event, NodeSeen):
+            return d.stay("", (Action.START_BURNIN,))
+    if isinstance(event, NodeSeen):
+        return d.stay("known node")
+    if isinstance(event, Remediation):
+        return _on_remediation(d, event)
+    sig = _classify(event, d.current)
+    if sig.kind == SignalKind.NONE:
+        return d.stay(sig.reason)
+    if sig.kind == SignalKind.PASS:
+        return _on_pass(d, sig, event)
+    if d.current == S.REPAIR:
+        return d.stay("a node in repair is left only by a person")
+    if sig.kind == SignalKind.AMBIGUOUS:
+        return _on_ambiguous(d, sig)
+    return _on_failure(d, sig, event, failures, fleet or FleetCounts(total=1, out_of_service=0),
+                       policy)
+
+
+def _human(node: str, current: Optional[NodeState], event: HumanCommand, now: float) -> Decision:
+    """A person's command: any move the table allows a person, with a reason."""
+    why = refusal(current, event.to_state, H)
+    if why:
+        raise TransitionRefused(f"node {node}: {current.value if current else '(new)'} -> "
+                                f"{event.to_state.value} refused: {why}")
+    if not event.reason.strip():
+        raise TransitionRefused(f"node {node}: a person's decision needs a reason")
+    actions = tuple(a.value for a in _ENTRY_ACTIONS[event.to_state])
+    evidence: dict[str, Any] = {"user": event.user} if event.user else {}
+    t = Transition(node=node, time=now, from_state=current, to_state=event.to_state,
+                   reason=event.reason.strip(), actor=ACTOR_HUMAN, code=Reason.MANUAL,
+                   evidence=evidence, actions=actions)
+    return Decision(state=event.to_state, transitions=(t,), actions=actions)
+
+
+def _adopt(node: str, current: Optional[NodeState], event: Adopted, now: float) -> Decision:
+    """A node found serving with no state: healthy, marked unscreened."""
+    if current is not None:
+        return Decision(state=current, note="known node: adoption applies only to a new one")
+    t = Transition(node=node, time=now, from_state=None, to_state=S.HEALTHY,
+                   reason=f"adopted as healthy but not yet screened: {event.why}; screened at "
+                          "its next idle window", code=Reason.ADOPTED,
+                   evidence={"adopted": True, "why": event.why, "screen_kind": "unscreened"})
+    return Decision(state=S.HEALTHY, transitions=(t,))
+
+
+class _Deciding:
+    """One automatic decision in progress: the transitions made so far, and the two ways to end."""
+
+    def __init__(self, node: str, current: Optional[NodeState], history: list[Transition],
+                 now: float) -> None:
+        self.node, self.current, self.history, self.now = node, current, history, now
+        self.transitions: list[Transition] = []
+
+    def enter_burnin(self) -> None:
+        """A node never seen starts in burnin, before whatever the input does."""
+        t = Transition(node=self.node, time=self.now, from_state=None, to_state=S.BURNIN,
                        reason="new node: screened before it takes work", code=Reason.NEW_NODE,
                        actions=(Action.START_BURNIN.value,))
-        transitions.append(t)
-        current = S.BURNIN
-        history = list(history) + [t]
-        if isinstance(event, NodeSeen):
-            return Decision(state=current, transitions=tuple(transitions),
-                            actions=(Action.START_BURNIN.value,))
-    if isinstance(event, NodeSeen):
-        return Decision(state=current, note="known node")
+        self.transitions.append(t)
+        self.history.append(t)
+        self.current = S.BURNIN
 
-    def move(to: NodeState, reason: str, code: str, evidence: Mapping[str, Any], *,
+    def move(self, to: NodeState, reason: str, code: str, evidence: Mapping[str, Any], *,
              failure: bool = False, serials: tuple[str, ...] = (),
              rollback: Optional[Mapping[str, Any]] = None,
              actions: Optional[tuple[Action, ...]] = None) -> Decision:
-        why = refusal(current, to, A)
-        if why:  # a bug in this module, not a bad node: the policy below must follow the table
+        """Record a move the table allows the screener, and end the decision with it."""
+        why = refusal(self.current, to, A)
+        if why:  # a bug in this module, not a bad node: the policy must follow the table
             raise AssertionError(f"lifecycle policy produced a refused move: {why}")
-        acts = tuple(a.value for a in (actions if actions is not None else _ENTRY_ACTIONS[to]))
-        transitions.append(Transition(node=node, time=now, from_state=current, to_state=to,
-                                      reason=reason, actor=ACTOR_SCREENER, code=code,
-                                      evidence=dict(evidence), failure=failure, gpu_serials=serials,
-                                      rollback=rollback, actions=acts))
-        return Decision(state=to, transitions=tuple(transitions), actions=acts)
+        return self.record(to, reason, code, evidence, failure=failure, serials=serials,
+                           rollback=rollback,
+                           actions=actions if actions is not None else _ENTRY_ACTIONS[to])
 
-    def stay(note: str, actions: tuple[Action, ...] = ()) -> Decision:
-        return Decision(state=current, transitions=tuple(transitions),
+    def record(self, to: NodeState, reason: str, code: str, evidence: Mapping[str, Any], *,
+               failure: bool, serials: tuple[str, ...], rollback: Optional[Mapping[str, Any]],
+               actions: tuple[Action, ...]) -> Decision:
+        acts = tuple(a.value for a in actions)
+        self.transitions.append(Transition(
+            node=self.node, time=self.now, from_state=self.current, to_state=to, reason=reason,
+            actor=ACTOR_SCREENER, code=code, evidence=dict(evidence), failure=failure,
+            gpu_serials=serials, rollback=rollback, actions=acts))
+        return Decision(state=to, transitions=tuple(self.transitions), actions=acts)
+
+    def stay(self, note: str, actions: tuple[Action, ...] = ()) -> Decision:
+        """End the decision without a move (transitions made so far are kept)."""
+        assert self.current is not None
+        return Decision(state=self.current, transitions=tuple(self.transitions),
                         actions=tuple(a.value for a in actions), note=note)
 
-    if isinstance(event, Remediation):
-        if current != S.QUARANTINED:
-            return stay(f"remediation result ignored: the node is {current.value}, not quarantined")
-        ev = {"remediation": {"passed": event.passed, "detail": event.detail,
-                              **dict(event.evidence)}}
-        if event.passed:
-            return move(S.BURNIN, f"remediation passed{': ' + event.detail if event.detail else ''}; "
-                        "burn-in must prove the node", Reason.REMEDIATED, ev)
-        return move(S.REPAIR, f"remediation failed{': ' + event.detail if event.detail else ''}",
-                    Reason.REMEDIATION_FAILED, ev, failure=True)
 
-    sig = _classify(event, current)
+def _on_remediation(d: _Deciding, event: Remediation) -> Decision:
+    assert d.current is not None
+    if d.current != S.QUARANTINED:
+        return d.stay(f"remediation result ignored: the node is {d.current.value}, not quarantined")
+    ev = {"remediation": {"passed": event.passed, "detail": event.detail, **dict(event.evidence)}}
+    detail = f": {event.detail}" if event.detail else ""
+    if event.passed:
+        return d.move(S.BURNIN, f"remediation passed{detail}; burn-in must prove the node",
+                      Reason.REMEDIATED, ev)
+    return d.move(S.REPAIR, f"remediation failed{detail}", Reason.REMEDIATION_FAILED, ev,
+                  failure=True)
 
-    if sig.kind == "none":
-        return stay(sig.reason)
 
-    if sig.kind == "pass":
-        kind = event.kind if isinstance(event, KatScreen) else KIND_QUICK
-        conditions = event.conditions if isinstance(event, KatScreen) else ()
-        if current not in (S.BURNIN, S.SUSPECT):
-            return stay(f"passing screen changes nothing for a {current.value} node")
-        if current == S.SUSPECT and _held_by_budget(history):
-            return stay("a passing screen does not clear a node held suspect by the quarantine "
-                        "budget: a person decides", (Action.ALERT_BUDGET_EXHAUSTED,))
-        if conditions:
-            what = "; ".join(f"{c.code}" + (f" on GPU {c.gpu}" if c.gpu else "") for c in conditions)
-            return stay(f"a passing screen clears nothing while a condition persists: {what}")
-        # A partial burn-in never clears; the quick screen only re-verifies a node that earned it.
-        if kind == KIND_PARTIAL or (kind != KIND_FULL
-                                    and not (current == S.SUSPECT and earned_healthy(history))):
-            return stay(f"a {kind} screen passed, but only a full burn-in makes a node healthy "
-                        f"that has not earned it since it entered burnin", (Action.START_BURNIN,))
-        return move(S.HEALTHY, sig.reason, sig.code, sig.evidence)
+def _on_pass(d: _Deciding, sig: _Signal, event: Any) -> Decision:
+    """A passing screen clears a node only when it is allowed to (see the module docstring)."""
+    assert d.current is not None
+    kind = event.kind if isinstance(event, KatScreen) else KIND_QUICK
+    conditions = event.conditions if isinstance(event, KatScreen) else ()
+    if d.current not in (S.BURNIN, S.SUSPECT):
+        return d.stay(f"passing screen changes nothing for a {d.current.value} node")
+    if d.current == S.SUSPECT and _held_by_budget(d.history):
+        return d.stay("a passing screen does not clear a node held suspect by the quarantine "
+                      "budget: a person decides", (Action.ALERT_BUDGET_EXHAUSTED,))
+    if conditions:
+        what = "; ".join(f"{c.code}" + (f" on GPU {c.gpu}" if c.gpu else "") for c in conditions)
+        return d.stay(f"a passing screen clears nothing while a condition persists: {what}")
+    # A partial burn-in never clears; the quick screen only re-verifies a node that earned it.
+    if kind == KIND_PARTIAL or (kind != KIND_FULL
+                                and not (d.current == S.SUSPECT and earned_healthy(d.history))):
+        return d.stay(f"a {kind} screen passed, but only a full burn-in makes a node healthy "
+                      f"that has not earned it since it entered burnin", (Action.START_BURNIN,))
+    return d.move(S.HEALTHY, sig.reason, sig.code, sig.evidence)
 
-    if current == S.REPAIR:
-        return stay("a node in repair is left only by a person")
 
-    if sig.kind == "ambiguous":
-        if current in (S.HEALTHY, S.BURNIN):
-            return move(S.SUSPECT, sig.reason, sig.code, sig.evidence, serials=sig.serials,
-                        rollback=_rollback(current, history, sig, now))
-        if current == S.SUSPECT:
-            return stay("already suspect; the confirming screen decides",
-                        (Action.REQUEST_CONFIRMING_SCREEN,))
-        return stay(f"ambiguous signal on a {current.value} node changes nothing")
+def _on_ambiguous(d: _Deciding, sig: _Signal) -> Decision:
+    """One unconfirmed signal: suspect, and a confirming screen decides."""
+    assert d.current is not None
+    if d.current in (S.HEALTHY, S.BURNIN):
+        return d.move(S.SUSPECT, sig.reason, sig.code, sig.evidence, serials=sig.serials,
+                      rollback=_rollback(d.current, d.history, sig, d.now))
+    if d.current == S.SUSPECT:
+        return d.stay("already suspect; the confirming screen decides",
+                      (Action.REQUEST_CONFIRMING_SCREEN,))
+    return d.stay(f"ambiguous signal on a {d.current.value} node changes nothing")
 
-    # A confirmed failure: quarantine, or repair under the lemon rule, within the budget.
-    assert sig.kind == "failure"
-    lemon = _lemon(node, sig.serials, history, failures, now, policy)
+
+def _on_failure(d: _Deciding, sig: _Signal, event: Any, failures: Sequence[Transition],
+                fleet: FleetCounts, policy: LifecyclePolicy) -> Decision:
+    """A confirmed failure: quarantine, or repair under the lemon rule, within the budget."""
+    assert d.current is not None
+    lemon = _lemon(d.node, sig.serials, d.history, failures, d.now, policy)
     must_repair = isinstance(event, Findings) and any(
         f.code in REPAIR_CODES and f.severity >= Severity.CRITICAL for f in event.findings)
     target = S.REPAIR if lemon or must_repair else S.QUARANTINED
-    if current == target:
-        return stay(f"already {current.value}")
-    reason = sig.reason
-    code = sig.code
-    evidence = dict(sig.evidence)
+    if d.current == target:
+        return d.stay(f"already {d.current.value}")
+    reason, code, evidence = sig.reason, sig.code, dict(sig.evidence)
     if lemon:
         evidence["lemon"] = lemon
         reason = f"{lemon['why']}; latest: {sig.reason}"
         code = Reason.REPEATED_FAILURES
-    rollback = _rollback(current, history, sig, now)
-    if current not in OUT_OF_SERVICE:
-        limit = policy.budget_limit(fleet.total)
-        if fleet.out_of_service + 1 > limit:
-            evidence[EVIDENCE_HELD_BY_BUDGET] = True
-            evidence["wanted"] = target.value
-            evidence["budget"] = {"limit": limit, "out_of_service": fleet.out_of_service,
-                                  "fleet": fleet.total}
-            held = (f"{reason}; held in suspect: the quarantine budget ({limit} of {fleet.total} "
-                    f"nodes) is used up, a person decides")
-            if current == S.SUSPECT:
-                if _held_by_budget(history):
-                    return stay(held, (Action.ALERT_BUDGET_EXHAUSTED,))
-                # Not `move`: the table's only self-move. Unrecorded, the failure would be lost:
-                # a later pass would clear the node and a freed slot would never find it.
-                acts = (Action.ALERT_BUDGET_EXHAUSTED.value,)
-                transitions.append(Transition(
-                    node=node, time=now, from_state=S.SUSPECT, to_state=S.SUSPECT, reason=held,
-                    actor=ACTOR_SCREENER, code=Reason.BUDGET, evidence=evidence, failure=True,
-                    gpu_serials=sig.serials, rollback=rollback, actions=acts))
-                return Decision(state=S.SUSPECT, transitions=tuple(transitions), actions=acts)
-            return move(S.SUSPECT, held, Reason.BUDGET, evidence, failure=True, serials=sig.serials,
-                        rollback=rollback, actions=(Action.ALERT_BUDGET_EXHAUSTED,))
-    return move(target, reason, code, evidence, failure=True, serials=sig.serials, rollback=rollback)
+    rollback = _rollback(d.current, d.history, sig, d.now)
+    limit = policy.budget_limit(fleet.total)
+    if d.current in BUDGET_STATES or fleet.out_of_service + 1 <= limit:
+        return d.move(target, reason, code, evidence, failure=True, serials=sig.serials,
+                      rollback=rollback)
+    # Past the budget: held in suspect, and a person decides.
+    evidence[EVIDENCE_HELD_BY_BUDGET] = True
+    evidence["wanted"] = target.value
+    evidence["budget"] = {"limit": limit, "out_of_service": fleet.out_of_service,
+                          "fleet": fleet.total}
+    held = (f"{reason}; held in suspect: the quarantine budget ({limit} of {fleet.total} "
+            f"nodes) is used up, a person decides")
+    alert = (Action.ALERT_BUDGET_EXHAUSTED,)
+    if d.current != S.SUSPECT:
+        return d.move(S.SUSPECT, held, Reason.BUDGET, evidence, failure=True, serials=sig.serials,
+                      rollback=rollback, actions=alert)
+    if _held_by_budget(d.history):
+        return d.stay(held, alert)
+    # Not `move`: the table's only self-move. Unrecorded, the failure would be lost: a later pass
+    # would clear the node and a freed slot would never find it.
+    return d.record(S.SUSPECT, held, Reason.BUDGET, evidence, failure=True, serials=sig.serials,
+                    rollback=rollback, actions=alert)
 
 
 def _lemon(node: str, serials: Sequence[str], history: Sequence[Transition],

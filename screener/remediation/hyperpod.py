@@ -30,7 +30,6 @@ import botocore
 import botocore.config
 import botocore.exceptions
 
-from screener.settings import strict as configs
 from screener.errors import BadInputError, ConfigError, ExternalServiceError
 # The settings live in a module without boto3, so the daemon validates [hyperpod] at load.
 from screener.settings.hyperpod import (DEEP_HEALTH_CHECKS, DEFAULT_CHECKS, HyperPodConfig,  # noqa: F401

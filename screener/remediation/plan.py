@@ -22,10 +22,7 @@ from typing import Any, Optional
 
 from screener.errors import BadInputError
 from screener.lifecycle.records import Transition
-from screener.types import NodeState
-
-# A failure of a node in these states interrupts no job: it was already out of service.
-OUT_OF_SERVICE = frozenset({NodeState.QUARANTINED, NodeState.REPAIR})
+from screener.types import BUDGET_STATES
 
 # With zero failures observed in T node-hours, about 3 / T is the 95% upper bound of the rate
 # ("rule of three" for a Poisson count); used so that a clean history still gives a usable plan.
@@ -118,7 +115,8 @@ def failure_rate(transitions: Iterable[Transition], now: float, window_hours: fl
         if t.time > now:
             continue
         seen[t.node] = min(seen.get(t.node, t.time), t.time)
-        if t.time >= start and t.failure and t.from_state not in OUT_OF_SERVICE:
+        # A failure of a node already out of service interrupts no job.
+        if t.time >= start and t.failure and t.from_state not in BUDGET_STATES:
             failures += 1
     seen = {n: t for n, t in seen.items() if t <= now}
     if not seen:
