@@ -94,6 +94,7 @@ def is_torchrun(cmd: Sequence[str]) -> Optional[list[str]]:
 
 def _run_torchrun(args: list[str]) -> tuple[int, list[int]]:
     """torch.distributed.run in this process: (launcher code, every failed worker's exit code)."""
+    # Here, not at the top: torch takes seconds to import and `screener launch --help` must not.
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run

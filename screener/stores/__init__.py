@@ -7,22 +7,16 @@ imported only when a cluster store is asked for.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any, Optional
 
 from screener.errors import ConfigError
 from screener.lifecycle.ports import Store
+from screener.stores.local import LocalStore
+from screener.stores.paths import default_state_dir
 
 __all__ = ["open_store", "default_state_dir", "STORE_KINDS"]
 
 STORE_KINDS = ("local", "kube")
-
-
-def default_state_dir() -> Path:
-    """$XDG_STATE_HOME/screener, or ~/.local/state/screener when XDG_STATE_HOME is unset/empty."""
-    base = os.environ.get("XDG_STATE_HOME") or ""
-    root = Path(base) if base and os.path.isabs(base) else Path.home() / ".local" / "state"
-    return root / "screener"
 
 
 def open_store(kind: str = "local", *, db: Optional[os.PathLike[str] | str] = None,
@@ -36,12 +30,12 @@ def open_store(kind: str = "local", *, db: Optional[os.PathLike[str] | str] = No
       (default: default_state_dir()/spool.db). Extra keyword arguments go to KubeStore.
     """
     if kind == "local":
-        from screener.stores.local import LocalStore
-
         if kwargs:
             raise ConfigError(f"local store: unknown options {sorted(kwargs)}")
         return LocalStore(db if db is not None else default_state_dir() / "screener.db")
     if kind == "kube":
+        # Here, not at the top: the kubernetes client takes 1-3 s to import, and the local store,
+        # the CLI's default, must not pay for it.
         from screener.stores.kube import KubeStore
 
         return KubeStore.from_config(kubeconfig=kubeconfig, spool_path=spool, **kwargs)

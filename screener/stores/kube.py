@@ -55,6 +55,7 @@ from screener.stores.kubeformat import EVIDENCE_BYTES, shrink_evidence  # noqa: 
 from screener.lifecycle.records import (ACTOR_SCREENER, BUDGET_STATES, BudgetConflict, StaleTransition, Transition)
 from screener.lifecycle.records import json_safe
 from screener.stores.base import summary_row
+from screener.stores.paths import default_state_dir
 from screener.stores.spool import Spool
 from screener.types import (ANNOTATION_HISTORY, ANNOTATION_VERDICT, CONDITION_TYPE, LABEL_STATE,
                             TAINT_SCREENING_KEY, TAINT_STATE_KEY, NodeState)
@@ -160,8 +161,6 @@ class KubeStore:
                     spool_path: Optional[os.PathLike[str] | str] = None, **kwargs: Any) -> "KubeStore":
         """Load configuration: --kubeconfig if given, else in-cluster when running in a pod, else
         $KUBECONFIG or ~/.kube/config."""
-        from screener.stores import default_state_dir
-
         cfg = kubernetes.client.Configuration()
         in_cluster = not kubeconfig and bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
         where = kubeconfig or ("in-cluster service account" if in_cluster else

@@ -8,8 +8,12 @@ file: one line naming it and exit 2. Imports yaml, not kubernetes.
 from __future__ import annotations
 
 import os
+import ssl
 import stat
 from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
 
 from screener.errors import ConfigError
 
@@ -20,8 +24,6 @@ def check_kubeconfig(path: str) -> None:
     """Refuse what the kubeconfig loader would hang on or choke on before it reads the file: not
     a regular file (a FIFO or a device would block or never end), over 1 MiB, not UTF-8, not a
     YAML mapping, or nested deeper than a kubeconfig ever is. One line naming the file."""
-    import yaml
-
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as e:
@@ -87,9 +89,6 @@ def check_loaded(cfg: Any, where: str) -> None:
     """Check what a loaded configuration will use: the server URL, and the TLS material it names
     (CA, client certificate and key), so a bad one is refused now, as bad input, instead of
     failing every connection later as if the API server were unreachable."""
-    import ssl
-    from urllib.parse import urlsplit
-
     try:
         url = urlsplit(str(cfg.host or ""))
         ok = url.scheme in ("http", "https") and bool(url.hostname)
