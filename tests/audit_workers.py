@@ -46,6 +46,21 @@ def poisoned_loss(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
     return loss * float("nan") if poison else loss
 
 
+def huge_batch_fn(rank: int, step: int) -> tuple:
+    """Batches carry a flag that gives one parameter a gradient of 1e38 (at step 2, every rank)."""
+    tokens, targets = batch_fn(rank, step)
+    return tokens, targets, step == 2
+
+
+def huge_grad_loss(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
+    tokens, targets, huge = batch
+    loss = synthetic.compute_loss(model, (tokens, targets))
+    if huge:  # adds exactly 0 to the loss and 1e38 to every element of the first weight's gradient
+        w = next(model.parameters())
+        loss = loss + (w - w.detach()).sum() * 1e38
+    return loss
+
+
 Fault = Callable[[int, int], Optional[contextlib.AbstractContextManager]]
 
 
@@ -100,7 +115,7 @@ def train(rank: int, *, steps: int, audit_every: int, weights_every: int, alarm_
             target = rollback_target(str(ckpt_dir), a.first_suspect_step)
             out["rollback"] = None if target is None else Path(target).name
     except NumericFailure as e:
-        out["numeric"] = {"step": e.step, "ranks": list(e.ranks)}
+        out["numeric"] = {"step": e.step, "ranks": list(e.ranks), "reason": e.reason}
     out["stopped_at"] = step
     out["weights_before_alarm"] = digest(fingerprints(before))
     out["weights_after"] = digest(fingerprints(list(model.parameters())))
@@ -159,6 +174,11 @@ def fault_matrix(rank: int, world: int, root: str) -> dict[str, Any]:
     # NaN written into rank 2's bucket inside the all-reduce, on the hook's call 3 (step 3).
     run("nan_allreduce", steps=6, audit_every=0, weights_every=1,
         reduce_hook=faults.corrupt_allreduce(rank=2, calls={3}, element=0))
+    # Finite gradients of 1e38 on every rank at step 2: their sum overflows float32 in the
+    # default hook (it sums before dividing), every local gradient is finite: an overflow, a
+    # numeric failure, never a reduction fault (nonfinite_reduced) or a rank named.
+    run("overflowing_sum", steps=4, audit_every=0, weights_every=0, loss_fn=huge_grad_loss,
+        batches=huge_batch_fn)
     # A loss that is NaN because of the data: every replay reproduces it (numeric, not hardware).
     run("numeric", steps=6, audit_every=0, weights_every=0, loss_fn=poisoned_loss,
         batches=poisoned_batch_fn)

@@ -114,8 +114,19 @@ def test_nan_inside_the_allreduce_is_unsettled_and_the_step_is_not_applied(runs)
 
 def test_nan_the_data_explains_is_numeric_not_hardware(runs):
     for o in runs["numeric"]:
-        assert o["alarm"] is None and o["numeric"] == {"step": 3, "ranks": [2]}
+        assert o["alarm"] is None and (o["numeric"]["step"], o["numeric"]["ranks"]) == (3, [2])
         assert o["files"] == []
+
+
+def test_finite_gradients_whose_sum_overflows_are_numeric_not_a_reduction_fault(runs):
+    """The default hook sums before it divides (hooks.py): gradients of 1e38 on every rank
+    overflow the sum where DDP's own division first would not. Every rank's .grad was finite, so
+    nobody is named, no alarm file is written, and the step is not applied."""
+    for o in runs["overflowing_sum"]:
+        assert o["alarm"] is None and o["files"] == []
+        assert (o["numeric"]["step"], o["numeric"]["ranks"]) == (2, list(range(6)))
+        assert "overflowed" in o["numeric"]["reason"]
+        assert o["weights_finite"] and o["weights_after"] == o["weights_before_alarm"]
 
 
 def test_a_rank_without_fingerprints_makes_every_rank_skip_that_audit_alike(runs):

@@ -68,7 +68,7 @@ def test_hook_records_each_local_gradient_by_parameter_across_bucket_rebuilds(gr
             assert float(stats.local_norm) == 0.0 and float(stats.reduced_norm) == 0.0
         else:
             want = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g)
-                                                         for g in grads]))
+                                                         for g in grads])).double()
             assert torch.allclose(stats.local_norm, want)
             assert torch.allclose(stats.reduced_norm, want)
         if step == 2:

@@ -209,6 +209,10 @@ class Auditor:
         self.grad_names = [n for n, p in named if p.requires_grad]
         self._grad_params = [p for _, p in named if p.requires_grad]
         self.device = self._weights[0].device
+        # the narrowest gradient dtype: past its largest value a gradient sum may overflow
+        self._grad_dtype = min((p.dtype for p in self._grad_params or self._weights),
+                               key=lambda d: torch.finfo(d).max)
+        self._grad_max = float(torch.finfo(self._grad_dtype).max)
         self._comm = comm_device(self.group, self.device)
 
         self.rank = dist.get_rank()
@@ -466,6 +470,22 @@ class Auditor:
                         "reduced_norm": self._per_rank(g[:, 2], seeing),
                         "local_norm_max": _num(float(g[:, 1].max())),
                         "why": "every local gradient was finite; the all-reduce produced NaN/Inf"}
+            # No element of a sum exceeds the sum of the addends' norms: below the gradient
+            # dtype's largest value the sum cannot have overflowed, so the reduction made the
+            # NaN/Inf. At or past it, an overflow explains it (the default hook sums before it
+            # divides; hooks.py), which is the loss scaler's business or a numeric failure.
+            bound = float(g[:, 1].sum())
+            if bound >= self._grad_max:
+                evidence["why"] = (f"every local gradient was finite, but their norms add up to "
+                                   f"{bound:.3g}, past the largest {self._grad_dtype}: the sum "
+                                   f"overflowed")
+                evidence["local_norm_sum"] = bound
+                if self._scaling():
+                    self._scaler_skip(step, sorted(ranks), evidence["why"])
+                    return True
+                self._numeric(step, sorted(ranks), evidence, reason=(
+                    f"the gradients' sum overflowed {self._grad_dtype} at step {step} (local "
+                    f"norms add up to {bound:.3g}): the gradients are too large, not corrupted"))
             self._raise(SDCAlarm("nonfinite_reduced", step, (), (), False, evidence,
                                  candidate_ranks=sorted(ranks), first_suspect_step=step,
                                  key=self._key("nonfinite_reduced", step)))

@@ -20,8 +20,10 @@ not views of the buckets) adds one pass over the gradients to what DDP does with
   reduction produced it.
 
 Summing before dividing can overflow where dividing first would not only for float32 elements
-past ~1e38 / world, an overflow in all but name; float16/bfloat16 buckets, whose range is small,
-take the generic path, which divides first.
+past ~3.4e38 / world, an overflow in all but name: the local norms measured then (in float64) add
+up past float32's range, and the auditor calls it an overflow (the loss scaler's, or a numeric
+failure), not a faulty reduction. float16/bfloat16 buckets, whose range is small, take the generic
+path, which divides first.
 
 The generic path (the caller's reduce_hook, e.g. fault injection, compression; other dtypes or
 devices; gradient_as_bucket_view=True, where .grad is the bucket and the local values are gone
@@ -61,7 +63,7 @@ class StepStats:
 
     def __init__(self, local_norm: torch.Tensor, reduced_norm: torch.Tensor, buckets: int,
                  grad_fingerprints: Optional[torch.Tensor], step: Optional[int]) -> None:
-        # 0-d float32 on the gradients' device: the norm over the measured buckets (a bucket known
+        # 0-d float64 on the gradients' device: the norm over the measured buckets (a bucket known
         # finite without a measurement counts 0), so it is NaN/Inf exactly when a gradient is
         self.local_norm = local_norm
         self.reduced_norm = reduced_norm
@@ -78,10 +80,13 @@ def _norm(t: torch.Tensor) -> torch.Tensor:
 
 
 def _local_norm(params: Sequence[torch.nn.Parameter], device: torch.device) -> torch.Tensor:
-    """The norm of the parameters' .grad (a missing .grad is the zeros DDP puts in the bucket)."""
-    norms = [_norm(p.grad) for p in params if p.grad is not None]
+    """The norm of the parameters' .grad (a missing .grad is the zeros DDP puts in the bucket), in
+    float64: finite exactly when every element is, however large, so that the auditor can tell a
+    sum that overflowed from a reduction that produced NaN/Inf (see auditor._judge_nonfinite)."""
+    norms = [torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float64)
+             for p in params if p.grad is not None]
     if not norms:
-        return torch.zeros((), dtype=torch.float32, device=device)
+        return torch.zeros((), dtype=torch.float64, device=device)
     return torch.linalg.vector_norm(torch.stack(norms))
 
 
@@ -195,10 +200,11 @@ class GradientRecorder:
             fp, seen, fp_step, unknown = self._fp, self._seen, self._fp_step, self._unknown
             self._reset()
 
-        def total(norms: list[torch.Tensor]) -> torch.Tensor:
+        def total(norms: list[torch.Tensor]) -> torch.Tensor:  # float64: the head's type
             if not norms:
-                return torch.zeros((), dtype=torch.float32, device=device)
-            return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
+                return torch.zeros((), dtype=torch.float64, device=device)
+            return torch.linalg.vector_norm(torch.stack([n.to(device, torch.float64)
+                                                         for n in norms]))
 
         complete = (fp is not None and seen is not None and bool(seen.all()) and unknown == 0)
         return StepStats(total(local), total(reduced), len(local), fp if complete else None,
