@@ -219,3 +219,31 @@ def test_node_status_of_the_fleet_is_one_paginated_list(tmp_path):
         assert row["state"] == "suspect" and row["reason"].startswith("known-answer mismatch")
         # One list of Node metadata, in pages of 500: no per-node reads.
         assert [(c.verb, c.resource) for c in api.calls] == [("list", "nodes")] * 3
+
+
+@pytest.mark.parametrize("field,value", [
+    ("fleet", "1000000000000"),  # would let every node be quarantined
+    ("fleet", "-3"),
+    ("counted", "inf"),  # would never be recounted
+    ("counted", "nan"),
+    ("outOfService", "[" * 5000),  # json's RecursionError
+    ("outOfService", '{"gpu-0": {"state": "healthy", "since": 1}}'),
+    ("outOfService", '{"gpu-0": 7}'),
+    ("outOfService", '{"gpu-0": {"state": "quarantined", "since": "NaN"}}'),
+])
+def test_a_tampered_budget_record_is_recounted_not_trusted(field, value):
+    """The budget record is a ConfigMap anyone with namespace write access can edit: a field out
+    of shape makes the next read recount it from the Nodes' labels, and the budget still holds."""
+    with KubeAPI() as api:
+        names = fleet(api, 10)
+        store = make_store(api)
+        assert apply_event(store, names[0], confirmed(), now=NOW).state == S.QUARANTINED
+        with api._lock:
+            api.configmaps[(NS, kf.BUDGET_CONFIGMAP)]["data"][field] = value
+        ledger = store.ledger()
+        assert ledger.fleet == 10 and sorted(ledger.out) == [names[0]]
+        assert NOW <= ledger.counted < NOW + 60  # recounted now, so recounted again in an hour
+        held = apply_event(store, names[1], confirmed(), now=NOW + 1)
+        assert held.state == S.SUSPECT
+        assert held.transition.evidence["budget"] == {"limit": 1, "out_of_service": 1, "fleet": 10}
+        store.close()

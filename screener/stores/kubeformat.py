@@ -30,6 +30,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional
 
+from screener import boundedjson
+from screener.types import BUDGET_STATES, NodeState
+
 HISTORY_FORMAT = 2
 SUMMARY_KEEP = 5  # transitions in the Node's summary annotation
 SUMMARY_BYTES = 2048
@@ -183,23 +186,21 @@ class Ledger:
 
     @classmethod
     def from_configmap(cls, cm: Mapping[str, Any]) -> "Ledger":
+        """Parse the record. Anyone with write access to the namespace can edit it, so every field
+        is checked; a record with any field out of shape reads with `counted` = 0, which makes the
+        next ledger() recount it from the Nodes' labels (the truth) instead of trusting it."""
         data = cm.get("data") or {}
+        rv = (cm.get("metadata") or {}).get("resourceVersion")
         try:
-            fleet = max(0, int(data.get("fleet") or 0))
+            return cls(fleet=_ledger_fleet(data.get("fleet")), out=_ledger_out(data.get("outOfService")),
+                       counted=_ledger_counted(data.get("counted")), resource_version=rv)
         except ValueError:
-            fleet = 0
-        try:
-            out = json.loads(data.get("outOfService") or "{}")
-            out = {str(k): dict(v) for k, v in out.items() if isinstance(v, dict)} \
-                if isinstance(out, dict) else {}
-        except ValueError:
-            out = {}
-        try:
-            counted = float(data.get("counted") or 0.0)
-        except ValueError:
-            counted = 0.0
-        return cls(fleet=fleet, out=out, counted=counted,
-                   resource_version=(cm.get("metadata") or {}).get("resourceVersion"))
+            out: dict[str, dict[str, Any]] = {}
+            try:
+                out = _ledger_out(data.get("outOfService"))
+            except ValueError:
+                pass
+            return cls(fleet=0, out=out, counted=0.0, resource_version=rv)
 
     def others_out(self, node: str) -> int:
         return sum(1 for n in self.out if n != node)
@@ -213,6 +214,54 @@ class Ledger:
                 "data": {"fleet": str(self.fleet), "counted": repr(float(self.counted)),
                          "outOfService": json.dumps(self.out, separators=(",", ":"),
                                                     sort_keys=True)}}
+
+
+# Bounds of a budget record written by screener: no fleet is larger, and the out-of-service set
+# holds at most every node of it.
+LEDGER_MAX_FLEET = 1_000_000
+LEDGER_MAX_BYTES = 16 * 1024 * 1024
+
+
+def _ledger_fleet(text: Any) -> int:
+    if not isinstance(text, str) or not re.fullmatch(r"[0-9]{1,7}", text.strip()):
+        raise ValueError(f"fleet {str(text)[:40]!r} is not a node count")
+    fleet = int(text)
+    if fleet > LEDGER_MAX_FLEET:
+        raise ValueError(f"fleet {fleet} is more than {LEDGER_MAX_FLEET} nodes")
+    return fleet
+
+
+def _ledger_counted(text: Any) -> float:
+    try:
+        counted = float(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"counted {str(text)[:40]!r} is not a time") from None
+    if not math.isfinite(counted) or counted < 0:
+        raise ValueError(f"counted {counted!r} is not a time")
+    return counted
+
+
+def _ledger_out(text: Any) -> dict[str, dict[str, Any]]:
+    if text is None or text == "":
+        return {}
+    if not isinstance(text, str):
+        raise ValueError("outOfService is not a string")
+    out = boundedjson.loads(text, max_bytes=LEDGER_MAX_BYTES, max_depth=4)
+    if not isinstance(out, dict):
+        raise ValueError("outOfService is not an object")
+    claims: dict[str, dict[str, Any]] = {}
+    for node, claim in out.items():
+        if not isinstance(claim, dict):
+            raise ValueError(f"outOfService[{node!r}] is not an object")
+        try:
+            state = NodeState(claim.get("state"))
+            since = float(claim.get("since"))
+        except (TypeError, ValueError):
+            raise ValueError(f"outOfService[{node!r}] is not a claim") from None
+        if state not in BUDGET_STATES or not math.isfinite(since):
+            raise ValueError(f"outOfService[{node!r}] is not a quarantined/repair claim")
+        claims[str(node)] = {"state": state.value, "since": since}
+    return claims
 
 
 # --- evidence in the history ------------------------------------------------------------------------
