@@ -8,13 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import click
 import pytest
 
 from screener.agent import burnin
 from screener.known_answer import golden
 from screener.known_answer import kat
-from screener.commands.kat import parse_duration
 from screener.types import ExitCode, Outcome
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,15 +62,6 @@ def test_a_fault_in_a_later_iteration_is_caught(golden_dir):
     table = rep.table()
     assert "self_mismatch" in table and "burn-in suspect (exit 75)" in table
     assert rep.to_dict()["exit_code"] == 75
-
-
-def test_parse_duration():
-    assert parse_duration("90") == 90 and parse_duration("90s") == 90
-    assert parse_duration("10m") == 600 and parse_duration("2h") == 7200
-    assert parse_duration("1.5d") == 1.5 * 86400
-    for bad in ("", "ten", "5y", "0", "-3s"):
-        with pytest.raises(click.BadParameter):
-            parse_duration(bad)
 
 
 def test_bad_arguments():

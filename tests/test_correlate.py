@@ -213,18 +213,6 @@ def test_prometheus_errors_are_ours_to_report():
         corr.correlate(corr.PrometheusClient(url, timeout=2), "n1", T0 - 60, T0)
 
 
-@pytest.mark.parametrize("text,seconds", [("30m", 1800), ("1h30m", 5400), ("90s", 90), ("2d", 172800),
-                                          ("45", 45), ("500ms", 0.5)])
-def test_parse_duration(text, seconds):
-    assert corr.parse_duration(text) == seconds
-
-
-@pytest.mark.parametrize("text", ["", "30x", "m30", "1h 30m", "0s", "-5m"])
-def test_parse_duration_rejects(text):
-    with pytest.raises(BadInputError):
-        corr.parse_duration(text)
-
-
 def test_parse_time():
     assert corr.parse_time("now", 123.0) == 123.0
     assert corr.parse_time("1760000000", 0) == T0

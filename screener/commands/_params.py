@@ -1,4 +1,4 @@
-"""Click parameter types for numbers from the command line: finite, and in range.
+"""Click parameter types for numbers and durations from the command line: finite, and in range.
 
 click.FloatRange lets `nan` through every bound (each comparison with NaN is False) and accepts
 `inf`, so `--timeout nan` switched the hang watchdog off and `--days nan` made an empty window.
@@ -11,6 +11,9 @@ import math
 from typing import Any, Optional
 
 import click
+
+from screener.errors import BadInputError
+from screener.settings.durations import parse_duration
 
 
 class FiniteFloat(click.ParamType):
@@ -46,3 +49,22 @@ class FiniteFloat(click.ParamType):
 def positive(max: Optional[float] = None) -> FiniteFloat:  # noqa: A002
     """A finite number > 0 (seconds, days), at most `max` when given."""
     return FiniteFloat(0.0, max, min_open=True)
+
+
+class Duration(click.ParamType):
+    """Seconds from a duration such as 90s, 10m or 1h30m (screener.settings.durations), at most
+    `longest` seconds when given; a bad one is click's one-line usage error (exit 2)."""
+
+    name = "duration"
+
+    def __init__(self, longest: Optional[float] = None) -> None:
+        self.longest = longest
+
+    def convert(self, value: Any, param: Optional[click.Parameter],
+                ctx: Optional[click.Context]) -> float:
+        if isinstance(value, float):  # already converted (a default given in seconds)
+            return value
+        try:
+            return parse_duration(str(value), longest=self.longest)
+        except BadInputError as e:
+            self.fail(str(e), param, ctx)

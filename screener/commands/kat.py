@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import click
 
-from screener.commands._params import FiniteFloat, positive
+from screener.commands._params import Duration, FiniteFloat, positive
 from screener.errors import BadInputError
+from screener.settings.durations import YEAR_S
 from screener.types import ExitCode
 
 _DEVICE_HELP = "Device to screen: cpu, cuda:N or all (every GPU, or the CPU without one). Repeatable."
@@ -278,29 +278,13 @@ def golden_list(golden_dir: Optional[str], as_json: bool) -> None:
 
 # --- burnin --------------------------------------------------------------------------------------
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
-
-
-def parse_duration(text: str) -> float:
-    """Seconds from '90', '90s', '10m', '2h' or '1d'."""
-    m = _DURATION.match(text)
-    if not m:
-        raise click.BadParameter(f"{text!r} is not a duration such as 90s, 10m or 2h")
-    value = float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
-    if value <= 0:
-        raise click.BadParameter(f"{text!r} must be positive")
-    if not value <= 365 * 86400:  # also refuses an overflow to inf from a string of digits
-        raise click.BadParameter(f"{text[:40]!r} is longer than a year")
-    return value
-
-
 @click.command("burnin")
 @click.option("--device", "-d", "devices", multiple=True, default=("all",), show_default=True,
               help=_DEVICE_HELP)
 @click.option("--job", "-j", "jobs", multiple=True, help="Job to run (repeatable); default: all.")
-@click.option("--duration", type=str, default=None,
-              help="Keep repeating the jobs this long (90s, 10m, 2h); the iteration under way "
-                   "finishes. Default: --iterations 10.")
+@click.option("--duration", type=Duration(longest=YEAR_S), default=None,
+              help="Keep repeating the jobs this long (90s, 10m, 1h30m; at most a year); the "
+                   "iteration under way finishes. Default: --iterations 10.")
 @click.option("--iterations", "-n", type=click.IntRange(min=1), default=None,
               help="Repeat every job this many times (default 10 without --duration).")
 @click.option("--golden-dir", type=click.Path(file_okay=False), default=None,
@@ -333,7 +317,7 @@ def parse_duration(text: str) -> float:
               help="A simulated peer node's name for --peers (default: peer-a, peer-b).")
 @click.option("--no-progress", is_flag=True, help="No progress bar on stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")
-def burnin_cmd(devices: tuple[str, ...], jobs: tuple[str, ...], duration: Optional[str],
+def burnin_cmd(devices: tuple[str, ...], jobs: tuple[str, ...], duration: Optional[float],
                iterations: Optional[int], golden_dir: Optional[str], jobs_dir: Optional[str],
                timeout: float, report: Optional[str], inject: tuple[str, ...], node: Optional[str],
                store: str, db: Optional[str], kubeconfig: Optional[str], hbm_fraction: float,
@@ -354,7 +338,7 @@ def burnin_cmd(devices: tuple[str, ...], jobs: tuple[str, ...], duration: Option
     from screener.agent.burnin import DEFAULT_ITERATIONS, run_burnin
     from screener.known_answer.kat import resolve_devices, resolve_jobs
 
-    seconds = parse_duration(duration) if duration is not None else None
+    seconds = duration
     if report and not os.access(Path(report).resolve().parent, os.W_OK):
         raise BadInputError(f"--report {report}: its folder does not exist or is not writable")
     specs = resolve_jobs(list(jobs), jobs_dir, quick_only=False)

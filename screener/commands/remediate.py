@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 import click
 
+from screener.commands._params import Duration
 from screener.errors import BadInputError
 from screener.types import ExitCode, NodeState, Reason
 
@@ -322,7 +323,7 @@ def replace_cmd(ctx: click.Context, nodes: tuple[str, ...], cluster: str, region
               help="Prometheus base URL holding dcgm-exporter metrics [env SCREENER_PROMETHEUS_URL].")
 @click.option("--around", default="now", show_default=True,
               help="Time of the alarm: 'now', unix seconds or ISO 8601 (UTC if no zone).")
-@click.option("--window", default="30m", show_default=True,
+@click.option("--window", type=Duration(), default="30m", show_default=True,
               help="How far before and after --around to look (e.g. 30m, 2h).")
 @click.option("--match", "match", default=None, metavar="LABEL=VALUE",
               help="Select the node's series by this label instead of trying Hostname, node, "
@@ -331,7 +332,7 @@ def replace_cmd(ctx: click.Context, nodes: tuple[str, ...], cluster: str, region
               help="Extra HTTP header for Prometheus (e.g. Authorization); repeatable.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON results on stdout.")
 @click.pass_context
-def correlate_cmd(ctx: click.Context, node: str, url: str, around: str, window: str,
+def correlate_cmd(ctx: click.Context, node: str, url: str, around: str, window: float,
                   match: Optional[str], headers: tuple[str, ...], as_json: bool) -> None:
     """Correlate NODE's DCGM telemetry in Prometheus with an alarm: what changed around it.
 
@@ -344,7 +345,7 @@ def correlate_cmd(ctx: click.Context, node: str, url: str, around: str, window: 
 
     now = _clock(ctx)()
     t0 = corr.parse_time(around, now)
-    half = corr.parse_duration(window)
+    half = window
     start, end = t0 - half, min(t0 + half, now)
     pair = None
     if match is not None:

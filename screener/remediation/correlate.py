@@ -181,29 +181,6 @@ def _fmt_time(t: float) -> str:
 
 # --- times and selectors --------------------------------------------------------------------------
 
-_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w)")
-_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
-
-
-def parse_duration(text: str) -> float:
-    """Seconds in a duration such as 30m, 1h30m, 90s or 2d (a bare number is seconds)."""
-    s = text.strip()
-    try:
-        value = float(s)
-    except ValueError:
-        pos, value = 0, 0.0
-        for m in _DURATION_RE.finditer(s):
-            if m.start() != pos:
-                break
-            value += float(m.group(1)) * _UNITS[m.group(2)]
-            pos = m.end()
-        if pos != len(s) or not s:
-            raise BadInputError(f"duration {text!r} is not like 30m, 1h30m, 90s or 2d") from None
-    if not math.isfinite(value) or value <= 0:
-        raise BadInputError(f"duration {text!r} must be greater than zero")
-    return value
-
-
 def parse_time(text: str, now: float) -> float:
     """Unix seconds from 'now', a unix timestamp, or an ISO 8601 time (UTC if it has no zone)."""
     s = text.strip()
