@@ -1,8 +1,10 @@
 """The `screener` command line: a thin click group that parses, calls and prints.
 
 Subcommands live in `screener/commands/<area>.py` and are imported only when used, so
-`screener --help` and `screener platform` do not pay for kubernetes or boto3. Every command maps
-ScreenerError to its exit code with one line on stderr and no traceback.
+`screener --help` and `screener platform` do not pay for kubernetes or boto3. They get the node
+name, stores and clients from one AppContext (screener.commands.context), the click context object:
+the first command that asks makes it, unless the caller (a test, with fakes) passed one as `obj`.
+Every command maps ScreenerError to its exit code with one line on stderr and no traceback.
 """
 
 from __future__ import annotations

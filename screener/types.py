@@ -8,6 +8,8 @@ Kubernetes labels) are defined here once so writer and reader cannot drift apart
 from __future__ import annotations
 
 import enum
+import os
+import socket
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Optional
 
@@ -315,3 +317,16 @@ class KatReason(StrValue):
     SIBLING_GOLDEN_DIFFERS = "sibling_golden_differs"
     NO_GOLDEN = "no_golden"
     INCOMPLETE = "incomplete"  # the job produced no result on the device
+
+
+def node_name(environ: Optional[Mapping[str, str]] = None) -> str:
+    """This machine's node name: $NODE_NAME (the Kubernetes downward API) when set and not blank,
+    stripped, else the hostname.
+
+    The one rule for every part that names the node it runs on (the daemon, burn-in, the kube
+    store's Event reporter, the in-job audit, the all-reduce check), so an alarm written by a job
+    and the daemon reading it always agree on the name. environ: a mapping to read instead of
+    os.environ (tests, a config's environment).
+    """
+    env = os.environ if environ is None else environ
+    return env.get(NODE_NAME_ENV, "").strip() or socket.gethostname()

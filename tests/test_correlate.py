@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from screener.remediation import correlate as corr
 from screener.cli import main
+from screener.commands.context import AppContext
 from screener.errors import BadInputError, ExternalServiceError
 from screener.types import Severity
 from promserver import DCGM_LABELS, PROMETHEUS_BIN, FakePrometheus, RealPrometheus
@@ -57,7 +58,7 @@ def healthy_node(fake: FakePrometheus, node: str, gpus: int = 4) -> None:
 
 
 def invoke(args, clock=T0 + 3600):
-    return CliRunner().invoke(main, args, obj={"clock": lambda: clock})
+    return CliRunner().invoke(main, args, obj=AppContext(clock=lambda: clock))
 
 
 # --- the fake server: exact timelines --------------------------------------------------------------

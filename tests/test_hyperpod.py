@@ -21,6 +21,7 @@ from click.testing import CliRunner
 
 from screener.remediation import hyperpod as hp
 from screener.cli import main
+from screener.commands.context import AppContext
 from screener.errors import BadInputError, ConfigError, ExternalServiceError
 from screener.lifecycle.records import Transition
 from screener.stores.local import LocalStore
@@ -72,8 +73,9 @@ def summary(iid, group="workers"):
             "PrivateDnsHostname": f"ip-10-0-0-{IDS.index(iid) + 1}.us-west-2.compute.internal"}
 
 
-def invoke(args, **obj):
-    return CliRunner().invoke(main, args, obj=obj)
+def invoke(args, **fakes):
+    """The CLI in this process, with fakes (the stubbed client, a store, clocks) in its context."""
+    return CliRunner().invoke(main, args, obj=AppContext(**fakes))
 
 
 # --- node <-> instance ------------------------------------------------------------------------------
@@ -160,7 +162,7 @@ def test_check_groups_by_instance_group_and_waits(client):
     sleeps = []
     r = invoke(["hyperpod", "check", "hyperpod-" + a, "hyperpod-" + b, c, "--cluster", CLUSTER,
                 "--checks", "InstanceStress", "--wait", "--poll", "10", "--json"],
-               sagemaker_client=client, sleep=sleeps.append, clock=lambda: 0.0)
+               sagemaker=client, sleep=sleeps.append, monotonic=lambda: 0.0)
     assert r.exit_code == 75, r.output
     doc = json.loads(r.stdout)
     assert doc["start"]["cluster_arn"] == ARN and doc["start"]["dry_run"] is False
@@ -197,7 +199,7 @@ def test_check_not_started_and_timeout_are_inconclusive(client):
 
 def test_check_dry_run_makes_no_call_beyond_reads(client):
     expect_describe(client, IDS[0])
-    r = invoke(["hyperpod", "check", IDS[0], "--cluster", CLUSTER, "--dry-run"], sagemaker_client=client)
+    r = invoke(["hyperpod", "check", IDS[0], "--cluster", CLUSTER, "--dry-run"], sagemaker=client)
     assert r.exit_code == 0, r.output
     assert "would start" in r.stdout and IDS[0] in r.stdout
 
@@ -208,7 +210,7 @@ def test_access_denied_names_the_iam_action(client):
         "start_cluster_health_check", "AccessDeniedException",
         "User: arn:aws:sts::123456789012:assumed-role/ops/me is not authorized to perform: "
         "sagemaker:StartClusterHealthCheck", http_status_code=400)
-    r = invoke(["hyperpod", "check", IDS[0], "--cluster", CLUSTER], sagemaker_client=client)
+    r = invoke(["hyperpod", "check", IDS[0], "--cluster", CLUSTER], sagemaker=client)
     assert isinstance(r.exception, hp.AccessDenied)
     assert "lacks the IAM action sagemaker:StartClusterHealthCheck" in str(r.exception)
     assert r.exception.exit_code == 1
@@ -301,7 +303,7 @@ def test_reboot_dry_run_makes_no_mutating_call(client):
     expect_describe(client, IDS[0])
     # No BatchRebootClusterNodes response is queued: the Stubber would fail on any such call.
     r = invoke(["hyperpod", "reboot", "hyperpod-" + IDS[0], "--cluster", CLUSTER, "--json"],
-               sagemaker_client=client)
+               sagemaker=client)
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["dry_run"] is True and doc["successful"] == [] and doc["nodes"][0]["instance_id"] == IDS[0]
@@ -317,7 +319,7 @@ def test_reboot_in_batches_of_25_and_reports_refusals(client):
         "Successful": [ids[25]], "Failed": [{"NodeId": ids[26], "ErrorCode": "InvalidInstanceStatus",
                                              "Message": "node is rebooting"}]},
         {"ClusterName": CLUSTER, "NodeIds": ids[25:]})
-    r = invoke(["hyperpod", "reboot", *ids, "--cluster", CLUSTER, "--yes"], sagemaker_client=client)
+    r = invoke(["hyperpod", "reboot", *ids, "--cluster", CLUSTER, "--yes"], sagemaker=client)
     assert r.exit_code == 1, r.output
     assert f"refused: {ids[26]}: InvalidInstanceStatus: node is rebooting" in r.stdout
     assert r.stdout.count("accepted: ") == 26
@@ -354,7 +356,7 @@ def test_replace_refuses_a_node_in_service(client, store):
     fleet(store, 10)
     expect_describe(client, IDS[4])
     r = invoke(["hyperpod", "replace", "hyperpod-" + IDS[4], "--cluster", CLUSTER, "--yes"],
-               sagemaker_client=client, store=store)
+               sagemaker=client, store=store)
     assert isinstance(r.exception, hp.ReplaceRefused) and r.exception.exit_code == 2
     assert "its state is healthy, not quarantined or repair" in str(r.exception)
 
@@ -362,7 +364,7 @@ def test_replace_refuses_a_node_in_service(client, store):
 def test_replace_refuses_a_node_screener_never_saw(client, store):
     expect_describe(client, IDS[4])
     r = invoke(["hyperpod", "replace", IDS[4], "--cluster", CLUSTER, "--yes"],
-               sagemaker_client=client, store=store)
+               sagemaker=client, store=store)
     assert isinstance(r.exception, hp.ReplaceRefused)
     assert "unknown to screener" in str(r.exception)
 
@@ -372,7 +374,7 @@ def test_replace_refuses_more_than_the_budget(client, store):
     for i in range(3):
         expect_describe(client, IDS[i])
     r = invoke(["hyperpod", "replace", *("hyperpod-" + IDS[i] for i in range(3)), "--cluster", CLUSTER,
-                "--yes"], sagemaker_client=client, store=store)
+                "--yes"], sagemaker=client, store=store)
     assert isinstance(r.exception, hp.ReplaceRefused)
     assert "replace 3 nodes at once: the quarantine budget allows 2" in str(r.exception)
 
@@ -382,7 +384,7 @@ def test_replace_dry_run_then_for_real_records_history(client, store):
     a, b = "hyperpod-" + IDS[0], "hyperpod-" + IDS[2]
     expect_describe(client, IDS[0])
     expect_describe(client, IDS[2])
-    r = invoke(["hyperpod", "replace", a, IDS[2], "--cluster", CLUSTER], sagemaker_client=client,
+    r = invoke(["hyperpod", "replace", a, IDS[2], "--cluster", CLUSTER], sagemaker=client,
                store=store)
     assert r.exit_code == 0, r.output
     assert "dry run: nothing was sent" in r.stdout
@@ -393,7 +395,7 @@ def test_replace_dry_run_then_for_real_records_history(client, store):
     client.stub.add_response("batch_replace_cluster_nodes", {"Successful": [IDS[0], IDS[2]]},
                              {"ClusterName": CLUSTER, "NodeIds": [IDS[0], IDS[2]]})
     r = invoke(["hyperpod", "replace", a, IDS[2], "--cluster", CLUSTER, "--yes", "--reason",
-                "SDC confirmed by ring replay", "--json"], sagemaker_client=client, store=store,
+                "SDC confirmed by ring replay", "--json"], sagemaker=client, store=store,
                clock=lambda: 5000.0)
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
@@ -420,7 +422,8 @@ def test_check_record_feeds_the_lifecycle(client, store):
     expect_describe(client, a, labels={hp.LABEL_DEEP_HEALTH: "Passed"})
     expect_describe(client, b, status="Failure")
     r = invoke(["hyperpod", "check", a, b, "--cluster", CLUSTER, "--wait", "--record"],
-               sagemaker_client=client, store=store, sleep=lambda s: None, clock=lambda: 9000.0)
+               sagemaker=client, store=store, sleep=lambda s: None, clock=lambda: 9000.0,
+               monotonic=lambda: 9000.0)
     assert r.exit_code == 75, r.output
     # Passed goes back through burn-in (never straight to healthy); failed goes to repair.
     assert store.get_state("hyperpod-" + a) == NodeState.BURNIN

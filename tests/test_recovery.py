@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from screener.remediation import plan as recovery
 from screener.cli import main
+from screener.commands.context import AppContext
 from screener.errors import BadInputError
 from screener.lifecycle.records import Transition
 from screener.stores.local import LocalStore
@@ -154,14 +155,14 @@ def test_plan_cli_node_mttf():
 def test_plan_cli_history(tmp_path):
     store = history_store(tmp_path / "s.db")
     r = CliRunner().invoke(main, ["plan", "--checkpoint-minutes", "1", "--history", "--json"],
-                           obj={"store": store, "clock": lambda: NOW})
+                           obj=AppContext(store=store, clock=lambda: NOW))
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     src = doc["mttf_source"]
     assert (src["kind"], src["failures"], src["nodes"]) == ("history", 3, 4)
     assert doc["mttf_hours"] == pytest.approx(160)
     r = CliRunner().invoke(main, ["plan", "--checkpoint-minutes", "1", "--history", "--nodes", "256"],
-                           obj={"store": store, "clock": lambda: NOW})
+                           obj=AppContext(store=store, clock=lambda: NOW))
     assert r.exit_code == 0, r.output
     assert "3 failure(s) in 1920 node-hours over 4 node(s)" in r.stdout and "job of 256 node(s)" in r.stdout
     store.close()

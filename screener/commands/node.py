@@ -1,72 +1,24 @@
 """`screener node status|history|set` and `screener lemons`: read and steer the node lifecycle.
 
-Thin: parse options, open a store (screener.stores.open_store), call the lifecycle, print. Results go
+Thin: parse options, get the store from the AppContext (screener.commands.context), call the
+lifecycle, print. Results go
 to stdout (`--json` for machines), logs to stderr.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
-import functools
 import getpass
 import json
-import os
 import sys
-import time
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import click
 
 from screener.commands._params import positive
+from screener.commands.context import AppContext, pass_app
+from screener.commands.options import with_store
 from screener.types import ExitCode, NodeState
-
-STORE_HELP = ("Where node states live: 'local' (SQLite, the default outside a cluster) or 'kube' "
-              "(Node labels, taints, conditions, annotations). Default: kube when --kubeconfig is "
-              "given or when running inside a pod, else local.")
-
-
-def store_options(fn: Optional[Callable[..., Any]] = None, *,
-                  create: bool = False) -> Any:
-    """--store, --db, --kubeconfig, --spool: shared by every command here.
-
-    A command that only reads (`create=False`, the default) refuses a `--db` that does not exist
-    (exit 2): a misspelt path must not show an empty fleet, which reads as "all clear", nor leave
-    an empty database behind. `node set` (`create=True`) may start a new one.
-    """
-    if fn is None:
-        return functools.partial(store_options, create=create)
-    @click.option("--store", "store_kind", type=click.Choice(["auto", "local", "kube"]),
-                  default="auto", show_default=True, envvar="SCREENER_STORE", help=STORE_HELP)
-    @click.option("--db", type=click.Path(dir_okay=False), default=None, envvar="SCREENER_DB",
-                  help="SQLite file of the local store [default: $XDG_STATE_HOME/screener/screener.db "
-                       "or ~/.local/state/screener/screener.db].")
-    @click.option("--kubeconfig", type=click.Path(dir_okay=False), default=None,
-                  help="kubeconfig file for the kube store (default: in-cluster configuration inside "
-                       "a pod, else $KUBECONFIG or ~/.kube/config).")
-    @click.option("--spool", type=click.Path(dir_okay=False), default=None,
-                  help="SQLite file where the kube store keeps transitions it could not write yet "
-                       "[default: beside the local database].")
-    @functools.wraps(fn)
-    def wrapper(*args: Any, store_kind: str, db: Optional[str], kubeconfig: Optional[str],
-                spool: Optional[str], **kwargs: Any) -> Any:
-        from screener.stores import open_store
-
-        kind = store_kind
-        if kind == "auto":
-            kind = "kube" if kubeconfig or os.environ.get("KUBERNETES_SERVICE_HOST") else "local"
-        if kind == "local" and db is not None and not create and not os.path.exists(db):
-            raise click.BadParameter(f"{db}: no state database there (a command that only reads "
-                                     "never creates one; omit --db for the default)",
-                                     param_hint="'--db'")
-        store = (open_store("local", db=db) if kind == "local"
-                 else open_store("kube", kubeconfig=kubeconfig, spool=spool))
-        try:
-            return fn(*args, store=store, **kwargs)
-        finally:
-            store.close()
-
-    return wrapper
-
 
 def _when(ts: Optional[float]) -> str:
     if ts is None:
@@ -90,7 +42,7 @@ def node_group() -> None:
 @node_group.command("status")
 @click.argument("node", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout.")
-@store_options
+@with_store
 def status_cmd(node: Optional[str], as_json: bool, store: Any) -> int:
     """Show the state of NODE, or of every known node, with the last transition.
 
@@ -141,10 +93,12 @@ def status_cmd(node: Optional[str], as_json: bool, store: Any) -> int:
 @click.option("--days", type=positive(max=36500.0), default=None,
               help="Only transitions of the last DAYS days.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout.")
-@store_options
-def history_cmd(node: str, days: Optional[float], as_json: bool, store: Any) -> int:
+@with_store
+@pass_app
+def history_cmd(app: AppContext, node: str, days: Optional[float], as_json: bool,
+                store: Any) -> int:
     """List NODE's transitions, oldest first: time, from, to, actor, reason, rollback hint."""
-    since = time.time() - days * 86400 if days else None
+    since = app.clock() - days * 86400 if days else None
     hist = store.history(node, since=since)
     if as_json:
         _emit({"node": node, "transitions": [t.to_dict() for t in hist]})
@@ -166,8 +120,10 @@ def history_cmd(node: str, days: Optional[float], as_json: bool, store: Any) -> 
 @click.argument("state", type=click.Choice([s.value for s in NodeState]))
 @click.option("--reason", required=True, help="Why (recorded in the history and the Event).")
 @click.option("--json", "as_json", is_flag=True, help="Print the recorded transition as JSON.")
-@store_options(create=True)
-def set_cmd(node: str, state: str, reason: str, as_json: bool, store: Any) -> int:
+@with_store(create=True)
+@pass_app
+def set_cmd(app: AppContext, node: str, state: str, reason: str, as_json: bool,
+            store: Any) -> int:
     """Record a person's decision: move NODE to STATE (actor "human").
 
     The transition table still applies: a node becomes healthy only by passing a known-answer
@@ -182,7 +138,7 @@ def set_cmd(node: str, state: str, reason: str, as_json: bool, store: Any) -> in
     except (KeyError, OSError):
         user = ""
     decision = apply_event(store, node, HumanCommand(NodeState(state), reason, user=user),
-                           now=time.time())
+                           now=app.clock())
     t = decision.transition
     assert t is not None  # a HumanCommand either transitions or raises TransitionRefused
     if as_json:
@@ -200,13 +156,15 @@ def set_cmd(node: str, state: str, reason: str, as_json: bool, store: Any) -> in
 @click.option("--min-failures", type=click.IntRange(min=1), default=3, show_default=True,
               help="Failures within the window that make a lemon.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout.")
-@store_options
-def lemons_cmd(days: float, min_failures: int, as_json: bool, store: Any) -> int:
+@with_store
+@pass_app
+def lemons_cmd(app: AppContext, days: float, min_failures: int, as_json: bool,
+               store: Any) -> int:
     """List nodes, and GPUs by serial across nodes, with at least --min-failures confirmed failures
     in the last --days days: the repeat offenders that go to repair even when diagnostics pass."""
     from screener.lifecycle.records import lemon_counts
 
-    failures = store.failures(time.time() - days * 86400)
+    failures = store.failures(app.clock() - days * 86400)
     by_node, by_serial = lemon_counts(failures)
     # One pass over the failures for the details too: linear in their number, not per lemon.
     last_failure: dict[str, float] = {}

@@ -2,24 +2,24 @@
 
 The steps after a node is quarantined: corroborate with the GPU's telemetry, run the provider's deep
 health check, replace the node after review, and plan checkpoints so a job loses little when it
-happens. The SageMaker client, the store, the clock and sleep can be handed in through click's
-context object (a dict with keys sagemaker_client, store, clock, sleep), which is how tests give a
-Stubber-wrapped client; otherwise they are built from the options.
+happens. The SageMaker client, the store, the Prometheus client, the clocks and sleep come from the
+AppContext (screener.commands.context), which is how tests give a Stubber-wrapped client.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import click
 
 from screener.commands._params import Duration
+from screener.commands.context import AppContext, pass_app
+from screener.commands.options import store_options
+from screener.settings.stores import StoreChoice
 from screener.errors import BadInputError
 from screener.types import ExitCode, NodeState, Reason
 
@@ -29,50 +29,8 @@ log = logging.getLogger(__name__)
 
 # --- shared plumbing ------------------------------------------------------------------------------
 
-def _obj(ctx: click.Context) -> dict[str, Any]:
-    found = ctx.find_object(dict)
-    return found if found is not None else {}
-
-
-def _clock(ctx: click.Context) -> Callable[[], float]:
-    return _obj(ctx).get("clock") or time.time
-
-
 def _emit(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
-
-
-def _store_options(f: Callable[..., Any]) -> Callable[..., Any]:
-    # The same options, defaults and environment variables as `screener node`.
-    f = click.option("--spool", type=click.Path(dir_okay=False), default=None,
-                     help="SQLite file where the kube store keeps transitions it could not write "
-                          "yet [default: beside the local database].")(f)
-    f = click.option("--kubeconfig", type=click.Path(dir_okay=False), default=None,
-                     help="kubeconfig for the kube store (default: in-cluster configuration inside "
-                          "a pod, else $KUBECONFIG or ~/.kube/config).")(f)
-    f = click.option("--db", type=click.Path(dir_okay=False), default=None, envvar="SCREENER_DB",
-                     help="SQLite file of the local store [default: $XDG_STATE_HOME/screener/"
-                          "screener.db or ~/.local/state/screener/screener.db].")(f)
-    f = click.option("--store", "store_kind", type=click.Choice(["auto", "local", "kube"]),
-                     default="auto", show_default=True, envvar="SCREENER_STORE",
-                     help="Where node states and their history live: local (SQLite) or kube (Node "
-                          "objects). auto: kube with --kubeconfig or inside a pod, else local.")(f)
-    return f
-
-
-def _open_store(ctx: click.Context, kind: str, db: Optional[str], kubeconfig: Optional[str],
-                spool: Optional[str]) -> Any:
-    given = _obj(ctx).get("store")
-    if given is not None:
-        return given
-    from screener.stores import open_store
-
-    if kind == "auto":
-        kind = "kube" if kubeconfig or os.environ.get("KUBERNETES_SERVICE_HOST") else "local"
-    store = (open_store("local", db=db) if kind == "local"
-             else open_store("kube", kubeconfig=kubeconfig, spool=spool))
-    ctx.call_on_close(store.close)
-    return store
 
 
 def _aws_options(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -85,14 +43,9 @@ def _aws_options(f: Callable[..., Any]) -> Callable[..., Any]:
     return f
 
 
-def _client(ctx: click.Context, region: Optional[str], profile: Optional[str],
+def _client(app: AppContext, region: Optional[str], profile: Optional[str],
             endpoint_url: Optional[str]) -> Any:
-    given = _obj(ctx).get("sagemaker_client")
-    if given is not None:
-        return given
-    from screener.remediation.hyperpod import make_client
-
-    return make_client(region, endpoint_url=endpoint_url, profile=profile)
+    return app.sagemaker(region, profile=profile, endpoint_url=endpoint_url)
 
 
 def _store_name(store: Any, node: Any) -> tuple[str, Optional[NodeState]]:
@@ -138,14 +91,13 @@ def hyperpod_group() -> None:
 @click.option("--record", is_flag=True,
               help="With --wait, record the result of a quarantined node in its lifecycle "
                    "(passed: burnin; failed: repair).")
-@_store_options
+@store_options(create=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON results on stdout.")
-@click.pass_context
-def check_cmd(ctx: click.Context, nodes: tuple[str, ...], cluster: str, region: Optional[str],
+@pass_app
+def check_cmd(app: AppContext, nodes: tuple[str, ...], cluster: str, region: Optional[str],
               profile: Optional[str], endpoint_url: Optional[str], checks: str, wait: bool,
-              poll_s: float, timeout_s: float, dry_run: bool, record: bool, store_kind: str,
-              db: Optional[str], kubeconfig: Optional[str], spool: Optional[str],
-              as_json: bool) -> None:
+              poll_s: float, timeout_s: float, dry_run: bool, record: bool,
+              store_choice: StoreChoice, as_json: bool) -> None:
     """Start a SageMaker HyperPod deep health check on NODE... (grouped by instance group).
 
     While it runs HyperPod keeps the nodes out of scheduling; nodes that fail are rebooted or
@@ -158,7 +110,7 @@ def check_cmd(ctx: click.Context, nodes: tuple[str, ...], cluster: str, region: 
     if record and not wait:
         raise BadInputError("--record needs --wait (there is no result to record before the check ends)")
     check_list = [c.strip() for c in checks.split(",") if c.strip()]
-    client = _client(ctx, region, profile, endpoint_url)
+    client = _client(app, region, profile, endpoint_url)
     resolved = hyperpod.resolve_nodes(client, cluster, list(nodes))
     started = hyperpod.start_health_check(client, resolved, check_list, dry_run=dry_run)
     out: dict[str, Any] = {"start": started.to_dict(), "results": []}
@@ -170,16 +122,15 @@ def check_cmd(ctx: click.Context, nodes: tuple[str, ...], cluster: str, region: 
     code = ExitCode.PASS
     if wait and not dry_run:
         log.warning("waiting for the deep health check (poll every %gs, up to %gs)", poll_s, timeout_s)
-        sleep = _obj(ctx).get("sleep") or time.sleep
-        mono = _obj(ctx).get("clock") or time.monotonic
         results = hyperpod.wait_for_health_check(client, resolved, poll_seconds=poll_s,
-                                                 timeout_seconds=timeout_s, clock=mono, sleep=sleep)
+                                                 timeout_seconds=timeout_s, clock=app.monotonic,
+                                                 sleep=app.sleep)
         out["results"] = [r.to_dict() for r in results]
         outcomes = {r.outcome for r in results}
         code = (ExitCode.HARDWARE_SUSPECT if "failed" in outcomes else
                 ExitCode.INCONCLUSIVE if outcomes - {"passed"} else ExitCode.PASS)
         if record:
-            out["recorded"] = _record_remediation(ctx, results, store_kind, db, kubeconfig, spool)
+            out["recorded"] = _record_remediation(app, results, store_choice)
         if not as_json:
             for r in results:
                 click.echo(f"  {r.node.node} ({r.node.instance_id}): {r.outcome}"
@@ -194,14 +145,13 @@ def check_cmd(ctx: click.Context, nodes: tuple[str, ...], cluster: str, region: 
     sys.exit(int(code))
 
 
-def _record_remediation(ctx: click.Context, results: Sequence[Any], store_kind: str,
-                        db: Optional[str], kubeconfig: Optional[str],
-                        spool: Optional[str]) -> dict[str, str]:
+def _record_remediation(app: AppContext, results: Sequence[Any],
+                        store_choice: StoreChoice) -> dict[str, str]:
     """Feed finished checks of quarantined nodes to the lifecycle and record its decision."""
     from screener.lifecycle.machine import Remediation, decide
 
-    store = _open_store(ctx, store_kind, db, kubeconfig, spool)
-    now = _clock(ctx)()
+    store = app.store(store_choice)
+    now = app.clock()
     done: dict[str, str] = {}
     for r in results:
         if r.outcome not in ("passed", "failed"):
@@ -230,8 +180,8 @@ def _confirm_hint(yes: bool) -> str:
 @_aws_options
 @click.option("--yes", is_flag=True, help="Really reboot; without it, print what would happen.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON results on stdout.")
-@click.pass_context
-def reboot_cmd(ctx: click.Context, nodes: tuple[str, ...], cluster: str, region: Optional[str],
+@pass_app
+def reboot_cmd(app: AppContext, nodes: tuple[str, ...], cluster: str, region: Optional[str],
                profile: Optional[str], endpoint_url: Optional[str], yes: bool, as_json: bool) -> None:
     """Reboot NODE... through BatchRebootClusterNodes (a dry run unless --yes).
 
@@ -239,7 +189,7 @@ def reboot_cmd(ctx: click.Context, nodes: tuple[str, ...], cluster: str, region:
     """
     from screener.remediation import hyperpod
 
-    client = _client(ctx, region, profile, endpoint_url)
+    client = _client(app, region, profile, endpoint_url)
     resolved = hyperpod.resolve_nodes(client, cluster, list(nodes))
     result = hyperpod.reboot_nodes(client, resolved, dry_run=not yes)
     _report_batch(result, as_json, yes)
@@ -266,13 +216,12 @@ def _report_batch(result: Any, as_json: bool, yes: bool, extra: Optional[dict[st
 @_aws_options
 @click.option("--yes", is_flag=True, help="Really replace; without it, print what would happen.")
 @click.option("--reason", default="", help="Why, for the node's history (default: a generic line).")
-@_store_options
+@store_options(create=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON results on stdout.")
-@click.pass_context
-def replace_cmd(ctx: click.Context, nodes: tuple[str, ...], cluster: str, region: Optional[str],
+@pass_app
+def replace_cmd(app: AppContext, nodes: tuple[str, ...], cluster: str, region: Optional[str],
                 profile: Optional[str], endpoint_url: Optional[str], yes: bool, reason: str,
-                store_kind: str, db: Optional[str], kubeconfig: Optional[str], spool: Optional[str],
-                as_json: bool) -> None:
+                store_choice: StoreChoice, as_json: bool) -> None:
     """Replace NODE... through BatchReplaceClusterNodes (a dry run unless --yes).
 
     Refuses (exit 2) a node that screener has not taken out of service (quarantined or repair), and
@@ -284,9 +233,9 @@ def replace_cmd(ctx: click.Context, nodes: tuple[str, ...], cluster: str, region
     from screener.remediation import hyperpod
     from screener.lifecycle.machine import DEFAULT_POLICY, Action
 
-    client = _client(ctx, region, profile, endpoint_url)
+    client = _client(app, region, profile, endpoint_url)
     resolved = hyperpod.resolve_nodes(client, cluster, list(nodes))
-    store = _open_store(ctx, store_kind, db, kubeconfig, spool)
+    store = app.store(store_choice)
     names = {n.instance_id: _store_name(store, n) for n in resolved}
     budget = DEFAULT_POLICY.budget_limit(len(store.all_states()))
     result = hyperpod.replace_nodes(client, resolved, state_of=lambda n: names[n.instance_id][1],
@@ -295,7 +244,7 @@ def replace_cmd(ctx: click.Context, nodes: tuple[str, ...], cluster: str, region
     if not result.dry_run:
         from screener.lifecycle.records import ACTOR_HUMAN, Transition
 
-        now = _clock(ctx)()
+        now = app.clock()
         why = reason.strip() or "replaced after review"
         for n in resolved:
             if n.instance_id not in result.successful:
@@ -331,8 +280,8 @@ def replace_cmd(ctx: click.Context, nodes: tuple[str, ...], cluster: str, region
 @click.option("--header", "headers", multiple=True, metavar="NAME:VALUE",
               help="Extra HTTP header for Prometheus (e.g. Authorization); repeatable.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON results on stdout.")
-@click.pass_context
-def correlate_cmd(ctx: click.Context, node: str, url: str, around: str, window: float,
+@pass_app
+def correlate_cmd(app: AppContext, node: str, url: str, around: str, window: float,
                   match: Optional[str], headers: tuple[str, ...], as_json: bool) -> None:
     """Correlate NODE's DCGM telemetry in Prometheus with an alarm: what changed around it.
 
@@ -343,7 +292,7 @@ def correlate_cmd(ctx: click.Context, node: str, url: str, around: str, window: 
     """
     from screener.remediation import correlate as corr
 
-    now = _clock(ctx)()
+    now = app.clock()
     t0 = corr.parse_time(around, now)
     half = window
     start, end = t0 - half, min(t0 + half, now)
@@ -359,7 +308,7 @@ def correlate_cmd(ctx: click.Context, node: str, url: str, around: str, window: 
         if not sep or not name.strip():
             raise BadInputError(f"--header {h!r} is not NAME:VALUE")
         hdrs[name.strip()] = value.strip()
-    client = corr.PrometheusClient(url, headers=hdrs)
+    client = app.prometheus(url, headers=hdrs)
     result = corr.correlate(client, node, start, end, match=pair)
     if as_json:
         _emit(result.to_dict())
@@ -390,13 +339,12 @@ def correlate_cmd(ctx: click.Context, node: str, url: str, around: str, window: 
                                       "interruption.")
 @click.option("--interval-minutes", type=float, default=None,
               help="Also evaluate this checkpoint interval (e.g. the one you use now).")
-@_store_options
+@store_options()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON results on stdout.")
-@click.pass_context
-def plan_cmd(ctx: click.Context, c: float, m: Optional[float], node_mttf_hours: Optional[float],
+@pass_app
+def plan_cmd(app: AppContext, c: float, m: Optional[float], node_mttf_hours: Optional[float],
              nodes: Optional[int], history: bool, days: float, r: float,
-             interval_minutes: Optional[float], store_kind: str, db: Optional[str],
-             kubeconfig: Optional[str], spool: Optional[str], as_json: bool) -> None:
+             interval_minutes: Optional[float], store_choice: StoreChoice, as_json: bool) -> None:
     """Plan checkpoints: Young's interval sqrt(2*C*M) and the goodput it gives.
 
     Each interruption loses on average half an interval of work plus the restart time; each
@@ -424,8 +372,8 @@ def plan_cmd(ctx: click.Context, c: float, m: Optional[float], node_mttf_hours: 
         mttf_hours = recovery.job_mttf_hours(nodes, 1.0 / node_mttf_hours)
         source = {"kind": "node_mttf", "node_mttf_hours": node_mttf_hours, "nodes": nodes}
     else:
-        store = _open_store(ctx, store_kind, db, kubeconfig, spool)
-        now = _clock(ctx)()
+        store = app.store(store_choice)
+        now = app.clock()
         since = now - days * 86400.0
         states = store.all_states()
         first = {}

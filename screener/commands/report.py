@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import click
 
 from screener.commands._params import positive
-from screener.commands.node import store_options
+from screener.commands.context import AppContext, pass_app
+from screener.commands.options import with_store
 from screener.errors import BadInputError
 from screener.types import ExitCode
 
@@ -67,16 +67,17 @@ def burnin_report_cmd(report_file: str, out: str) -> int:
                    "show. Repeatable.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report's data as JSON on stdout "
               "instead of writing HTML.")
-@store_options
-def fleet_report_cmd(out: str, days: float, min_failures: int, burnin_reports: tuple[str, ...],
-                     as_json: bool, store: Any) -> int:
+@with_store
+@pass_app
+def fleet_report_cmd(app: AppContext, out: str, days: float, min_failures: int,
+                     burnin_reports: tuple[str, ...], as_json: bool, store: Any) -> int:
     """The fleet from the store: nodes per state, every node's states over the window with its
     confirmed failures, lemons (nodes and GPU serials), the last screen's seconds per job and
     device, and HBM bandwidth per GPU. Prints the path written."""
     from screener.output.report import fleet_data, fleet_html, load_burnin_report
 
     reports = [load_burnin_report(f) for f in burnin_reports]
-    data = fleet_data(store, now=time.time(), days=days, min_failures=min_failures,
+    data = fleet_data(store, now=app.clock(), days=days, min_failures=min_failures,
                       burnin_reports=reports)
     if as_json:
         click.echo(json.dumps(data, indent=2, sort_keys=True))

@@ -19,7 +19,6 @@ import dataclasses
 import json
 import math
 import os
-import socket
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -31,7 +30,8 @@ from screener.errors import ConfigError
 from screener.settings.health import ProbeConfig
 from screener.settings.hyperpod import HyperPodConfig
 from screener.lifecycle.machine import LifecyclePolicy
-from screener.types import ALARM_DIR_ENV, DEFAULT_ALARM_DIR, NODE_NAME_ENV
+from screener.settings.stores import resolve_store_kind
+from screener.types import ALARM_DIR_ENV, DEFAULT_ALARM_DIR, NODE_NAME_ENV, node_name
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -222,7 +222,7 @@ class DaemonConfig:
         data.update(env_values(env))
         data.update({k: v for k, v in (overrides or {}).items() if v is not None})
         if not data.get("node"):
-            data["node"] = socket.gethostname()
+            data["node"] = node_name(env)
         return cls.from_mapping(data, source=source)
 
     def to_dict(self) -> dict[str, Any]:
@@ -236,10 +236,7 @@ class DaemonConfig:
 
     def resolved_store(self, environ: Optional[Mapping[str, str]] = None) -> str:
         """"local" or "kube": what "auto" means here (see the class docstring)."""
-        if self.store != "auto":
-            return self.store
-        env = os.environ if environ is None else environ
-        return "kube" if self.kubeconfig or env.get("KUBERNETES_SERVICE_HOST") else "local"
+        return resolve_store_kind(self.store, self.kubeconfig, environ)
 
 
 MAX_CONFIG_BYTES = 1024 * 1024
@@ -309,7 +306,7 @@ def _parse_env(name: str, text: str, default: Any) -> Any:
 def env_values(env: Mapping[str, str]) -> dict[str, Any]:
     """The settings the environment gives (see the module docstring)."""
     out: dict[str, Any] = {}
-    if env.get(NODE_NAME_ENV, "").strip():
+    if env.get(NODE_NAME_ENV, "").strip():  # blank: left to load(), which falls back to node_name()
         out["node"] = env[NODE_NAME_ENV].strip()
     if env.get(ALARM_DIR_ENV):
         out["alarm_dir"] = env[ALARM_DIR_ENV]
