@@ -40,6 +40,7 @@ import torch  # noqa: E402
 
 from screener.known_answer import faults
 from screener.known_answer import kat  # noqa: E402
+from screener.known_answer import supervise  # noqa: E402
 from screener.known_answer import workloads as w  # noqa: E402
 
 # The ops a campaign draws from, per job kind (the aten names the dispatcher sees).
@@ -67,7 +68,7 @@ def time_jobs(device: str, repeats: int = 3) -> list[dict[str, Any]]:
 
 def time_screen(device: str) -> dict[str, Any]:
     t0 = time.monotonic()
-    runs = kat.execute(kat.quick_jobs(str(ROOT / "jobs")), [device], iterations=2)
+    runs = supervise.execute(kat.quick_jobs(str(ROOT / "jobs")), [device], iterations=2)
     total = time.monotonic() - t0
     run = runs[device]
     jobs = sum(sum(r.seconds) for r in run.jobs.values())

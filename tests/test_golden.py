@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from screener.known_answer import golden as g
+from screener.known_answer import results
 from screener.known_answer import workloads as w
 from screener.determinism import preserved
 from screener.errors import GoldenError
@@ -108,7 +109,7 @@ def test_every_kind_of_bad_file_is_one_clear_error(spec_and_result, tmp_path):
 def _resealed(good: str, edit) -> str:
     d = json.loads(good)
     edit(d)
-    d["digest"] = w.steps_digest([w.Step.from_dict(x) for x in d["steps"]]) if d["steps"] and \
+    d["digest"] = results.steps_digest([w.Step.from_dict(x) for x in d["steps"]]) if d["steps"] and \
         all(isinstance(x, dict) for x in d["steps"]) else d["digest"]
     d["sha256"] = g.checksum(d)  # an attacker recomputes the checksum
     return json.dumps(d)

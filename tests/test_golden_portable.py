@@ -20,7 +20,9 @@ from pathlib import Path
 import pytest
 
 from screener.known_answer import golden
-from screener.known_answer import kat
+from screener.known_answer import judgment, kat, recording, text
+from screener.known_answer.results import first_difference
+from screener.known_answer.runs import DeviceRun
 from screener.known_answer import workloads as w
 from screener.determinism import preserved
 from screener.known_answer.faults import FaultSpec, inject
@@ -42,7 +44,7 @@ def setup():
 
 
 def _run(device, results, plat):
-    run = kat.DeviceRun(device, platform=plat.to_dict(), platform_hash=plat.numeric_hash)
+    run = DeviceRun(device, platform=plat.to_dict(), platform_hash=plat.numeric_hash)
     for i, r in enumerate(results):
         run.add(i, r)
     run.iterations = len(results)
@@ -60,51 +62,51 @@ def test_a_sibling_platforms_golden_passes_equal_bits_and_names_itself(setup, tm
     sibling = replace(plat, threads=4, blas="mkl another path")  # same torch and dispatch level
     assert sibling.numeric_hash != plat.numeric_hash
     path = _write(spec, sibling, good, tmp_path)
-    res = kat.judge({"cpu": _run("cpu", [good, good], plat)}, [spec],
+    res = judgment.judge({"cpu": _run("cpu", [good, good], plat)}, [spec],
                     kat.golden_lookup(str(tmp_path)), golden_dir=str(tmp_path))
     v = res.verdict("cpu")
     assert (res.outcome, res.exit_code) == (Outcome.PASS, ExitCode.PASS)
     assert v.evidence["jobs"]["gemm-fp32"]["golden"] == str(path)
     assert v.evidence["jobs"]["gemm-fp32"]["sibling"] is True
-    assert str(path) in kat.format_verdicts(res)
+    assert str(path) in text.format_verdicts(res)
 
 
 def test_a_sibling_platforms_golden_with_other_bits_is_inconclusive_never_suspect(setup, tmp_path):
     spec, plat, good, bad = setup
     _write(spec, replace(plat, onednn="onednn other"), good, tmp_path)
-    res = kat.judge({"cpu": _run("cpu", [bad, bad], plat)}, [spec],
+    res = judgment.judge({"cpu": _run("cpu", [bad, bad], plat)}, [spec],
                     kat.golden_lookup(str(tmp_path)), golden_dir=str(tmp_path))
     v = res.verdict("cpu")
     assert (v.outcome, v.reason, res.exit_code) == (Outcome.INCONCLUSIVE, "sibling_golden_differs",
                                                    ExitCode.INCONCLUSIVE)
-    diff = w.first_difference(good.steps, bad.steps)
+    diff = first_difference(good.steps, bad.steps)
     assert (v.expected, v.observed) == (diff.expected, diff.observed)  # golden's, device's
     assert v.evidence["command"].startswith("screener golden record --job gemm-fp32")
-    assert "record a golden: screener golden record" in kat.format_verdicts(res)
+    assert "record a golden: screener golden record" in text.format_verdicts(res)
 
 
 def test_a_golden_of_another_dispatch_level_is_not_a_sibling(setup, tmp_path):
     spec, plat, good, _ = setup
     other = "AVX512" if plat.cpu_capability != "AVX512" else "AVX2"
     _write(spec, replace(plat, cpu_capability=other), good, tmp_path)
-    res = kat.judge({"cpu": _run("cpu", [good], plat)}, [spec], kat.golden_lookup(str(tmp_path)))
+    res = judgment.judge({"cpu": _run("cpu", [good], plat)}, [spec], kat.golden_lookup(str(tmp_path)))
     assert (res.verdict("cpu").reason, res.exit_code) == ("no_golden", ExitCode.INCONCLUSIVE)
 
 
 def test_expected_is_the_goldens_value_when_the_first_repeat_went_wrong(setup, tmp_path):
     spec, plat, good, bad = setup
     _write(spec, plat, good, tmp_path)
-    res = kat.judge({"cpu": _run("cpu", [bad, good], plat)}, [spec],
+    res = judgment.judge({"cpu": _run("cpu", [bad, good], plat)}, [spec],
                     kat.golden_lookup(str(tmp_path)))
     v = res.verdict("cpu")
-    diff = w.first_difference(good.steps, bad.steps)
+    diff = first_difference(good.steps, bad.steps)
     assert (v.outcome, v.reason) == (Outcome.SUSPECT, "self_mismatch")
     assert (v.expected, v.observed) == (diff.expected, diff.observed)
     assert "iteration 0 differs" in v.evidence["detail"]
     issue = next(i for i in v.evidence["issues"] if i["reason"] == "golden_mismatch")
     assert (issue["expected"], issue["observed"]) == (diff.expected, diff.observed)
     # the same when it is the second repeat that went wrong
-    v2 = kat.judge({"cpu": _run("cpu", [good, bad], plat)}, [spec],
+    v2 = judgment.judge({"cpu": _run("cpu", [good, bad], plat)}, [spec],
                    kat.golden_lookup(str(tmp_path))).verdict("cpu")
     assert (v2.expected, v2.observed) == (diff.expected, diff.observed)
 
@@ -113,8 +115,8 @@ def test_expected_is_the_majoritys_value_without_a_golden(setup):
     spec, plat, good, bad = setup
     runs = {"a": _run("a", [bad, good], plat), "b": _run("b", [good], plat),
             "c": _run("c", [good], plat)}
-    v = kat.judge(runs, [spec], lambda s, h: None).verdict("a")
-    diff = w.first_difference(good.steps, bad.steps)
+    v = judgment.judge(runs, [spec], lambda s, h: None).verdict("a")
+    diff = first_difference(good.steps, bad.steps)
     assert v.outcome == Outcome.SUSPECT
     assert (v.expected, v.observed) == (diff.expected, diff.observed)
 
@@ -124,7 +126,7 @@ def test_record_adds_a_platform_with_equal_bits_to_the_existing_golden(setup, tm
     first = replace(plat, cpu_capability="AVX512", threads=1)
     path = _write(spec, first, good, tmp_path)
     before = path.read_text()
-    rec = kat.write_goldens({"cpu": _run("cpu", [good, good], plat)}, [spec], str(tmp_path),
+    rec = recording.write_goldens({"cpu": _run("cpu", [good, good], plat)}, [spec], str(tmp_path),
                             repeat=2)
     assert rec.exit_code == ExitCode.PASS and not rec.written
     assert rec.added == (f"{path} (platform {plat.numeric_hash})",)
@@ -134,11 +136,11 @@ def test_record_adds_a_platform_with_equal_bits_to_the_existing_golden(setup, tm
     assert json.loads(path.read_text())["schema"] == golden.SCHEMA_ALSO
     assert before != path.read_text()
     assert golden.find(tmp_path, spec, plat.numeric_hash).path == str(path)
-    again = kat.write_goldens({"cpu": _run("cpu", [good], plat)}, [spec], str(tmp_path), repeat=1)
+    again = recording.write_goldens({"cpu": _run("cpu", [good], plat)}, [spec], str(tmp_path), repeat=1)
     assert (again.added, again.unchanged) == ((), (str(path),))
     # other bits on a new platform: a file of its own
     third = replace(plat, threads=3)
-    other = kat.write_goldens({"cpu": _run("cpu", [bad], third)}, [spec], str(tmp_path), repeat=1)
+    other = recording.write_goldens({"cpu": _run("cpu", [bad], third)}, [spec], str(tmp_path), repeat=1)
     assert other.written and not other.added
     # an edited `also` entry is caught by the checksum, a malformed one by the content checks
     d = json.loads(path.read_text())
@@ -166,7 +168,7 @@ def test_kat_run_with_a_fault_in_the_first_repeat_reads_right(setup, tmp_path):
     assert r.returncode == int(ExitCode.HARDWARE_SUSPECT), r.stderr
     out = json.loads(r.stdout)
     v = out["verdicts"][0]
-    diff = w.first_difference(good.steps, bad.steps)
+    diff = first_difference(good.steps, bad.steps)
     assert (v["expected"], v["observed"]) == (diff.expected, diff.observed)
     # the child's platform key is the one `screener platform` and the goldens use
     assert out["platforms"]["cpu"]["numeric_hash"] == plat.numeric_hash

@@ -14,12 +14,15 @@ import torch
 
 from screener.known_answer import faults
 from screener.known_answer import golden
-from screener.known_answer import kat
+from screener.known_answer import (child, fault_spec, judgment, kat, protocol, recording,
+                                    supervise, text)
+from screener.known_answer.results import first_difference
+from screener.known_answer.runs import DeviceRun
 from screener.known_answer import workloads as w
 from screener.determinism import preserved
 from screener.errors import BadInputError, NondeterminismError, ScreenerError
 from screener.known_answer.faults import FaultSpec, inject
-from screener.types import ExitCode, Outcome
+from screener.types import ExitCode, KatReason, Outcome, RunStatus
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,7 +55,7 @@ def test_every_bit_class_in_fingerprinted_outputs_is_detected_and_located(job):
             inj = inject(FaultSpec(op, call=call, element=call * 37 + 3, bit=bit))
             r = w.run_job(spec, "cpu", injector=inj)
             assert len(inj.fired) == 1
-            d = w.first_difference(clean.steps, r.steps)
+            d = first_difference(clean.steps, r.steps)
             assert d is not None, (job, cls, call)
             assert d.step == call // per_step, (job, cls, call)
             assert d.tensor == clean.steps[0].tensors[call % per_step][0]
@@ -86,7 +89,7 @@ def test_training_step_detects_flips_in_every_op_kind_and_names_the_step():
             inj = inject(FaultSpec(op, call=call, element=element, bit=bit))
             r = w.run_job(spec, "cpu", injector=inj)
             assert inj.fired, (op, cls)
-            diff = w.first_difference(clean.steps, r.steps)
+            diff = first_difference(clean.steps, r.steps)
             assert diff is not None, (op, cls)
             assert diff.step == 1, (op, cls, diff)
 
@@ -100,14 +103,14 @@ def test_parameter_flip_after_the_optimizer_step_is_located():
             faults.corrupt_parameter(model, "blocks.0.fc1.weight", 17, bit=2)
 
     r = w.run_job(spec, "cpu", after_step=flip)
-    d = w.first_difference(clean.steps, r.steps)
+    d = first_difference(clean.steps, r.steps)
     assert (d.step, d.tensor) == (1, "weight/blocks.0.fc1.weight")
 
 
 # --- the judgment (pure) --------------------------------------------------------------------------
 
-def _run(device: str, results: list[w.JobResult], phash: str = "p1") -> kat.DeviceRun:
-    run = kat.DeviceRun(device, platform={"name": "test"}, platform_hash=phash)
+def _run(device: str, results: list[w.JobResult], phash: str = "p1") -> DeviceRun:
+    run = DeviceRun(device, platform={"name": "test"}, platform_hash=phash)
     for i, r in enumerate(results):
         run.add(i, r)
     run.iterations = len(results)
@@ -131,7 +134,7 @@ def _no_golden(spec, phash):
 def test_three_agreeing_peers_pass_without_a_golden(results):
     spec, good, bad, _ = results
     runs = {f"cuda:{i}": _run(f"cuda:{i}", [good, good]) for i in range(3)}
-    res = kat.judge(runs, [spec], _no_golden)
+    res = judgment.judge(runs, [spec], _no_golden)
     assert res.outcome == Outcome.PASS and res.exit_code == ExitCode.PASS
     assert {v.outcome for v in res.verdicts} == {Outcome.PASS}
 
@@ -140,7 +143,7 @@ def test_the_device_that_differs_from_the_majority_is_suspect_and_located(result
     spec, good, bad, _ = results
     runs = {f"cuda:{i}": _run(f"cuda:{i}", [good]) for i in range(4)}
     runs["cuda:2"] = _run("cuda:2", [bad])
-    res = kat.judge(runs, [spec], _no_golden)
+    res = judgment.judge(runs, [spec], _no_golden)
     assert res.exit_code == ExitCode.HARDWARE_SUSPECT
     v = res.verdict("cuda:2")
     assert (v.outcome, v.reason, v.job, v.step) == (Outcome.SUSPECT, "peer_mismatch", spec.name, 1)
@@ -148,22 +151,36 @@ def test_the_device_that_differs_from_the_majority_is_suspect_and_located(result
     assert all(res.verdict(d).outcome == Outcome.PASS for d in ("cuda:0", "cuda:1", "cuda:3"))
     # with only two agreeing peers left, they are inconclusive but the odd one is still suspect
     del runs["cuda:3"]
-    res = kat.judge(runs, [spec], _no_golden)
+    res = judgment.judge(runs, [spec], _no_golden)
     assert res.verdict("cuda:2").reason == "peer_mismatch"
     assert res.verdict("cuda:0").outcome == Outcome.INCONCLUSIVE
 
 
 def test_two_devices_that_disagree_are_both_suspect(results):
     spec, good, bad, _ = results
-    res = kat.judge({"a": _run("a", [good]), "b": _run("b", [bad])}, [spec], _no_golden)
+    res = judgment.judge({"a": _run("a", [good]), "b": _run("b", [bad])}, [spec], _no_golden)
     assert {v.reason for v in res.verdicts} == {"peer_split"}
     assert res.exit_code == ExitCode.HARDWARE_SUSPECT
+
+
+def test_reasons_and_statuses_are_the_vocabularys_enums_and_read_as_plain_strings(results):
+    """Verdict reasons and run statuses are KatReason / RunStatus members, yet the JSON, the
+    verdict table and comparisons with the strings older records hold see the same text."""
+    spec, good, bad, _ = results
+    res = judgment.judge({"a": _run("a", [good]), "b": _run("b", [bad])}, [spec], _no_golden)
+    v = res.verdict("a")
+    assert v.reason is KatReason.PEER_SPLIT and v.reason == "peer_split"
+    assert v.evidence["status"] is RunStatus.OK
+    d = json.loads(json.dumps(res.to_dict()))
+    assert d["verdicts"][0]["reason"] == "peer_split" and d["verdicts"][0]["evidence"]["status"] == "ok"
+    assert d["verdicts"][0]["evidence"]["issues"][0]["reason"] == "peer_split"
+    assert f"{v.reason}" == "peer_split" and " peer_split " in text.format_verdicts(res)
 
 
 def test_peers_of_another_platform_are_not_compared(results):
     spec, good, bad, _ = results
     runs = {"a": _run("a", [good]), "b": _run("b", [good]), "c": _run("c", [bad], phash="p2")}
-    res = kat.judge(runs, [spec], _no_golden)
+    res = judgment.judge(runs, [spec], _no_golden)
     assert {v.reason for v in res.verdicts} == {"no_golden"}
     assert res.exit_code == ExitCode.INCONCLUSIVE
 
@@ -172,7 +189,7 @@ def test_a_device_that_disagrees_with_itself_is_suspect(results):
     spec, good, bad, _ = results
     runs = {"a": _run("a", [good, good]), "b": _run("b", [good, bad, good]),
             "c": _run("c", [good, good])}
-    res = kat.judge(runs, [spec], _no_golden)
+    res = judgment.judge(runs, [spec], _no_golden)
     v = res.verdict("b")
     assert (v.reason, v.step) == ("self_mismatch", 1)
     assert "iteration 1" in v.evidence["detail"]
@@ -182,11 +199,11 @@ def test_nondeterministic_on_every_device_is_our_bug(results):
     spec, good, bad, other = results
     runs = {"a": _run("a", [good, bad]), "b": _run("b", [good, other])}
     with pytest.raises(NondeterminismError, match="every device") as e:
-        kat.judge(runs, [spec], _no_golden)
+        judgment.judge(runs, [spec], _no_golden)
     assert e.value.exit_code == ExitCode.SCREENER_ERROR and spec.name in str(e.value)
     three = {"a": _run("a", [good]), "b": _run("b", [bad]), "c": _run("c", [other])}
     with pytest.raises(NondeterminismError, match="different results"):
-        kat.judge(three, [spec], _no_golden)
+        judgment.judge(three, [spec], _no_golden)
 
 
 def _golden_of(spec, result, tmp_path, phash="p1"):
@@ -198,25 +215,25 @@ def _golden_of(spec, result, tmp_path, phash="p1"):
 def test_golden_comparison(results, tmp_path):
     spec, good, bad, _ = results
     lookup = _golden_of(spec, good, tmp_path)
-    res = kat.judge({"cpu": _run("cpu", [good, good])}, [spec], lookup)
+    res = judgment.judge({"cpu": _run("cpu", [good, good])}, [spec], lookup)
     assert res.exit_code == ExitCode.PASS
-    res = kat.judge({"cpu": _run("cpu", [bad, bad])}, [spec], lookup)
+    res = judgment.judge({"cpu": _run("cpu", [bad, bad])}, [spec], lookup)
     v = res.verdict("cpu")
     assert (v.outcome, v.reason, v.step) == (Outcome.SUSPECT, "golden_mismatch", 1)
     assert v.platform_hash == "p1"
     # a single device that reproduced the golden once but not always: suspect, not our bug
-    res = kat.judge({"cpu": _run("cpu", [good, bad])}, [spec], lookup)
+    res = judgment.judge({"cpu": _run("cpu", [good, bad])}, [spec], lookup)
     assert res.verdict("cpu").reason == "self_mismatch"
     # three peers agreeing with each other against the golden: the golden is in question
     runs = {d: _run(d, [bad]) for d in ("a", "b", "c")}
-    res = kat.judge(runs, [spec], lookup)
+    res = judgment.judge(runs, [spec], lookup)
     assert {v.reason for v in res.verdicts} == {"golden_disagrees_with_peers"}
     assert res.exit_code == ExitCode.INCONCLUSIVE
 
 
 def test_no_golden_is_inconclusive_with_the_record_command(results):
     spec, good, _, _ = results
-    res = kat.judge({"cpu": _run("cpu", [good])}, [spec], _no_golden, golden_dir="g")
+    res = judgment.judge({"cpu": _run("cpu", [good])}, [spec], _no_golden, golden_dir="g")
     v = res.verdict("cpu")
     assert (v.outcome, v.reason) == (Outcome.INCONCLUSIVE, "no_golden")
     assert v.evidence["command"] == f"screener golden record --job {spec.name} --device cpu --out g"
@@ -225,63 +242,63 @@ def test_no_golden_is_inconclusive_with_the_record_command(results):
 
 def test_failed_children(results):
     spec, good, _, _ = results
-    hung = kat.DeviceRun("cuda:1", status="timeout", detail="no progress", current=(spec.name, 0))
-    res = kat.judge({"cuda:0": _run("cuda:0", [good]), "cuda:1": hung}, [spec], _no_golden)
+    hung = DeviceRun("cuda:1", status=RunStatus.TIMEOUT, detail="no progress", current=(spec.name, 0))
+    res = judgment.judge({"cuda:0": _run("cuda:0", [good]), "cuda:1": hung}, [spec], _no_golden)
     v = res.verdict("cuda:1")
     assert (v.outcome, v.reason, v.job) == (Outcome.SUSPECT, "timeout", spec.name)
-    ours = kat.DeviceRun("cpu", status="screener_error", detail="KeyError: x")
+    ours = DeviceRun("cpu", status=RunStatus.SCREENER_ERROR, detail="KeyError: x")
     with pytest.raises(ScreenerError, match="the screener failed"):
-        kat.judge({"cpu": ours}, [spec], _no_golden)
-    missing = kat.DeviceRun("cuda:7", status="bad_input", detail="start-up: BadInputError: no GPU")
+        judgment.judge({"cpu": ours}, [spec], _no_golden)
+    missing = DeviceRun("cuda:7", status=RunStatus.BAD_INPUT, detail="start-up: BadInputError: no GPU")
     with pytest.raises(BadInputError, match="cuda:7"):
-        kat.judge({"cuda:7": missing}, [spec], _no_golden)
+        judgment.judge({"cuda:7": missing}, [spec], _no_golden)
 
 
 def test_recording_writes_only_what_all_runs_agree_on(results, tmp_path):
     spec, good, bad, _ = results
     out = str(tmp_path)
     # a device that disagrees with itself: nothing is written, exit 75
-    rec = kat.write_goldens({"a": _run("a", [good, bad]), "b": _run("b", [good, good])}, [spec],
+    rec = recording.write_goldens({"a": _run("a", [good, bad]), "b": _run("b", [good, good])}, [spec],
                             out, repeat=2)
     assert rec.exit_code == ExitCode.HARDWARE_SUSPECT and not rec.written
     assert "a: self_mismatch" in rec.refused[0] and not list(tmp_path.iterdir())
     # agreement: written, then unchanged on a second recording
     runs = {"a": _run("a", [good, good]), "b": _run("b", [good, good])}
-    rec = kat.write_goldens(runs, [spec], out, repeat=2)
+    rec = recording.write_goldens(runs, [spec], out, repeat=2)
     assert rec.exit_code == ExitCode.PASS and len(rec.written) == 1
     assert golden.load(rec.written[0], spec=spec).recorded["devices"] == ["a", "b"]
-    assert kat.write_goldens(runs, [spec], out, repeat=2).unchanged == rec.written
+    assert recording.write_goldens(runs, [spec], out, repeat=2).unchanged == rec.written
     # other results against a valid golden: refused unless forced
     other = {"a": _run("a", [bad, bad])}
-    refused = kat.write_goldens(other, [spec], out, repeat=2)
+    refused = recording.write_goldens(other, [spec], out, repeat=2)
     assert refused.exit_code == ExitCode.HARDWARE_SUSPECT and "--force" in refused.refused[0]
-    forced = kat.write_goldens(other, [spec], out, repeat=2, force=True)
+    forced = recording.write_goldens(other, [spec], out, repeat=2, force=True)
     assert forced.written == rec.written
     assert golden.load(rec.written[0]).digest == bad.digest
     # a broken golden is simply replaced
     Path(rec.written[0]).write_text("{")
-    assert kat.write_goldens(runs, [spec], out, repeat=2).written == rec.written
+    assert recording.write_goldens(runs, [spec], out, repeat=2).written == rec.written
 
 
 def test_device_errors_are_told_apart_from_ours():
-    assert kat._is_device_error(RuntimeError("CUDA error: an illegal memory access was encountered"))
-    assert not kat._is_device_error(RuntimeError("shape mismatch"))
-    assert not kat._is_device_error(KeyError("x"))
+    assert child.is_device_error(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert not child.is_device_error(RuntimeError("shape mismatch"))
+    assert not child.is_device_error(KeyError("x"))
     # another process holding the memory is not a hardware fault
-    assert not kat._is_device_error(RuntimeError("CUDA error: out of memory"))
-    assert not kat._is_device_error(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate"))
+    assert not child.is_device_error(RuntimeError("CUDA error: out of memory"))
+    assert not child.is_device_error(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate"))
 
 
 def test_parse_fault():
-    assert kat._FAULT_MODES == faults.MODES
-    device, f = kat.parse_fault("device=cuda:1,op=mm,call=2,element=7,bit=30,job=gemm-fp32")
+    assert fault_spec.FAULT_MODES == faults.MODES
+    device, f = fault_spec.parse_fault("device=cuda:1,op=mm,call=2,element=7,bit=30,job=gemm-fp32")
     assert device == "cuda:1" and f.fault_spec() == FaultSpec("mm", call=2, element=7, bit=30)
     assert f.applies("gemm-fp32", 5) and not f.applies("train-fp32", 0)
-    device, f = kat.parse_fault("parameter=head.weight,step=1,element=3,bit=5")
+    device, f = fault_spec.parse_fault("parameter=head.weight,step=1,element=3,bit=5")
     assert device is None and f.parameter == "head.weight"
     for bad in ("op=mm,bit=x", "op=mm,colour=red", "bit=3", "op=mm,mode=melt", "op"):
         with pytest.raises(Exception) as e:
-            kat.parse_fault(bad)
+            fault_spec.parse_fault(bad)
         assert getattr(e.value, "exit_code", None) == ExitCode.USAGE, bad
 
 
@@ -304,7 +321,7 @@ def golden_dir(tmp_path_factory) -> str:
 def test_healthy_cpu_passes_against_the_golden(golden_dir):
     res = kat.run_screen(None, ["cpu"], golden_dir=golden_dir, repeat=2)
     v = res.verdict("cpu")
-    assert res.exit_code == ExitCode.PASS and v.outcome == Outcome.PASS, kat.format_verdicts(res)
+    assert res.exit_code == ExitCode.PASS and v.outcome == Outcome.PASS, text.format_verdicts(res)
     phash = v.platform_hash
     for spec in kat.quick_jobs(str(ROOT / "jobs")):
         rec = golden.find(golden_dir, spec, phash)
@@ -346,12 +363,12 @@ def test_a_hang_is_suspect_only_with_evidence_that_the_job_finishes(tmp_path):
     jobs = _selftest_dir(tmp_path, sleep=600.0)
     specs = w.select_jobs(["st"], jobs_dir=jobs)
     t0 = time.monotonic()
-    runs = kat.execute(specs, ["cpu"], timeout=2.0)
+    runs = supervise.execute(specs, ["cpu"], timeout=2.0)
     elapsed = time.monotonic() - t0
     assert runs["cpu"].status == "timeout" and "job st" in runs["cpu"].detail
     assert runs["cpu"].timeout_s == 2.0
     assert elapsed < 60  # killed once it made no progress for the timeout, not after the sleep
-    res = kat.judge(runs, specs, _no_golden)
+    res = judgment.judge(runs, specs, _no_golden)
     v = res.verdict("cpu")
     assert (v.outcome, v.reason, v.job) == (Outcome.INCONCLUSIVE, "timeout", "st")
     assert res.exit_code == ExitCode.INCONCLUSIVE
@@ -362,18 +379,18 @@ def test_a_hang_is_suspect_only_with_evidence_that_the_job_finishes(tmp_path):
         def compare(self, result):
             return None
 
-    res = kat.judge(runs, specs, lambda spec, phash: Timed())
+    res = judgment.judge(runs, specs, lambda spec, phash: Timed())
     v = res.verdict("cpu")
     assert (v.outcome, v.reason) == (Outcome.SUSPECT, "timeout") and "golden records" in \
         v.evidence["detail"]
     Timed.recorded = {"seconds": 1.0}  # 2 s is not 10x the job's time: could just be slow
-    assert kat.judge(runs, specs, lambda spec, phash: Timed()).verdict("cpu").outcome == \
+    assert judgment.judge(runs, specs, lambda spec, phash: Timed()).verdict("cpu").outcome == \
         Outcome.INCONCLUSIVE
 
     # A peer of the same platform finished the job in this run (plain data into the pure judge).
-    fast = kat.DeviceRun("cpu:peer", platform_hash=runs["cpu"].platform_hash)
+    fast = DeviceRun("cpu:peer", platform_hash=runs["cpu"].platform_hash)
     fast.add(0, w.JobResult("st", specs[0].spec_hash, "cpu:peer", (w.Step(0, "selftest", None, ()),)))
-    res = kat.judge({"cpu": runs["cpu"], "cpu:peer": fast}, specs, _no_golden)
+    res = judgment.judge({"cpu": runs["cpu"], "cpu:peer": fast}, specs, _no_golden)
     v = res.verdict("cpu")
     assert (v.outcome, v.reason) == (Outcome.SUSPECT, "timeout") and "peer" in v.evidence["detail"]
 
@@ -383,9 +400,9 @@ def test_a_child_killed_by_sigkill_is_never_suspect(tmp_path, params):
     """SIGKILL comes from outside (the OOM killer, an operator): inconclusive, not a crash."""
     jobs = _selftest_dir(tmp_path, **params)
     specs = w.select_jobs(["st"], jobs_dir=jobs)
-    runs = kat.execute(specs, ["cpu"], timeout=60.0)
+    runs = supervise.execute(specs, ["cpu"], timeout=60.0)
     assert runs["cpu"].status == "killed", runs["cpu"]
-    v = kat.judge(runs, specs, _no_golden).verdict("cpu")
+    v = judgment.judge(runs, specs, _no_golden).verdict("cpu")
     assert (v.outcome, v.reason) == (Outcome.INCONCLUSIVE, "killed")
 
 
@@ -415,11 +432,11 @@ def test_a_job_too_big_for_the_device_is_bad_input_before_allocating(tmp_path):
 def test_an_error_of_ours_in_the_child_is_reported_not_a_crash(request_, kind):
     """What escapes child_main (a bad request, a bug of ours) must reach the parent as an error
     event; a child that merely died would be judged a crash, i.e. a hardware verdict."""
-    r = subprocess.run([sys.executable, "-m", "screener.known_answer.kat", "child"], input=json.dumps(request_),
+    r = subprocess.run([sys.executable, "-m", "screener.known_answer.child", "child"], input=json.dumps(request_),
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0, r.stderr
-    events = [json.loads(line[len(kat.PROTOCOL_PREFIX):]) for line in r.stdout.splitlines()
-              if line.startswith(kat.PROTOCOL_PREFIX)]
+    events = [json.loads(line[len(protocol.PREFIX):]) for line in r.stdout.splitlines()
+              if line.startswith(protocol.PREFIX)]
     errors = [e for e in events if e["event"] == "error"]
     assert len(errors) == 1 and errors[0]["kind"] == kind, events
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from screener.known_answer import golden
-from screener.known_answer import kat
+from screener.known_answer import kat, protocol
 from screener.known_answer.platform import Platform, cpu_math_paths, sibling_key, signature
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,6 +80,6 @@ def test_screener_platform_shows_the_key_the_goldens_use():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
-    assert d["threads"] == kat.DEFAULT_THREADS  # pinned, as in a screening child
+    assert d["threads"] == protocol.DEFAULT_THREADS  # pinned, as in a screening child
     assert d["numeric_hash"] == kat.local_platform("cpu").numeric_hash
     assert "\nMKL_VERBOSE" not in r.stdout and "onednn_verbose" not in r.stdout

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from screener.known_answer import results
 from screener.known_answer import workloads as w
 from screener.determinism import preserved
 from screener.errors import BadInputError, ConfigError
@@ -96,7 +97,7 @@ def test_every_repository_job_is_bit_reproducible_in_process():
     for spec in w.load_jobs(ROOT / "jobs"):
         a, b = w.run_job(spec, "cpu"), w.run_job(spec, "cpu")
         assert a.steps and a.digest == b.digest, spec.name
-        assert w.first_difference(a.steps, b.steps) is None
+        assert results.first_difference(a.steps, b.steps) is None
         assert a.settings["threads"] == 1 and torch.get_num_threads() == 1
 
 
@@ -147,13 +148,13 @@ def test_first_difference_locates():
     s = [w.Step(0, "a", "0x1", (("x", (1, 2)), ("y", (3, 4)))),
          w.Step(1, "b", "0x2", (("x", (5, 6)), ("y", (7, 8))))]
     o = [s[0], dataclasses.replace(s[1], tensors=(("x", (5, 6)), ("y", (7, 9))))]
-    d = w.first_difference(s, o)
+    d = results.first_difference(s, o)
     assert (d.step, d.label, d.tensor) == (1, "b", "y")
     assert d.expected.endswith(":0000000000000008") and d.observed.endswith(":0000000000000009")
-    d = w.first_difference(s, [s[0], dataclasses.replace(s[1], loss="0x3")])
+    d = results.first_difference(s, [s[0], dataclasses.replace(s[1], loss="0x3")])
     assert (d.step, d.tensor, d.expected, d.observed) == (1, "loss", "0x2", "0x3")
-    assert w.first_difference(s, s[:1]).tensor == "steps"
-    assert len(w.all_differences(s, o)) == 1
+    assert results.first_difference(s, s[:1]).tensor == "steps"
+    assert len(results.all_differences(s, o)) == 1
 
 
 def test_loss_bits_roundtrip():

@@ -36,8 +36,9 @@ from typing import Any, Mapping, Optional, Sequence
 
 from screener import boundedjson
 from screener.errors import GoldenError
-from screener.known_answer.workloads import (Difference, JobResult, JobSpec, Step, expected_steps,
-                                first_difference, steps_digest)
+from screener.known_answer.results import (Difference, JobResult, Step, first_difference,
+                                          steps_digest)
+from screener.known_answer.workloads import JobSpec, expected_steps
 
 SCHEMA = 1
 SCHEMA_ALSO = 2  # a record that lists other platforms with the same bits (field "also")
