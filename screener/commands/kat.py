@@ -27,7 +27,7 @@ _INJECT_HELP = ("Inject a fault in a device's child, to prove the screen catches
 
 
 def _faults(specs: Sequence[str], devices: Sequence[str]) -> dict[str, list[Any]]:
-    from screener.known_answer.kat import parse_fault
+    from screener.known_answer.fault_spec import parse_fault
 
     out: dict[str, list[Any]] = {}
     for text in specs:
@@ -89,7 +89,8 @@ def kat_run(jobs: tuple[str, ...], devices: tuple[str, ...], golden_dir: Optiona
     Exit: 0 pass, 75 a device is suspect, 3 inconclusive, 2 bad input (e.g. a broken golden
     file), 1 the screener failed (e.g. a job that is nondeterministic on every device).
     """
-    from screener.known_answer.kat import format_verdicts, resolve_devices, resolve_jobs, run_screen
+    from screener.known_answer.kat import resolve_devices, resolve_jobs, run_screen
+    from screener.known_answer.text import format_verdicts
 
     specs = resolve_jobs(list(jobs), jobs_dir)
     devs = resolve_devices(list(devices))
