@@ -11,6 +11,9 @@ screener.known_answer.recording.write_goldens). The other parts of the engine:
 - results: a job's steps and where two results differ;
 - text: the verdict table.
 
+The burn-in and the daemon's screening worker take the engine's entry points from here
+(execute, judge, DeviceFault, ScreenResult, DEFAULT_TIMEOUT, Progress, as imported below).
+
 A broken golden file is bad input (GoldenError, exit 2), never a verdict; it is found before
 any device runs (prevalidate_goldens).
 """
@@ -23,12 +26,11 @@ from typing import Any, Mapping, Optional, Sequence
 
 from screener.errors import BadInputError
 from screener.known_answer import golden as _golden
-from screener.known_answer.fault_spec import DeviceFault, parse_fault  # noqa: F401 - until callers move
+from screener.known_answer.fault_spec import DeviceFault
 from screener.known_answer.judgment import GoldenLookup, ScreenResult, judge
 from screener.known_answer.protocol import DEFAULT_THREADS
 from screener.known_answer.recording import RecordResult, write_goldens
 from screener.known_answer.supervise import DEFAULT_TIMEOUT, Progress, execute
-from screener.known_answer.text import format_verdicts  # noqa: F401 - until callers move
 from screener.known_answer.workloads import JobSpec, select_jobs
 
 
