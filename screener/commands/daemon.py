@@ -1,7 +1,8 @@
 """`screener daemon` (the DaemonSet entrypoint) and `screener drill` (an end-to-end fire drill).
 
-Thin wiring: build the configuration, the store, the probes, the screen runner, the metrics
-server and the signal handlers, then hand them to screener.agent.daemon.Daemon (or screener.agent.drill).
+Thin wiring: build the configuration, then take the store, NVML and clients from the AppContext
+(screener.commands.context), build the probes, the screen runner, the metrics server and the signal
+handlers, and hand them to screener.agent.daemon.Daemon (or screener.agent.drill).
 """
 
 from __future__ import annotations
@@ -16,25 +17,30 @@ from typing import Any, Optional
 
 import click
 
+from screener.commands.context import AppContext, pass_app
+from screener.commands.options import store_options
+from screener.settings.stores import StoreChoice
+
 log = logging.getLogger("screener.daemon")
 
 
-def build_daemon(config: Any, *, stop: threading.Event, metrics: Any = None) -> tuple[Any, list[Any]]:
-    """The real Daemon for a config, and the things to close when it stops."""
+def build_daemon(app: AppContext, config: Any, *, stop: threading.Event,
+                 metrics: Any = None) -> Any:
+    """The real Daemon for a config, wired from the AppContext (store, NVML, SageMaker client);
+    what it opens is closed when the command ends."""
     from screener.agent.daemon import Daemon
-    from screener.health.nvml import NvmlAdapter
     from screener.health.probes import DeferredKernelLogReader, run_probes
     from screener.health.idle import own_pids
     from screener.agent.screening import KatOptions, KatProcessRunner, LocalTaint, reap_stale_screens
-    from screener.stores import default_state_dir, open_store
+    from screener.stores import default_state_dir
 
-    closers: list[Any] = []
-    kind = config.resolved_store()
+    choice = StoreChoice(kind=config.store, db=config.db, kubeconfig=config.kubeconfig,
+                         spool=config.spool, event_namespace=config.event_namespace)
+    kind = app.store_kind(choice)
     state_dir = Path(config.db).parent if config.db else default_state_dir()
     kwargs: dict[str, Any] = {}
+    store = app.store(choice)
     if kind == "kube":
-        store = open_store("kube", kubeconfig=config.kubeconfig, spool=config.spool,
-                           event_namespace=config.event_namespace)
         node = config.node
         taint: Any = store
         gpu_pods: Any = lambda: store.gpu_pods(node)  # noqa: E731
@@ -42,17 +48,10 @@ def build_daemon(config: Any, *, stop: threading.Event, metrics: Any = None) -> 
                       replay=lambda: store.replay() if store.pending() else 0,
                       node_created=lambda: _created(store.get_node(node)))
     else:
-        store = open_store("local", db=config.db)
         taint = LocalTaint(state_dir)
         gpu_pods = None
-    closers.append(store)
 
-    nvml = NvmlAdapter(events=config.probes.nvml_events)
-    try:
-        nvml.open()
-    except Exception as e:  # noqa: BLE001 - the probes report NVML trouble as errors each run
-        log.warning("NVML could not be opened: %s", e)
-    closers.append(nvml)
+    nvml = app.nvml(events=config.probes.nvml_events)
     reader = None
     if config.probes.kmsg_path:
         # The position is saved only once what was read is durable (Daemon.commit_kmsg).
@@ -60,7 +59,7 @@ def build_daemon(config: Any, *, stop: threading.Event, metrics: Any = None) -> 
                                          state_file=config.probes.kmsg_state_file,
                                          first_read=config.probes.kmsg_first_read,
                                          boot_id_path=config.probes.boot_id_path)
-        closers.append(reader)
+        app.on_close(reader.close)
         kwargs["commit_kmsg"] = reader.commit
 
     def probe(previous: Any) -> Any:
@@ -77,12 +76,11 @@ def build_daemon(config: Any, *, stop: threading.Event, metrics: Any = None) -> 
         from screener.remediation import hyperpod
 
         hp = config.hyperpod
-        client = hyperpod.make_client(hp.region, endpoint_url=hp.endpoint_url,
-                                      max_attempts=hp.max_attempts)
+        client = app.sagemaker(hp.region, endpoint_url=hp.endpoint_url,
+                               max_attempts=hp.max_attempts)
         kwargs["on_quarantine"] = lambda node: hyperpod.on_quarantine(client, hp, node)
-    daemon = Daemon(config, store=store, probe=probe, runner=runner, taint=taint,
-                    gpu_pods=gpu_pods, own_pids=own_pids, stop=stop, metrics=metrics, **kwargs)
-    return daemon, closers
+    return Daemon(config, store=store, probe=probe, runner=runner, taint=taint,
+                  gpu_pods=gpu_pods, own_pids=own_pids, stop=stop, metrics=metrics, **kwargs)
 
 
 def _created(node_obj: Any) -> Optional[float]:
@@ -106,22 +104,16 @@ def _created(node_obj: Any) -> Optional[float]:
 @click.option("--node", help="This node's name (default $NODE_NAME, else the hostname).")
 @click.option("--alarm-dir", help="Alarm drop folder (default $SCREENER_ALARM_DIR, else "
               "/var/run/screener/alarms).")
-@click.option("--store", type=click.Choice(["auto", "local", "kube"]),
-              help="Where node states live; auto (default): kube in a pod or with --kubeconfig, "
-                   "else the local SQLite store.")
-@click.option("--db", type=click.Path(dir_okay=False, path_type=str),
-              help="The local store's SQLite file.")
-@click.option("--kubeconfig", type=click.Path(dir_okay=False, path_type=str),
-              help="kubeconfig for the kube store (default: in-cluster, then ~/.kube/config).")
+@store_options(create=True, env=False, spool=False, overrides=True)
 @click.option("--metrics-port", type=click.IntRange(-1, 65535),
               help="Port for /metrics, /healthz and /readyz (0: any free port, -1: none).")
 @click.option("--json", "as_json", is_flag=True, help="With --once: print the pass report as JSON.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
-def daemon_cmd(config_path: Optional[str], once: bool, node: Optional[str],
-               alarm_dir: Optional[str], store: Optional[str], db: Optional[str],
-               kubeconfig: Optional[str], metrics_port: Optional[int], as_json: bool,
-               log_level: str) -> int:
+@pass_app
+def daemon_cmd(app: AppContext, config_path: Optional[str], once: bool, node: Optional[str],
+               alarm_dir: Optional[str], store_overrides: dict[str, Optional[str]],
+               metrics_port: Optional[int], as_json: bool, log_level: str) -> int:
     """Run the per-node screener: the DaemonSet's entrypoint.
 
     Takes in alarm files from in-job checks (each applied exactly once), runs the health probes
@@ -138,9 +130,8 @@ def daemon_cmd(config_path: Optional[str], once: bool, node: Optional[str],
     from screener.agent.metrics import DaemonMetrics, MetricsServer
 
     setup_json_logging(getattr(logging, log_level.upper()))
-    config = DaemonConfig.load(config_path, overrides={
-        "node": node, "alarm_dir": alarm_dir, "store": store, "db": db, "kubeconfig": kubeconfig,
-        "metrics_port": metrics_port})
+    config = DaemonConfig.load(config_path, environ=app.environ, overrides={
+        "node": node, "alarm_dir": alarm_dir, **store_overrides, "metrics_port": metrics_port})
     stop = threading.Event()
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -158,8 +149,8 @@ def daemon_cmd(config_path: Optional[str], once: bool, node: Optional[str],
                                liveness_s=config.liveness_s).start()
         log.info("serving /metrics, /healthz and /readyz on %s:%d", server.host, server.port,
                  extra={"event": "metrics", "port": server.port})
-    daemon, closers = build_daemon(config, stop=stop, metrics=metrics)
     try:
+        daemon = build_daemon(app, config, stop=stop, metrics=metrics)
         if once:
             report = daemon.tick(once=True)
             if as_json:
@@ -170,13 +161,9 @@ def daemon_cmd(config_path: Optional[str], once: bool, node: Optional[str],
         daemon.run()
         return 0
     finally:
+        # the store, NVML and the kernel-log reader close after this, when the command ends
         if server is not None:
             server.stop()
-        for c in reversed(closers):
-            try:
-                c.close()
-            except Exception as e:  # noqa: BLE001
-                log.warning("closing %s: %s", type(c).__name__, e)
 
 
 def _summary(report: Any) -> str:

@@ -15,8 +15,11 @@ from typing import Any, Optional, Sequence
 import click
 
 from screener.commands._params import Duration, FiniteFloat, positive
+from screener.commands.context import AppContext, pass_app
+from screener.commands.options import store_options
 from screener.errors import BadInputError
 from screener.settings.durations import YEAR_S
+from screener.settings.stores import StoreChoice
 from screener.types import ExitCode
 
 _DEVICE_HELP = "Device to screen: cpu, cuda:N or all (every GPU, or the CPU without one). Repeatable."
@@ -299,13 +302,8 @@ def golden_list(golden_dir: Optional[str], as_json: bool) -> None:
               help="Also write the JSON report to this file.")
 @click.option("--inject", "inject", multiple=True, help=_INJECT_HELP)
 @click.option("--node", default=None, help="This node's name (default $NODE_NAME, else the hostname).")
-@click.option("--store", type=click.Choice(["auto", "local", "kube", "none"]), default="auto",
-              show_default=True, help="Where the node's state is moved at the end: the cluster's "
-              "Node (kube: in a pod or with --kubeconfig), the local SQLite store, or nowhere.")
-@click.option("--db", type=click.Path(dir_okay=False), default=None,
-              help="The local store's SQLite file (default: the user's state directory).")
-@click.option("--kubeconfig", type=click.Path(dir_okay=False), default=None,
-              help="kubeconfig for the kube store (default: in-cluster, then ~/.kube/config).")
+@store_options(create=True, env=False, spool=False,
+               none_help="move the node's state nowhere (the burn-in only reports).")
 @click.option("--hbm-fraction", type=FiniteFloat(0, 0.95, min_open=True), default=0.5,
               show_default=True, help="Share of each GPU's free memory the HBM pattern test covers.")
 @click.option("--no-hbm", is_flag=True, help="Skip the HBM pattern test.")
@@ -318,12 +316,14 @@ def golden_list(golden_dir: Optional[str], as_json: bool) -> None:
               help="A simulated peer node's name for --peers (default: peer-a, peer-b).")
 @click.option("--no-progress", is_flag=True, help="No progress bar on stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")
-def burnin_cmd(devices: tuple[str, ...], jobs: tuple[str, ...], duration: Optional[float],
-               iterations: Optional[int], golden_dir: Optional[str], jobs_dir: Optional[str],
-               timeout: float, report: Optional[str], inject: tuple[str, ...], node: Optional[str],
-               store: str, db: Optional[str], kubeconfig: Optional[str], hbm_fraction: float,
-               no_hbm: bool, no_collective: bool, no_probes: bool, peers: bool,
-               peer_names: tuple[str, ...], no_progress: bool, as_json: bool) -> None:
+@pass_app
+def burnin_cmd(app: AppContext, devices: tuple[str, ...], jobs: tuple[str, ...],
+               duration: Optional[float], iterations: Optional[int], golden_dir: Optional[str],
+               jobs_dir: Optional[str], timeout: float, report: Optional[str],
+               inject: tuple[str, ...], node: Optional[str], store_choice: StoreChoice,
+               hbm_fraction: float, no_hbm: bool, no_collective: bool, no_probes: bool,
+               peers: bool, peer_names: tuple[str, ...], no_progress: bool,
+               as_json: bool) -> None:
     """Burn in this node: every job on every device, repeated, compared bit for bit with the
     golden records of each device's platform, with the device's peers and with its own runs.
 
@@ -366,7 +366,6 @@ def burnin_cmd(devices: tuple[str, ...], jobs: tuple[str, ...], duration: Option
 
     plan = BurninPlan(probes=not no_probes, hbm=not no_hbm, hbm_fraction=hbm_fraction,
                       collective=not no_collective)
-    the_store, probe, closers = _burnin_store_and_probe(store, db, kubeconfig, plan.probes)
     try:
         full = run_full_burnin(node or _node_name(), devs, known_answer, plan=plan,
                                store=the_store, probe=probe,
@@ -374,8 +373,6 @@ def burnin_cmd(devices: tuple[str, ...], jobs: tuple[str, ...], duration: Option
                                progress=stage, step=prog.step)
     finally:
         prog.close()
-        for c in closers:
-            c.close()
     rep = replace(full.kat, extra=full.extra())
     d = rep.to_dict()
     if report:
@@ -390,35 +387,10 @@ def burnin_cmd(devices: tuple[str, ...], jobs: tuple[str, ...], duration: Option
     sys.exit(int(full.exit_code))
 
 
-def _node_name() -> str:
-    import socket
+def _probe(previous: Any) -> Any:
+    """The burn-in's health probes before and after, with the default settings (each run opens
+    and closes NVML itself: there is no time between them for NVML events to arrive)."""
+    from screener.settings.health import ProbeConfig
+    from screener.health.probes import run_probes
 
-    return os.environ.get("NODE_NAME", "").strip() or socket.gethostname()
-
-
-def _burnin_store_and_probe(kind: str, db: Optional[str], kubeconfig: Optional[str],
-                            probes: bool) -> tuple[Any, Any, list[Any]]:
-    """The store the burn-in moves the node in, and the probe function (see
-    screener.agent.burnin.run_full_burnin)."""
-    from screener.stores import open_store
-
-    closers: list[Any] = []
-    if kind == "auto":
-        kind = "kube" if kubeconfig or os.environ.get("KUBERNETES_SERVICE_HOST") else "local"
-    the_store = None
-    if kind == "local":
-        the_store = open_store("local", db=db)
-    elif kind == "kube":
-        the_store = open_store("kube", kubeconfig=kubeconfig)
-    if the_store is not None:
-        closers.append(the_store)
-    probe = None
-    if probes:
-        from screener.settings.health import ProbeConfig
-        from screener.health.probes import run_probes
-
-        cfg = ProbeConfig()
-
-        def probe(previous: Any) -> Any:
-            return run_probes(cfg, previous=previous)
-    return the_store, probe, closers
+    return run_probes(ProbeConfig(), previous=previous)
