@@ -367,8 +367,9 @@ def burnin_cmd(app: AppContext, devices: tuple[str, ...], jobs: tuple[str, ...],
     plan = BurninPlan(probes=not no_probes, hbm=not no_hbm, hbm_fraction=hbm_fraction,
                       collective=not no_collective)
     try:
-        full = run_full_burnin(node or _node_name(), devs, known_answer, plan=plan,
-                               store=the_store, probe=probe,
+        full = run_full_burnin(app.node_name(node), devs, known_answer, plan=plan,
+                               store=app.store(store_choice),
+                               probe=_probe if plan.probes else None,
                                peers=(peer_names or ("peer-a", "peer-b")) if peers else (),
                                progress=stage, step=prog.step)
     finally:
