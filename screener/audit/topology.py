@@ -24,7 +24,8 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from screener.types import NODE_NAME_ENV, SuspectNode
+from screener.types import SuspectNode
+from screener.types import node_name as _node_name
 
 __all__ = ["RankInfo", "Topology", "gather_topology", "local_rank_info", "instance_id_of",
            "node_name"]
@@ -42,7 +43,7 @@ def instance_id_of(node: str) -> Optional[str]:
 def node_name() -> str:
     """This process's node: NODE_NAME (Kubernetes downward API) if set and not empty, else
     the hostname."""
-    return os.environ.get(NODE_NAME_ENV, "").strip() or socket.gethostname()
+    return _node_name()  # the one rule, shared with the daemon that reads this job's alarms
 
 
 def job_name() -> str:

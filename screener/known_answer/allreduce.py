@@ -25,7 +25,11 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from screener.errors import BadInputError, ScreenerError
-from screener.types import Outcome, Verdict
+from screener.types import Outcome, Verdict, node_name
+
+# torch is imported inside the functions that run ranks: the burn-in imports this module at its
+# top and the CLI must start without torch; in a rank's process (_entry) it must come after
+# OMP_NUM_THREADS and the rendezvous variables are set.
 
 PATTERN_PERIOD = 4096  # values (i mod 4096) * (rank + 1): with 8 ranks the sum is < 2**24
 DEFAULT_NUMEL = 32 * 1024 * 1024  # 128 MiB of float32 per GPU
@@ -84,7 +88,7 @@ def run_group(fn: Callable[..., Any], devices: Sequence[str], *,
     if not devices:
         raise BadInputError("no devices for the process group")
     if nodes is None:
-        me = os.environ.get("NODE_NAME") or socket.gethostname()
+        me = node_name()
         nodes = [me] * len(devices)
     if len(nodes) != len(devices):
         raise BadInputError("one node name per device")

@@ -16,7 +16,6 @@ load whether or not its feature is on; boto3 is imported only when a deep health
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import sys

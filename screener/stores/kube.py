@@ -58,7 +58,7 @@ from screener.stores.base import summary_row
 from screener.stores.paths import default_state_dir
 from screener.stores.spool import Spool
 from screener.types import (ANNOTATION_HISTORY, ANNOTATION_VERDICT, CONDITION_TYPE, LABEL_STATE,
-                            TAINT_SCREENING_KEY, TAINT_STATE_KEY, NodeState)
+                            TAINT_SCREENING_KEY, TAINT_STATE_KEY, NodeState, node_name)
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ class KubeStore:
         self.retry = retry
         self.clock, self.sleep, self.rng = clock, sleep, rng
         self.component = component
-        self.instance = instance or os.environ.get("NODE_NAME") or os.uname().nodename
+        self.instance = instance or node_name()
         self._lock = threading.RLock()
 
     @classmethod
