@@ -17,6 +17,7 @@ from typing import Any, Mapping
 
 import torch
 
+from screener._optional import require
 from screener.errors import BadInputError
 
 MAX_DEPTH = 64  # a real checkpoint nests a handful of levels (optimizer state, param groups)
@@ -97,10 +98,10 @@ def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def _load_safetensors(p: Path) -> dict[str, torch.Tensor]:
-    from screener._optional import require
-
     require("safetensors", f"{p}: reading a safetensors file")
+    # An optional dependency: imported only after require() has said what is missing.
     from safetensors.torch import load_file
+
     try:
         return dict(load_file(str(p), device="cpu"))
     except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError and others

@@ -40,7 +40,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Container, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
 MODES = ("flip", "scale", "nan", "inf", "set")
@@ -279,10 +281,7 @@ def corrupt_allreduce(*, rank: int, calls: Optional[Container[int]] = None, elem
     returned hook's `.fired`. Pass it to `ddp.register_comm_hook(state, hook)` or to the in-job
     Auditor as `reduce_hook=`, so the fault lands after the local statistics were recorded.
     """
-    import torch.distributed as dist
-
     if base_hook is None:
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
         base_hook = allreduce_hook
     counter = {"n": 0}
     fired: list[dict[str, Any]] = []

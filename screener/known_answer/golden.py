@@ -34,8 +34,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from screener import boundedjson
+from screener import __version__, boundedjson
 from screener.errors import GoldenError
+from screener.known_answer.packagedata import data_dir
 from screener.known_answer.results import (Difference, JobResult, Step, first_difference,
                                           steps_digest)
 from screener.known_answer.workloads import JobSpec, expected_steps
@@ -61,8 +62,6 @@ def default_golden_dir() -> Path:
     env = os.environ.get(GOLDEN_DIR_ENV)
     if env:
         return Path(env)
-    from screener.known_answer.packagedata import data_dir
-
     return data_dir("golden")
 
 
@@ -304,6 +303,8 @@ def find_siblings(golden_dir: str | os.PathLike[str], spec: JobSpec,
     """The golden records of `spec` recorded on sibling platforms of `platform` (same kind,
     torch build and dispatch level or GPU model: screener.known_answer.platform.sibling_key) but not on
     `platform` itself: what a device without a golden of its own is compared with."""
+    # platform imports torch at its top (1-5 s); golden is read by the CLI and by the parent of
+    # a screen, which must stay light, and only a device without a golden gets here.
     from screener.known_answer.platform import sibling_key
 
     key = sibling_key(dict(platform))
@@ -356,7 +357,7 @@ def record_from_results(spec: JobSpec, platform: Mapping[str, Any], platform_has
     if any(r.spec_hash != spec.spec_hash for _, r in results):
         raise GoldenError(f"job {spec.name}: results are for another spec hash than {spec.spec_hash}")
     if screener_version is None:
-        from screener import __version__ as screener_version
+        screener_version = __version__
     stamp = time.gmtime(time.time() if now is None else now)
     return GoldenRecord(
         job=spec.name, job_version=spec.version, spec_hash=spec.spec_hash,

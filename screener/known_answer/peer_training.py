@@ -28,15 +28,22 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import json
 import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Mapping, Optional, Sequence
 
+from screener.errors import BadInputError
+from screener.known_answer.allreduce import known_sum_rank, run_group
 from screener.types import ExitCode, Outcome, Verdict
+
+# torch, and the modules that import it at their top (faults, synthetic, screener.audit,
+# screener.determinism), are imported inside the functions that train: the burn-in and the drill
+# import this module for its options and run_local, and the CLI must start without torch.
 
 SHAPE = dict(vocab=32, d_model=16, n_heads=2, d_ff=32, n_layers=1)
 SEQ = 8
@@ -102,7 +109,6 @@ def peer_rank(rank: int, world: int, device: str, *, options: PeerOptions) -> di
     from screener.known_answer import synthetic
     from screener.audit import Auditor, NumericFailure, SDCAlarm
     from screener.audit.topology import node_name
-    from screener.known_answer.allreduce import known_sum_rank
     from screener.determinism import make_deterministic
 
     node = node_name()
@@ -192,8 +198,6 @@ def judge(results: Sequence[Mapping[str, Any]], under_test: str) -> PeerResult:
     """The outcome from every rank's result (every rank raises the same alarm, so rank 0's is it)."""
     nodes = tuple(dict.fromkeys(r["node"] for r in results))
     if under_test not in nodes:
-        from screener.errors import BadInputError
-
         raise BadInputError(f"node under test {under_test!r} took no part (nodes: {', '.join(nodes)})")
     alarm = next((r["alarm"] for r in results if r.get("alarm")), None)
     numeric = next((r["numeric"] for r in results if r.get("numeric")), None)
@@ -254,17 +258,12 @@ def run_local(options: PeerOptions, *, peers: Sequence[str] = DEFAULT_PEERS, ran
     """The peer burn-in on this machine: one process per rank, gloo on the CPU, the node under
     test and the peers as simulated nodes. Alarm files go to options.alarm_dir (default: a
     temporary folder, so a laptop run drops nothing into the real alarm folder)."""
-    from screener.known_answer.allreduce import run_group
-    from screener.errors import BadInputError
-
     if len(peers) < 2:
         raise BadInputError("a peer burn-in needs at least two peers (a third node settles a "
                             "disagreement)")
     nodes = [n for n in (options.under_test, *peers) for _ in range(ranks_per_node)]
     with tempfile.TemporaryDirectory(prefix="screener-peer-") as tmp:
         if options.alarm_dir is None:
-            from dataclasses import replace
-
             options = replace(options, alarm_dir=tmp)
         results = run_group(_peer_fn, ["cpu"] * len(nodes), nodes=nodes, backend="gloo",
                             timeout=timeout, options=options)
@@ -273,10 +272,10 @@ def run_local(options: PeerOptions, *, peers: Sequence[str] = DEFAULT_PEERS, ran
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point under torchrun (one process per GPU on each node): `-m screener.known_answer.peer_training`."""
-    import datetime
-
     import torch
     import torch.distributed as dist
+
+    from screener.determinism import make_deterministic
 
     p = argparse.ArgumentParser(prog="python -m screener.known_answer.peer_training",
                                 description="Peer burn-in rank; run under torchrun on every node.")
@@ -288,8 +287,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
     options = PeerOptions(under_test=args.under_test, steps=args.steps,
                           audit_every=args.audit_every, weights_every=args.weights_every)
-    from screener.determinism import make_deterministic
-
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", "0"))
         device, backend = f"cuda:{local}", "nccl"

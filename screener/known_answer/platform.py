@@ -22,8 +22,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform as _stdlib_platform  # the standard library's (imports are absolute), not this module
 import re
 import socket
+import sys
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -124,9 +127,6 @@ def _tidy(text: str) -> str:
 def _capture_stdout(fn: Any) -> str:
     """What fn writes to file descriptor 1 (the libraries' verbose banners go there, below
     Python), kept off the real stdout: in a screening child stdout is the protocol channel."""
-    import sys
-    import tempfile
-
     sys.stdout.flush()
     saved = os.dup(1)
     with tempfile.TemporaryFile() as tmp:
@@ -184,8 +184,6 @@ def _cpu_model(cpuinfo: str) -> str:
         key, _, value = line.partition(":")
         if key.strip() in ("model name", "Model", "Hardware", "cpu model"):
             return value.strip()
-    import platform as _stdlib_platform
-
     return _stdlib_platform.processor() or _stdlib_platform.machine()
 
 

@@ -34,6 +34,7 @@ import hashlib
 import json
 import math
 import os
+import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,8 +45,14 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
+from screener import boundedjson
 from screener.errors import BadInputError, ConfigError
+from screener.known_answer.packagedata import data_dir
 from screener.known_answer.results import JobResult, Step
+
+# torch, and the modules that import it at their top (screener.fingerprint, synthetic,
+# screener.determinism), are imported inside the functions that run jobs: the CLI and the parent
+# of a screen read specs through this module and must not pay torch's start-up (1-5 s).
 
 JOBS_DIR_ENV = "SCREENER_JOBS_DIR"
 SPEC_FIELDS = ("name", "version", "kind", "description", "quick", "params", "cpu", "cuda")
@@ -79,8 +86,6 @@ def default_jobs_dir() -> Path:
     env = os.environ.get(JOBS_DIR_ENV)
     if env:
         return Path(env)
-    from screener.known_answer.packagedata import data_dir
-
     return data_dir("jobs")
 
 
@@ -324,8 +329,6 @@ def check_fits(spec: "JobSpec", device: str, *, free_bytes: Optional[float],
 
 def load_job(path: str | os.PathLike[str]) -> JobSpec:
     """Parse and validate one jobs/*.toml; the job's name must equal the file's stem."""
-    from screener import boundedjson
-
     p = Path(path)
     try:
         raw = boundedjson.read_regular(p, MAX_SPEC_BYTES)
@@ -388,8 +391,6 @@ def loss_bits(t: Any) -> str:
 def loss_value(bits: str, *, bfloat16: bool = False) -> float:
     """The float a loss bit pattern (as written by loss_bits) stands for; its width gives the
     type (16-bit patterns are float16 unless `bfloat16`)."""
-    import struct
-
     v = int(bits, 16)
     if len(bits) == 10:
         return struct.unpack("<f", struct.pack("<I", v))[0]
