@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 import logging
 import sys
-from typing import Any
+from typing import Any, NoReturn, Optional, Sequence
 
 import click
 
@@ -88,12 +88,18 @@ def main(verbose: int) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def run() -> Any:
-    """Console entry point: run the group and turn our own errors into one line and an exit code."""
+def run(args: Optional[Sequence[str]] = None, obj: Any = None) -> NoReturn:
+    """Console entry point: run the group and turn our own errors into one line and an exit code.
+
+    args: the command line without the program name (default sys.argv[1:]). obj: the click
+    context object, an AppContext (screener.commands.context) with fakes, for tests that run the
+    entry point in their own process; default: the commands build the real one.
+    """
     from screener.errors import ScreenerError
 
     try:
-        rv = main.main(standalone_mode=False)
+        rv = main.main(args=None if args is None else list(args), obj=obj,
+                       standalone_mode=False)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
     except click.exceptions.Abort:

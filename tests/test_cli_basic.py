@@ -1,4 +1,8 @@
-"""The foundation's commands through the real console entry point: output, JSON and exit codes."""
+"""The foundation's commands through the console entry point: output, JSON and exit codes.
+
+Most run in this process (cli_util.screener); the real process is run where only it can show
+something: the installed entry point's --version and --help, and a bad device's one line on a
+real stderr with no traceback."""
 
 from __future__ import annotations
 
@@ -10,12 +14,13 @@ import sys
 import pytest
 import torch
 
+from cli_util import screener
 from screener.known_answer.platform import signature
 
 
-def screener(*args, cwd=None):
+def screener_process(*args):
     return subprocess.run([sys.executable, "-m", "screener.cli", *args], capture_output=True,
-                          text=True, cwd=cwd, timeout=120)
+                          text=True, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +48,9 @@ def checkpoints(tmp_path_factory):
 
 
 def test_version_and_help():
-    r = screener("--version")
+    r = screener_process("--version")
     assert r.returncode == 0 and "screener" in r.stdout
-    r = screener("--help")
+    r = screener_process("--help")
     assert r.returncode == 0 and "Exit codes" in r.stdout and "75" in r.stdout
     for cmd in ("platform", "fingerprint", "report"):
         r = screener(cmd, "--help")
@@ -74,6 +79,9 @@ def test_platform_bad_device_is_exit_2_one_line():
         r = screener("platform", "--device", dev)
         assert r.returncode == 2, (dev, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    r = screener_process("platform", "--device", "banana")
+    assert r.returncode == 2 and r.stdout == "", r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
 
 
 def test_fingerprint_one_checkpoint(checkpoints):

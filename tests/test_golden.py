@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+import cli_util
 
 from screener.known_answer import golden as g
 from screener.known_answer import results
@@ -167,8 +167,9 @@ def test_recording_refuses_disagreeing_runs(spec_and_result):
 
 
 def _cli(*args, cwd=ROOT):
-    return subprocess.run([sys.executable, "-m", "screener.cli", *args], capture_output=True,
-                          text=True, cwd=cwd, timeout=300)
+    # In this process through the console entry point (exit codes and one-line errors as the
+    # installed command; tests/test_kat.py and test_burnin.py run the real process).
+    return cli_util.screener(*args, cwd=cwd)
 
 
 def test_committed_goldens_verify():

@@ -6,11 +6,12 @@ Thin wrappers: parse options, call screener.known_answer.kat / screener.known_an
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import click
 
@@ -40,13 +41,19 @@ def _faults(specs: Sequence[str], devices: Sequence[str]) -> dict[str, list[Any]
     return out
 
 
-def _progress(total: Optional[int], stage: str, as_json: bool = False) -> Any:
+@contextlib.contextmanager
+def _progress(total: Optional[int], stage: str, as_json: bool = False) -> Iterator[Any]:
     """The known-answer runs' progress on stderr (screener.output.progress): a bar on a terminal, else
     a line per finished job run with the elapsed time (JSON lines with --json)."""
     from screener.output.progress import HEARTBEAT_S, JobEvents, Progress
 
-    return JobEvents(Progress(sys.stderr, json_lines=as_json, heartbeat_s=HEARTBEAT_S), stage,
-                     total)
+    shown = Progress(sys.stderr, json_lines=as_json, heartbeat_s=HEARTBEAT_S)
+    events = JobEvents(shown, stage, total)
+    try:
+        yield events
+    finally:
+        events.close()
+        shown.close()  # JobEvents ends its stage only; this stops the heartbeat thread too
 
 
 def _echo_json(obj: Any) -> None:
@@ -97,13 +104,9 @@ def kat_run(jobs: tuple[str, ...], devices: tuple[str, ...], golden_dir: Optiona
 
     specs = resolve_jobs(list(jobs), jobs_dir)
     devs = resolve_devices(list(devices))
-    progress = _progress(len(specs) * len(devs) * repeat, "known-answer", as_json)
-    try:
+    with _progress(len(specs) * len(devs) * repeat, "known-answer", as_json) as progress:
         result = run_screen(specs, devs, golden_dir=golden_dir, jobs_dir=jobs_dir, repeat=repeat,
                             timeout=timeout, faults=_faults(inject, devs), progress=progress)
-    finally:
-        if progress is not None:
-            progress.close()
     if as_json:
         _echo_json(result.to_dict())
     else:
@@ -189,13 +192,9 @@ def golden_record(jobs: tuple[str, ...], devices: tuple[str, ...], out: Optional
 
     specs = resolve_jobs(list(jobs), jobs_dir, quick_only=False)
     devs = resolve_devices(list(devices))
-    progress = _progress(len(specs) * len(devs) * repeat, "golden runs", as_json)
-    try:
+    with _progress(len(specs) * len(devs) * repeat, "golden runs", as_json) as progress:
         rec = record_goldens(specs, devs, out_dir=out, repeat=repeat, timeout=timeout, force=force,
                              progress=progress)
-    finally:
-        if progress is not None:
-            progress.close()
     if as_json:
         _echo_json(rec.to_dict())
     else:
