@@ -301,8 +301,8 @@ class RunStatus(StrValue):
 class KatReason(StrValue):
     """Why a device's known-answer verdict is not a pass (Verdict.reason of a screen).
 
-    The first four repeat the RunStatus a child ended with; the rest come from comparing results
-    with goldens, peers and the device's own repeats (screener.known_answer.judgment).
+    The first four repeat the RunStatus a child ended with; the next eight come from comparing
+    results with goldens, peers and the device's own repeats (screener.known_answer.judgment).
     """
 
     TIMEOUT = "timeout"
@@ -317,6 +317,11 @@ class KatReason(StrValue):
     SIBLING_GOLDEN_DIFFERS = "sibling_golden_differs"
     NO_GOLDEN = "no_golden"
     INCOMPLETE = "incomplete"  # the job produced no result on the device
+    # the engine's other comparisons (screener.known_answer.crosscheck, allreduce, peer_training;
+    # a peer burn-in's alarm gives "peer_<check>", made from the alarm's check)
+    FLEET_DIGEST_MISMATCH = "fleet_digest_mismatch"  # a platform's digest differs across nodes
+    COLLECTIVE_MISMATCH = "collective_mismatch"  # an all-reduce result differs from its known sum
+    PEER_COLLECTIVE_MISMATCH = "peer_collective_mismatch"
 
 
 def node_name(environ: Optional[Mapping[str, str]] = None) -> str:

@@ -17,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from screener.types import ANNOTATION_DIGESTS, Outcome, Verdict
+from screener.types import ANNOTATION_DIGESTS, KatReason, Outcome, Verdict
 
 log = logging.getLogger(__name__)
 
@@ -71,11 +71,11 @@ class CrossCheck:
     detail: str = ""
 
     def verdict(self, node: str) -> Verdict:
-        bad = [r for r in self.rows if r["result"] == "suspect"]
+        bad = [r for r in self.rows if r["result"] == Outcome.SUSPECT.value]
         if bad:
             first = bad[0]
             return Verdict(device=f"node:{node}", outcome=Outcome.SUSPECT,
-                           reason="fleet_digest_mismatch", job=first["job"],
+                           reason=KatReason.FLEET_DIGEST_MISMATCH, job=first["job"],
                            platform_hash=first["platform"], expected=first["majority"],
                            observed=first["own"], evidence={"rows": list(self.rows)})
         return Verdict(device=f"node:{node}", outcome=self.outcome, job="crosscheck",
@@ -98,19 +98,20 @@ def cross_check(own: Digests, peers: Mapping[str, Digests], *, min_agree: int = 
             counts = Counter(theirs.values())
             majority, votes = counts.most_common(1)[0] if counts else (None, 0)
             strict = majority is not None and votes * 2 > len(theirs) and votes >= min_agree
+            # a row keeps the outcome's plain value: rows go into JSON evidence as they are
             if not strict:
-                result = "inconclusive"
+                result = Outcome.INCONCLUSIVE.value
             elif majority == digest:
-                result = "pass"
+                result = Outcome.PASS.value
             else:
-                result = "suspect"
+                result = Outcome.SUSPECT.value
             rows.append({"platform": platform, "job": job, "own": digest, "majority": majority,
                          "agree": sum(1 for v in theirs.values() if v == digest),
                          "others": len(theirs), "result": result})
     results = {r["result"] for r in rows}
-    if "suspect" in results:
+    if Outcome.SUSPECT.value in results:
         outcome = Outcome.SUSPECT
-    elif not rows or results == {"inconclusive"}:
+    elif not rows or results == {Outcome.INCONCLUSIVE.value}:
         outcome = Outcome.INCONCLUSIVE
     else:
         outcome = Outcome.PASS

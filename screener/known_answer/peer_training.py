@@ -39,7 +39,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from screener.errors import BadInputError
 from screener.known_answer.allreduce import known_sum_rank, run_group
-from screener.types import ExitCode, Outcome, Verdict
+from screener.types import ExitCode, KatReason, Outcome, Verdict
 
 # torch, and the modules that import it at their top (faults, synthetic, screener.audit,
 # screener.determinism), are imported inside the functions that train: the burn-in and the drill
@@ -176,11 +176,11 @@ class PeerResult:
 
     def verdict(self) -> Verdict:
         """The burn-in's view: one verdict about the node under test."""
-        reason = ""
+        reason: str = ""
         if self.alarm:
-            reason = f"peer_{self.alarm['check']}"
+            reason = f"peer_{self.alarm['check']}"  # the alarm's check: ring_replay, weights, ...
         elif self.collective and self.collective.get("mismatched_nodes"):
-            reason = "peer_collective_mismatch"
+            reason = KatReason.PEER_COLLECTIVE_MISMATCH
         outcome = self.outcome if self.exit_code != ExitCode.PEER_FAILED else Outcome.INCONCLUSIVE
         return Verdict(device=f"node:{self.under_test}", outcome=outcome, reason=reason,
                        job="peer-burnin", step=(self.alarm or {}).get("step"),
