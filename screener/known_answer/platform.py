@@ -14,7 +14,7 @@ Identity fields (UUID, serial, hostname) and the CPU's name and flags are report
 
 `sibling_key` is the coarser key of platforms whose goldens a device may be compared with when
 it has no golden of its own platform (same kind, torch build and dispatch level, or GPU model):
-equal bits pass, different bits are inconclusive (screener.known_answer.kat).
+equal bits pass, different bits are inconclusive (screener.known_answer.judgment).
 """
 
 from __future__ import annotations
