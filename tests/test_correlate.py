@@ -14,6 +14,7 @@ import sys
 
 import pytest
 from click.testing import CliRunner
+from cli_util import screener
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from screener.remediation import correlate as corr
@@ -229,9 +230,7 @@ def test_bad_input_is_one_line_exit_2():
                         "ftp://x", "--around", "now"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and "not an http(s) URL" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "screener.cli", "correlate", "n1", "--prometheus",
-                        "http://127.0.0.1:9", "--window", "soon"], capture_output=True, text=True,
-                       timeout=60)
+    r = screener("correlate", "n1", "--prometheus", "http://127.0.0.1:9", "--window", "soon")
     assert r.returncode == 2 and "duration 'soon'" in r.stderr
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_util import screener
 from screener.output.report import burnin_html, fleet_data, fleet_html, load_burnin_report
 from screener.lifecycle.records import Transition
 from screener.stores.local import LocalStore
@@ -168,11 +169,6 @@ def test_fleet_report_of_an_empty_store_says_no_data(tmp_path):
         assert p["declared"] == 0 and not p["marks"] and "no data" in p["text"], name
 
 
-def screener(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "screener.cli", *args], capture_output=True,
-                          text=True, cwd=cwd, timeout=120)
-
-
 def test_report_commands_write_files_and_refuse_bad_input(tmp_path):
     out = tmp_path / "b.html"
     r = screener("report", "burnin", str(BURNIN), "-o", str(out))
@@ -184,6 +180,12 @@ def test_report_commands_write_files_and_refuse_bad_input(tmp_path):
         r = screener("report", "burnin", str(tmp_path / bad), "-o", str(tmp_path / "z.html"))
         assert r.returncode == 2, (bad, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1 and bad in r.stderr and "Traceback" not in r.stderr
+    # the same through the real process: its stderr holds that one line and no traceback
+    r = subprocess.run([sys.executable, "-m", "screener.cli", "report", "burnin",
+                        str(tmp_path / "y.json"), "-o", str(tmp_path / "z.html")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "y.json" in r.stderr, r.stderr
     assert not (tmp_path / "z.html").exists()
     _fleet_store(tmp_path / "f.db").close()
     r = screener("report", "fleet", "--db", str(tmp_path / "f.db"), "--store", "local", "--json")

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+import cli_util
 from kubeapi import KubeAPI, json_patch, merge_patch, strategic_merge_patch
 from screener.cli import main
 from screener.lifecycle.machine import NodeSeen, decide
@@ -326,9 +327,8 @@ def test_cli_against_the_api(api, tmp_path):
     assert [h["to"] for h in json.loads(r.output)["transitions"]] == ["repair"]
     r = runner.invoke(main, ["lemons", "--json", *base])
     assert json.loads(r.output)["nodes"] == []
-    # Unknown node: one line, exit 2.
-    p = subprocess.run([sys.executable, "-m", "screener.cli", "node", "status", "ghost", *base],
-                       capture_output=True, text=True, timeout=60)
+    # Unknown node: one line, exit 2 (tests/test_store_local.py runs the real process).
+    p = cli_util.screener("node", "status", "ghost", *base)
     assert p.returncode == 2 and "ghost" in p.stderr and "Traceback" not in p.stderr
 
 
@@ -387,9 +387,8 @@ def test_cli_refusal_against_the_api(api, tmp_path):
     kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
     store = make_store(api)
     store.record(decide("gpu-1", None, NodeSeen(), now=NOW).transition)
-    p = subprocess.run([sys.executable, "-m", "screener.cli", "node", "set", "gpu-1", "healthy",
-                        "--reason", "x", "--kubeconfig", str(kubeconfig), "--spool",
-                        str(tmp_path / "s.db")], capture_output=True, text=True, timeout=60)
+    p = cli_util.screener("node", "set", "gpu-1", "healthy", "--reason", "x", "--kubeconfig",
+                          str(kubeconfig), "--spool", str(tmp_path / "s.db"))
     assert p.returncode == 2 and "refused" in p.stderr and "Traceback" not in p.stderr
     assert api.node("gpu-1")["metadata"]["labels"][LABEL_STATE] == "burnin"
 
