@@ -61,7 +61,9 @@ def test_a_daemon_killed_mid_screen_is_cleaned_up_by_the_next_start(tmp_path):
         assert taint.present(NODE)
         os.kill(daemon.pid, signal.SIGKILL)  # no handler, no cleanup: like the OOM killer
         daemon.wait(10)
-        time.sleep(0.3)
+        # Re-parented: the kernel has finished the daemon's exit (a parent-death signal would
+        # have been sent by now), so what is still running was not ended with it.
+        wait_for(lambda: worker.ppid() != daemon.pid, 10, "the worker to be re-parented")
         assert all(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in family)
         assert worker.ppid() != daemon.pid
     finally:

@@ -9,7 +9,8 @@ import os
 from fakes.fake_nvml import FakeNvml, h100
 from kubeapi import KubeAPI
 from screener.health.nvml import NvmlAdapter
-from screener.health.idle import IdleTracker, observe, own_pids
+from screener.health.host import own_pids
+from screener.health.idle import IdleTracker, observe
 from screener.stores.kube import KubeStore
 
 

@@ -4,6 +4,7 @@ torch and the standard library, and each vendor client has exactly one importer.
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import pathlib
 import subprocess
@@ -34,19 +35,25 @@ def test_training_side_modules_load_only_torch_and_stdlib(module):
     assert not heavy, f"import {module} loaded {sorted(heavy)}"
 
 
-def _importers(name: str) -> set[str]:
-    found = set()
+@functools.lru_cache(maxsize=None)
+def _imports_by_file() -> dict[str, frozenset[str]]:
+    """Every absolute import of every module of the package, parsed once for all the checks."""
+    found = {}
     for path in (ROOT / "screener").rglob("*.py"):
         tree = ast.parse(path.read_text(), filename=str(path))
+        mods: set[str] = set()
         for node in ast.walk(tree):
-            mods = []
             if isinstance(node, ast.Import):
-                mods = [a.name for a in node.names]
+                mods.update(a.name for a in node.names)
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                mods = [node.module]
-            if any(m == name or m.startswith(name + ".") for m in mods):
-                found.add(str(path.relative_to(ROOT)))
+                mods.add(node.module)
+        found[str(path.relative_to(ROOT))] = frozenset(mods)
     return found
+
+
+def _importers(name: str) -> set[str]:
+    return {path for path, mods in _imports_by_file().items()
+            if any(m == name or m.startswith(name + ".") for m in mods)}
 
 
 @pytest.mark.parametrize("client,allowed", [
@@ -56,6 +63,7 @@ def _importers(name: str) -> set[str]:
     ("pynvml", {"screener/health/nvml.py"}),
     ("prometheus_client", {"screener/agent/metrics.py"}),
     ("safetensors", {"screener/tensorfile.py"}),
+    ("psutil", {"screener/health/host.py"}),
 ])
 def test_each_vendor_client_has_one_importer(client, allowed):
     assert _importers(client) <= allowed

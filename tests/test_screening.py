@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -16,7 +17,8 @@ import psutil
 import pytest
 
 from kubeapi import KubeAPI
-from screener.agent.screening import KatOptions, KatProcessRunner, ScreeningWindow, ScreenRequest
+from screener.agent.screening import (KatOptions, KatProcessRunner, LocalTaint, ScreeningWindow,
+                                      ScreenRequest)
 from screener.stores.kube import KubeStore
 from screener.types import (ANNOTATION_DIGESTS, LABEL_STATE, TAINT_SCREENING_KEY, ExitCode, NodeState,
                             Outcome)
@@ -135,16 +137,24 @@ def test_a_gpu_pod_landing_mid_screen_stops_it_at_once_as_inconclusive(api, kube
 
 def test_a_foreign_gpu_process_mid_screen_stops_it_but_our_own_does_not(tmp_path):
     mine = os.getpid()
+    looked = threading.Event()  # set by each look for jobs (the pod list is its last step)
+
+    def pods() -> list:
+        looked.set()
+        return []
 
     def land(request: ScreenRequest):
         rig.nvml.gpus[0].processes = [(mine, 2**30)]  # our own known-answer process
-        time.sleep(0.3)
+        # Two looks: the second began after the change, so it saw our process.
+        for _ in range(2):
+            looked.clear()
+            assert looked.wait(10), "the window stopped looking for jobs"
         assert not request.cancel.is_set()
         rig.nvml.gpus[1].processes = [(999_999, 2**30)]  # someone else's
         return wait_for_cancel()(request)
 
     rig = DaemonRig(tmp_path, ScriptedRunner(during=land), idle_window_s=0.0,
-                    own_pids=lambda: {mine})
+                    own_pids=lambda: {mine}, gpu_pods=pods)
     try:
         report = rig.tick()
         assert report.screen.stopped == "yielded" and "999999" in report.screen.detail
@@ -186,22 +196,20 @@ def test_the_real_known_answer_runner_is_killed_at_once_when_a_job_lands(tmp_pat
     family: list = []
 
     def job_check():
-        # Only the screen's own processes: pytest may have other long-lived children (such as
+        # Only the screen's own processes, the worker and the per-device children below it
+        # (whatever module they run): pytest may have other long-lived children (such as
         # multiprocessing's resource tracker) that are none of the runner's business.
-        kids = []
-        for k in me.children(recursive=True):
-            try:
-                if any(m in " ".join(k.cmdline()) for m in ("screener.known_answer.kat", "screener.agent.screening")):
-                    kids.append(k)
-            except psutil.Error:
-                pass
+        try:
+            workers = [k for k in me.children(recursive=True)
+                       if "screener.agent.screening" in " ".join(k.cmdline())]
+            kids = [c for w in workers for c in w.children(recursive=True) if c.is_running()]
+        except psutil.Error:
+            return None
         # Land the job once the per-device child (the worker's child) is running.
-        if any("screener.known_answer.kat" in " ".join(k.cmdline()) for k in kids if k.is_running()):
-            family.extend(kids)
+        if kids:
+            family.extend(workers + kids)
             return "pod ml/trainer-0 (GPU pod)"
         return None
-
-    from screener.agent.screening import LocalTaint
 
     taint = LocalTaint(tmp_path / "taint")
     window = ScreeningWindow(NODE, taint, runner, job_check, time_cap_s=60.0, poll_s=0.1)

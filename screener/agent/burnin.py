@@ -37,10 +37,17 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Optional, Sequence, TextIO
 
 from screener.errors import BadInputError
+from screener.health.rules import is_condition
+from screener.known_answer.allreduce import run_collective
+from screener.known_answer.crosscheck import cross_check, peer_digests, platform_digests
+from screener.known_answer.golden import default_golden_dir
+from screener.known_answer.peer_training import PeerOptions, run_local
 from screener.known_answer.kat import (DEFAULT_TIMEOUT, DeviceFault, Progress, ScreenResult, execute,
                           golden_lookup, judge, prevalidate_goldens, resolve_devices,
                           resolve_jobs)
-from screener.types import ExitCode, NodeState, Outcome, Severity, Verdict
+from screener.lifecycle import machine as lifecycle
+from screener.lifecycle.apply import apply_event
+from screener.types import NO_WORK_STATES, ExitCode, NodeState, Outcome, Severity, Verdict
 
 DEFAULT_ITERATIONS = 10
 # How long a full burn-in keeps the known-answer jobs running by default. The seeds give no
@@ -50,7 +57,6 @@ DEFAULT_ITERATIONS = 10
 DEFAULT_BURNIN_SECONDS = 3600.0
 MIN_BURNIN_ITERATIONS = 2  # every job at least twice on every device: self-consistency needs two
 CONFIRMING_REASONS = ("golden_mismatch", "peer_mismatch", "self_mismatch")
-OUT_OF_SERVICE = (NodeState.SUSPECT, NodeState.QUARANTINED, NodeState.REPAIR)
 
 
 @dataclass(frozen=True)
@@ -167,8 +173,6 @@ def run_burnin(devices: Optional[Sequence[str]] = None, jobs: Optional[Sequence[
     specs = resolve_jobs(jobs, jobs_dir, quick_only=False)
     devs = resolve_devices(devices)
     if golden_dir is None:
-        from screener.known_answer.golden import default_golden_dir
-
         golden_dir = str(default_golden_dir())
     prevalidate_goldens(golden_dir, specs)
     started = time.time()
@@ -294,7 +298,7 @@ class FullBurninReport:
 
     @property
     def exit_code(self) -> ExitCode:
-        if self.outcome == Outcome.SUSPECT or self.state_after in OUT_OF_SERVICE:
+        if self.outcome == Outcome.SUSPECT or self.state_after in NO_WORK_STATES:
             return ExitCode.HARDWARE_SUSPECT
         if self.outcome == Outcome.INCONCLUSIVE:
             return ExitCode.INCONCLUSIVE
@@ -440,6 +444,8 @@ def mark_confirmed(v: Verdict, iterations: int) -> Verdict:
 def hbm_stage(devices: Sequence[str], plan: BurninPlan, inject: Any = None,
               step: Optional[Callable[[str], None]] = None) -> Stage:
     """The HBM pattern test on every device; step(item) after each pattern (progress)."""
+    # Here, not at the top: screener.health.hbm imports torch (about a second), and the daemon,
+    # which imports this module, never runs the HBM test itself (its screen worker does).
     from screener.health.hbm import hbm_test
 
     t0 = time.monotonic()
@@ -462,8 +468,7 @@ def hbm_stage(devices: Sequence[str], plan: BurninPlan, inject: Any = None,
 
 
 def collective_stage(devices: Sequence[str], plan: BurninPlan, inject: Any = None) -> Stage:
-    from screener.known_answer.allreduce import run_collective
-
+    """The intra-node all-reduce with a known answer over the devices."""
     t0 = time.monotonic()
     r = run_collective(devices, numel=plan.collective_numel, inject=inject)
     if not r.ranks:
@@ -482,8 +487,6 @@ def crosscheck_stage(node: str, screen: ScreenResult, store: Any) -> Stage:
 def crosscheck_digests_stage(node: str, verdicts: Sequence[Verdict],
                              digests: Mapping[str, Mapping[str, str]], store: Any) -> Stage:
     """The cross-check of this node's known-answer digests with its same-platform peers'."""
-    from screener.known_answer.crosscheck import cross_check, peer_digests, platform_digests
-
     t0 = time.monotonic()
     cc = cross_check(platform_digests(verdicts, digests), peer_digests(store, node))
     # Too few peers is not a reason to hold a node back: the golden decides then.
@@ -494,8 +497,6 @@ def crosscheck_digests_stage(node: str, verdicts: Sequence[Verdict],
 
 def peers_stage(node: str, peers: Sequence[str], steps: int) -> Stage:
     """The peer burn-in on this machine (simulated nodes, gloo): screener.known_answer.peer_training.run_local."""
-    from screener.known_answer.peer_training import PeerOptions, run_local
-
     t0 = time.monotonic()
     r = run_local(PeerOptions(under_test=node, steps=steps), peers=peers)
     v = r.verdict()
@@ -526,17 +527,33 @@ def run_full_burnin(node: str, devices: Sequence[str], kat: Callable[[], BurninR
     recorded as partial and never makes a node healthy.
     progress(name): a stage starts; step(item): an item of it finished (screener.output.progress).
     """
-    from screener.lifecycle import machine as lifecycle
-    from screener.lifecycle.apply import apply_event
-
     report = FullBurninReport(node=node)
-    findings: list[Any] = []
+    before, after, peers_available = _run_stages(
+        report, node, devices, kat, plan=plan, store=store, probe=probe, hbm_inject=hbm_inject,
+        collective_inject=collective_inject, peers=peers, peer_steps=peer_steps,
+        progress=progress, step=step)
+    report.missing = missing_for_full([s.to_dict() for s in report.stages],
+                                      requirement or BurninRequirement(),
+                                      devices=len(dict.fromkeys(devices)),
+                                      peers_available=peers_available)
+    if store is not None and plan.lifecycle:
+        _record(report, node, store, before, after, policy=policy or lifecycle.DEFAULT_POLICY,
+                clock=clock)
+    return report
+
+
+def _run_stages(report: FullBurninReport, node: str, devices: Sequence[str],
+                kat: Callable[[], BurninReport], *, plan: BurninPlan, store: Any,
+                probe: Optional[Callable[[Any], Any]], hbm_inject: Any, collective_inject: Any,
+                peers: Sequence[str], peer_steps: int, progress: Callable[[str], None],
+                step: Optional[Callable[[str], None]]) -> tuple[Any, Any, bool]:
+    """Every stage the plan asks for, in order, into `report.stages`; returns the probe reports
+    before and after (None when not probed) and whether same-platform peers were compared."""
     before = after = None
     if plan.probes and probe is not None:
         progress("probes (before)")
         stage, before = probe_stage("probes-before", probe)
         report.stages.append(stage)
-        findings += [f for f in before.findings if f.severity >= Severity.WARNING]
     progress("known-answer burn-in")
     stage, report.kat = kat_stage(kat)
     report.stages.append(stage)
@@ -560,39 +577,34 @@ def run_full_burnin(node: str, devices: Sequence[str], kat: Callable[[], BurninR
         progress("probes (after)")
         stage, after = probe_stage("probes-after", probe, before)
         report.stages.append(stage)
-        findings += [f for f in after.findings if f.severity >= Severity.WARNING]
+    return before, after, peers_available
 
-    report.missing = missing_for_full([s.to_dict() for s in report.stages],
-                                      requirement or BurninRequirement(),
-                                      devices=len(dict.fromkeys(devices)),
-                                      peers_available=peers_available)
-    if store is not None and plan.lifecycle:
-        from screener.health.rules import is_condition
 
-        policy = policy or lifecycle.DEFAULT_POLICY
-        report.state_before = store.get_state(node)
-        events: list[Any] = [lifecycle.NodeSeen()]
-        # A finding's GPU serial counts for the lemon rule when this node's NVML reports it.
-        known = sorted({str(g.serial) for r in (before, after) if r is not None
-                        for g in r.gpus if g.serial})
-        findings = [replace(f, evidence=lifecycle.local_serials(f.evidence, known))
-                    for f in findings]
-        if findings:
-            events.append(lifecycle.Findings(tuple(findings)))
-        verdicts = tuple(v for s in report.stages for v in s.verdicts)
-        # Conditions seen after the load (a pending remap, a GPU gone) keep the node out.
-        conditions = tuple(f for f in (after.findings if after is not None else ())
-                           if is_condition(f))
-        events.append(lifecycle.KatScreen(verdicts, kind=report.kind, conditions=conditions))
-        for event in events:
-            decision = apply_event(store, node, event, now=clock(), policy=policy)
-            for t in decision.transitions:
-                report.transitions.append({"from": t.from_state.value if t.from_state else None,
-                                           "to": t.to_state.value, "reason": t.reason,
-                                           "code": t.code})
-        report.state_after = store.get_state(node)
-        store.set_verdict(node, {"time": clock(), "outcome": report.outcome.value,
-                                 "kind": report.kind, "screen": "burnin",
-                                 "missing": list(report.missing),
-                                 "verdicts": [v.to_dict() for v in verdicts]})
-    return report
+def _record(report: FullBurninReport, node: str, store: Any, before: Any, after: Any, *,
+            policy: Any, clock: Callable[[], float]) -> None:
+    """Move the node through the lifecycle on what the burn-in found, and store its verdict."""
+    findings = [f for r in (before, after) if r is not None for f in r.findings
+                if f.severity >= Severity.WARNING]
+    report.state_before = store.get_state(node)
+    events: list[Any] = [lifecycle.NodeSeen()]
+    # A finding's GPU serial counts for the lemon rule when this node's NVML reports it.
+    known = sorted({str(g.serial) for r in (before, after) if r is not None
+                    for g in r.gpus if g.serial})
+    findings = [replace(f, evidence=lifecycle.local_serials(f.evidence, known)) for f in findings]
+    if findings:
+        events.append(lifecycle.Findings(tuple(findings)))
+    verdicts = tuple(v for s in report.stages for v in s.verdicts)
+    # Conditions seen after the load (a pending remap, a GPU gone) keep the node out.
+    conditions = tuple(f for f in (after.findings if after is not None else ()) if is_condition(f))
+    events.append(lifecycle.KatScreen(verdicts, kind=report.kind, conditions=conditions))
+    for event in events:
+        decision = apply_event(store, node, event, now=clock(), policy=policy)
+        for t in decision.transitions:
+            report.transitions.append({"from": t.from_state.value if t.from_state else None,
+                                       "to": t.to_state.value, "reason": t.reason,
+                                       "code": t.code})
+    report.state_after = store.get_state(node)
+    store.set_verdict(node, {"time": clock(), "outcome": report.outcome.value,
+                             "kind": report.kind, "screen": "burnin",
+                             "missing": list(report.missing),
+                             "verdicts": [v.to_dict() for v in verdicts]})

@@ -42,36 +42,36 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-from dataclasses import replace
 import logging
+import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Optional
 
-from screener.lifecycle import machine as lifecycle
 from screener.agent.burnin import (BurninRequirement, crosscheck_digests_stage, missing_for_full,
-                             probe_report_stage)
-from screener.settings.daemon import DaemonConfig
-from screener.known_answer.crosscheck import platform_digests
-from screener.errors import BadInputError, ScreenerError
-from screener.health.probes import ProbeReport
-from screener.health.rules import is_condition
-from screener.health.idle import Activity, IdleTracker, observe
+                                   probe_report_stage)
 from screener.agent.intake import AlarmIntake, IntakeResult, applied_in_history
 from screener.agent.metrics import DaemonMetrics
 from screener.agent.screening import (KIND_FULL, KIND_QUICK, SHUTDOWN, YIELDED, ScreeningWindow,
-                                ScreenOutcome, ScreenRunner, TaintControl)
+                                      ScreenOutcome, ScreenRunner, TaintControl)
+from screener.errors import BadInputError, ScreenerError
+from screener.health import host
+from screener.health.idle import Activity, IdleTracker, observe
+from screener.health.probes import ProbeReport
+from screener.health.rules import is_condition
+from screener.known_answer.crosscheck import platform_digests
+from screener.lifecycle import machine as lifecycle
 from screener.lifecycle.apply import apply_event, reconsider_held
 from screener.lifecycle.ports import Store
 from screener.lifecycle.records import ACTOR_HUMAN
-from screener.types import (ANNOTATION_DIGESTS, AlarmRecord, ExitCode, Finding, NodeState, Outcome,
-                            Reason, Severity)
+from screener.settings.daemon import DaemonConfig
+from screener.types import (ANNOTATION_DIGESTS, NO_WORK_STATES, AlarmRecord, ExitCode, Finding,
+                            NodeState, Outcome, Reason, Severity)
 
 log = logging.getLogger("screener.daemon")
 
 S = NodeState
-OUT_OF_SERVICE = (S.SUSPECT, S.QUARANTINED, S.REPAIR)
 
 ProbeFn = Callable[[Optional[ProbeReport]], ProbeReport]
 PodsFn = Callable[[], list]  # the node's GPU pods (KubeStore.gpu_pods(node))
@@ -104,8 +104,6 @@ class JsonFormatter(logging.Formatter):
 
 def setup_json_logging(level: int = logging.INFO, stream: Any = None) -> None:
     """Route every logger through one JSON-lines handler on stderr (replacing earlier handlers)."""
-    import sys
-
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(JsonFormatter())
     root = logging.getLogger()
@@ -143,7 +141,7 @@ class PassReport:
         """The contract's code for `--once`: our failure first, then what the node's state says."""
         if self.error_code is not None:
             return self.error_code
-        if self.state in OUT_OF_SERVICE or (self.screen is not None
+        if self.state in NO_WORK_STATES or (self.screen is not None
                                             and self.screen.outcome == Outcome.SUSPECT):
             return ExitCode.HARDWARE_SUSPECT
         if self.state in (None, S.BURNIN) or (self.screen is not None
@@ -183,19 +181,13 @@ def _is_recovery(t: Any) -> bool:
     return t.actor == ACTOR_HUMAN or t.code == Reason.REMEDIATED
 
 
-def _boot_time() -> float:
-    import psutil
-
-    return float(psutil.boot_time())
-
-
 class Daemon:
     """The per-node loop (see the module docstring).
 
     store: where states live. probe(previous) -> ProbeReport. runner: the screen runner.
     taint: adds/removes the screening taint (KubeStore, or screening.LocalTaint).
     gpu_pods: lists the node's GPU pods (KubeStore.gpu_pods bound to the node), or None outside a
-        cluster. own_pids: our PIDs (idle.own_pids). publish(node, annotations): sets annotations
+        cluster. own_pids: our PIDs (host.own_pids). publish(node, annotations): sets annotations
         on the Node (KubeStore.set_annotations) or None. on_quarantine(node): the optional deep
         health check. replay(): writes spooled transitions (KubeStore.replay) or None.
     reap(): ends screen workers a killed predecessor left (screening.reap_stale_screens bound to
@@ -217,7 +209,7 @@ class Daemon:
                  reap: Optional[Callable[[], Any]] = None,
                  node_created: Optional[Callable[[], Optional[float]]] = None,
                  commit_kmsg: Optional[Callable[[], None]] = None,
-                 boot_time: Callable[[], float] = _boot_time) -> None:
+                 boot_time: Callable[[], float] = host.boot_time) -> None:
         self.config = config
         self.node = config.node
         self.store = store
@@ -230,9 +222,11 @@ class Daemon:
         self.clock = clock
         self.stop = stop or threading.Event()
         self.metrics = metrics or DaemonMetrics(self.node, clock=clock)
-        self.intake = AlarmIntake(config.alarm_dir, self.node, self._apply_alarm,
-                                  self._alarm_applied_before, processed_keep=config.processed_keep)
-        self.window = ScreeningWindow(self.node, taint, runner, self._job_landed,
+        # Both take this pass's report with each call (tick binds it), not at construction.
+        self.intake = AlarmIntake(config.alarm_dir, self.node,
+                                  already_applied=self._alarm_applied_before,
+                                  processed_keep=config.processed_keep)
+        self.window = ScreeningWindow(self.node, taint, runner,
                                       time_cap_s=config.screen_time_cap_s, poll_s=config.job_poll_s,
                                       clock=clock, stop=self.stop, heartbeat=self.metrics.beat,
                                       untaint_delay_s=untaint_delay_s)
@@ -245,7 +239,6 @@ class Daemon:
         self.last_screen_stopped = ""
         self.last_screen_outcome: Optional[Outcome] = None
         self.started = False
-        self._current: Optional[PassReport] = None
         self.reap = reap
         self.node_created = node_created
         self.commit_kmsg = commit_kmsg
@@ -387,40 +380,41 @@ class Daemon:
             self.start()
         now = self.clock()
         report = PassReport(node=self.node, started=now)
-        self._current = report
-        try:
-            self.metrics.beat()
-            if self.last_report is None:
-                # The first pass probes before the intake: an alarm's GPU serials count only
-                # when this node's NVML reports them, so the serials must be known first.
-                self._step(report, "probe", lambda: self._probe_and_observe(report, once=once))
-                self.next_probe = now + self.config.probe_interval_s
-                probed_first = True
-            else:
-                probed_first = False
-            self._step(report, "intake", self._intake)
-            if self.replay is not None:
-                self._step(report, "replay", self.replay)
-            self._step(report, "budget", lambda: setattr(self, "state", reconsider_held(self.store, self.node, self.state, now=self.clock(), policy=self.config.lifecycle)))  # a held node takes a freed budget slot
-            if self.window.taint_dirty:
-                self._step(report, "untaint", self.window.clear_stale)
-            if not probed_first and (once or now >= self.next_probe):
-                self._step(report, "probe", lambda: self._probe_and_observe(report, once=once))
-                self.next_probe = now + self.config.probe_interval_s
-            elif self._pending or self._unwritten:
-                # Findings whose transition could not be written: retried on every tick.
-                self._step(report, "findings", self._apply_findings)
-            report.screen_due = self._screen_due(now)
-            if report.screen_due and (report.idle or (once and report.activity is not None
-                                                      and not report.activity.busy)):
-                if not self.stop.is_set():
-                    self._step(report, "screen", lambda: self._screen(report))
-            report.state = self.state
-            self.metrics.set_state(self.state)
-            self.metrics.beat()
-            return report
-        finally:
-            self._current = None
+        self.metrics.beat()
+        if self.last_report is None:
+            # The first pass probes before the intake: an alarm's GPU serials count only when
+            # this node's NVML reports them, so the serials must be known first.
+            self._step(report, "probe", lambda: self._probe_and_observe(report))
+            self.next_probe = now + self.config.probe_interval_s
+            probed_first = True
+        else:
+            probed_first = False
+        self._step(report, "intake", lambda: self._intake(report))
+        if self.replay is not None:
+            self._step(report, "replay", self.replay)
+        self._step(report, "budget", self._reconsider_budget)
+        if self.window.taint_dirty:
+            self._step(report, "untaint", self.window.clear_stale)
+        if not probed_first and (once or now >= self.next_probe):
+            self._step(report, "probe", lambda: self._probe_and_observe(report))
+            self.next_probe = now + self.config.probe_interval_s
+        elif self._pending or self._unwritten:
+            # Findings whose transition could not be written: retried on every tick.
+            self._step(report, "findings", lambda: self._apply_findings(report))
+        report.screen_due = self._screen_due(now)
+        if report.screen_due and (report.idle or (once and report.activity is not None
+                                                  and not report.activity.busy)):
+            if not self.stop.is_set():
+                self._step(report, "screen", lambda: self._screen(report))
+        report.state = self.state
+        self.metrics.set_state(self.state)
+        self.metrics.beat()
+        return report
+
+    def _reconsider_budget(self) -> None:
+        """A node held by the budget takes a slot another node freed."""
+        self.state = reconsider_held(self.store, self.node, self.state, now=self.clock(),
+                                     policy=self.config.lifecycle)
 
     def _step(self, report: PassReport, where: str, fn: Callable[[], Any]) -> None:
         try:
@@ -440,7 +434,8 @@ class Daemon:
 
     # --- lifecycle glue -------------------------------------------------------------------------
 
-    def _apply(self, event: Any, why: str) -> lifecycle.Decision:
+    def _apply(self, event: Any, why: str, report: PassReport) -> lifecycle.Decision:
+        """Feed one event to the lifecycle; what it did goes into `report` and the metrics."""
         decision = apply_event(self.store, self.node, event, now=self.clock(),
                                policy=self.config.lifecycle)
         self.state = decision.state
@@ -448,18 +443,17 @@ class Daemon:
             self.metrics.transitions.labels(self.node, t.to_state.value).inc()
             entry = {"from": t.from_state.value if t.from_state else None, "to": t.to_state.value,
                      "reason": t.reason, "code": t.code, "time": t.time, "cause": why}
-            if self._current is not None:
-                self._current.transitions.append(entry)
+            report.transitions.append(entry)
             log.warning("node %s: %s -> %s: %s", self.node, entry["from"] or "(new)",
                         t.to_state.value, t.reason,
                         extra={"event": "transition", "to": t.to_state.value, "code": t.code,
                                "cause": why})
             if t.to_state == S.QUARANTINED and self.on_quarantine is not None:
-                self._deep_check()
+                self._deep_check(report)
         self.metrics.set_state(self.state)
         return decision
 
-    def _deep_check(self) -> None:
+    def _deep_check(self, report: PassReport) -> None:
         assert self.on_quarantine is not None
         try:
             started = self.on_quarantine(self.node)
@@ -467,16 +461,16 @@ class Daemon:
             self.metrics.error("deep_health_check")
             log.error("deep health check on %s could not be started: %s", self.node, e)
             return
-        if started is not None and self._current is not None:
-            self._current.actions.append({"action": lifecycle.Action.DEEP_HEALTH_CHECK.value,
+        if started is not None:
+            report.actions.append({"action": lifecycle.Action.DEEP_HEALTH_CHECK.value,
                                           "result": getattr(started, "to_dict", lambda: str(started))()})
 
-    def _apply_alarm(self, record: AlarmRecord) -> None:
+    def _apply_alarm(self, record: AlarmRecord, report: PassReport) -> None:
         latency = self.clock() - record.created if record.created else None
         # An alarm acts only on the GPU serials this node's NVML reports.
         record = replace(record, evidence=lifecycle.local_serials(record.evidence,
                                                                   sorted(self._known_serials)))
-        self._apply(record, f"alarm {record.alarm_id}")
+        self._apply(record, f"alarm {record.alarm_id}", report)
         self.metrics.alarm("applied")
         self.metrics.alarm_applied(record.check, record.settled)
         log.warning("alarm %s applied: %s at step %d (%s)", record.alarm_id, record.check,
@@ -488,10 +482,9 @@ class Daemon:
     def _alarm_applied_before(self, record: AlarmRecord) -> bool:
         return applied_in_history(self.store.history(self.node), record.alarm_id)
 
-    def _intake(self) -> None:
-        assert self._current is not None
-        result = self.intake.run()
-        self._current.intake = result
+    def _intake(self, report: PassReport) -> None:
+        result = self.intake.run(apply=lambda record: self._apply_alarm(record, report))
+        report.intake = result
         self.metrics.alarm("duplicate", len(result.duplicates))
         self.metrics.alarm("rejected", len(result.rejected))
         self.metrics.intake_pass(len(result.stuck), result.stalled)  # /readyz and a gauge
@@ -503,7 +496,8 @@ class Daemon:
 
     # --- probes and idleness --------------------------------------------------------------------
 
-    def _probe(self) -> ProbeReport:
+    def _probe(self, into: PassReport) -> ProbeReport:
+        """Probe, and feed what is new to the lifecycle; `into` gets the findings and conditions."""
         report = self.probe(self.last_report)
         self.metrics.probes.labels(self.node).inc()
         for e in report.errors:
@@ -530,9 +524,8 @@ class Daemon:
         self._pending.extend(f for f in new if f.severity >= Severity.WARNING
                              and not is_condition(f) and _finding_key(f) not in pending)
         self.conditions = self._current_conditions(findings)
-        if self._current is not None:
-            self._current.findings.extend(f.to_dict() for f in new if f.severity >= Severity.WARNING)
-            self._current.conditions = [f.to_dict() for f in self.conditions]
+        into.findings.extend(f.to_dict() for f in new if f.severity >= Severity.WARNING)
+        into.conditions = [f.to_dict() for f in self.conditions]
         for f in new:
             if f.severity >= Severity.WARNING:
                 log.warning("finding %s (%s)%s: %s", f.code, f.severity.label,
@@ -541,16 +534,16 @@ class Daemon:
                                    "code": f.code})
         # Marked seen only once durable: what _apply_findings cannot write is unmarked again.
         self._seen_findings = current
-        self._apply_findings()
+        self._apply_findings(into)
         return report
 
-    def _apply_findings(self) -> None:
+    def _apply_findings(self, report: PassReport) -> None:
         """Feed pending event findings and the persisting conditions to the lifecycle; only when
         that is recorded (or spooled) are they done and the kernel-log position saved."""
         todo = tuple(self._pending) + tuple(f for f in self.conditions if self._could_move(f))
         if todo:
             try:
-                self._apply(lifecycle.Findings(todo), "probe findings")
+                self._apply(lifecycle.Findings(todo), "probe findings", report)
             except BaseException:
                 # Not durable: not seen either, so nothing is lost; every tick retries.
                 self._seen_findings -= {_finding_key(f) for f in self._pending}
@@ -627,8 +620,8 @@ class Daemon:
                        own_pod=self.config.own_pod,
                        utilization_pct=self.config.idle_utilization_pct, pods_error=pods_error)
 
-    def _probe_and_observe(self, report: PassReport, *, once: bool = False) -> None:
-        probe = self._probe()
+    def _probe_and_observe(self, report: PassReport) -> None:
+        probe = self._probe(report)
         report.probed = True
         activity = self._activity(probe)
         report.activity = activity
@@ -638,11 +631,12 @@ class Daemon:
         if activity.busy:
             log.debug("node %s busy: %s", self.node, activity.reason)
 
-    def _job_landed(self) -> Optional[str]:
-        """During a screen: probe again (the probe's findings are handled as usual) and look for a
-        foreign process or a GPU pod. Utilisation is ours now, so it does not count."""
+    def _job_landed(self, report: PassReport) -> Optional[str]:
+        """During a screen: probe again (the probe's findings are handled as usual, into the
+        screening pass's `report`) and look for a foreign process or a GPU pod. Utilisation is
+        ours now, so it does not count."""
         try:
-            probe = self._probe()
+            probe = self._probe(report)
         except ScreenerError as e:
             log.warning("probe during the screen failed: %s", e)
             probe = None
@@ -693,7 +687,7 @@ class Daemon:
                  "full burn-in" if kind == KIND_FULL else "quick screen", report.screen_due,
                  extra={"event": "screen_start", "kind": kind})
         try:
-            outcome = self.window.run(kind, cap)
+            outcome = self.window.run(kind, cap, job_check=lambda: self._job_landed(report))
         finally:
             self.metrics.screening.labels(self.node).set(0)
         report.screen = outcome
@@ -715,14 +709,15 @@ class Daemon:
         missing: list[str] = []
         stages: list[dict[str, Any]] = []
         if kind == KIND_FULL and not outcome.stopped:
-            verdicts, missing, stages = self._assess_burnin(outcome, before)
+            verdicts, missing, stages = self._assess_burnin(outcome, before, report)
             screen_kind = lifecycle.KIND_PARTIAL if missing else lifecycle.KIND_FULL
             if missing:
                 log.warning("burn-in on %s was partial: %s", self.node, "; ".join(missing),
                             extra={"event": "burnin_partial"})
         if not outcome.stopped:
             self._apply(lifecycle.KatScreen(verdicts, kind=screen_kind,
-                                            conditions=self.conditions), "known-answer screen")
+                                            conditions=self.conditions), "known-answer screen",
+                        report)
         self.store.set_verdict(self.node, {
             "time": end, "outcome": outcome.outcome.value, "stopped": outcome.stopped,
             "kind": screen_kind if not outcome.stopped else kind, "missing": missing,
@@ -739,7 +734,8 @@ class Daemon:
         if outcome.stopped and outcome.exit_code == ExitCode.SCREENER_ERROR:
             raise ScreenerError(f"screen failed: {outcome.detail}")
 
-    def _assess_burnin(self, outcome: ScreenOutcome, before: Optional[ProbeReport]
+    def _assess_burnin(self, outcome: ScreenOutcome, before: Optional[ProbeReport],
+                       report: PassReport
                        ) -> tuple[tuple[Any, ...], list[str], list[dict[str, Any]]]:
         """The daemon's half of a full burn-in: the probes before (this pass's) and after, the
         cross-check with same-platform peers, and what the run lacked to be full."""
@@ -758,7 +754,7 @@ class Daemon:
                 verdicts += list(cc.verdicts)
             except ScreenerError as e:
                 log.warning("cross-check with peers failed: %s", e)
-        after = self._probe()  # its findings go to the lifecycle as usual
+        after = self._probe(report)  # its findings go to the lifecycle as usual
         stages.append(probe_report_stage("probes-after", after).to_dict())
         devices = len(after.gpus) or 1
         missing = missing_for_full(stages, self.requirement, devices=devices,

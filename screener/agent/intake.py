@@ -80,10 +80,14 @@ class _Stuck(Exception):
     """A file could not be moved aside; it is skipped until it changes."""
 
 
+ApplyFn = Callable[[AlarmRecord], None]  # stores one alarm's effect; raises to keep the file
+
+
 class AlarmIntake:
     """Reads, applies and moves aside the alarm files of one node.
 
-    apply(record): store the alarm's effect (raise to leave the file for the next pass).
+    apply(record): store the alarm's effect (raise to leave the file for the next pass). None
+        when each `run` is given its own (the daemon's records what it did in that pass's report).
     already_applied(record): True when a previous run stored this alarm's effect.
     processed_keep: how many files processed/ keeps (the oldest go first); 0 keeps none.
 
@@ -93,7 +97,7 @@ class AlarmIntake:
     """
 
     def __init__(self, directory: str | os.PathLike[str], node: str,
-                 apply: Callable[[AlarmRecord], None],
+                 apply: Optional[ApplyFn] = None,
                  already_applied: Callable[[AlarmRecord], bool] = lambda r: False, *,
                  processed_keep: int = 1000) -> None:
         self.directory = Path(directory)
@@ -141,8 +145,12 @@ class AlarmIntake:
         except FileNotFoundError:
             return []
 
-    def run(self) -> IntakeResult:
-        """One pass over the directory; never raises."""
+    def run(self, apply: Optional[ApplyFn] = None) -> IntakeResult:
+        """One pass over the directory, applying each new alarm with `apply` (default: the one
+        given at construction); never raises, but for a missing `apply` (a bug of the caller)."""
+        apply = apply or self.apply
+        if apply is None:
+            raise TypeError("AlarmIntake.run needs an apply function: none was given")
         result = IntakeResult()
         try:
             entries = self._entries()
@@ -160,7 +168,7 @@ class AlarmIntake:
                 continue
             self._stuck.pop(name, None)
             try:
-                self._take(path, result)
+                self._take(path, result, apply)
             except _Stuck as e:
                 self._stuck[name] = ident
                 result.stuck.append(name)
@@ -181,7 +189,7 @@ class AlarmIntake:
 
     # --- one file -------------------------------------------------------------------------------
 
-    def _take(self, path: Path, result: IntakeResult) -> None:
+    def _take(self, path: Path, result: IntakeResult, apply: ApplyFn) -> None:
         record, why = _read(path)
         if record is None:
             self._move(path, self.rejected_dir)
@@ -212,7 +220,7 @@ class AlarmIntake:
                      record.alarm_id)
             return
         try:
-            self.apply(record)
+            apply(record)
         except Exception as e:  # noqa: BLE001 - the file stays and is tried again next pass
             result.failed.append(path.name)
             log.error("alarm %s not applied, will retry: %s: %s", record.alarm_id,

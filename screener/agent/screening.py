@@ -29,16 +29,22 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+import uuid
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Protocol, Sequence
 
+from screener.agent import burnin
+from screener.errors import ScreenerError
+from screener.health import host
+from screener.known_answer import kat
 from screener.types import ExitCode, Outcome, Verdict
 
 log = logging.getLogger(__name__)
@@ -163,12 +169,13 @@ class ScreeningWindow:
 
     job_check(): called every `poll_s` during the screen; returns a description of a job that
         landed on the node, or None. An exception from it is logged and counts as "no job".
+        `run` may be given another for one screen (the daemon's reports into that pass).
     stop: set on shutdown (SIGTERM); the screen is stopped and the taint removed.
     heartbeat(): called on every poll, so the liveness probe sees the daemon alive mid-screen.
     """
 
-    def __init__(self, node: str, taint: TaintControl, runner: ScreenRunner, job_check: JobCheck,
-                 *, time_cap_s: float, poll_s: float = 2.0, clock: Callable[[], float] = time.time,
+    def __init__(self, node: str, taint: TaintControl, runner: ScreenRunner,
+                 job_check: JobCheck = lambda: None, *, time_cap_s: float, poll_s: float = 2.0, clock: Callable[[], float] = time.time,
                  stop: Optional[threading.Event] = None,
                  heartbeat: Callable[[], None] = lambda: None,
                  untaint_attempts: int = 5, untaint_delay_s: float = 1.0,
@@ -214,9 +221,11 @@ class ScreeningWindow:
                   self.untaint_attempts)
         return False
 
-    def run(self, kind: str = KIND_QUICK, time_cap_s: Optional[float] = None) -> ScreenOutcome:
-        """Taint, screen (`kind`, capped at `time_cap_s`, default the window's), untaint. Never
-        raises for a runner failure (that is an outcome)."""
+    def run(self, kind: str = KIND_QUICK, time_cap_s: Optional[float] = None,
+            job_check: Optional[JobCheck] = None) -> ScreenOutcome:
+        """Taint, screen (`kind`, capped at `time_cap_s`, default the window's; watching for jobs
+        with `job_check`, default the window's), untaint. Never raises for a runner failure (that
+        is an outcome)."""
         started = self.clock()
         try:
             self.taint.set_screening_taint(self.node, True)
@@ -229,14 +238,16 @@ class ScreeningWindow:
         self.active = True
         try:
             outcome = self._screen(started, kind,
-                                   self.time_cap_s if time_cap_s is None else float(time_cap_s))
+                                   self.time_cap_s if time_cap_s is None else float(time_cap_s),
+                                   job_check or self.job_check)
         finally:
             removed = self._untaint()
             self.active = False
         seconds = self.clock() - started
         return _with(outcome, started=started, seconds=seconds, taint_removed=removed)
 
-    def _screen(self, started: float, kind: str, time_cap_s: float) -> ScreenOutcome:
+    def _screen(self, started: float, kind: str, time_cap_s: float,
+                job_check: JobCheck) -> ScreenOutcome:
         cancel = threading.Event()
         request = ScreenRequest(node=self.node, cancel=cancel, deadline=started + time_cap_s,
                                 clock=self.clock, kind=kind)
@@ -262,7 +273,7 @@ class ScreeningWindow:
                 stopped, detail = TIME_CAP, f"the screen ran past its time cap of {time_cap_s:g} s"
             else:
                 try:
-                    job = self.job_check()
+                    job = job_check()
                 except Exception as e:  # noqa: BLE001 - a failed look is not a job
                     log.warning("looking for jobs on %s failed: %s", self.node, e)
                     job = None
@@ -284,8 +295,6 @@ class ScreeningWindow:
 
 
 def _with(o: ScreenOutcome, **changes: Any) -> ScreenOutcome:
-    from dataclasses import replace
-
     return replace(o, **changes)
 
 
@@ -325,15 +334,6 @@ class KatOptions:
                 "hbm_fraction": self.hbm_fraction, "hbm_max_bytes": self.hbm_max_bytes}
 
 
-def _create_time(pid: int) -> Optional[float]:
-    import psutil
-
-    try:
-        return psutil.Process(pid).create_time()
-    except psutil.Error:
-        return None
-
-
 class KatProcessRunner:
     """Runs a screen in `python -m screener.agent.screening worker`, killable at once.
 
@@ -352,9 +352,6 @@ class KatProcessRunner:
         self.work_dir = Path(work_dir) if work_dir is not None else None
 
     def __call__(self, request: ScreenRequest) -> ScreenOutcome:
-        import shutil
-        import uuid
-
         screen_id = f"{int(time.time())}-{uuid.uuid4().hex[:12]}"
         if self.work_dir is not None:
             self.work_dir.mkdir(parents=True, exist_ok=True)
@@ -377,7 +374,9 @@ class KatProcessRunner:
                                     stderr=err, start_new_session=True, env=env)
             # Recorded before anything else can happen, so a crash of ours from here on is
             # cleaned up by the next start (reap_stale_screens).
-            record = {"id": screen_id, "pid": proc.pid, "create_time": _create_time(proc.pid),
+            started = host.find_process(proc.pid)
+            record = {"id": screen_id, "pid": proc.pid,
+                      "create_time": started.create_time if started is not None else None,
                       "started": time.time(), "node": request.node, "kind": request.kind}
             (tmp / (WORKER_RECORD + ".tmp")).write_text(json.dumps(record))
             os.replace(tmp / (WORKER_RECORD + ".tmp"), tmp / WORKER_RECORD)
@@ -405,23 +404,14 @@ class KatProcessRunner:
 
     def _stop(self, proc: subprocess.Popen) -> None:
         """SIGTERM the worker (its handler kills the per-device children), then make sure."""
-        import psutil
-
-        try:
-            family = psutil.Process(proc.pid).children(recursive=True)
-        except psutil.Error:
-            family = []
+        family = host.descendants(proc.pid)  # looked up first: they outlive a killed worker
         try:
             proc.send_signal(signal.SIGTERM)
             proc.wait(self.kill_grace_s)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        for child in family:  # the per-device children run in sessions of their own
-            try:
-                child.kill()
-            except psutil.Error:
-                pass
+        host.kill(family)  # the per-device children run in sessions of their own
 
 
 @dataclass(frozen=True)
@@ -445,55 +435,21 @@ def reap_stale_screens(work_dir: str | os.PathLike[str], *, grace_s: float = 5.0
     SIGKILL: a screen whose daemon is gone has nobody to report to. Call it only at start-up,
     before this daemon starts a screen of its own.
     """
-    import shutil
-
-    import psutil
-
     root = Path(work_dir)
     if not root.is_dir():
         return Reaped()
     folders = [d for d in sorted(root.glob("screen-*")) if d.is_dir()]
     if not folders:
         return Reaped()
-    ids: dict[str, Mapping[str, Any]] = {}
-    for d in folders:
-        try:
-            rec = json.loads((d / WORKER_RECORD).read_text())
-            ids[str(rec["id"])] = rec
-        except (OSError, ValueError, KeyError, TypeError):
-            ids[d.name[len("screen-"):]] = {}  # crashed before the record: the tag still finds them
-    me = os.getpid()
-    victims: dict[int, psutil.Process] = {}
-    for rec in ids.values():
-        pid, created = rec.get("pid"), rec.get("create_time")
-        if isinstance(pid, int) and pid != me and created is not None:
-            try:
-                proc = psutil.Process(pid)
-                if abs(proc.create_time() - float(created)) < 0.01:
-                    victims[pid] = proc
-            except psutil.Error:
-                pass
-    for proc in psutil.process_iter():
-        if proc.pid == me or proc.pid in victims:
-            continue
-        try:
-            tag = proc.environ().get(SCREEN_ID_ENV)
-        except (psutil.Error, OSError):
-            continue
-        if tag in ids:
-            victims[proc.pid] = proc
-    for proc in list(victims.values()):
-        try:
-            for child in proc.children(recursive=True):
-                victims.setdefault(child.pid, child)
-        except psutil.Error:
-            pass
-    for proc in victims.values():
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(list(victims.values()), timeout=grace_s)
+    records = {str(rec.get("id") or d.name[len("screen-"):]): rec
+               for d, rec in ((d, _worker_record(d)) for d in folders)}
+    victims = {p.pid: p for p in _recorded_workers(records.values())}
+    for p in host.tagged_processes(SCREEN_ID_ENV, records):
+        victims.setdefault(p.pid, p)
+    for p in list(victims.values()):
+        for child in host.descendants(p.pid):
+            victims.setdefault(child.pid, child)
+    host.kill(victims.values(), wait_s=grace_s)
     for d in folders:
         shutil.rmtree(d, ignore_errors=True)
     if victims:
@@ -502,11 +458,31 @@ def reap_stale_screens(work_dir: str | os.PathLike[str], *, grace_s: float = 5.0
     return Reaped(killed=tuple(sorted(victims)), folders=tuple(str(d) for d in folders))
 
 
+def _worker_record(folder: Path) -> Mapping[str, Any]:
+    """A screen folder's worker.json, or {} when the worker crashed before writing it (the
+    environment tag still finds its processes: the folder's name carries the screen id)."""
+    try:
+        rec = json.loads((folder / WORKER_RECORD).read_text())
+        return rec if isinstance(rec, dict) and "id" in rec else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _recorded_workers(records: Iterable[Mapping[str, Any]]) -> list[host.Proc]:
+    """The recorded worker processes still running: same PID and the same start time."""
+    me = os.getpid()
+    found = []
+    for rec in records:
+        pid, created = rec.get("pid"), rec.get("create_time")
+        if isinstance(pid, int) and pid != me and isinstance(created, (int, float)):
+            proc = host.find_process(pid, float(created))
+            if proc is not None:
+                found.append(proc)
+    return found
+
+
 def _burnin_stages(opts: Mapping[str, Any], faults: Any) -> dict[str, Any]:
     """The device stages of a full burn-in, as a screen result dict with the stages."""
-    from screener.agent import burnin
-    from screener.known_answer import kat
-
     devices = kat.resolve_devices(opts.get("devices") or None)
     specs = kat.resolve_jobs(opts.get("jobs") or None, opts.get("jobs_dir"), quick_only=False)
     seconds = float(opts.get("burnin_seconds") or 0.0)
@@ -549,9 +525,6 @@ def _worker(result_path: str, mode: str = "screen") -> int:
         raise SystemExit(128 + signum)  # unwinds through kat.execute, which kills its children
 
     signal.signal(signal.SIGTERM, on_term)
-    from screener.known_answer import kat
-    from screener.errors import ScreenerError
-
     opts = json.loads(sys.stdin.read() or "{}")
     faults = {dev: [kat.DeviceFault(**f) for f in fs] for dev, fs in (opts.get("faults") or {}).items()}
     try:

@@ -30,7 +30,7 @@ def build_daemon(app: AppContext, config: Any, *, stop: threading.Event,
     what it opens is closed when the command ends."""
     from screener.agent.daemon import Daemon
     from screener.health.probes import DeferredKernelLogReader, run_probes
-    from screener.health.idle import own_pids
+    from screener.health.host import own_pids
     from screener.agent.screening import KatOptions, KatProcessRunner, LocalTaint, reap_stale_screens
     from screener.stores import default_state_dir
 

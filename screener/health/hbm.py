@@ -14,13 +14,15 @@ On the CPU the same code tests host memory (capped small: it is for tests and fo
 
 from __future__ import annotations
 
+import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from screener.errors import BadInputError
+from screener.health import host
 from screener.types import Outcome, Verdict
 
 PATTERNS = ("zeros", "ones", "checker_a", "checker_5", "walking_one", "address")
@@ -113,9 +115,7 @@ def budget(device: str, fraction: float, max_bytes: Optional[int]) -> int:
         free, _ = torch.cuda.mem_get_info(dev)
         n = int(free * fraction)
     else:
-        import psutil
-
-        n = min(int(psutil.virtual_memory().available * fraction), CPU_MAX_BYTES)
+        n = min(int(host.available_memory() * fraction), CPU_MAX_BYTES)
     if max_bytes is not None:
         n = min(n, int(max_bytes))
     return max(0, n - n % 4)
@@ -138,29 +138,10 @@ def hbm_test(device: str, *, fraction: float = 0.5, max_bytes: Optional[int] = N
     if chunk_bytes < 4:
         raise BadInputError("chunk_bytes must be at least 4")
     dev = torch.device(device)
-    total = budget(device, fraction, max_bytes)
-    chunks: list[torch.Tensor] = []
-    got = 0
-    detail = ""
+    chunks, got, detail = _allocate(dev, budget(device, fraction, max_bytes), chunk_bytes)
+    tally = _Tally()
     try:
-        while got < total:
-            n = min(chunk_bytes, total - got) // 4
-            if n == 0:
-                break
-            try:
-                chunks.append(torch.empty(n, dtype=torch.int32, device=dev))
-            except torch.OutOfMemoryError:
-                detail = f"allocated {got} of {total} bytes before running out of memory"
-                break
-            got += n * 4
-        bases = []
-        b = 0
-        for c in chunks:
-            bases.append(b)
-            b += c.numel()
-        errors: list[dict[str, Any]] = []
-        mismatches = 0
-        confirmed = False
+        bases = list(itertools.accumulate((c.numel() for c in chunks[:-1]), initial=0))
         t0 = time.perf_counter()
         for name in patterns:
             fill = FILLERS[name]
@@ -169,28 +150,9 @@ def hbm_test(device: str, *, fraction: float = 0.5, max_bytes: Optional[int] = N
             _sync(dev)
             if inject is not None:
                 inject(chunks, name)
-            for k, (c, base) in enumerate(zip(chunks, bases)):
-                expected = torch.empty_like(c)
-                fill(expected, base)
-                bad = torch.ne(c, expected)
-                n_bad = int(bad.sum())
-                if n_bad:
-                    mismatches += n_bad
-                    where = bad.nonzero()[: max(0, max_errors - len(errors))].flatten().tolist()
-                    for i in where:
-                        errors.append({"pattern": name, "chunk": k, "offset_bytes": (base + i) * 4,
-                                       "expected": f"0x{int(expected[i]) & 0xFFFFFFFF:08x}",
-                                       "observed": f"0x{int(c[i]) & 0xFFFFFFFF:08x}"})
-                    # Rewrite and re-read the chunk: does the fault repeat?
-                    fill(c, base)
-                    _sync(dev)
-                    if inject is not None:
-                        inject(chunks, name)
-                    if bool(torch.ne(c, expected).any()):
-                        confirmed = True
-                del expected, bad
+            _verify(chunks, bases, name, dev, inject, tally, max_errors)
             if progress is not None:
-                progress(f"{device} pattern {name}: {mismatches} mismatches so far")
+                progress(f"{device} pattern {name}: {tally.mismatches} mismatches so far")
         _sync(dev)
         seconds = time.perf_counter() - t0
     finally:
@@ -198,8 +160,60 @@ def hbm_test(device: str, *, fraction: float = 0.5, max_bytes: Optional[int] = N
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     return HbmResult(device=device, bytes_tested=got, patterns=tuple(patterns),
-                     mismatches=mismatches, errors=tuple(errors), confirmed=confirmed,
-                     seconds=seconds, detail=detail)
+                     mismatches=tally.mismatches, errors=tuple(tally.errors),
+                     confirmed=tally.confirmed, seconds=seconds, detail=detail)
+
+
+def _allocate(dev: torch.device, total: int, chunk_bytes: int
+              ) -> tuple[list[torch.Tensor], int, str]:
+    """int32 chunks adding up to `total` bytes, or as many as fit: (chunks, bytes, why short)."""
+    chunks: list[torch.Tensor] = []
+    got = 0
+    while got < total:
+        n = min(chunk_bytes, total - got) // 4
+        if n == 0:
+            break
+        try:
+            chunks.append(torch.empty(n, dtype=torch.int32, device=dev))
+        except torch.OutOfMemoryError:
+            return chunks, got, f"allocated {got} of {total} bytes before running out of memory"
+        got += n * 4
+    return chunks, got, ""
+
+
+@dataclass
+class _Tally:
+    """What the patterns found so far."""
+
+    mismatches: int = 0
+    errors: list[dict[str, Any]] = field(default_factory=list)  # the first max_errors, in detail
+    confirmed: bool = False  # a mismatch came back after its chunk was written again
+
+
+def _verify(chunks: Sequence[torch.Tensor], bases: Sequence[int], name: str, dev: torch.device,
+            inject: Optional[Inject], tally: _Tally, max_errors: int) -> None:
+    """Compare every chunk with what pattern `name` wrote; a chunk that differs is written and
+    read again, to tell a fault that repeats (confirmed) from one that does not."""
+    fill = FILLERS[name]
+    for k, (c, base) in enumerate(zip(chunks, bases)):
+        expected = torch.empty_like(c)
+        fill(expected, base)
+        bad = torch.ne(c, expected)
+        n_bad = int(bad.sum())
+        if n_bad:
+            tally.mismatches += n_bad
+            where = bad.nonzero()[: max(0, max_errors - len(tally.errors))].flatten().tolist()
+            for i in where:
+                tally.errors.append({"pattern": name, "chunk": k, "offset_bytes": (base + i) * 4,
+                                     "expected": f"0x{int(expected[i]) & 0xFFFFFFFF:08x}",
+                                     "observed": f"0x{int(c[i]) & 0xFFFFFFFF:08x}"})
+            fill(c, base)
+            _sync(dev)
+            if inject is not None:
+                inject(chunks, name)
+            if bool(torch.ne(c, expected).any()):
+                tally.confirmed = True
+        del expected, bad
 
 
 def stuck_bit(chunk: int, element: int, bit: int, *, value: int = 1,

@@ -12,16 +12,14 @@ foreign processes and foreign GPU pods, never at utilisation.
 The PIDs NVML reports are those of the host's PID namespace, which is why the DaemonSet runs with
 hostPID (see manifests/daemonset.yaml): only then can our own PIDs be told from a job's.
 
-Pure functions over plain snapshots; the clock is passed in.
+Pure functions over plain snapshots; the clock is passed in, and our own PIDs too (the host
+adapter, screener.health.host.own_pids, reads them).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional, Sequence
-
-import psutil
 
 from screener.health.snapshot import GpuSnapshot
 
@@ -64,17 +62,6 @@ class Activity:
                 "foreign_processes": [list(x) for x in self.foreign_processes],
                 "gpu_pods": list(self.gpu_pods), "busy_gpus": [list(x) for x in self.busy_gpus],
                 "unknown": list(self.unknown)}
-
-
-def own_pids() -> set[int]:
-    """This process and every process below it (our known-answer children)."""
-    me = psutil.Process(os.getpid())
-    pids = {me.pid}
-    try:
-        pids.update(c.pid for c in me.children(recursive=True))
-    except psutil.Error:
-        pass
-    return pids
 
 
 def observe(gpus: Sequence[GpuSnapshot], pods: Optional[Iterable[Mapping[str, Any]]], *,
