@@ -27,6 +27,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+from screener.agent.daemon import Daemon, PassReport
+from screener.agent.screening import LocalTaint, ScreenOutcome, ScreenRequest
+from screener.errors import BadInputError
+from screener.health.probes import run_probes
+from screener.known_answer.peer_training import PeerFault, PeerOptions, PeerResult, run_local
+from screener.settings.daemon import DaemonConfig
+from screener.settings.health import ProbeConfig
+from screener.stores import open_store
 from screener.types import ExitCode, NodeState
 
 DEFAULT_NODES = ("drill-node-a", "drill-node-b", "drill-node-c")
@@ -49,8 +57,6 @@ class DrillOptions:
     bit: int = 0
 
     def __post_init__(self) -> None:
-        from screener.errors import BadInputError
-
         if len(self.nodes) < 3 or len(set(self.nodes)) != len(self.nodes):
             raise BadInputError("the drill needs three distinct nodes (a third settles the audit)")
         if self.faulty not in self.nodes:
@@ -114,10 +120,8 @@ class DrillReport:
                 "problems": self.problems}
 
 
-def run_job(options: DrillOptions, alarm_dir: Path, *, timeout: float = 300.0) -> Any:
-    """Steps 1-3: the audited training with the fault; returns screener.known_answer.peer_training.PeerResult."""
-    from screener.known_answer.peer_training import PeerFault, PeerOptions, run_local
-
+def run_job(options: DrillOptions, alarm_dir: Path, *, timeout: float = 300.0) -> PeerResult:
+    """Steps 1-3: the audited training with the fault."""
     peers = [n for n in options.nodes if n != options.faulty]
     opts = PeerOptions(under_test=options.faulty, steps=options.steps, audit_every=1,
                        weights_every=0, alarm_dir=str(alarm_dir), job="fire-drill",
@@ -128,21 +132,16 @@ def run_job(options: DrillOptions, alarm_dir: Path, *, timeout: float = 300.0) -
 
 
 def daemon_passes(nodes: Sequence[str], alarm_dir: Path, store: Any, *, taint: Any,
-                  state_dir: Path, clock: Callable[[], float] = time.time) -> dict[str, Any]:
+                  state_dir: Path, clock: Callable[[], float] = time.time
+                  ) -> dict[str, PassReport]:
     """Step 4: one daemon pass per node over the shared alarm folder; node -> PassReport."""
-    from screener.settings.daemon import DaemonConfig
-    from screener.agent.daemon import Daemon
-    from screener.settings.health import ProbeConfig
-    from screener.health.probes import run_probes
-    from screener.agent.screening import ScreenOutcome
-
     probe_cfg = ProbeConfig(kmsg_path=None, disk_paths=(str(state_dir),), nvml_events=False,
                             min_free_disk_fraction=0.0, min_free_memory_fraction=0.0)
 
     def probe(previous: Any) -> Any:
         return run_probes(probe_cfg, previous=previous, clock=clock)
 
-    def no_screens(request: Any) -> ScreenOutcome:  # screens are off in the drill
+    def no_screens(request: ScreenRequest) -> ScreenOutcome:  # screens are off in the drill
         raise AssertionError("the drill runs no screens")
 
     reports = {}
@@ -161,17 +160,37 @@ def run_drill(options: DrillOptions, workdir: str | os.PathLike[str], *,
               progress: Callable[[str], None] = lambda s: None) -> DrillReport:
     """The whole drill (see the module docstring); the store is local unless a kubeconfig is given.
     progress(name): a stage starts (screener.output.progress: the CLI shows it with elapsed times)."""
-    from screener.agent.screening import LocalTaint
-    from screener.stores import open_store
-
     work = Path(workdir)
     alarm_dir = work / "alarms"
     report = DrillReport(options, store="kube" if kubeconfig else "local")
-    started = clock()
-    report.hops.append({"time": started, "what": f"training starts: {len(options.nodes)} simulated "
+    report.hops.append({"time": clock(), "what": f"training starts: {len(options.nodes)} simulated "
                         f"nodes, one rank each, the audit on every step"})
     progress(f"training on {len(options.nodes)} simulated nodes with the in-job audit")
     result = run_job(options, alarm_dir, timeout=timeout)
+    fault = _job_hops(report, options, result)
+    _alarm_file_hops(report, alarm_dir)
+    progress("daemon passes (alarm intake, transitions)")
+    if kubeconfig:
+        store = open_store("kube", kubeconfig=kubeconfig, spool=work / "spool.db")
+        taint: Any = store
+    else:
+        store = open_store("local", db=work / "state.db")
+        taint = LocalTaint(work)
+    try:
+        passes = daemon_passes(options.nodes, alarm_dir, store, taint=taint, state_dir=work,
+                               clock=clock)
+        _daemon_hops(report, passes)
+        report.states = {n: (s.value if (s := store.get_state(n)) else None) for n in options.nodes}
+    finally:
+        store.close()
+    report.hops.sort(key=lambda h: h["time"])
+    _judge(report, options, result, fault)
+    return report
+
+
+def _job_hops(report: DrillReport, options: DrillOptions, result: PeerResult
+              ) -> Optional[Mapping[str, Any]]:
+    """The training's hops (the fault, the alarm) into `report`; returns the fault that fired."""
     fault = next((r["fault"] for r in result.ranks if r.get("fault")), None)
     if fault is not None:
         report.hops.append({"time": fault["time"], "what":
@@ -190,6 +209,11 @@ def run_drill(options: DrillOptions, workdir: str | os.PathLike[str], *,
                             f"{', '.join(map(str, a['suspect_ranks'])) or '-'} on {named}"})
     else:
         report.problems.append("no alarm was raised")
+    return fault
+
+
+def _alarm_file_hops(report: DrillReport, alarm_dir: Path) -> None:
+    """One hop per alarm file the job wrote."""
     files = sorted(alarm_dir.glob("*.json"))
     report.alarm_files = [str(p) for p in files]
     for p in files:
@@ -202,28 +226,21 @@ def run_drill(options: DrillOptions, workdir: str | os.PathLike[str], *,
     if not files:
         report.problems.append(f"no alarm file in {alarm_dir}")
 
-    progress("daemon passes (alarm intake, transitions)")
-    if kubeconfig:
-        store = open_store("kube", kubeconfig=kubeconfig, spool=work / "spool.db")
-        taint: Any = store
-    else:
-        store = open_store("local", db=work / "state.db")
-        taint = LocalTaint(work)
-    try:
-        passes = daemon_passes(options.nodes, alarm_dir, store, taint=taint, state_dir=work,
-                               clock=clock)
-        for node, rep in passes.items():
-            for t in rep.transitions:
-                if t.get("cause", "").startswith("alarm"):
-                    report.hops.append({"time": t["time"], "what":
-                                        f"daemon on {node}: {t['cause']} taken in, "
-                                        f"{t['from']} -> {t['to']} recorded ({t['reason']})"})
-            report.problems += [f"daemon pass on {node}: {e}" for e in rep.errors]
-        report.states = {n: (s.value if (s := store.get_state(n)) else None) for n in options.nodes}
-    finally:
-        store.close()
-    report.hops.sort(key=lambda h: h["time"])
 
+def _daemon_hops(report: DrillReport, passes: Mapping[str, PassReport]) -> None:
+    """One hop per transition an alarm caused in a daemon pass; a pass's errors are problems."""
+    for node, rep in passes.items():
+        for t in rep.transitions:
+            if t.get("cause", "").startswith("alarm"):
+                report.hops.append({"time": t["time"], "what":
+                                    f"daemon on {node}: {t['cause']} taken in, "
+                                    f"{t['from']} -> {t['to']} recorded ({t['reason']})"})
+        report.problems += [f"daemon pass on {node}: {e}" for e in rep.errors]
+
+
+def _judge(report: DrillReport, options: DrillOptions, result: PeerResult,
+           fault: Optional[Mapping[str, Any]]) -> None:
+    """Step 5: whether the faulty node, and only it, ended quarantined; the hops' latencies."""
     if report.states.get(options.faulty) != NodeState.QUARANTINED.value:
         report.problems.append(f"{options.faulty} ended {report.states.get(options.faulty)}, "
                                f"not quarantined")
@@ -242,7 +259,6 @@ def run_drill(options: DrillOptions, workdir: str | os.PathLike[str], *,
         report.latency["alarm_file_to_label"] = label - min(written)
     if fault is not None and label is not None:
         report.latency["fault_to_label"] = label - fault["time"]
-    return report
 
 
 def _rank_on(result: Any, node: str) -> str:

@@ -51,7 +51,15 @@ class DaemonMetrics:
         self.node = node
         self.clock = clock
         self.registry = registry or CollectorRegistry(auto_describe=True)
-        r = self.registry
+        self._declare(self.registry)
+        self.intake_problem = ""
+        self._seed(node)
+        self._beat = clock()
+        self.last_loop.labels(node).set(self._beat)
+        self.ready = False
+
+    def _declare(self, r: CollectorRegistry) -> None:
+        """Every metric, registered in `r`."""
         self.screens = Counter("screener_screens", "Known-answer screens run, by overall outcome "
                                "(pass, suspect, inconclusive).", ["node", "outcome"], registry=r)
         self.verdicts = Counter("screener_verdicts", "Per-device known-answer verdicts, by result "
@@ -94,11 +102,12 @@ class DaemonMetrics:
         self.alarm_files_stuck = Gauge("screener_alarm_files_stuck", "Alarm files skipped "
                                        "because they could not be moved aside.", ["node"],
                                        registry=r)
+
+    def _seed(self, node: str) -> None:
+        """Make every labelled series exist from the start: a rate() over a counter that appears
+        only at its first increment misses that increment."""
         self.intake_stalled.labels(node).set(0)
         self.alarm_files_stuck.labels(node).set(0)
-        self.intake_problem = ""
-        # Make every labelled series exist from the start: a rate() over a counter that appears
-        # only at its first increment misses that increment.
         for o in Outcome:
             self.screens.labels(node, o.value)
             self.verdicts.labels(node, o.value)
@@ -115,9 +124,6 @@ class DaemonMetrics:
         self.screening.labels(node).set(0)
         self.probes.labels(node)
         self.screen_duration.labels(node)
-        self._beat = clock()
-        self.last_loop.labels(node).set(self._beat)
-        self.ready = False
 
     # --- updates ------------------------------------------------------------------------------
 

@@ -313,6 +313,13 @@ class NvmlAdapter:
     def _read_gpu(self, h: Any, nvml: Any, read: Callable[..., Any],
                   read_first: Callable[..., Any], f: dict[str, Any],
                   errors: dict[str, str]) -> None:
+        """Every field of one GPU into `f`; what cannot be read stays None, with why in `errors`."""
+        self._read_identity(h, read, f)
+        self._read_memory_health(h, nvml, read, f)
+        self._read_load(h, nvml, read, read_first, f, errors)
+
+    def _read_identity(self, h: Any, read: Callable[..., Any], f: dict[str, Any]) -> None:
+        """UUID, name, serial, PCI bus id."""
         for key, function in (("uuid", "nvmlDeviceGetUUID"), ("name", "nvmlDeviceGetName"),
                               ("serial", "nvmlDeviceGetSerial")):
             v = read(key, function, h)
@@ -324,6 +331,9 @@ class NvmlAdapter:
             except ValueError:
                 f["pci_bus_id"] = _text(pci.busId)
 
+    def _read_memory_health(self, h: Any, nvml: Any, read: Callable[..., Any],
+                            f: dict[str, Any]) -> None:
+        """ECC mode and counters, row remapping, retired pages."""
         enabled = getattr(nvml, "NVML_FEATURE_ENABLED", 1)
         mode = read("ecc_mode", "nvmlDeviceGetEccMode", h)
         if mode is not None:
@@ -354,6 +364,10 @@ class NvmlAdapter:
             if dbe is not None and pend is not None:
                 f["retired_pages"] = RetiredPages(len(sbe), len(dbe), pend == enabled)
 
+    def _read_load(self, h: Any, nvml: Any, read: Callable[..., Any],
+                   read_first: Callable[..., Any], f: dict[str, Any],
+                   errors: dict[str, str]) -> None:
+        """What the GPU is doing: clocks, temperature, power, links, utilisation, processes."""
         f["clock_event_reasons"] = self._clock_reasons(h, nvml, read_first)
         # nvmlDeviceGetTemperature is deprecated (to go in CUDA 14); older drivers lack the V form.
         f["temperature_c"] = read_first("temperature",

@@ -136,43 +136,9 @@ def run_probes(config: Optional[ProbeConfig] = None, *,
     """
     config = config or ProbeConfig()
     errors: list[str] = []
-
-    own_nvml = not isinstance(nvml, NvmlAdapter)
-    adapter = NvmlAdapter(nvml, events=False) if own_nvml else nvml
-    try:
-        nv = adapter.snapshot()
-    except NvmlError as e:
-        errors.append(f"NVML: {e}")
-        nv = NvmlSnapshot(available=False, failed=True, reason=str(e))
-    finally:
-        if own_nvml:
-            adapter.close()
-    errors += [f"NVML: {e}" for e in nv.errors]
-
+    nv = _read_nvml(nvml, errors)
     xids = list(nv.xid_events)
-    kmsg_status, kmsg_reason = "read", ""
-    own_kmsg = kmsg is None and config.kmsg_path is not None
-    if own_kmsg:
-        kmsg = KernelLogReader(config.kmsg_path or "", state_file=config.kmsg_state_file,
-                               first_read=config.kmsg_first_read,
-                               boot_id_path=config.boot_id_path)
-    if kmsg is None:
-        kmsg_status = "disabled"
-    else:
-        try:
-            read = kmsg.read_new()
-            xids += read.events
-            errors += [f"kernel log: {e}" for e in read.errors]
-        except KmsgUnavailable as e:
-            kmsg_status, kmsg_reason = "unavailable", str(e)
-        except BadInputError:
-            raise
-        except ScreenerError as e:
-            errors.append(f"kernel log: {e}")
-        finally:
-            if own_kmsg:
-                kmsg.close()
-
+    kmsg_status, kmsg_reason = _read_kmsg(config, kmsg, xids, errors)
     host: Optional[HostSnapshot] = None
     try:
         host = read_host(config, psutil_module)
@@ -188,3 +154,46 @@ def run_probes(config: Optional[ProbeConfig] = None, *,
     for e in errors:
         log.warning("%s", e)
     return ProbeReport(snapshot=snapshot, findings=tuple(findings), errors=tuple(errors))
+
+
+def _read_nvml(nvml: Union[NvmlAdapter, Any, None], errors: list[str]) -> NvmlSnapshot:
+    """One NVML snapshot (a failed one when NVML cannot be read); its errors go to `errors`."""
+    own_nvml = not isinstance(nvml, NvmlAdapter)
+    adapter = NvmlAdapter(nvml, events=False) if own_nvml else nvml
+    try:
+        nv = adapter.snapshot()
+    except NvmlError as e:
+        errors.append(f"NVML: {e}")
+        nv = NvmlSnapshot(available=False, failed=True, reason=str(e))
+    finally:
+        if own_nvml:
+            adapter.close()
+    errors += [f"NVML: {e}" for e in nv.errors]
+    return nv
+
+
+def _read_kmsg(config: ProbeConfig, kmsg: Optional[KernelLogReader], xids: list[Any],
+               errors: list[str]) -> tuple[str, str]:
+    """New kernel-log Xids into `xids`, read errors into `errors`; returns the kernel log's
+    status ("read", "disabled" or "unavailable") and why it is unavailable."""
+    own_kmsg = kmsg is None and config.kmsg_path is not None
+    if own_kmsg:
+        kmsg = KernelLogReader(config.kmsg_path or "", state_file=config.kmsg_state_file,
+                               first_read=config.kmsg_first_read,
+                               boot_id_path=config.boot_id_path)
+    if kmsg is None:
+        return "disabled", ""
+    try:
+        read = kmsg.read_new()
+        xids += read.events
+        errors += [f"kernel log: {e}" for e in read.errors]
+    except KmsgUnavailable as e:
+        return "unavailable", str(e)
+    except BadInputError:
+        raise
+    except ScreenerError as e:
+        errors.append(f"kernel log: {e}")
+    finally:
+        if own_kmsg:
+            kmsg.close()
+    return "read", ""

@@ -121,6 +121,11 @@ def nvml_rules(current: ProbeSnapshot, previous: Optional[ProbeSnapshot],
 
 def memory_rules(g: GpuSnapshot, prev: Optional[GpuSnapshot]) -> list[Finding]:
     """Row remapper, retired pages and ECC counters of one GPU."""
+    return _spare_memory_rules(g) + _ecc_rules(g, prev)
+
+
+def _spare_memory_rules(g: GpuSnapshot) -> list[Finding]:
+    """The row remapper's and page retirement's state: spare memory used up, or a reset due."""
     out: list[Finding] = []
     rr = g.row_remap
     if rr is not None and rr.failure:
@@ -145,7 +150,13 @@ def memory_rules(g: GpuSnapshot, prev: Optional[GpuSnapshot]) -> list[Finding]:
                       f"GPU {g.index}: retired pages are pending until the next driver reload",
                       gpu=g, action=ACTION_DRAIN_RESET, single_bit_pages=rp.single_bit,
                       double_bit_pages=rp.double_bit))
+    return out
 
+
+def _ecc_rules(g: GpuSnapshot, prev: Optional[GpuSnapshot]) -> list[Finding]:
+    """ECC counters: uncorrectable errors (recurring after a reset or not), corrected ones rising
+    since the previous probe, and ECC switched off."""
+    out: list[Finding] = []
     e, pe = g.ecc, (prev.ecc if prev is not None else None)
     vu, au = e.volatile_uncorrected, e.aggregate_uncorrected
     # Volatile counts restart at a GPU reset; aggregate counts are lifetime totals. Uncorrectable

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from screener.errors import BadInputError
+from screener.lifecycle.records import lemon_counts
 
 # Okabe-Ito: told apart with the common colour-vision deficiencies.
 PALETTE = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#000000")
@@ -312,8 +313,14 @@ def burnin_html(report: Mapping[str, Any], source: str = "") -> str:
     if missing:
         head += ("<p><b>Not a full burn-in:</b> " + "; ".join(_e(m) for m in missing)
                  + ". A partial burn-in never clears a node.</p>")
-
     stages = [s for s in report.get("stages") or [] if isinstance(s, dict)]
+    return _page(f"screener burn-in: {node}",
+                 [head, _stages_section(stages), _jobs_section(report), _hbm_section(report),
+                  _verdicts_section(stages), _probes_section(stages), _lifecycle_section(report)])
+
+
+def _stages_section(stages: Sequence[Mapping[str, Any]]) -> str:
+    """A burn-in's time per stage, coloured by outcome, and the stages' table."""
     stage_rows = [(str(s.get("name")), float(s.get("seconds") or 0.0),
                    OUTCOME_COLORS.get(str(s.get("outcome")), "#666")) for s in stages]
     sec_stages = ("<h2>Stages</h2>"
@@ -323,7 +330,11 @@ def burnin_html(report: Mapping[str, Any], source: str = "") -> str:
                   + table(("stage", "result", "seconds", "detail"),
                           [(s.get("name"), s.get("outcome"), _fmt(float(s.get("seconds") or 0)),
                             s.get("detail", "")) for s in stages], numeric=(2,)))
+    return sec_stages
 
+
+def _jobs_section(report: Mapping[str, Any]) -> str:
+    """The known-answer jobs: mean time per run per job and device, and the result rows."""
     per_dev = _job_seconds(report)
     colors = _series_colors(per_dev)
     jobs = sorted({j for d in per_dev.values() for j in d})
@@ -339,7 +350,11 @@ def burnin_html(report: Mapping[str, Any], source: str = "") -> str:
                    for r in report.get("rows") or [] if isinstance(r, dict)]
     sec_jobs += table(("device", "job", "runs", "mean s", "digest", "result", "where"), result_rows,
                       numeric=(2, 3))
+    return sec_jobs
 
+
+def _hbm_section(report: Mapping[str, Any]) -> str:
+    """The HBM pattern test's bandwidth and results per device."""
     hbm = _hbm_devices(report)
     hbm_rows = [(str(d.get("device")), float(d.get("bandwidth_gbps") or 0.0),
                  OUTCOME_COLORS["pass"] if d.get("ok") else OUTCOME_COLORS["suspect"]) for d in hbm]
@@ -351,7 +366,11 @@ def burnin_html(report: Mapping[str, Any], source: str = "") -> str:
                          _fmt(float(d.get("bytes_tested") or 0) / 2**30), d.get("mismatches"),
                          _fmt(float(d.get("bandwidth_gbps") or 0)), d.get("seconds"))
                         for d in hbm], numeric=(2, 3, 4, 5)))
+    return sec_hbm
 
+
+def _verdicts_section(stages: Sequence[Mapping[str, Any]]) -> str:
+    """Every verdict of every stage that is not a pass."""
     verdicts = [v for s in stages for v in s.get("verdicts") or [] if isinstance(v, dict)]
     bad = [v for v in verdicts if v.get("outcome") != "pass"]
     sec_verdicts = ("<h2>Verdicts that are not a pass</h2>"
@@ -360,11 +379,21 @@ def burnin_html(report: Mapping[str, Any], source: str = "") -> str:
                             [(v.get("device"), v.get("outcome"), v.get("reason"), v.get("job"),
                               v.get("step"), v.get("tensor"), v.get("expected"), v.get("observed"))
                              for v in bad]))
+    return sec_verdicts
+
+
+def _probes_section(stages: Sequence[Mapping[str, Any]]) -> str:
+    """The findings of the probes before and after the load."""
     findings = [(s.get("name"), f.get("severity"), f.get("code"), f.get("gpu"), f.get("message"))
                 for s in stages if str(s.get("name", "")).startswith("probes")
                 for f in (s.get("data") or {}).get("findings") or [] if isinstance(f, dict)]
     sec_probes = "<h2>Probe findings</h2>" + table(("stage", "severity", "code", "gpu", "message"),
                                                    findings)
+    return sec_probes
+
+
+def _lifecycle_section(report: Mapping[str, Any]) -> str:
+    """The node's state before and after, and the transitions the burn-in recorded."""
     trans = report.get("transitions") or []
     sec_state = ("<h2>Lifecycle</h2>"
                  f'<p class="meta">state before: {_e(report.get("state_before") or "unknown")}, '
@@ -372,8 +401,7 @@ def burnin_html(report: Mapping[str, Any], source: str = "") -> str:
                  + table(("from", "to", "code", "reason"),
                          [(t.get("from"), t.get("to"), t.get("code"), t.get("reason"))
                           for t in trans if isinstance(t, dict)]))
-    return _page(f"screener burn-in: {node}",
-                 [head, sec_stages, sec_jobs, sec_hbm, sec_verdicts, sec_probes, sec_state])
+    return sec_state
 
 
 # --- the fleet ------------------------------------------------------------------------------------
@@ -384,8 +412,6 @@ def fleet_data(store: Any, *, now: float, days: float = 30.0, min_failures: int 
 
     One history read per node (a fleet-wide report, not a hot path).
     """
-    from screener.lifecycle.records import lemon_counts
-
     since = now - days * 86400
     states = {n: s.value for n, s in store.all_states().items()}
     history: dict[str, list[dict[str, Any]]] = {}
