@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import io
 import json
-import time
+import threading
 
 from screener.health.hbm import hbm_test
 from screener.output.progress import BAR_WIDTH, JobEvents, Progress
@@ -119,18 +119,30 @@ def test_the_hbm_test_reports_each_pattern():
     assert seen[0] == f"cpu pattern {r.patterns[0]}: 0 mismatches so far"
 
 
+class _Watched(io.StringIO):
+    """A stream that says when a line containing `marker` has been written."""
+
+    def __init__(self, marker: str) -> None:
+        super().__init__()
+        self.marker = marker
+        self.seen = threading.Event()
+
+    def write(self, s: str) -> int:
+        n = super().write(s)
+        if self.marker in s:
+            self.seen.set()
+        return n
+
+
 def test_a_silent_stage_gets_heartbeat_lines():
-    out = io.StringIO()
+    out = _Watched("running")
     p = Progress(out, tty=False, heartbeat_s=0.05, prefix="drill")
     p.begin("training")
-    deadline = time.monotonic() + 10
-    while "running" not in out.getvalue() and time.monotonic() < deadline:
-        time.sleep(0.02)
+    assert out.seen.wait(10), "no heartbeat line"
     p.close()
     lines = _lines(out)
     assert lines[0] == "drill: training: started (0.0 s)"
     assert any(x.startswith("drill: training: running (") for x in lines[1:-1])
     assert lines[-1].startswith("drill: training: finished (")
-    n = len(lines)
-    time.sleep(0.15)
-    assert len(_lines(out)) == n  # closed: the heartbeat stopped
+    # Closed: the heartbeat thread is gone (joined), so no line can follow.
+    assert not [t for t in threading.enumerate() if t.name == "progress-heartbeat"]
