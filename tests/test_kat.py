@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -300,6 +301,30 @@ def test_parse_fault():
         with pytest.raises(Exception) as e:
             fault_spec.parse_fault(bad)
         assert getattr(e.value, "exit_code", None) == ExitCode.USAGE, bad
+
+
+def test_the_judgment_and_its_inputs_import_no_process_or_device_code():
+    """judgment, runs and results sit in the pure layer: a process, signal, thread or torch
+    import there would make the judgment depend on how the children run."""
+    banned = {"subprocess", "multiprocessing", "signal", "threading", "queue", "tempfile", "os",
+              "torch", "screener.known_answer.supervise", "screener.known_answer.child"}
+    for name in ("judgment", "runs", "results"):
+        tree = ast.parse((ROOT / "screener" / "known_answer" / f"{name}.py").read_text())
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert not {m for m in imported if m.split(".")[0] in banned or m in banned}, (name, imported)
+
+
+def test_the_protocol_reads_only_its_own_lines():
+    """A child's stdout may carry a library's banner or a line cut short by a crash: only whole
+    prefixed JSON objects are events."""
+    event = {"event": protocol.Event.START, "job": "j", "iteration": 0}
+    line = protocol.encode(event)
+    assert line.startswith(protocol.PREFIX) and line.endswith("\n")
+    assert protocol.decode(line.rstrip("\n")) == {"event": "start", "job": "j", "iteration": 0}
+    for other in ("MKL_VERBOSE oneMKL 2024", line[:-8], protocol.PREFIX + "[1, 2]", ""):
+        assert protocol.decode(other) is None, other
+    assert protocol.child_argv("py") == ["py", "-m", "screener.known_answer.child", "child"]
 
 
 # --- child processes ------------------------------------------------------------------------------
