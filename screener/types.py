@@ -335,3 +335,23 @@ def node_name(environ: Optional[Mapping[str, str]] = None) -> str:
     """
     env = os.environ if environ is None else environ
     return env.get(NODE_NAME_ENV, "").strip() or socket.gethostname()
+
+
+class ScreenStop(StrValue):
+    """Why an idle-time screening window ended without a verdict (screener.agent.screening): the
+    screen's `stopped`, the verdict annotation's, and the screener_screen_stops_total label. A
+    stopped screen is inconclusive: it says nothing about the hardware."""
+
+    YIELDED = "yielded"  # a job landed on the node
+    TIME_CAP = "time_cap"
+    SHUTDOWN = "shutdown"  # the daemon got SIGTERM
+    ERROR = "error"  # the runner failed (our problem, exit 1)
+    TAINT_FAILED = "taint_failed"  # could not taint the node: no screen without the taint
+
+
+class AlarmResult(StrValue):
+    """What became of an alarm file the daemon's intake took (the screener_alarms_total label)."""
+
+    APPLIED = "applied"
+    DUPLICATE = "duplicate"  # applied before: moved aside without applying it again
+    REJECTED = "rejected"  # unreadable or invalid: moved to rejected/
