@@ -28,13 +28,13 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from screener.agent.daemon import Daemon, PassReport
-from screener.agent.screening import LocalTaint, ScreenOutcome, ScreenRequest
+from screener.agent.screening import ScreenOutcome, ScreenRequest
 from screener.errors import BadInputError
+from screener.lifecycle.ports import Store
 from screener.health.probes import run_probes
 from screener.known_answer.peer_training import PeerFault, PeerOptions, PeerResult, run_local
 from screener.settings.daemon import DaemonConfig
 from screener.settings.health import ProbeConfig
-from screener.stores import open_store
 from screener.types import ExitCode, NodeState
 
 DEFAULT_NODES = ("drill-node-a", "drill-node-b", "drill-node-c")
@@ -154,15 +154,17 @@ def daemon_passes(nodes: Sequence[str], alarm_dir: Path, store: Any, *, taint: A
     return reports
 
 
-def run_drill(options: DrillOptions, workdir: str | os.PathLike[str], *,
-              kubeconfig: Optional[str] = None, timeout: float = 300.0,
+def run_drill(options: DrillOptions, workdir: str | os.PathLike[str], *, store: Store,
+              taint: Any = None, timeout: float = 300.0,
               clock: Callable[[], float] = time.time,
               progress: Callable[[str], None] = lambda s: None) -> DrillReport:
-    """The whole drill (see the module docstring); the store is local unless a kubeconfig is given.
+    """The whole drill (see the module docstring) in `workdir`, moving the nodes in `store`, which
+    the caller opens and closes: the local store (with its LocalTaint as `taint`) or a cluster's
+    (taint None: the kube store taints the Nodes itself).
     progress(name): a stage starts (screener.output.progress: the CLI shows it with elapsed times)."""
     work = Path(workdir)
     alarm_dir = work / "alarms"
-    report = DrillReport(options, store="kube" if kubeconfig else "local")
+    report = DrillReport(options, store="local" if taint is not None else "kube")
     report.hops.append({"time": clock(), "what": f"training starts: {len(options.nodes)} simulated "
                         f"nodes, one rank each, the audit on every step"})
     progress(f"training on {len(options.nodes)} simulated nodes with the in-job audit")
@@ -170,19 +172,10 @@ def run_drill(options: DrillOptions, workdir: str | os.PathLike[str], *,
     fault = _job_hops(report, options, result)
     _alarm_file_hops(report, alarm_dir)
     progress("daemon passes (alarm intake, transitions)")
-    if kubeconfig:
-        store = open_store("kube", kubeconfig=kubeconfig, spool=work / "spool.db")
-        taint: Any = store
-    else:
-        store = open_store("local", db=work / "state.db")
-        taint = LocalTaint(work)
-    try:
-        passes = daemon_passes(options.nodes, alarm_dir, store, taint=taint, state_dir=work,
-                               clock=clock)
-        _daemon_hops(report, passes)
-        report.states = {n: (s.value if (s := store.get_state(n)) else None) for n in options.nodes}
-    finally:
-        store.close()
+    passes = daemon_passes(options.nodes, alarm_dir, store, taint=store if taint is None else taint,
+                           state_dir=work, clock=clock)
+    _daemon_hops(report, passes)
+    report.states = {n: (s.value if (s := store.get_state(n)) else None) for n in options.nodes}
     report.hops.sort(key=lambda h: h["time"])
     _judge(report, options, result, fault)
     return report

@@ -11,6 +11,7 @@ import json
 import logging
 import signal
 import sys
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Optional
@@ -204,8 +205,10 @@ def _summary(report: Any) -> str:
 @click.option("--fault-step", type=click.IntRange(0, 99), default=2, show_default=True,
               help="The step at which one bit of one matmul output flips.")
 @click.option("--json", "as_json", is_flag=True, help="Print the drill report as JSON.")
-def drill_cmd(workdir: Optional[str], kubeconfig: Optional[str], nodes: tuple[str, ...],
-              faulty: Optional[str], steps: int, fault_step: int, as_json: bool) -> int:
+@click.pass_context
+def drill_cmd(ctx: click.Context, workdir: Optional[str], kubeconfig: Optional[str],
+              nodes: tuple[str, ...], faulty: Optional[str], steps: int, fault_step: int,
+              as_json: bool) -> int:
     """Fire drill: follow an injected fault from a training job to the node's quarantine.
 
     Runs a small DDP training on the CPU as one process per simulated node (gloo) with the in-job
@@ -216,9 +219,8 @@ def drill_cmd(workdir: Optional[str], kubeconfig: Optional[str], nodes: tuple[st
     fault to label. Exit 0 when the fault was caught and the faulty node, and only it, ended
     quarantined; 1 when any of that failed (the pipeline is broken).
     """
-    import tempfile
-
     from screener.agent.drill import DEFAULT_NODES, DrillOptions, run_drill, with_nodes
+    from screener.agent.screening import LocalTaint
 
     if kubeconfig and not nodes:
         raise click.UsageError("with --kubeconfig, name the three real nodes with --node")
@@ -234,11 +236,19 @@ def drill_cmd(workdir: Optional[str], kubeconfig: Optional[str], nodes: tuple[st
     prog = Progress(sys.stderr, json_lines=as_json, prefix="drill", heartbeat_s=HEARTBEAT_S)
     try:
         if workdir:
-            Path(workdir).mkdir(parents=True, exist_ok=True)
-            report = run_drill(options, workdir, kubeconfig=kubeconfig, progress=prog.begin)
+            work = Path(workdir)
+            work.mkdir(parents=True, exist_ok=True)
+        else:  # removed when the command ends, after the store in it is closed
+            work = Path(ctx.with_resource(tempfile.TemporaryDirectory(prefix="screener-drill-")))
+        app = ctx.ensure_object(AppContext)
+        if kubeconfig:
+            store = app.store(StoreChoice("kube", kubeconfig=kubeconfig,
+                                          spool=str(work / "spool.db")))
+            taint = None  # the kube store taints the Nodes itself
         else:
-            with tempfile.TemporaryDirectory(prefix="screener-drill-") as tmp:
-                report = run_drill(options, tmp, kubeconfig=kubeconfig, progress=prog.begin)
+            store = app.store(StoreChoice("local", db=str(work / "state.db")))
+            taint = LocalTaint(work)
+        report = run_drill(options, work, store=store, taint=taint, progress=prog.begin)
     finally:
         prog.close()
         audit_log.setLevel(saved_level)
