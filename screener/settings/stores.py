@@ -19,6 +19,14 @@ IN_CLUSTER_ENV = "KUBERNETES_SERVICE_HOST"
 STORE_KINDS = ("auto", "local", "kube", "none")
 
 
+def in_pod(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether this process runs in a Kubernetes pod (the kubelet sets $KUBERNETES_SERVICE_HOST
+    in every container): "auto" then means the cluster's store, which then uses the pod's
+    service account."""
+    env = os.environ if environ is None else environ
+    return bool(env.get(IN_CLUSTER_ENV))
+
+
 def resolve_store_kind(kind: str, kubeconfig: Optional[str] = None,
                        environ: Optional[Mapping[str, str]] = None) -> str:
     """"local", "kube" or "none": `kind` with "auto" decided (see the module docstring)."""
@@ -26,8 +34,7 @@ def resolve_store_kind(kind: str, kubeconfig: Optional[str] = None,
         raise ConfigError(f"unknown store kind {kind!r}; expected one of {', '.join(STORE_KINDS)}")
     if kind != "auto":
         return kind
-    env = os.environ if environ is None else environ
-    return "kube" if kubeconfig or env.get(IN_CLUSTER_ENV) else "local"
+    return "kube" if kubeconfig or in_pod(environ) else "local"
 
 
 @dataclass(frozen=True)

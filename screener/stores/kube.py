@@ -48,6 +48,7 @@ import urllib3
 from kubernetes.client.exceptions import ApiException
 
 from screener.settings import strict as configs
+from screener.settings.stores import in_pod
 from screener.errors import BadInputError, ConfigError, ExternalServiceError
 from screener.stores import kubeformat as kf
 from screener.stores.kubeconfig import check_kubeconfig, check_loaded
@@ -162,7 +163,7 @@ class KubeStore:
         """Load configuration: --kubeconfig if given, else in-cluster when running in a pod, else
         $KUBECONFIG or ~/.kube/config."""
         cfg = kubernetes.client.Configuration()
-        in_cluster = not kubeconfig and bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
+        in_cluster = not kubeconfig and in_pod()
         where = kubeconfig or ("in-cluster service account" if in_cluster else
                                os.environ.get("KUBECONFIG") or "~/.kube/config")
         try:
