@@ -53,8 +53,8 @@ from screener.agent.burnin import (BurninRequirement, crosscheck_digests_stage, 
                                    probe_report_stage)
 from screener.agent.intake import AlarmIntake, IntakeResult, applied_in_history
 from screener.agent.metrics import DaemonMetrics
-from screener.agent.screening import (KIND_FULL, KIND_QUICK, SHUTDOWN, YIELDED, ScreeningWindow,
-                                      ScreenOutcome, ScreenRunner, TaintControl)
+from screener.agent.screening import (KIND_FULL, KIND_QUICK, ScreeningWindow, ScreenOutcome,
+                                      ScreenRunner, TaintControl)
 from screener.errors import BadInputError, ScreenerError
 from screener.health import host
 from screener.health.idle import Activity, IdleTracker, observe
@@ -66,8 +66,8 @@ from screener.lifecycle.apply import apply_event, reconsider_held
 from screener.lifecycle.ports import Store
 from screener.lifecycle.records import ACTOR_HUMAN
 from screener.settings.daemon import DaemonConfig
-from screener.types import (ANNOTATION_DIGESTS, NO_WORK_STATES, AlarmRecord, ExitCode, Finding,
-                            NodeState, Outcome, Reason, Severity)
+from screener.types import (ANNOTATION_DIGESTS, NO_WORK_STATES, AlarmRecord, AlarmResult, ExitCode,
+                            Finding, NodeState, Outcome, Reason, ScreenStop, Severity)
 
 log = logging.getLogger("screener.daemon")
 
@@ -471,7 +471,7 @@ class Daemon:
         record = replace(record, evidence=lifecycle.local_serials(record.evidence,
                                                                   sorted(self._known_serials)))
         self._apply(record, f"alarm {record.alarm_id}", report)
-        self.metrics.alarm("applied")
+        self.metrics.alarm(AlarmResult.APPLIED)
         self.metrics.alarm_applied(record.check, record.settled)
         log.warning("alarm %s applied: %s at step %d (%s)", record.alarm_id, record.check,
                     record.step, "settled" if record.settled else "unsettled",
@@ -485,8 +485,8 @@ class Daemon:
     def _intake(self, report: PassReport) -> None:
         result = self.intake.run(apply=lambda record: self._apply_alarm(record, report))
         report.intake = result
-        self.metrics.alarm("duplicate", len(result.duplicates))
-        self.metrics.alarm("rejected", len(result.rejected))
+        self.metrics.alarm(AlarmResult.DUPLICATE, len(result.duplicates))
+        self.metrics.alarm(AlarmResult.REJECTED, len(result.rejected))
         self.metrics.intake_pass(len(result.stuck), result.stalled)  # /readyz and a gauge
         if result.stalled:
             raise ScreenerError(f"alarm intake stalled: {result.stalled}")
@@ -655,7 +655,7 @@ class Daemon:
             return ""  # a pass would clear nothing while a condition persists
         last = self.last_screen_end
         if last is not None and self.last_screen_outcome == Outcome.INCONCLUSIVE \
-                and self.last_screen_stopped not in (YIELDED, SHUTDOWN) \
+                and self.last_screen_stopped not in (ScreenStop.YIELDED, ScreenStop.SHUTDOWN) \
                 and now - last < self.config.retry_inconclusive_s:
             return ""  # wait before retrying an inconclusive screen
         if state == S.BURNIN:

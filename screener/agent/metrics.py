@@ -38,7 +38,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from screener.errors import ConfigError
-from screener.types import NodeState, Outcome, Severity
+from screener.types import AlarmResult, NodeState, Outcome, ScreenStop, Severity
 
 SCREEN_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, float("inf"))
 
@@ -111,10 +111,10 @@ class DaemonMetrics:
         for o in Outcome:
             self.screens.labels(node, o.value)
             self.verdicts.labels(node, o.value)
-        for reason in ("yielded", "time_cap", "shutdown", "error", "taint_failed"):
-            self.screen_stops.labels(node, reason)
-        for res in ("applied", "duplicate", "rejected"):
-            self.alarms.labels(node, res)
+        for reason in ScreenStop:
+            self.screen_stops.labels(node, reason.value)
+        for res in AlarmResult:
+            self.alarms.labels(node, res.value)
         for s in Severity:
             self.findings.labels(node, s.label)
         for s in NodeState:
@@ -162,9 +162,10 @@ class DaemonMetrics:
             body["intake"] = self.intake_problem
         return ok, body
 
-    def alarm(self, result: str, n: int = 1) -> None:
+    def alarm(self, result: AlarmResult, n: int = 1) -> None:
+        """Count `n` alarm files that ended as `result`."""
         if n:
-            self.alarms.labels(self.node, result).inc(n)
+            self.alarms.labels(self.node, result.value).inc(n)
 
     def alarm_applied(self, check: str, settled: bool) -> None:
         """Count one applied alarm by its check (the intake has validated `check` already)."""

@@ -45,16 +45,10 @@ from screener.agent import burnin
 from screener.errors import ScreenerError
 from screener.health import host
 from screener.known_answer import kat
-from screener.types import ExitCode, Outcome, Verdict
+from screener.types import ExitCode, Outcome, ScreenStop, Verdict
 
 log = logging.getLogger(__name__)
 
-# Why a screen ended without a verdict.
-YIELDED = "yielded"  # a job landed on the node
-TIME_CAP = "time_cap"
-SHUTDOWN = "shutdown"
-ERROR = "error"  # the runner failed (our problem, exit 1)
-TAINT_FAILED = "taint_failed"  # could not taint the node: no screen without the taint
 
 
 KIND_QUICK = "quick"  # the known-answer screen: re-verifies a node that earned healthy
@@ -80,8 +74,7 @@ class ScreenOutcome:
     """The result of one screening window.
 
     outcome/verdicts/exit_code: the known-answer screen's (inconclusive with no verdicts when it
-    was stopped). stopped: YIELDED, TIME_CAP, SHUTDOWN, ERROR, TAINT_FAILED, or "" when it ran to
-    the end. digests: device -> job -> result digest, for publishing and cross-checks.
+    was stopped). stopped: a ScreenStop (why it was stopped), or "" when it ran to the end. digests: device -> job -> result digest, for publishing and cross-checks.
     platforms: device -> platform signature (with its hash) when the runner reports them.
     kind: what ran (KIND_QUICK, or KIND_FULL for a burn-in's device stages); stages: for a
     burn-in, screener.agent.burnin.Stage.to_dict() of every stage that ran.
@@ -233,7 +226,7 @@ class ScreeningWindow:
             log.error("cannot taint %s for a screen: %s", self.node, e)
             # The taint call may have gone through before the error: make sure it is gone.
             self._untaint()
-            return ScreenOutcome.inconclusive(TAINT_FAILED, f"cannot taint the node: {e}",
+            return ScreenOutcome.inconclusive(ScreenStop.TAINT_FAILED, f"cannot taint the node: {e}",
                                               code=ExitCode.SCREENER_ERROR, started=started)
         self.active = True
         try:
@@ -268,9 +261,9 @@ class ScreeningWindow:
             if not worker.is_alive():
                 break
             if self.stop.is_set():
-                stopped, detail = SHUTDOWN, "the daemon is shutting down"
+                stopped, detail = ScreenStop.SHUTDOWN, "the daemon is shutting down"
             elif self.clock() - started >= time_cap_s:
-                stopped, detail = TIME_CAP, f"the screen ran past its time cap of {time_cap_s:g} s"
+                stopped, detail = ScreenStop.TIME_CAP, f"the screen ran past its time cap of {time_cap_s:g} s"
             else:
                 try:
                     job = job_check()
@@ -278,7 +271,7 @@ class ScreeningWindow:
                     log.warning("looking for jobs on %s failed: %s", self.node, e)
                     job = None
                 if job:
-                    stopped, detail = YIELDED, f"a job landed on the node: {job}"
+                    stopped, detail = ScreenStop.YIELDED, f"a job landed on the node: {job}"
             if stopped:
                 log.info("stopping the screen on %s: %s", self.node, detail)
                 cancel.set()
@@ -290,7 +283,7 @@ class ScreeningWindow:
             e = box["error"]
             log.error("the screen failed: %s: %s", type(e).__name__, e)
             code = getattr(e, "exit_code", ExitCode.SCREENER_ERROR)
-            return ScreenOutcome.inconclusive(ERROR, f"{type(e).__name__}: {e}", code=ExitCode(code))
+            return ScreenOutcome.inconclusive(ScreenStop.ERROR, f"{type(e).__name__}: {e}", code=ExitCode(code))
         return box["outcome"]
 
 
@@ -388,7 +381,8 @@ class KatProcessRunner:
                     if request.cancelled():
                         self._stop(proc)
                         return ScreenOutcome.inconclusive(
-                            SHUTDOWN if request.cancel.is_set() else TIME_CAP, "screen stopped")
+                            ScreenStop.SHUTDOWN if request.cancel.is_set() else ScreenStop.TIME_CAP,
+                            "screen stopped")
                     request.cancel.wait(self.poll_s)
             finally:
                 if proc.poll() is None:
@@ -399,7 +393,7 @@ class KatProcessRunner:
                 and out.exists():
             return ScreenOutcome.from_screen_dict(json.loads(out.read_text()))
         code = proc.returncode if proc.returncode in (1, 2) else 1
-        return ScreenOutcome.inconclusive(ERROR, f"screen worker exited {proc.returncode}: "
+        return ScreenOutcome.inconclusive(ScreenStop.ERROR, f"screen worker exited {proc.returncode}: "
                                           f"{tail.strip()[-500:]}", code=ExitCode(code))
 
     def _stop(self, proc: subprocess.Popen) -> None:
