@@ -341,24 +341,7 @@ def validate(d: Any) -> AlarmRecord:
     _int(d["step"], "step", 2**63 - 1)
     if not isinstance(d["settled"], bool):
         raise ValueError("alarm settled is not true or false")
-    ranks = d["suspect_ranks"]
-    if not isinstance(ranks, list) or len(ranks) > MAX_RANKS:
-        raise ValueError(f"alarm suspect_ranks must be a list of at most {MAX_RANKS} ranks")
-    for r in ranks:
-        _int(r, "suspect rank", 2**31 - 1)
-    nodes = d["suspect_nodes"]
-    if not isinstance(nodes, list) or len(nodes) > MAX_SUSPECT_NODES:
-        raise ValueError(f"alarm suspect_nodes must be a list of at most {MAX_SUSPECT_NODES}")
-    for n in nodes:
-        if not isinstance(n, Mapping) or set(n) - {"node", "hostname", "instance_id"}:
-            raise ValueError("alarm suspect_nodes entries must be {node, hostname, instance_id}")
-        named = _name(n.get("node"), "suspect node", MAX_NAME_LEN)
-        _name(n.get("hostname"), "suspect hostname", MAX_NAME_LEN)
-        if n.get("instance_id") is not None:
-            _name(n["instance_id"], "suspect instance_id", MAX_ID_LEN)
-        if named != node:
-            raise ValueError(f"alarm names node {named[:60]} as suspect but was dropped for "
-                             f"node {node}: an alarm acts only on its own node")
+    _suspects(d["suspect_ranks"], d["suspect_nodes"], node)
     job = d.get("job")
     if job not in (None, ""):
         _name(job, "job", MAX_NAME_LEN, pattern=False)
@@ -380,6 +363,26 @@ def validate(d: Any) -> AlarmRecord:
     if size > MAX_EVIDENCE_BYTES:
         raise ValueError(f"alarm evidence is {size} bytes of JSON (at most {MAX_EVIDENCE_BYTES})")
     return AlarmRecord.from_dict({**d, "created": float(created), "evidence": dict(evidence)})
+
+
+def _suspects(ranks: Any, nodes: Any, node: str) -> None:
+    """The suspect ranks and nodes are bounded lists, and every suspect node is `node` itself."""
+    if not isinstance(ranks, list) or len(ranks) > MAX_RANKS:
+        raise ValueError(f"alarm suspect_ranks must be a list of at most {MAX_RANKS} ranks")
+    for r in ranks:
+        _int(r, "suspect rank", 2**31 - 1)
+    if not isinstance(nodes, list) or len(nodes) > MAX_SUSPECT_NODES:
+        raise ValueError(f"alarm suspect_nodes must be a list of at most {MAX_SUSPECT_NODES}")
+    for n in nodes:
+        if not isinstance(n, Mapping) or set(n) - {"node", "hostname", "instance_id"}:
+            raise ValueError("alarm suspect_nodes entries must be {node, hostname, instance_id}")
+        named = _name(n.get("node"), "suspect node", MAX_NAME_LEN)
+        _name(n.get("hostname"), "suspect hostname", MAX_NAME_LEN)
+        if n.get("instance_id") is not None:
+            _name(n["instance_id"], "suspect instance_id", MAX_ID_LEN)
+        if named != node:
+            raise ValueError(f"alarm names node {named[:60]} as suspect but was dropped for "
+                             f"node {node}: an alarm acts only on its own node")
 
 
 def _fsync_dir(folder: Path) -> None:
