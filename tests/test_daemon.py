@@ -341,14 +341,18 @@ def test_a_runner_exception_is_our_error_not_a_verdict_and_the_loop_goes_on(rig_
 
 def test_run_loop_stops_on_the_stop_event(rig_factory):
     runner = ScriptedRunner(outcome(Outcome.PASS))
-    rig = rig_factory(runner, idle_window_s=0.0, tick_s=0.01)
+    healthy = threading.Event()
+
+    def replay() -> int:
+        # The spool replay runs once in every pass: a pass after the screen sees the node healthy.
+        if rig.daemon.state == NodeState.HEALTHY:
+            healthy.set()
+        return 0
+
+    rig = rig_factory(runner, idle_window_s=0.0, tick_s=0.01, daemon_kw={"replay": replay})
     t = threading.Thread(target=rig.daemon.run)
     t.start()
-    deadline = threading.Event()
-    for _ in range(200):
-        if rig.daemon.state == NodeState.HEALTHY:
-            break
-        deadline.wait(0.02)
+    assert healthy.wait(10), "the loop never screened the node healthy"
     rig.stop.set()
     t.join(5)
     assert not t.is_alive()
