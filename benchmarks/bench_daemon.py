@@ -17,6 +17,7 @@ Run:  python benchmarks/bench_daemon.py [--idle-seconds 30] [--samples 5] [--jso
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -31,8 +32,15 @@ from typing import Any, Callable, Optional
 
 import psutil
 
+from screener.audit.alarms import write_alarm_file
+from screener.lifecycle import machine as lifecycle
+from screener.lifecycle.apply import apply_event
+from screener.stores.local import LocalStore
+from screener.types import LABEL_STATE, AlarmRecord, NodeState, Outcome, SuspectNode, Verdict
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the Kubernetes API test server
+from kubeapi import KubeAPI  # noqa: E402 - found through the line above
 
 NODE = "bench-node"
 PHASE = random.Random(0)  # when, within a tick, each alarm is dropped
@@ -67,13 +75,6 @@ def _stop(proc: subprocess.Popen) -> None:
 def idle_footprint(seconds: float, kind: str = "local") -> dict[str, Any]:
     """kind "local": the SQLite store; "kube": the Kubernetes store against tests/kubeapi.py (the
     DaemonSet's case: the kubernetes client loaded, the node's pods listed at every probe)."""
-    import contextlib
-
-    from screener.lifecycle import machine as lifecycle
-    from screener.lifecycle.apply import apply_event
-    from screener.stores.local import LocalStore
-    from screener.types import Outcome, Verdict
-
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         work = Path(tmp)
         now = time.time()
@@ -81,8 +82,7 @@ def idle_footprint(seconds: float, kind: str = "local") -> dict[str, Any]:
         seed = lifecycle.KatScreen((Verdict("cuda:0", Outcome.PASS),), kind=lifecycle.KIND_FULL)
         extra: tuple[str, ...] = ()
         if kind == "kube":
-            from kubeapi import KubeAPI
-
+            # Here: the kubernetes client is an optional install, and only the kube mode needs it.
             from screener.stores.kube import KubeStore
 
             api = stack.enter_context(KubeAPI())
@@ -125,9 +125,6 @@ def idle_footprint(seconds: float, kind: str = "local") -> dict[str, Any]:
 
 
 def _drop(alarm_dir: Path, i: int, settled: bool) -> float:
-    from screener.audit.alarms import write_alarm_file
-    from screener.types import AlarmRecord, SuspectNode
-
     rec = AlarmRecord(alarm_id=f"bench-{i}-{time.time_ns()}", check="ring_replay", step=i,
                       settled=settled, suspect_ranks=(0,) if settled else (),
                       suspect_nodes=(SuspectNode(NODE, NODE),), node=NODE, job="bench",
@@ -153,11 +150,6 @@ def _latencies(state_of: Callable[[], Optional[str]], reset: Callable[[], None],
 
 
 def latency_local(samples: int, tick_s: float) -> list[float]:
-    from screener.lifecycle import machine as lifecycle
-    from screener.lifecycle.apply import apply_event
-    from screener.stores.local import LocalStore
-    from screener.types import NodeState
-
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         db = work / "state.db"
@@ -183,10 +175,6 @@ def latency_local(samples: int, tick_s: float) -> list[float]:
 
 
 def latency_kube(samples: int, tick_s: float) -> list[float]:
-    from kubeapi import KubeAPI
-
-    from screener.types import LABEL_STATE
-
     with tempfile.TemporaryDirectory() as tmp, KubeAPI() as api:
         work = Path(tmp)
         api.add_node(NODE)
@@ -200,10 +188,8 @@ def latency_kube(samples: int, tick_s: float) -> list[float]:
 
             def reset() -> None:
                 if label() in ("quarantined", "repair"):
-                    from screener.lifecycle import machine as lifecycle
-                    from screener.lifecycle.apply import apply_event
+                    # Here: the kubernetes client is an optional install (see idle_footprint).
                     from screener.stores.kube import KubeStore
-                    from screener.types import NodeState
 
                     s = KubeStore(api.api_client(), instance="bench")
                     apply_event(s, NODE, lifecycle.HumanCommand(NodeState.BURNIN, "bench reset"),
