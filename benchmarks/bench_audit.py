@@ -11,6 +11,9 @@ machine noise hits all of them alike:
                  pass of its own, then the all-reduce)
     auditor      DDP + Auditor on steps without an audit (check 1 only: the hook's sum all-reduce,
                  then one fused pass that divides and checks finiteness; one small all_gather)
+    auditor-norms the same with Auditor(reduce_hook=allreduce_hook): the generic path a reduce
+                 hook of the caller's takes (and the default one took before issue 16): a norm
+                 of each bucket before, allreduce_hook's division, a norm after
     audit        DDP + Auditor auditing every step (check 1 + ring replay: one extra forward and
                  backward per replayed micro-batch, gradient fingerprints in the hook and of the
                  replay)
@@ -65,7 +68,7 @@ SIZES = {
     # ~9 M parameters, a step of a few hundred ms on one core
     "large": dict(vocab=8192, d_model=256, n_heads=8, d_ff=1024, seq=64, n_layers=6, batch=2),
 }
-CONFIGS = ("plain", "hook", "auditor", "audit", "plain+clip", "auditor+clip")
+CONFIGS = ("plain", "hook", "auditor", "auditor-norms", "audit", "plain+clip", "auditor+clip")
 
 
 def _free_port() -> int:
@@ -121,10 +124,11 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: 
             auditor = None
             if name == "hook":
                 ddp.register_comm_hook(None, allreduce_hook)
-            elif name in ("auditor", "audit", "auditor+clip"):
+            elif name in ("auditor", "auditor-norms", "audit", "auditor+clip"):
                 auditor = Auditor(ddp, loss_fn=synthetic.compute_loss, batch_fn=batch_fn,
                                   audit_every=1 if name == "audit" else 0, weights_every=0,
-                                  check_reduced=name != "auditor+clip")
+                                  check_reduced=name != "auditor+clip",
+                                  reduce_hook=allreduce_hook if name == "auditor-norms" else None)
             runs[name] = {"model": model, "ddp": ddp, "auditor": auditor,
                           "opt": torch.optim.SGD(model.parameters(), lr=1e-3), "times": [], "own": [],
                           "cpu": [], "step": 0, "clip": name.endswith("+clip")}
@@ -274,9 +278,9 @@ def _table(results: dict[str, Any], world: int, threads: int) -> str:
         cms, cratio, ciqr = r["cpu_ms"], r["cpu_ratio_to_plain"], r["cpu_ratio_iqr"]
         lines.append(f"\n{size}: {r['parameters'] / 1e6:.2f} M parameters, "
                      f"{r['samples_per_config']} steps per configuration")
-        lines.append(f"  {'':<12} {'wall':>9}    {'ratio':<21} {'cpu':>9}    ratio")
+        lines.append(f"  {'':<13} {'wall':>9}    {'ratio':<21} {'cpu':>9}    ratio")
         for name in r["configs"]:
-            lines.append(f"  {name:<12} {ms[name]:9.1f} ms x{ratio[name]:.3f} "
+            lines.append(f"  {name:<13} {ms[name]:9.1f} ms x{ratio[name]:.3f} "
                          f"[{iqr[name][0]:.3f}-{iqr[name][1]:.3f}] "
                          f"{cms[name]:9.1f} ms x{cratio[name]:.3f} "
                          f"[{ciqr[name][0]:.3f}-{ciqr[name][1]:.3f}]")
