@@ -5,12 +5,16 @@ over the Kubernetes API test server."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+
+from pynvml import NVML_ERROR_NO_PERMISSION
 
 from fakes.fake_nvml import FakeNvml, h100
 from kubeapi import KubeAPI
-from screener.health.nvml import NvmlAdapter
 from screener.health.host import own_pids
 from screener.health.idle import IdleTracker, observe
+from screener.health.nvml import NvmlAdapter
 from screener.stores.kube import KubeStore
 
 
@@ -56,8 +60,6 @@ def test_a_pod_list_that_fails_means_not_idle():
 
 
 def test_a_process_list_nvml_cannot_read_means_not_idle():
-    from pynvml import NVML_ERROR_NO_PERMISSION, NVML_ERROR_NOT_SUPPORTED
-
     nvml = FakeNvml([h100(0)])
     nvml.gpus[0].errors["nvmlDeviceGetComputeRunningProcesses"] = NVML_ERROR_NO_PERMISSION
     a = observe(snapshot(nvml), None)
@@ -83,9 +85,6 @@ def test_the_tracker_needs_quiet_for_the_whole_window():
 
 
 def test_own_pids_include_children():
-    import subprocess
-    import sys
-
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         pids = own_pids()
