@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from screener.agent import burnin
+from screener.errors import BadInputError
 from screener.known_answer import golden
 from screener.known_answer import kat
 from screener.types import ExitCode, Outcome
@@ -65,8 +66,6 @@ def test_a_fault_in_a_later_iteration_is_caught(golden_dir):
 
 
 def test_bad_arguments():
-    from screener.errors import BadInputError
-
     with pytest.raises(BadInputError):
         burnin.run_burnin(["cpu"], JOBS, iterations=0)
     with pytest.raises(BadInputError):

@@ -8,22 +8,29 @@ test_screening, test_metrics and test_rbac.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import pytest
 
 from fakes.fake_nvml import FakeNvml, h100
-from screener.settings.daemon import DaemonConfig
 from screener.agent.daemon import Daemon
-from screener.settings.health import ProbeConfig
-from screener.health.nvml import NvmlAdapter
-from screener.health.probes import run_probes
 from screener.agent.metrics import DaemonMetrics
 from screener.agent.screening import LocalTaint, ScreenOutcome, ScreenRequest
+from screener.audit.alarms import write_alarm_file
+from screener.errors import ConfigError
+from screener.health.nvml import NvmlAdapter
+from screener.health.probes import run_probes
+from screener.settings.daemon import DaemonConfig
+from screener.settings.health import ProbeConfig
+from screener.settings.hyperpod import HyperPodConfig
 from screener.stores.local import LocalStore
-from screener.types import (AlarmRecord, ExitCode, NodeState, Outcome, SuspectNode, Verdict)
+from screener.types import AlarmRecord, ExitCode, NodeState, Outcome, SuspectNode, Verdict
 
 NODE = "gpu-node-1"
 
@@ -61,8 +68,6 @@ def as_full_burnin(o: ScreenOutcome, *, iterations: int = 2, seconds: float = 5.
                    hbm: str = "pass") -> ScreenOutcome:
     """What the burn-in worker returns for `o`'s verdicts: its device stages (the known-answer
     rounds with their repeats and time, the HBM test, the collective across the devices)."""
-    from dataclasses import replace
-
     devices = [v.device for v in o.verdicts]
     stages = (
         {"name": "known-answer", "outcome": o.outcome.value, "seconds": seconds,
@@ -150,8 +155,6 @@ class DaemonRig:
         return self.daemon.tick(**kw)
 
     def drop_alarm(self, alarm_id: str, *, settled: bool = True, node: str = NODE) -> None:
-        from screener.audit.alarms import write_alarm_file
-
         record = AlarmRecord(alarm_id=alarm_id, check="weights", step=12, settled=settled,
                              suspect_ranks=(1,) if settled else (),
                              suspect_nodes=(SuspectNode(node, node),), node=node, job="llm",
@@ -360,8 +363,6 @@ def test_run_loop_stops_on_the_stop_event(rig_factory):
 
 
 def test_config_rejects_unknown_keys_and_reads_env(tmp_path):
-    from screener.errors import ConfigError
-
     with pytest.raises(ConfigError, match="screen_intervall"):
         DaemonConfig.from_mapping({"screen_intervall": 5})
     with pytest.raises(ConfigError, match="probes.*kmsg_pth|kmsg_pth"):
@@ -395,9 +396,6 @@ def test_config_rejects_unknown_keys_and_reads_env(tmp_path):
 
 def test_the_hyperpod_table_is_validated_at_load_even_with_the_feature_off(tmp_path):
     # Issue 15: a misspelt key used to load silently and leave the deep check unwired.
-    from screener.errors import ConfigError
-    from screener.settings.hyperpod import HyperPodConfig
-
     f = tmp_path / "d.toml"
     f.write_text('[hyperpod]\ndeep_check_on_quarantin = true\nregoin = "us-west-2"\n')
     with pytest.raises(ConfigError, match=r"d\.toml: hyperpod config: unknown key\(s\) "
@@ -421,10 +419,6 @@ def test_the_hyperpod_table_is_validated_at_load_even_with_the_feature_off(tmp_p
 def test_once_from_the_command_line_uses_the_local_store_and_exits_with_the_contract(tmp_path):
     """`screener daemon --once` as a user runs it: no cluster configured -> the local store under
     $XDG_STATE_HOME; a settled alarm -> quarantined -> exit 75; JSON log lines on stderr."""
-    import os
-    import subprocess
-    import sys
-
     root = Path(__file__).resolve().parents[1]
     config = tmp_path / "d.toml"
     config.write_text('screens = false\nmetrics_port = -1\n[probes]\nkmsg_path = "/nonexistent"\n'
@@ -438,7 +432,6 @@ def test_once_from_the_command_line_uses_the_local_store_and_exits_with_the_cont
     assert first.returncode == int(ExitCode.INCONCLUSIVE), first.stderr  # a new node: burnin
     assert json.loads(first.stdout)["state"] == "burnin"
     assert (tmp_path / "state" / "screener" / "screener.db").exists()
-    from screener.audit.alarms import write_alarm_file
     write_alarm_file(AlarmRecord(alarm_id="cli-1", check="nonfinite_local", step=3, settled=True,
                                  suspect_ranks=(0,), suspect_nodes=(SuspectNode(NODE, NODE),),
                                  node=NODE), tmp_path / "alarms")

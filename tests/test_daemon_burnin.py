@@ -11,14 +11,17 @@ import pytest
 from fakes.fake_nvml import FakeNvml, h100
 from kubeapi import KubeAPI
 from screener.agent.burnin import BurninPlan, BurninRequirement, run_burnin, run_full_burnin
-from screener.settings.health import ProbeConfig
-from screener.health.probes import run_probes
+from screener.agent.screening import KatOptions, KatProcessRunner
 from screener.health.hbm import stuck_bit
+from screener.health.probes import run_probes
+from screener.known_answer.crosscheck import platform_digests
 from screener.known_answer.kat import DeviceFault, record_goldens
+from screener.known_answer.workloads import select_jobs
+from screener.settings.health import ProbeConfig
 from screener.stores.kube import KubeStore
 from screener.stores.local import LocalStore
-from screener.types import ANNOTATION_DIGESTS, ExitCode, NodeState, Outcome
-from screener.known_answer.workloads import select_jobs
+from screener.types import ANNOTATION_DIGESTS, ExitCode, NodeState, Outcome, Verdict
+from test_daemon import DaemonRig, ScriptedRunner, as_full_burnin, outcome
 
 JOB = """name = "tiny-gemm"
 version = 1
@@ -166,9 +169,6 @@ def test_digests_that_disagree_with_the_fleet_make_the_node_suspect(kat_env, tmp
 
 
 def test_only_passing_devices_publish_digests_by_platform():
-    from screener.known_answer.crosscheck import platform_digests
-    from screener.types import Verdict
-
     verdicts = [Verdict("cuda:0", Outcome.PASS, platform_hash="p1"),
                 Verdict("cuda:1", Outcome.SUSPECT, reason="peer_mismatch", platform_hash="p1"),
                 Verdict("cuda:2", Outcome.PASS, platform_hash="p2"),
@@ -182,9 +182,6 @@ def test_the_daemon_runs_the_full_burnin_itself_in_its_worker(kat_env, tmp_path)
     """A new node, idle: the daemon's real worker process runs the burn-in's device stages (the
     known-answer jobs for the configured seconds, at least twice, and the HBM test), the daemon
     adds the probes before and after, and the node becomes healthy with a verdict saying so."""
-    from screener.agent.screening import KatOptions, KatProcessRunner
-    from test_daemon import DaemonRig
-
     kat, _ = kat_env
     jobs, golden = kat.dirs
     runner = KatProcessRunner(KatOptions(jobs=("tiny-gemm",), devices=("cpu",), golden_dir=golden,
@@ -211,8 +208,6 @@ def test_the_daemon_runs_the_full_burnin_itself_in_its_worker(kat_env, tmp_path)
 
 
 def test_a_burnin_shorter_than_configured_is_partial_and_keeps_the_node_in_burnin(kat_env, tmp_path):
-    from test_daemon import DaemonRig, ScriptedRunner, as_full_burnin, outcome
-
     # The worker reports 5 s of known-answer rounds; the node requires an hour.
     runner = ScriptedRunner(as_full_burnin(outcome(Outcome.PASS)))
     rig = DaemonRig(tmp_path, runner, idle_window_s=0.0, burnin_duration_s=3600.0)

@@ -7,8 +7,9 @@ finding from the real rules, the transition from the real lifecycle and store.
 from __future__ import annotations
 
 from fakes.fake_nvml import FakeNvml, h100
-from screener.lifecycle.machine import HumanCommand
+from screener.audit.alarms import write_alarm_file
 from screener.lifecycle.apply import apply_event
+from screener.lifecycle.machine import HumanCommand
 from screener.lifecycle.records import lemon_counts
 from screener.stores.local import LocalStore
 from screener.types import AlarmRecord, NodeState, Outcome, SuspectNode
@@ -71,8 +72,6 @@ def test_an_alarm_naming_another_nodes_serial_changes_nothing_here(tmp_path):
     try:
         rig.tick()
         mine = rig.nvml.gpus[1].serial
-        from screener.audit.alarms import write_alarm_file
-
         for alarm_id, serials, settled in (("far", ["1650923099999"], False),
                                            ("near", ["1650923099999", mine], True)):
             write_alarm_file(AlarmRecord(alarm_id=alarm_id, check="weights", step=3,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import psutil
 import shutil
 import subprocess
 import sys
@@ -14,10 +15,10 @@ import pytest
 
 from fakes.fake_nvml import FakeNvml, h100
 from screener.errors import ConfigError
-from screener.settings.health import ProbeConfig
 from screener.health.kmsg import KernelLogReader
 from screener.health.nvml import NvmlAdapter
-from screener.health.probes import run_probes
+from screener.health.probes import DeferredKernelLogReader, run_probes
+from screener.settings.health import ProbeConfig
 from screener.types import ExitCode, Severity
 
 DATA = pathlib.Path(__file__).parent / "data"
@@ -127,8 +128,6 @@ def test_host_checks_with_real_psutil(tmp_path):
 
 
 def test_unreadable_mount_table_is_our_error_not_a_missing_mount():
-    import psutil
-
     class NoMountTable:
         """psutil, except that the mount table cannot be read (the boundary, not our code)."""
 
@@ -239,8 +238,6 @@ def test_cli_help():
 
 
 def test_the_deferred_reader_saves_its_position_only_on_commit(tmp_path):
-    from screener.health.probes import DeferredKernelLogReader
-
     log_file = tmp_path / "kern.log"
     log_file.write_text("[ 1.0] NVRM: Xid (PCI:0000:18:00): 79, pid=1, name=x, GPU has fallen off the bus.\n")
     state = tmp_path / "kmsg.json"

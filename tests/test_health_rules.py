@@ -6,12 +6,12 @@ from dataclasses import replace
 
 import pytest
 
-from screener.settings.health import ProbeConfig
-from screener.health.rules import (NO_DRIVER_MESSAGE, evaluate, host_rules, worst_severity,
-                                   xid_rules)
+from screener.health.rules import (NO_DRIVER_MESSAGE, RETIRED_PAGES_REPAIR, evaluate, host_rules,
+                                   is_condition, worst_severity, xid_rules)
 from screener.health.snapshot import (DiskUsage, EccCounts, GpuProcess, GpuSnapshot, HostSnapshot,
                                       MountCheck, NvmlSnapshot, ProbeSnapshot, RetiredPages,
                                       RowRemap, XidEvent)
+from screener.settings.health import ProbeConfig
 from screener.types import Severity
 
 CFG = ProbeConfig(kmsg_path=None)
@@ -123,8 +123,6 @@ def test_pending_page_retirement_on_older_parts():
 
 
 def test_retired_pages_over_the_threshold_mean_repair_and_are_a_condition():
-    from screener.health.rules import RETIRED_PAGES_REPAIR, is_condition
-
     under = gpu(0, row_remap=None, retired_pages=RetiredPages(RETIRED_PAGES_REPAIR - 2, 1, False))
     assert evaluate(probe(under), None, CFG) == []
     over = gpu(0, row_remap=None, retired_pages=RetiredPages(RETIRED_PAGES_REPAIR - 2, 2, False))

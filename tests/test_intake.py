@@ -5,13 +5,21 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
+import time
 
 import pytest
 
-from screener.lifecycle import machine as lifecycle
+from kubeapi import KubeAPI
 from screener.agent.intake import AlarmIntake, applied_in_history
+from screener.agent.metrics import DaemonMetrics
+from screener.audit.alarms import SDCAlarm, node_records, write_alarm_file
+from screener.audit.guard import hardware_error_alarm
+from screener.audit.straggler import StepResult, Straggler, straggler_alarm
+from screener.lifecycle import machine as lifecycle
 from screener.lifecycle.apply import apply_event
+from screener.stores.kube import KubeStore
 from screener.stores.local import LocalStore
 from screener.types import AlarmRecord, NodeState, SuspectNode
 
@@ -26,8 +34,6 @@ def alarm(alarm_id: str, *, settled: bool = True, node: str = NODE, step: int = 
 
 
 def drop(directory, record: AlarmRecord) -> None:
-    from screener.audit.alarms import write_alarm_file
-
     write_alarm_file(record, directory)
 
 
@@ -199,9 +205,6 @@ def test_processed_folder_is_bounded(tmp_path, store):
 
 def test_exactly_once_on_the_kube_store_with_bulky_evidence(tmp_path):
     """The Node's history annotation keeps a shrunk evidence; the alarm id must survive it."""
-    from kubeapi import KubeAPI
-    from screener.stores.kube import KubeStore
-
     clock = Clock()
     alarms = tmp_path / "alarms"
     big = AlarmRecord(alarm_id="bulky", check="ring_replay", step=9, settled=False,
@@ -277,9 +280,6 @@ def test_hostile_files_are_rejected_and_the_pass_goes_on(tmp_path, store, caplog
 
 
 def test_a_symlink_or_fifo_swapped_in_is_refused_without_blocking(tmp_path, store):
-    import os
-    import time
-
     clock = Clock()
     alarms = tmp_path / "alarms"
     alarms.mkdir()
@@ -315,8 +315,6 @@ def test_regular_files_squatting_on_the_aside_folders_do_not_block_intake(tmp_pa
 
 def test_a_file_that_cannot_be_moved_is_skipped_remembered_and_shows_in_readiness(tmp_path,
                                                                                  store, caplog):
-    from screener.agent.metrics import DaemonMetrics
-
     clock = Clock()
     alarms = tmp_path / "alarms"
     alarms.mkdir()
@@ -357,10 +355,6 @@ def test_alarms_our_writers_make_for_long_job_and_node_names_are_taken(tmp_path,
                                                                        monkeypatch):
     """The in-job writers (auditor, exit-75 guard, straggler) keep their alarm ids within what
     the intake accepts, however long the job's and the node's names are."""
-    from screener.audit.alarms import SDCAlarm, node_records, write_alarm_file
-    from screener.audit.guard import hardware_error_alarm
-    from screener.audit.straggler import StepResult, Straggler, straggler_alarm
-
     node = "ip-172-31-100-200.ap-southeast-2.compute.internal." + "gpu-pool-a" * 6
     job = "llm-pretrain-70b-stage2-" + "run" * 13
     me = SuspectNode(node=node, hostname=node)

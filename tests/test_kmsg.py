@@ -8,6 +8,7 @@ import os
 import pathlib
 import shutil
 import socket
+import time
 
 import pytest
 
@@ -262,12 +263,6 @@ def test_real_dev_kmsg_is_read_without_blocking_and_once(tmp_path):
 
 
 def test_a_device_other_than_kmsg_or_a_fifo_is_refused_not_read_forever(tmp_path):
-    import os
-    import time
-
-    from screener.errors import BadInputError
-    from screener.health.kmsg import KernelLogReader, KmsgUnavailable
-
     t0 = time.monotonic()
     with pytest.raises(BadInputError, match="/dev/zero: a character device that is not /dev/kmsg"):
         KernelLogReader("/dev/zero", user_input=True).read_new()

@@ -4,15 +4,18 @@ text parser, after real daemon passes (fake clock, scripted NVML, scripted scree
 from __future__ import annotations
 
 import json
+import socket
+import time
 import urllib.error
 import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from screener.agent.metrics import MetricsServer
-from test_daemon import NODE, DaemonRig, ScriptedRunner, outcome
+from screener.agent.metrics import DaemonMetrics, MetricsServer
+from screener.errors import ConfigError
 from screener.types import Outcome
+from test_daemon import NODE, DaemonRig, ScriptedRunner, outcome
 
 
 def get(url: str) -> tuple[int, str, str]:
@@ -120,8 +123,6 @@ def test_screening_gauge_is_one_while_the_window_is_open(tmp_path):
 
 
 def test_a_taken_metrics_port_is_a_config_error_naming_it(served):
-    from screener.errors import ConfigError
-
     rig, server = served
     with pytest.raises(ConfigError, match=f"127.0.0.1:{server.port}.*metrics_port"):
         MetricsServer(rig.metrics, "127.0.0.1", server.port)
@@ -130,10 +131,6 @@ def test_a_taken_metrics_port_is_a_config_error_naming_it(served):
 def test_idle_connections_cannot_starve_the_server(tmp_path):
     """300 connections that never send a byte: the server holds at most its cap (the oldest are
     closed to make room), so file descriptors stay bounded and /healthz still answers at once."""
-    import socket
-    import time
-
-    from screener.agent.metrics import DaemonMetrics
 
     metrics = DaemonMetrics(NODE)
     server = MetricsServer(metrics, "127.0.0.1", 0, max_connections=16, read_timeout_s=30).start()
@@ -157,11 +154,6 @@ def test_idle_connections_cannot_starve_the_server(tmp_path):
 
 
 def test_a_silent_client_is_dropped_after_the_read_timeout():
-    import socket
-    import time
-
-    from screener.agent.metrics import DaemonMetrics
-
     server = MetricsServer(DaemonMetrics(NODE), "127.0.0.1", 0, read_timeout_s=0.5).start()
     try:
         s = socket.create_connection(("127.0.0.1", server.port), timeout=10)
@@ -174,8 +166,6 @@ def test_a_silent_client_is_dropped_after_the_read_timeout():
 
 
 def test_readiness_says_when_the_intake_is_stalled():
-    from screener.agent.metrics import DaemonMetrics
-
     metrics = DaemonMetrics(NODE)
     server = MetricsServer(metrics, "127.0.0.1", 0).start()
     try:

@@ -20,8 +20,8 @@ from kubeapi import KubeAPI
 from screener.agent.screening import (KatOptions, KatProcessRunner, LocalTaint, ScreeningWindow,
                                       ScreenRequest)
 from screener.stores.kube import KubeStore
-from screener.types import (ANNOTATION_DIGESTS, LABEL_STATE, TAINT_SCREENING_KEY, ExitCode, NodeState,
-                            Outcome)
+from screener.types import (ANNOTATION_DIGESTS, ANNOTATION_VERDICT, LABEL_STATE,
+                            TAINT_SCREENING_KEY, ExitCode, NodeState, Outcome)
 from test_daemon import NODE, DaemonRig, ScriptedRunner, outcome, wait_for_cancel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -269,8 +269,6 @@ def test_the_daemons_full_burnin_cross_checks_with_same_platform_peers(api, kube
     """On a cluster the daemon's full burn-in compares its digests with the nodes of the same
     platform (their annotations): agreeing peers make the cross-check part of a full burn-in;
     disagreeing ones make the node suspect instead of healthy."""
-    from screener.types import ANNOTATION_VERDICT
-
     for peer in ("peer-1", "peer-2", "peer-3"):
         api.add_node(peer, annotations={ANNOTATION_DIGESTS: json.dumps({"p1": {"gemm-fp32": "d1"}})})
     rig = kube_rig(ScriptedRunner(outcome(Outcome.PASS)), idle_window_s=0.0, adopt="off")
