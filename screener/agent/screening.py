@@ -367,9 +367,9 @@ class KatProcessRunner:
                                     stderr=err, start_new_session=True, env=env)
             # Recorded before anything else can happen, so a crash of ours from here on is
             # cleaned up by the next start (reap_stale_screens).
-            started = host.find_process(proc.pid)
+            worker = host.find_process(proc.pid)
             record = {"id": screen_id, "pid": proc.pid,
-                      "create_time": started.create_time if started is not None else None,
+                      "create_time": worker.create_time if worker is not None else None,
                       "started": time.time(), "node": request.node, "kind": request.kind}
             (tmp / (WORKER_RECORD + ".tmp")).write_text(json.dumps(record))
             os.replace(tmp / (WORKER_RECORD + ".tmp"), tmp / WORKER_RECORD)
