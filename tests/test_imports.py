@@ -77,3 +77,10 @@ def test_cli_help_imports_nothing_heavy():
                          cwd=ROOT)
     loaded = set(json.loads(out.stdout))
     assert not loaded & {"torch", "kubernetes", "boto3", "pynvml", "prometheus_client"}
+
+
+def test_the_daemon_loads_no_torch():
+    # The daemon runs on every node for months: torch (seconds to import, hundreds of MiB) is
+    # loaded only by its screen worker, a process of its own (screener.agent.screening).
+    loaded = _top_level_modules_after("import screener.agent.daemon")
+    assert "torch" not in loaded
