@@ -1,0 +1,32 @@
+"""Regressions found reviewing the issue-15 restructuring (modules moved into subpackages).
+
+Each test names the promise it holds: behaviour unchanged by the move.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("kind", ["jobs", "golden"])
+def test_uninstalled_checkout_finds_the_repository_data(kind: str) -> None:
+    """A checkout merely on sys.path (not installed: no `screener._jobs`/`screener._golden`
+    mapping) reads the repository's jobs/ and golden/ folders, as it did before packagedata.py
+    moved from screener/ into screener/known_answer/ (one folder deeper).
+
+    `python -S` skips site-packages, and with it the editable install's import mapping: the same
+    situation as `PYTHONPATH=. python -m screener.cli ...` on a machine without the package.
+    """
+    code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); "
+            "from screener.known_answer.packagedata import data_dir; "
+            f"print(data_dir({kind!r}))")
+    out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True).stdout.strip()
+    assert Path(out) == REPO / kind
+    assert (REPO / kind).is_dir()
