@@ -87,7 +87,7 @@ from screener.audit.alarms import NumericFailure, SDCAlarm, alarm_dir, log_json,
     write_alarm_file
 from screener.audit.checkpoints import write_marker
 from screener.audit.collective import comm_device, gather
-from screener.audit.hooks import GradientRecorder
+from screener.audit.hooks import GradientRecorder, StepStats
 from screener.audit.topology import Topology, gather_topology, job_name
 from screener.audit.vote import vote
 from screener.fingerprint import digest, fingerprints
@@ -199,7 +199,30 @@ class Auditor:
         _refuse_unreplayable(module)
         self.group = process_group if process_group is not None \
             else getattr(model, "process_group", None)
+        self._select_parameters(model, module)
+        self._join(topology)  # a collective: every rank reaches it, in this order
+        self._plan_replays()
+        self._install_hook(model, reduce_hook, reduce_state, check_reduced, start_step)
 
+        # The RNG states and loss scale the current step started from (capture.py): taken by the
+        # first forward after the last check_gradients, or by begin_step().
+        self._state: Optional[StepState] = None
+        self._pre_hook = model.register_forward_pre_hook(self._on_forward)
+        self._self_check_due = bool(self.config.self_check_every)
+        self._audits_since_self_check = 0
+        self._closed = False
+
+        self._first_step: Optional[int] = None
+        self._last_clean_audit: Optional[int] = None
+        self._last_clean_weights: Optional[int] = None
+        self._verified: Optional[tuple[int, str]] = None  # (step, weights digest) of the last pass
+        self.counters: Counter[str] = Counter()
+
+    # ---- set-up, in the order __init__ runs it ---------------------------------------------------
+
+    def _select_parameters(self, model: torch.nn.Module, module: torch.nn.Module) -> None:
+        """The weights the vote checks and the gradients the replay compares (DDP's ignored
+        parameters excluded), and the dtype whose range bounds a gradient sum."""
         ignore = set(getattr(model, "parameters_to_ignore", None) or ())
         named = [(n, p) for n, p in module.named_parameters() if n not in ignore]
         if not named:
@@ -215,6 +238,10 @@ class Auditor:
         self._grad_max = float(torch.finfo(self._grad_dtype).max)
         self._comm = comm_device(self.group, self.device)
 
+    def _join(self, topology: Optional[Topology]) -> None:
+        """Where every rank runs (one all_gather_object unless given), and the refusals that need
+        to know it: a setup whose replays cannot match bit for bit is refused here, on every rank
+        alike, never alarmed on later."""
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size(self.group)
         self.topology = topology if topology is not None \
@@ -236,6 +263,8 @@ class Auditor:
                              "screener.determinism.make_deterministic) before the Auditor")
         self._codec = StateCodec(self.device)
 
+    def _plan_replays(self) -> None:
+        """Who replays whose micro-batch (ring.replay_plan), and this rank's share of it."""
         self._plan = ring.replay_plan(self.topology)
         by_replayer: dict[int, list[int]] = {}
         for owner, replayer in sorted(self._plan.items()):
@@ -244,12 +273,16 @@ class Auditor:
         self._slot = {o: i for owners in by_replayer.values() for i, o in enumerate(owners)}
         self._my_replays = by_replayer.get(self.rank, [])
         self._max_replays = max((len(v) for v in by_replayer.values()), default=0)
-        self.can_replay = loss_fn is not None and batch_fn is not None and self._max_replays > 0
+        self.can_replay = (self.loss_fn is not None and self.batch_fn is not None
+                           and self._max_replays > 0)
         if self.config.audit_every and not self.can_replay:
             log.warning("screener.audit: ring replay is off (%s)",
-                        "needs loss_fn and batch_fn" if loss_fn is None or batch_fn is None
+                        "needs loss_fn and batch_fn" if self.loss_fn is None or self.batch_fn is None
                         else "a single rank has nobody to replay")
 
+    def _install_hook(self, model: torch.nn.Module, reduce_hook: Optional[Callable[[Any, Any], Any]],
+                      reduce_state: Any, check_reduced: bool, start_step: Optional[int]) -> None:
+        """Register the gradient recorder as DDP's comm hook (DDP takes exactly one)."""
         self._recorder = GradientRecorder(
             self._grad_params, reduce_hook=reduce_hook,
             reduce_state=self.group if reduce_state is _GROUP else reduce_state,
@@ -265,20 +298,6 @@ class Auditor:
             raise ValueError("could not register the auditor's comm hook (DDP takes one hook, "
                              "registered before the first backward); pass your own hook as "
                              f"Auditor(reduce_hook=...): {e}") from e
-
-        # The RNG states and loss scale the current step started from (capture.py): taken by the
-        # first forward after the last check_gradients, or by begin_step().
-        self._state: Optional[StepState] = None
-        self._pre_hook = model.register_forward_pre_hook(self._on_forward)
-        self._self_check_due = bool(self.config.self_check_every)
-        self._audits_since_self_check = 0
-        self._closed = False
-
-        self._first_step: Optional[int] = None
-        self._last_clean_audit: Optional[int] = None
-        self._last_clean_weights: Optional[int] = None
-        self._verified: Optional[tuple[int, str]] = None  # (step, weights digest) of the last pass
-        self.counters: Counter[str] = Counter()
 
     # ---- step start and teardown ---------------------------------------------------------------
 
@@ -371,6 +390,11 @@ class Auditor:
             g = gather(head, self.group, self._comm)  # (world, 3)
             self._judge_nonfinite(step, g, lambda: self._gather_states(state))
             return
+        self._audit(step, loss, stats, state, head)
+
+    def _audit(self, step: int, loss: Any, stats: StepStats, state: StepState,
+               head: torch.Tensor) -> None:
+        """An audit step: check 1 with the states gathered for the replays, then check 2."""
         # Every rank sends the same shape on an audit step, whatever happened here: a rank whose
         # fingerprints were not recorded says so, and all ranks skip the comparison alike (a
         # rank-local decision to send less would leave the others waiting in a different gather).
@@ -545,23 +569,7 @@ class Auditor:
                                  candidate_ranks=flagged, first_suspect_step=window, key=key))
         owner_states = states()
         plan = {o: self._confirmer(o, set(flagged)) for o in flagged}
-        results = torch.full((len(flagged) + 1,), -1.0, dtype=torch.float64)
-        error: Optional[BaseException] = None
-        for i, owner in enumerate(flagged):
-            if plan[owner] != self.rank:
-                continue
-            try:
-                loss, grads = self._replay(owner, step, owner_states[owner])
-                norms = [torch.linalg.vector_norm(x.detach().float()) for x in grads
-                         if x is not None]
-                ok = bool(torch.isfinite(loss).all()) and bool(
-                    torch.isfinite(torch.stack(norms)).all() if norms else True)
-                results[i] = 1.0 if ok else 0.0
-            except Exception as e:  # noqa: BLE001 - reported collectively below
-                error = e
-        results[-1] = 1.0 if error is not None else 0.0
-        got = gather(results, self.group, self._comm)  # (world, len(flagged) + 1)
-        self._check_errors(got[:, -1], error, step, "the non-finite confirmation replay")
+        got = self._confirm_round(step, flagged, plan, owner_states)
         confirmed, reproduced, unconfirmed = [], [], []
         replays: dict[str, Any] = {}
         for i, owner in enumerate(flagged):
@@ -590,6 +598,29 @@ class Auditor:
             self._raise(SDCAlarm("nonfinite_local", step, (), (), False, evidence,
                                  candidate_ranks=unconfirmed, first_suspect_step=window, key=key))
         self._numeric(step, flagged, evidence)
+
+    def _confirm_round(self, step: int, flagged: list[int], plan: dict[int, Optional[int]],
+                       owner_states: dict[int, StepState]) -> torch.Tensor:
+        """Each confirmer replays the flagged owners given to it; one gather of whether each
+        replay came out finite (1.0), not finite (0.0) or was not this rank's (-1.0)."""
+        results = torch.full((len(flagged) + 1,), -1.0, dtype=torch.float64)
+        error: Optional[BaseException] = None
+        for i, owner in enumerate(flagged):
+            if plan[owner] != self.rank:
+                continue
+            try:
+                loss, grads = self._replay(owner, step, owner_states[owner])
+                norms = [torch.linalg.vector_norm(x.detach().float()) for x in grads
+                         if x is not None]
+                ok = bool(torch.isfinite(loss).all()) and bool(
+                    torch.isfinite(torch.stack(norms)).all() if norms else True)
+                results[i] = 1.0 if ok else 0.0
+            except Exception as e:  # noqa: BLE001 - reported collectively below
+                error = e
+        results[-1] = 1.0 if error is not None else 0.0
+        got = gather(results, self.group, self._comm)  # (world, len(flagged) + 1)
+        self._check_errors(got[:, -1], error, step, "the non-finite confirmation replay")
+        return got
 
     def _replay_mine(self, step: int, loss: torch.Tensor | float, grad_fp: torch.Tensor,
                      states: dict[int, StepState], self_check: bool
@@ -644,6 +675,38 @@ class Auditor:
         """Second round after a ring mismatch: referees on a third node replay; full records."""
         topo = self.topology
         referee = {o: ring.referee_of(topo, o, self._plan[o]) for o in mismatched}
+        got, ref_slot = self._referee_round(step, mismatched, referee, mine, states)
+        suspects: set[int] = set()
+        unsettled: set[int] = set()
+        cases = [self._judge_case(o, referee[o], ref_slot, got, suspects, unsettled)
+                 for o in mismatched]
+        named = sorted(suspects)
+        evidence = {"mismatches": cases, "audit_every": self.config.audit_every,
+                    "last_clean_audit": self._last_clean_audit}
+        # One faulty GPU spoils its own record and the replays it computes (2 of 3 owners in a
+        # world of three one-rank nodes): when one rank is in every mismatched pair, the referees
+        # on the third nodes settle it.
+        one_gpu = len(topo.nodes) >= 3 and bool(set.intersection(
+            *({o, self._plan[o]} for o in mismatched)))
+        if 2 * len(mismatched) > self.world_size and not one_gpu:
+            # Most owners disagreeing with their replayers is the setup, not a GPU.
+            evidence["why"] = "most ranks disagree with their replayers"
+            self._numeric(step, sorted(set(mismatched)), evidence, reason=(
+                f"{len(mismatched)} of {self.world_size} ranks disagree with their replays at "
+                f"step {step}; silent data corruption is local to one GPU, so the replays are "
+                f"not reproducing the training step; {LIKELY_CAUSES}"))
+        self._raise(SDCAlarm("ring_replay", step, named, topo.suspect_nodes(named),
+                             bool(named) and not unsettled, evidence,
+                             candidate_ranks=sorted(suspects | unsettled),
+                             first_suspect_step=self._window_start(self._last_clean_audit, step),
+                             key=self._key("ring_replay", step)))
+
+    def _referee_round(self, step: int, mismatched: list[int], referee: dict[int, Optional[int]],
+                       mine: torch.Tensor, states: dict[int, StepState]
+                       ) -> tuple[torch.Tensor, dict[int, int]]:
+        """Each referee replays the owners it referees; every rank sends its full records (own,
+        replays, referee replays, status) in one gather. Returns the gathered records and each
+        owner's slot among its referee's replays."""
         by_referee: dict[int, list[int]] = {}
         for o in mismatched:
             if referee[o] is not None:
@@ -666,61 +729,42 @@ class Auditor:
         full = torch.cat([mine, torch.stack(extra + [status])])  # (1 + M + m2 + 1, 1 + P, 2)
         got = gather(full, self.group, self._comm)
         self._check_errors(got[:, -1, 0, 0], error, step, "the ring replay referee")
-        index = topo.index_of
-        m = self._max_replays
-        suspects: set[int] = set()
-        unsettled: set[int] = set()
-        cases = []
-        for o in mismatched:
-            r, ref = self._plan[o], referee[o]
-            assert r is not None
-            a, b = got[index(o), 0], got[index(r), 1 + self._slot[o]]
-            c = got[index(ref), 1 + m + ref_slot[o]] if ref is not None else None
-            differ = ring.differing_rows(a, b)
-            case: dict[str, Any] = {
-                "owner": o, "replayer": r, "referee": ref,
-                "loss": {"owner": ring.bits_to_float(int(a[0, 0])),
-                         "replayer": ring.bits_to_float(int(b[0, 0]))},
-                "loss_bits": {"owner": _hex64(int(a[0, 0])), "replayer": _hex64(int(b[0, 0]))},
-                "differs": self._row_names(differ),
-                "n_differ": len(differ),
-            }
-            if c is not None:
-                case["loss"]["referee"] = ring.bits_to_float(int(c[0, 0]))
-                case["loss_bits"]["referee"] = _hex64(int(c[0, 0]))
-            if c is None:
-                case["verdict"] = "unsettled: fewer than three nodes"
-                unsettled.update((o, r))
-            elif torch.equal(c, a):
-                case["verdict"] = "replayer"
-                suspects.add(r)
-            elif torch.equal(c, b):
-                case["verdict"] = "owner"
-                suspects.add(o)
-            else:
-                case["verdict"] = "unsettled: three different results"
-                unsettled.update((o, r, ref))
-            cases.append(case)
-        named = sorted(suspects)
-        evidence = {"mismatches": cases, "audit_every": self.config.audit_every,
-                    "last_clean_audit": self._last_clean_audit}
-        # One faulty GPU spoils its own record and the replays it computes (2 of 3 owners in a
-        # world of three one-rank nodes): when one rank is in every mismatched pair, the referees
-        # on the third nodes settle it.
-        one_gpu = len(topo.nodes) >= 3 and bool(set.intersection(
-            *({o, self._plan[o]} for o in mismatched)))
-        if 2 * len(mismatched) > self.world_size and not one_gpu:
-            # Most owners disagreeing with their replayers is the setup, not a GPU.
-            evidence["why"] = "most ranks disagree with their replayers"
-            self._numeric(step, sorted(set(mismatched)), evidence, reason=(
-                f"{len(mismatched)} of {self.world_size} ranks disagree with their replays at "
-                f"step {step}; silent data corruption is local to one GPU, so the replays are "
-                f"not reproducing the training step; {LIKELY_CAUSES}"))
-        self._raise(SDCAlarm("ring_replay", step, named, topo.suspect_nodes(named),
-                             bool(named) and not unsettled, evidence,
-                             candidate_ranks=sorted(suspects | unsettled),
-                             first_suspect_step=self._window_start(self._last_clean_audit, step),
-                             key=self._key("ring_replay", step)))
+        return got, ref_slot
+
+    def _judge_case(self, o: int, ref: Optional[int], ref_slot: dict[int, int], got: torch.Tensor,
+                    suspects: set[int], unsettled: set[int]) -> dict[str, Any]:
+        """One mismatched owner: who the referee's result agrees with. Adds to suspects or
+        unsettled, and returns the case for the alarm's evidence."""
+        index = self.topology.index_of
+        r = self._plan[o]
+        assert r is not None
+        a, b = got[index(o), 0], got[index(r), 1 + self._slot[o]]
+        c = got[index(ref), 1 + self._max_replays + ref_slot[o]] if ref is not None else None
+        differ = ring.differing_rows(a, b)
+        case: dict[str, Any] = {
+            "owner": o, "replayer": r, "referee": ref,
+            "loss": {"owner": ring.bits_to_float(int(a[0, 0])),
+                     "replayer": ring.bits_to_float(int(b[0, 0]))},
+            "loss_bits": {"owner": _hex64(int(a[0, 0])), "replayer": _hex64(int(b[0, 0]))},
+            "differs": self._row_names(differ),
+            "n_differ": len(differ),
+        }
+        if c is None:
+            case["verdict"] = "unsettled: fewer than three nodes"
+            unsettled.update((o, r))
+            return case
+        case["loss"]["referee"] = ring.bits_to_float(int(c[0, 0]))
+        case["loss_bits"]["referee"] = _hex64(int(c[0, 0]))
+        if torch.equal(c, a):
+            case["verdict"] = "replayer"
+            suspects.add(r)
+        elif torch.equal(c, b):
+            case["verdict"] = "owner"
+            suspects.add(o)
+        else:
+            case["verdict"] = "unsettled: three different results"
+            unsettled.update((o, r, ref))
+        return case
 
     # ---- check 3 -------------------------------------------------------------------------------
 
