@@ -159,7 +159,7 @@ def test_malformed_files_are_rejected_with_one_log_line_and_the_rest_applied(tmp
     (alarms / "bad-check.json").write_text(json.dumps(bad_check))
     (alarms / ".in-progress.tmp").write_text("partial")  # a write under way: not touched
     drop(alarms, alarm("good"))
-    with caplog.at_level(logging.WARNING, logger="screener.agent.intake"):
+    with caplog.at_level(logging.WARNING, logger="screener.intake"):
         result = make_intake(alarms, store, clock).run()
     assert sorted(result.rejected) == ["bad-check.json", "garbage.json", "wrong.json"]
     assert [r.alarm_id for r in result.applied] == ["good"]
@@ -270,7 +270,7 @@ def test_hostile_files_are_rejected_and_the_pass_goes_on(tmp_path, store, caplog
     apply_event(store, NODE, lifecycle.NodeSeen(), now=clock())
     _raw(alarms, name, content)
     drop(alarms, alarm("good", settled=False))
-    with caplog.at_level(logging.WARNING, logger="screener.agent.intake"):
+    with caplog.at_level(logging.WARNING, logger="screener.intake"):
         result = make_intake(alarms, store, clock).run()
     assert result.rejected == [name], result
     assert [r.alarm_id for r in result.applied] == ["good"]
@@ -325,7 +325,7 @@ def test_a_file_that_cannot_be_moved_is_skipped_remembered_and_shows_in_readines
     intake = make_intake(alarms, store, clock)
     metrics = DaemonMetrics(NODE)
     metrics.ready = True
-    with caplog.at_level(logging.ERROR, logger="screener.agent.intake"):
+    with caplog.at_level(logging.ERROR, logger="screener.intake"):
         first = intake.run()
         second = intake.run()
     assert first.stuck == ["bad.json"] and second.stuck == ["bad.json"]

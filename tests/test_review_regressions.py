@@ -30,3 +30,16 @@ def test_uninstalled_checkout_finds_the_repository_data(kind: str) -> None:
                          timeout=60, check=True).stdout.strip()
     assert Path(out) == REPO / kind
     assert (REPO / kind).is_dir()
+
+
+@pytest.mark.parametrize("module,name", [
+    ("screener.agent.intake", "screener.intake"), ("screener.agent.screening", "screener.screening"),
+    ("screener.agent.daemon", "screener.daemon"), ("screener.remediation.hyperpod", "screener.hyperpod"),
+    ("screener.known_answer.crosscheck", "screener.crosscheck"),
+])
+def test_log_lines_keep_their_logger_names_after_the_move(module, name):
+    """The daemon's JSON log lines carry the logger's name; log queries filter on it, so moving a
+    module into a subpackage must not rename its logger."""
+    import importlib
+
+    assert importlib.import_module(module).log.name == name

@@ -43,7 +43,9 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from screener import boundedjson
 from screener.types import ALARM_CHECK_REASONS, MAX_ID_LEN, AlarmRecord
 
-log = logging.getLogger(__name__)
+# The name the daemon's JSON log lines have always carried (log queries filter on it), not the
+# module's path since the move into subpackages.
+log = logging.getLogger("screener.intake")
 
 PROCESSED = "processed"
 REJECTED = "rejected"

@@ -47,7 +47,9 @@ from screener.health import host
 from screener.known_answer import kat
 from screener.types import ExitCode, Outcome, ScreenStop, Verdict
 
-log = logging.getLogger(__name__)
+# The name the daemon's JSON log lines have always carried (log queries filter on it), not the
+# module's path since the move into subpackages.
+log = logging.getLogger("screener.screening")
 
 
 

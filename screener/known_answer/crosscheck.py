@@ -19,7 +19,9 @@ from typing import Any, Mapping, Sequence
 
 from screener.types import ANNOTATION_DIGESTS, KatReason, Outcome, Verdict
 
-log = logging.getLogger(__name__)
+# The name the daemon's JSON log lines have always carried (log queries filter on it), not the
+# module's path since the move into subpackages.
+log = logging.getLogger("screener.crosscheck")
 
 Digests = Mapping[str, Mapping[str, str]]  # platform hash -> job -> digest
 

@@ -36,7 +36,9 @@ from screener.settings.hyperpod import (DEEP_HEALTH_CHECKS, DEFAULT_CHECKS, Hype
                                       validate_checks as _validate_checks)
 from screener.types import NodeState
 
-log = logging.getLogger(__name__)
+# The name the daemon's JSON log lines have always carried (log queries filter on it), not the
+# module's path since the move into subpackages.
+log = logging.getLogger("screener.hyperpod")
 
 # The EC2 instance ID pattern SageMaker's service model uses for ClusterNodeId.
 _INSTANCE_ID = r"i-[0-9a-f]{8}(?:[0-9a-f]{9})?"
