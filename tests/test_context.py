@@ -99,3 +99,25 @@ def test_the_store_options_read_the_environment_only_where_asked(tmp_path):
     r = CliRunner().invoke(main, ["lemons", "--json"], env={"SCREENER_STORE": "local",
                                                             "SCREENER_DB": str(tmp_path / "x.db")})
     assert r.exit_code == 2 and "x.db" in r.output  # node commands do read them
+
+
+def test_a_close_that_fails_is_a_warning_not_the_commands_exit_code(caplog):
+    """A store whose close raises (a full disk under the spool, say) must not turn a command that
+    finished, with its verdict as exit code, into an error; the other closes still run."""
+    closed = []
+
+    def broken() -> None:
+        raise OSError("disk full")
+
+    @click.command()
+    @pass_app
+    def cmd(app: AppContext) -> None:
+        app.on_close(lambda: closed.append("first"))
+        app.on_close(broken)
+        raise SystemExit(75)
+
+    with caplog.at_level("WARNING", logger="screener.commands.context"):
+        r = CliRunner().invoke(cmd, [], obj=AppContext())
+    assert r.exit_code == 75, r.output
+    assert closed == ["first"]
+    assert "disk full" in caplog.text

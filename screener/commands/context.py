@@ -133,9 +133,11 @@ class AppContext:
         # On the innermost click context, so what a command opened closes when the command
         # ends, in reverse order, before anything that command entered earlier (a temporary
         # folder the store lives in) is removed.
+        # A close that fails is a warning: it must not turn a finished command's verdict into an
+        # error, nor keep the other closes from running.
         ctx = click.get_current_context(silent=True)
         if ctx is not None:
-            ctx.call_on_close(close)
+            ctx.call_on_close(lambda: _quietly(close))
         else:
             self._closers.append(close)
 
