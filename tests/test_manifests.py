@@ -191,7 +191,7 @@ def test_the_burnin_job_arguments_parse_with_the_burnin_command():
     args = job["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[0] == "burnin"
     ctx = burnin_cmd.make_context("burnin", list(args[1:]))
-    assert ctx.params["store"] == "kube" and ctx.params["duration"] == "1h"
+    assert ctx.params["store_kind"] == "kube" and ctx.params["duration"] == 3600.0
     assert ctx.params["report"] == "/reports/burnin.json"
 
 
