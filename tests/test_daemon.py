@@ -327,6 +327,33 @@ def test_alarms_are_taken_in_on_every_tick_and_a_settled_one_quarantines(rig_fac
     assert entry.code == "WeightFingerprintMismatch" and entry.evidence["alarm"]["alarm_id"] == "al-1"
 
 
+def test_a_node_released_from_the_budget_hold_gets_its_deep_check_metric_and_log(rig_factory):
+    """A node held in suspect by the quarantine budget that takes a freed slot is quarantined like
+    any other: counted in the transitions metric, in the pass report, and its deep health check
+    starts (before, the release was recorded and nothing else happened: no check ever ran)."""
+    from screener.lifecycle.apply import apply_event
+    from screener.lifecycle.machine import HumanCommand
+
+    checks: list[str] = []
+    rig = rig_factory(ScriptedRunner(outcome(Outcome.PASS)), idle_window_s=0.0,
+                      daemon_kw={"on_quarantine": lambda node: checks.append(node)})
+    rig.tick()
+    other = AlarmRecord(alarm_id="al-o", check="weights", step=3, settled=True,
+                        suspect_ranks=(0,), suspect_nodes=(SuspectNode("gpu-o", "gpu-o"),),
+                        node="gpu-o", job="llm", created=rig.clock())
+    assert apply_event(rig.store, "gpu-o", other, now=rig.clock()).state == NodeState.QUARANTINED
+    rig.drop_alarm("al-1")
+    held = rig.tick(advance=5.0)
+    assert held.state == NodeState.SUSPECT and checks == []  # the budget (one node) is used up
+    apply_event(rig.store, "gpu-o", HumanCommand(NodeState.BURNIN, "repaired"), now=rig.clock())
+    released = rig.tick(advance=60.0)
+    assert released.state == NodeState.QUARANTINED
+    assert [t["to"] for t in released.transitions] == ["quarantined"]
+    assert released.transitions[0]["code"] == "QuarantineBudgetExhausted"
+    assert checks == [NODE]
+    assert rig.metrics.transitions.labels(NODE, "quarantined")._value.get() == 1
+
+
 def test_a_runner_exception_is_our_error_not_a_verdict_and_the_loop_goes_on(rig_factory):
     def explode(request: ScreenRequest) -> Optional[ScreenOutcome]:
         raise RuntimeError("CUDA driver went away in our code")

@@ -47,7 +47,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from screener.agent.burnin import (BurninRequirement, crosscheck_digests_stage, missing_for_full,
                                    probe_report_stage)
@@ -62,9 +62,9 @@ from screener.health.probes import ProbeReport
 from screener.health.rules import is_condition
 from screener.known_answer.crosscheck import platform_digests
 from screener.lifecycle import machine as lifecycle
-from screener.lifecycle.apply import apply_event, reconsider_held
+from screener.lifecycle.apply import apply_event, release_held
 from screener.lifecycle.ports import Store
-from screener.lifecycle.records import ACTOR_HUMAN
+from screener.lifecycle.records import ACTOR_HUMAN, Transition
 from screener.settings.daemon import DaemonConfig
 from screener.types import (ANNOTATION_DIGESTS, NO_WORK_STATES, AlarmRecord, AlarmResult, ExitCode,
                             Finding, NodeState, Outcome, Reason, ScreenStop, Severity)
@@ -392,7 +392,7 @@ class Daemon:
         self._step(report, "intake", lambda: self._intake(report))
         if self.replay is not None:
             self._step(report, "replay", self.replay)
-        self._step(report, "budget", self._reconsider_budget)
+        self._step(report, "budget", lambda: self._reconsider_budget(report))
         if self.window.taint_dirty:
             self._step(report, "untaint", self.window.clear_stale)
         if not probed_first and (once or now >= self.next_probe):
@@ -411,10 +411,14 @@ class Daemon:
         self.metrics.beat()
         return report
 
-    def _reconsider_budget(self) -> None:
-        """A node held by the budget takes a slot another node freed."""
-        self.state = reconsider_held(self.store, self.node, self.state, now=self.clock(),
-                                     policy=self.config.lifecycle)
+    def _reconsider_budget(self, report: PassReport) -> None:
+        """A node held by the budget takes a slot another node freed: a quarantine like any other
+        (its metrics, its log line, its deep health check)."""
+        self.state, released = release_held(self.store, self.node, self.state, now=self.clock(),
+                                            policy=self.config.lifecycle)
+        if released is not None:
+            self._note_transitions((released,), "a quarantine budget slot freed", report)
+            self.metrics.set_state(self.state)
 
     def _step(self, report: PassReport, where: str, fn: Callable[[], Any]) -> None:
         try:
@@ -439,7 +443,15 @@ class Daemon:
         decision = apply_event(self.store, self.node, event, now=self.clock(),
                                policy=self.config.lifecycle)
         self.state = decision.state
-        for t in decision.transitions:
+        self._note_transitions(decision.transitions, why, report)
+        self.metrics.set_state(self.state)
+        return decision
+
+    def _note_transitions(self, transitions: Sequence[Transition], why: str,
+                          report: PassReport) -> None:
+        """What every recorded move is followed by: a metric, the pass report, a log line, and
+        for a quarantine the deep health check when it is configured."""
+        for t in transitions:
             self.metrics.transitions.labels(self.node, t.to_state.value).inc()
             entry = {"from": t.from_state.value if t.from_state else None, "to": t.to_state.value,
                      "reason": t.reason, "code": t.code, "time": t.time, "cause": why}
@@ -450,8 +462,6 @@ class Daemon:
                                "cause": why})
             if t.to_state == S.QUARANTINED and self.on_quarantine is not None:
                 self._deep_check(report)
-        self.metrics.set_state(self.state)
-        return decision
 
     def _deep_check(self, report: PassReport) -> None:
         assert self.on_quarantine is not None

@@ -17,7 +17,7 @@ from screener.lifecycle.records import (ACTOR_SCREENER, BUDGET_STATES, BudgetCon
                                         Transition)
 from screener.types import NodeState, Reason
 
-__all__ = ["apply_event", "reconsider_held"]
+__all__ = ["apply_event", "reconsider_held", "release_held"]
 
 
 def apply_event(store: Store, node: str, event: Any, *, now: float, policy: Any = None,
@@ -70,6 +70,21 @@ def reconsider_held(store: Store, node: str, state: Optional[NodeState] = None, 
                     policy: Any = None, min_interval_s: float = 30.0) -> Optional[NodeState]:
     """Give a node the quarantine-budget slot it was denied, once one is free; returns its state.
 
+    release_held, for a caller that only needs the state (see there).
+    """
+    return release_held(store, node, state, now=now, policy=policy,
+                        min_interval_s=min_interval_s)[0]
+
+
+def release_held(store: Store, node: str, state: Optional[NodeState] = None, *, now: float,
+                 policy: Any = None, min_interval_s: float = 30.0
+                 ) -> tuple[Optional[NodeState], Optional[Transition]]:
+    """Give a node the quarantine-budget slot it was denied, once one is free.
+
+    Returns the node's state and the transition recorded when it took a slot (else None), so the
+    caller treats it as any other move into quarantine or repair: its metrics, its log line, and
+    the deep health check that a quarantine starts.
+
     The daemon calls this on every tick with its cached `state`. A node whose confirmed failure
     found the budget used up was held in suspect (tainted, no new work) with the state it wanted in
     the evidence. When a slot frees (a node leaves quarantine or repair), the held node takes it:
@@ -78,10 +93,10 @@ def reconsider_held(store: Store, node: str, state: Optional[NodeState] = None, 
     per node (one read of the node and of the budget record).
     """
     if state is not None and state != NodeState.SUSPECT:
-        return state
+        return state, None
     last_look = _LAST_LOOK.get((id(store), node))
     if last_look is not None and 0 <= now - last_look < min_interval_s:
-        return state
+        return state, None
     _LAST_LOOK[(id(store), node)] = now
     policy = policy or lifecycle.DEFAULT_POLICY
     for attempt in range(10):
@@ -91,14 +106,14 @@ def reconsider_held(store: Store, node: str, state: Optional[NodeState] = None, 
                 if (txn.state != NodeState.SUSPECT or held is None
                         or held.to_state != NodeState.SUSPECT
                         or not held.evidence.get(lifecycle.EVIDENCE_HELD_BY_BUDGET)):
-                    return txn.state
+                    return txn.state, None
                 try:
                     wanted = NodeState(held.evidence.get("wanted") or NodeState.QUARANTINED.value)
                 except ValueError:
                     wanted = NodeState.QUARANTINED
                 limit = policy.budget_limit(max(1, txn.fleet_total))
                 if wanted not in BUDGET_STATES or txn.out_of_service + 1 > limit:
-                    return txn.state
+                    return txn.state, None
                 actions = ((lifecycle.Action.DEEP_HEALTH_CHECK.value,) if wanted == NodeState.QUARANTINED
                            else (lifecycle.Action.REQUEST_REPAIR.value,))
                 t = Transition(
@@ -112,10 +127,10 @@ def reconsider_held(store: Store, node: str, state: Optional[NodeState] = None, 
                     failure=False,  # the failure was counted when the node was held
                     gpu_serials=held.gpu_serials, rollback=held.rollback, actions=actions)
                 txn.commit([t])
-                return wanted
+                return wanted, t
         except (StaleTransition, BudgetConflict):
             continue
-    return state
+    return state, None
 
 
 # (store id, node) -> when reconsider_held last looked; a daemon has one store and one node.
