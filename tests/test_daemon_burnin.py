@@ -219,3 +219,23 @@ def test_a_burnin_shorter_than_configured_is_partial_and_keeps_the_node_in_burni
         assert verdict["missing"] == ["the known-answer jobs ran 5 s of the required 3600 s"]
     finally:
         rig.close()
+
+
+def test_a_mismatch_in_the_timed_rounds_stands_even_when_too_few_repeats_ran(kat_env):
+    """The daemon's worker runs the burn-in's rounds for the configured seconds and, when that was
+    too short for the required repeats, runs them again by count. A mismatch in the timed rounds is
+    evidence and must stand: a second run that passes (an intermittent fault) never replaces it."""
+    from screener.agent.screening import first_is_final
+
+    kat, _ = kat_env
+    jobs, golden = kat.dirs
+    specs = select_jobs(["tiny-gemm"], jobs_dir=jobs)
+    fault = {"cpu": [DeviceFault(op="mm", call=1, element=5, bit=0, iteration=0)]}
+    timed = run_burnin(["cpu"], specs, duration=1e-3, golden_dir=str(golden), jobs_dir=str(jobs),
+                       faults=fault)
+    assert timed.screen.iterations["cpu"] < 2 and timed.outcome == Outcome.SUSPECT
+    assert first_is_final(timed, 2)
+    clean = run_burnin(["cpu"], specs, duration=1e-3, golden_dir=str(golden), jobs_dir=str(jobs))
+    assert clean.screen.iterations["cpu"] < 2 and clean.outcome == Outcome.PASS
+    assert not first_is_final(clean, 2)  # too few repeats: the run by count follows
+    assert first_is_final(clean, clean.screen.iterations["cpu"])

@@ -477,6 +477,17 @@ def _recorded_workers(records: Iterable[Mapping[str, Any]]) -> list[host.Proc]:
     return found
 
 
+def first_is_final(first: burnin.BurninReport, iterations: int) -> bool:
+    """Whether the burn-in's timed rounds stand as its result, or a run of `iterations` repeats
+    must follow (the duration was too short to repeat every job that often).
+
+    A mismatch always stands: it is evidence against the device, and a second run that happens to
+    pass (an intermittent fault) must never replace it.
+    """
+    return (first.outcome == Outcome.SUSPECT
+            or min(first.screen.iterations.values(), default=0) >= iterations)
+
+
 def _burnin_stages(opts: Mapping[str, Any], faults: Any) -> dict[str, Any]:
     """The device stages of a full burn-in, as a screen result dict with the stages."""
     devices = kat.resolve_devices(opts.get("devices") or None)
@@ -492,7 +503,7 @@ def _burnin_stages(opts: Mapping[str, Any], faults: Any) -> dict[str, Any]:
                                       jobs_dir=opts.get("jobs_dir"),
                                       timeout=float(opts.get("job_timeout_s") or kat.DEFAULT_TIMEOUT),
                                       faults=faults)
-            if min(first.screen.iterations.values(), default=0) >= iterations:
+            if first_is_final(first, iterations):
                 return first
         return burnin.run_burnin(devices, specs, iterations=iterations,
                                  golden_dir=opts.get("golden_dir"), jobs_dir=opts.get("jobs_dir"),
