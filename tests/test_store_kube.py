@@ -572,3 +572,29 @@ def test_node_annotations_nested_past_the_parsers_limit_are_unparsable_not_fatal
     assert "unparsable" in store.get_verdict("gpu-1")
     api.nodes["gpu-1"]["metadata"]["annotations"][ANNOTATION_VERDICT] = "[1]"  # not an object
     assert "unparsable" in store.get_verdict("gpu-1")
+
+
+def test_a_replay_never_undoes_a_persons_later_decision(api, tmp_path):
+    """While this daemon could not write, it spooled decisions taken on the node's state then. A
+    person who meanwhile set the node (from a machine that could reach the API) decided later and
+    knew more: the replay drops the stale transitions, and the person's state stands."""
+    from screener.lifecycle.records import ACTOR_HUMAN
+
+    sleeps: list = []
+    daemon = make_store(api, sleeps, spool=Spool(tmp_path / "spool.db"),
+                        retry=RetryPolicy(attempts=2, base_delay=0.01))
+    daemon.record(tr("gpu-1", None, S.BURNIN))
+    daemon.record(tr("gpu-1", S.BURNIN, S.HEALTHY, NOW + 1))
+    api.down()
+    daemon.record(tr("gpu-1", S.HEALTHY, S.SUSPECT, NOW + 2))
+    daemon.record(tr("gpu-1", S.SUSPECT, S.QUARANTINED, NOW + 3))
+    assert daemon.pending() == 2
+    api.up()
+    person = make_store(api, sleeps)
+    person.record(tr("gpu-1", S.HEALTHY, S.REPAIR, NOW + 4, actor=ACTOR_HUMAN))
+    assert daemon.replay() == 0 and daemon.pending() == 0
+    node = api.node("gpu-1")
+    assert node["metadata"]["labels"][LABEL_STATE] == "repair"
+    assert [h["to"] for h in stored_history(api, "gpu-1")] == ["burnin", "healthy", "repair"]
+    daemon.close()
+    person.close()

@@ -49,12 +49,12 @@ from kubernetes.client.exceptions import ApiException
 
 from screener.settings import strict as configs
 from screener.settings.stores import in_pod
-from screener.errors import BadInputError, ConfigError, ExternalServiceError
+from screener.errors import BadInputError, ConfigError, ExternalServiceError, ScreenerError
 from screener.stores import kubeformat as kf
 from screener.stores.kubeconfig import check_kubeconfig, check_loaded
 from screener.stores.kubeformat import EVIDENCE_BYTES, shrink_evidence  # noqa: F401 (re-exported)
-from screener.lifecycle.records import (ACTOR_SCREENER, BUDGET_STATES, BudgetConflict, StaleTransition, Transition)
-from screener.lifecycle.records import json_safe
+from screener.lifecycle.records import (ACTOR_HUMAN, ACTOR_SCREENER, BUDGET_STATES, BudgetConflict,
+                                        StaleTransition, Transition, json_safe)
 from screener.stores.base import summary_row
 from screener.stores.paths import default_state_dir
 from screener.stores.spool import Spool
@@ -88,6 +88,11 @@ class TransientKubeError(KubeApiError):
 
 class NodeNotFound(BadInputError):
     """No Node of that name exists in the cluster."""
+
+
+class Superseded(ScreenerError):
+    """A spooled transition that a person's later decision on the node replaced: the screener
+    decided it on a state the person has since changed, while this daemon could not write."""
 
 
 @dataclass(frozen=True)
@@ -295,18 +300,28 @@ class KubeStore:
         Returns how many were written. Call it periodically (the daemon does); record() also does.
         """
         done = 0
+        superseded: set[str] = set()
         with self._lock:
             for seq, t in self.spool.entries():
+                if t.node in superseded:
+                    # Decided after the superseded one, on the state it led to: stale as well.
+                    log.error("dropping spooled transition %s of %s: an earlier one of the node was "
+                              "superseded by a person's decision", t.id, t.node)
+                    self.spool.remove(seq)
+                    continue
                 try:
                     self._write(t, check_from=False)
                 except TransientKubeError as e:
                     log.info("replay stopped, API still unavailable: %s", e)
                     break
-                except NodeNotFound as e:
-                    # The node was deleted meanwhile: there is nothing left to write this onto, and
-                    # keeping it would block every later transition behind it.
+                except (NodeNotFound, Superseded) as e:
+                    # The node was deleted meanwhile, or a person decided about it after this was
+                    # spooled: nothing to write it onto, or writing it would undo the person's
+                    # decision; and keeping it would block every later transition behind it.
                     log.error("dropping spooled transition %s of %s: %s", t.id, t.node, e)
                     self.spool.remove(seq)
+                    if isinstance(e, Superseded):
+                        superseded.add(t.node)
                     continue
                 # Other errors (RBAC, validation) propagate and keep the entry: a person must fix them.
                 self.spool.remove(seq)
@@ -489,6 +504,8 @@ class KubeStore:
                 return None  # written before (a replay after a partial write)
             stored = _state_of(obj)
             seen["stored"] = stored
+            if not check_from and stored != t.from_state:
+                _refuse_superseded(t, stored, on_node)
             if check_from and stored != t.from_state:
                 raise StaleTransition(
                     f"node {t.node}: transition {_name(t.from_state)} -> {t.to_state.value} not "
@@ -766,6 +783,23 @@ def _message(e: ApiException) -> str:
         return str(json.loads(e.body).get("message"))
     except (TypeError, ValueError, AttributeError):
         return str(e.body)[:200] if e.body else ""
+
+
+def _refuse_superseded(t: Transition, stored: Optional[NodeState],
+                       on_node: list[dict[str, Any]]) -> None:
+    """Raise Superseded when the node's latest recorded transition is a person's, made after `t`
+    was decided: a replay must not undo a person's decision with one taken on an older state."""
+    latest = on_node[-1] if on_node else None
+    if not latest or latest.get("actor") != ACTOR_HUMAN:
+        return
+    try:
+        when = float(latest.get("time"))
+    except (TypeError, ValueError):
+        return
+    if when >= t.time:
+        raise Superseded(f"node {t.node}: {_name(t.from_state)} -> {t.to_state.value} not "
+                         f"written: a person set it {_name(stored)} afterwards "
+                         f"({latest.get('reason') or 'no reason given'})")
 
 
 def _state_of(obj: Mapping[str, Any]) -> Optional[NodeState]:
