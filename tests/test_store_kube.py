@@ -596,5 +596,13 @@ def test_a_replay_never_undoes_a_persons_later_decision(api, tmp_path):
     node = api.node("gpu-1")
     assert node["metadata"]["labels"][LABEL_STATE] == "repair"
     assert [h["to"] for h in stored_history(api, "gpu-1")] == ["burnin", "healthy", "repair"]
+    # Hardware evidence is never dropped: the person could not see it while it was spooled.
+    daemon.record(tr("gpu-2", None, S.BURNIN))
+    api.down()
+    daemon.record(tr("gpu-2", S.BURNIN, S.QUARANTINED, NOW + 5, failure=True))
+    api.up()
+    person.record(tr("gpu-2", S.BURNIN, S.HEALTHY, NOW + 6, actor=ACTOR_HUMAN))
+    assert daemon.replay() == 1
+    assert api.node("gpu-2")["metadata"]["labels"][LABEL_STATE] == "quarantined"
     daemon.close()
     person.close()

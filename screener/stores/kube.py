@@ -303,7 +303,7 @@ class KubeStore:
         superseded: set[str] = set()
         with self._lock:
             for seq, t in self.spool.entries():
-                if t.node in superseded:
+                if t.node in superseded and not t.failure:
                     # Decided after the superseded one, on the state it led to: stale as well.
                     log.error("dropping spooled transition %s of %s: an earlier one of the node was "
                               "superseded by a person's decision", t.id, t.node)
@@ -788,7 +788,13 @@ def _message(e: ApiException) -> str:
 def _refuse_superseded(t: Transition, stored: Optional[NodeState],
                        on_node: list[dict[str, Any]]) -> None:
     """Raise Superseded when the node's latest recorded transition is a person's, made after `t`
-    was decided: a replay must not undo a person's decision with one taken on an older state."""
+    was decided: a replay must not undo a person's decision with one taken on an older state.
+
+    A failure (hardware evidence) is never superseded: the person could not see it while it sat
+    in the spool, and losing it could return a bad GPU to service.
+    """
+    if t.failure:
+        return
     latest = on_node[-1] if on_node else None
     if not latest or latest.get("actor") != ACTOR_HUMAN:
         return
