@@ -418,7 +418,6 @@ class Daemon:
                                             policy=self.config.lifecycle)
         if released is not None:
             self._note_transitions((released,), "a quarantine budget slot freed", report)
-            self.metrics.set_state(self.state)
 
     def _step(self, report: PassReport, where: str, fn: Callable[[], Any]) -> None:
         try:

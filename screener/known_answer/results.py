@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
 
-def _canonical(obj: Any) -> str:
+def canonical_json(obj: Any) -> str:
+    """The one JSON text of a value that content hashes (spec hashes, result digests) are taken of."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
 
 
@@ -38,7 +39,7 @@ class Step:
 
 def steps_digest(steps: Sequence[Step]) -> str:
     """16 hex digits over every loss bit pattern and fingerprint, in order."""
-    blob = _canonical([s.to_dict() for s in steps])
+    blob = canonical_json([s.to_dict() for s in steps])
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import math
 import os
 import struct
@@ -48,7 +47,7 @@ except ModuleNotFoundError:  # Python 3.10
 from screener import boundedjson
 from screener.errors import BadInputError, ConfigError
 from screener.known_answer.packagedata import data_dir
-from screener.known_answer.results import JobResult, Step
+from screener.known_answer.results import JobResult, Step, canonical_json
 
 # torch, and the modules that import it at their top (screener.fingerprint, synthetic,
 # screener.determinism), are imported inside the functions that run jobs: the CLI and the parent
@@ -89,10 +88,6 @@ def default_jobs_dir() -> Path:
     return data_dir("jobs")
 
 
-def _canonical(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-
-
 @dataclass(frozen=True)
 class JobSpec:
     """One validated job spec. `params_for(device)` merges the [cpu] or [cuda] overrides."""
@@ -111,7 +106,7 @@ class JobSpec:
     def spec_hash(self) -> str:
         """16 hex digits over what changes result bits: name, version, kind (and its code
         version) and every parameter; not the description, the quick flag or the path."""
-        blob = _canonical({"name": self.name, "version": self.version, "kind": self.kind,
+        blob = canonical_json({"name": self.name, "version": self.version, "kind": self.kind,
                            "impl": KINDS[self.kind][0], "params": dict(self.params),
                            "cpu": dict(self.cpu), "cuda": dict(self.cuda)})
         return hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -133,5 +133,5 @@ def release_held(store: Store, node: str, state: Optional[NodeState] = None, *, 
     return state, None
 
 
-# (store id, node) -> when reconsider_held last looked; a daemon has one store and one node.
+# (store id, node) -> when release_held last looked; a daemon has one store and one node.
 _LAST_LOOK: dict[tuple[int, str], float] = {}

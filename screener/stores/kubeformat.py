@@ -192,14 +192,13 @@ class Ledger:
         data = cm.get("data") or {}
         rv = (cm.get("metadata") or {}).get("resourceVersion")
         try:
-            return cls(fleet=_ledger_fleet(data.get("fleet")), out=_ledger_out(data.get("outOfService")),
+            out = _ledger_out(data.get("outOfService"))
+        except ValueError:
+            return cls(fleet=0, out={}, counted=0.0, resource_version=rv)
+        try:
+            return cls(fleet=_ledger_fleet(data.get("fleet")), out=out,
                        counted=_ledger_counted(data.get("counted")), resource_version=rv)
         except ValueError:
-            out: dict[str, dict[str, Any]] = {}
-            try:
-                out = _ledger_out(data.get("outOfService"))
-            except ValueError:
-                pass
             return cls(fleet=0, out=out, counted=0.0, resource_version=rv)
 
     def others_out(self, node: str) -> int:
