@@ -2,8 +2,10 @@
 
 `json.loads` on hostile text can raise RecursionError (a file of nested `[`), spend seconds on a
 5,000-digit integer (or raise ValueError from Python's digit limit), and accepts `NaN` and
-`Infinity`, which then leak into arithmetic. `loads` here turns every one of those into a
-ValueError with one line saying what is wrong, so a reader's caller handles a single exception.
+`Infinity`, which then leak into arithmetic, and keeps the last of two equal keys in an object
+(so a reader sees one value while a person, a diff or another parser sees the other). `loads` here
+turns every one of those into a ValueError with one line saying what is wrong, so a reader's
+caller handles a single exception.
 """
 
 from __future__ import annotations
@@ -35,6 +37,17 @@ def _finite_float(text: str) -> float:
     return v
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object's members as a dict; ValueError when a key appears twice (json keeps the last
+    silently, which lets a file carry a second, hidden value of the same field)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key[:60]!r} in an object")
+        out[key] = value
+    return out
+
+
 def depth(obj: Any) -> int:
     """How deeply arrays and objects nest in obj (a scalar is 0), without recursion."""
     deepest = 0
@@ -52,7 +65,8 @@ def depth(obj: Any) -> int:
 
 def loads(data: bytes | str, *, max_bytes: int, max_depth: int = MAX_DEPTH) -> Any:
     """The JSON value in data; ValueError (one line) when it is larger than max_bytes, not UTF-8,
-    not JSON, nested deeper than max_depth, or holds NaN, an infinity or a huge integer."""
+    not JSON, nested deeper than max_depth, or holds NaN, an infinity, a huge integer or an
+    object with a duplicate key."""
     if len(data) > max_bytes:
         raise ValueError(f"larger than {max_bytes} bytes")
     if isinstance(data, bytes):
@@ -62,7 +76,7 @@ def loads(data: bytes | str, *, max_bytes: int, max_depth: int = MAX_DEPTH) -> A
             raise ValueError(f"not UTF-8 text (byte {e.start})") from None
     try:
         value = json.loads(data, parse_constant=_no_constant, parse_int=_bounded_int,
-                           parse_float=_finite_float)
+                           parse_float=_finite_float, object_pairs_hook=_unique_keys)
     except RecursionError:
         raise ValueError(f"nested deeper than {max_depth} levels") from None
     except json.JSONDecodeError as e:

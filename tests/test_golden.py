@@ -133,7 +133,69 @@ def test_content_is_validated_not_only_the_checksum(spec_and_result, tmp_path, e
     _expect(path, needle, spec=spec)
 
 
+def _train_record(tmp_path, phash="00aa11bb22cc33dd", loss="0x3f800000"):
+    """A train-fp32 golden made from a result written out by hand (no run): 4 steps, each with a
+    float32 loss and one weight fingerprint, sealed as `golden record` seals it."""
+    spec = next(s for s in w.load_jobs(ROOT / "jobs") if s.name == "train-fp32")
+    steps = tuple(w.Step(i, f"step {i}", loss, (("w", (i, -i)),)) for i in range(4))
+    result = w.JobResult(spec.name, spec.spec_hash, "cpu", steps)
+    rec = g.record_from_results(spec, {"device": "cpu", "numeric_hash": phash}, phash,
+                                [("cpu", result)], repeats=1, host="h", now=0.0)
+    return spec, g.write(rec, tmp_path)
+
+
+@pytest.mark.parametrize("loss,needle", [
+    ("0x7fc00000", "NaN or an infinity"),          # float32 NaN
+    ("0x7f800000", "NaN or an infinity"),          # float32 +inf
+    ("0xff800000", "NaN or an infinity"),          # float32 -inf
+    ("0x7ff8000000000000", "NaN or an infinity"),  # float64 NaN
+    (None, "has no loss, but a train job records a 32-bit"),
+    ("0x3c00", "16-bit loss 0x3c00, but a train job records a 32-bit"),
+    ("0x3ff0000000000000", "64-bit loss"),
+])
+def test_a_loss_that_is_no_known_answer_is_refused(tmp_path, loss, needle):
+    spec, path = _train_record(tmp_path)
+    g.load(path, spec=spec)  # the control: the hand-made record is valid
+    path.write_text(_resealed(path.read_text(),
+                              lambda d: d["steps"][2].__setitem__("loss", loss)))
+    _expect(path, needle, spec=spec)
+
+
+def test_every_step_is_present_once(tmp_path):
+    spec, path = _train_record(tmp_path)
+
+    def copy_step(d):  # step 1 duplicated over step 2 (renumbered, count unchanged)
+        d["steps"][2] = {**d["steps"][1], "step": 2}
+    path.write_text(_resealed(path.read_text(), copy_step))
+    _expect(path, "step 2 repeats the label 'step 1' of step 1", spec=spec)
+
+
+def test_a_kind_without_a_loss_has_none(spec_and_result, tmp_path):
+    spec, result = spec_and_result
+    _, path = _record(spec, result, tmp_path)
+    path.write_text(_resealed(path.read_text(),
+                              lambda d: d["steps"][0].__setitem__("loss", "0x3f800000")))
+    _expect(path, "has a 32-bit loss 0x3f800000, but a gemm job records no loss", spec=spec)
+
+
+@pytest.mark.parametrize("where", ["top", "nested"])
+def test_a_duplicated_key_is_refused(tmp_path, where):
+    spec, path = _train_record(tmp_path)
+    good = path.read_text()
+    d = json.loads(good)
+    forged = json.loads(json.dumps(d["steps"]))
+    forged[0]["loss"] = "0x7fc00000"
+    if where == "top":  # a hidden first "steps" that json.loads would drop for the second
+        text = '{"steps": ' + json.dumps(forged) + ", " + good.lstrip()[1:]
+    else:
+        text = good.replace('"repeats": 1', '"repeats": 1, "repeats": 9')
+        assert text != good
+    path.write_text(text)
+    _expect(path, "duplicate key", spec=spec)
+
+
 @pytest.mark.parametrize("text,needle", [
+    ('{"schema": 1, "schema": 2}', "duplicate key 'schema'"),
     ("[" * 100_000 + "]" * 100_000, "nested deeper"),
     ('{"schema": 1, "job_version": ' + "7" * 5000 + "}", "digits"),
     ('{"schema": 1, "job_version": Infinity}', "not a number JSON allows"),
@@ -196,3 +258,20 @@ def test_cli_verify_and_kat_run_reject_a_corrupted_golden(spec_and_result, tmp_p
     assert "not valid JSON" in r.stderr and str(path) in r.stderr and "Traceback" not in r.stderr
     r = _cli("golden", "list", str(tmp_path))
     assert r.returncode == 2 and str(path) in r.stderr
+
+
+def test_verify_and_a_screen_refuse_a_nan_golden_with_exit_2(tmp_path):
+    """The issue-23 case: a NaN loss, resealed, passed verify and made `kat run` exit 75."""
+    from screener.known_answer.kat import local_platform
+
+    phash = local_platform("cpu").numeric_hash
+    spec, path = _train_record(tmp_path, phash=phash)
+    path.write_text(_resealed(path.read_text(),
+                              lambda d: d["steps"][0].__setitem__("loss", "0x7fc00000")))
+    for args in (("golden", "verify", str(tmp_path)),
+                 ("kat", "run", "--job", "train-fp32", "--device", "cpu",
+                  "--golden-dir", str(tmp_path))):
+        r = _cli(*args)
+        assert r.returncode == 2, (args, r.stdout, r.stderr)
+        assert r.stderr.strip().splitlines()[-1].endswith("not a known answer"), r.stderr
+        assert str(path) in r.stderr and "Traceback" not in r.stderr

@@ -9,11 +9,14 @@ fingerprint), their digest, and a sha256 over the canonical content.
 Loading validates everything: a file that is truncated, edited, of another schema, misnamed or
 recorded for another version of the job raises GoldenError (exit 2) with one line naming the file
 and the problem. The checksum catches corruption, not tampering (anyone can recompute it), so the
-content is validated too: the file is parsed within bounds (screener.boundedjson: no NaN or
-infinity, no huge integer, bounded nesting and size), steps are numbered 0..n-1, every loss is a
-float bit pattern, every fingerprint a pair of signed 64-bit values, and with its job spec, the
-number of steps is the one the spec implies on the recorded device. A broken golden is bad input,
-never a hardware verdict. Golden files are written only by `screener golden record`
+content is validated for meaning too: the file is parsed within bounds (screener.boundedjson: no
+NaN or infinity, no huge integer, no key twice in an object, bounded nesting and size), steps are
+numbered 0..n-1 with distinct labels, every loss is a finite float bit pattern, every fingerprint a
+pair of signed 64-bit values, and with its job spec, the number of steps is the one the spec
+implies on the recorded device and every loss has the width of the loss the job's kind records
+(float32 for train and replay, none for gemm and conv). A broken golden is bad input (exit 2),
+never a hardware verdict: a device compared with a NaN, a 16-bit pattern or a missing loss would
+differ from it and read as suspect. Golden files are written only by `screener golden record`
 (record_from_results + write), atomically.
 
 Schema 2 adds `also`: the other platforms (hash, signature, how recorded) whose devices gave the
@@ -54,6 +57,14 @@ MAX_STEPS = 100_000
 MAX_TENSORS = 100_000
 _I64 = (-(2**63), 2**63 - 1)
 _LOSS_RE = re.compile(r"^0x(?:[0-9a-f]{4}|[0-9a-f]{8}|[0-9a-f]{16})$")
+# Exponent masks of the float widths whose type the width alone gives (an all-ones exponent is an
+# infinity or a NaN). 16-bit patterns could be float16 or bfloat16: only the job says which, and
+# spec_problem refuses them for every kind that exists (none records a 16-bit loss).
+_EXPONENT_MASK = {8: 0x7F800000, 16: 0x7FF0000000000000}
+# The loss width (bits) each kind records, from screener.known_answer.workloads: train and replay
+# take synthetic.compute_loss, a cross-entropy over float32 logits (also under bf16/fp16
+# autocast), so their loss is float32; gemm, conv and selftest record no loss (None).
+LOSS_BITS: Mapping[str, Optional[int]] = {"train": 32, "replay": 32}
 
 
 def default_golden_dir() -> Path:
@@ -135,7 +146,7 @@ def parse(path: str | os.PathLike[str], text: str) -> GoldenRecord:
     try:
         d = boundedjson.loads(text, max_bytes=MAX_GOLDEN_BYTES, max_depth=8)
     except ValueError as e:
-        raise _fail(p, f"{e}; truncated or corrupted") from None
+        raise _fail(p, f"{e}; truncated, corrupted or edited") from None
     if not isinstance(d, dict):
         raise _fail(p, "is not a JSON object")
     if d.get("schema") not in (SCHEMA, SCHEMA_ALSO):
@@ -209,6 +220,7 @@ def _steps_problem(steps: Any) -> str:
         return "has no steps"
     if len(steps) > MAX_STEPS:
         return f"has {len(steps)} steps (at most {MAX_STEPS})"
+    labels: dict[str, int] = {}  # every step present once: a copied step keeps its label
     for i, s in enumerate(steps):
         if not isinstance(s, dict) or set(s) != {"step", "label", "loss", "tensors"}:
             return f"step {i} is not an object with step, label, loss and tensors"
@@ -216,9 +228,12 @@ def _steps_problem(steps: Any) -> str:
             return f"step {i} is numbered {str(s['step'])[:40]} (steps run 0..n-1 in order)"
         if not isinstance(s["label"], str) or len(s["label"]) > 200:
             return f"step {i} label is not a short string"
-        if s["loss"] is not None and (not isinstance(s["loss"], str)
-                                      or not _LOSS_RE.match(s["loss"])):
-            return f"step {i} loss {str(s['loss'])[:40]!r} is not a float bit pattern (0x + hex)"
+        problem = _loss_problem(s["loss"])
+        if problem:
+            return f"step {i} loss {problem}"
+        if s["label"] in labels:
+            return f"step {i} repeats the label {s['label'][:80]!r} of step {labels[s['label']]}"
+        labels[s["label"]] = i
         tensors = s["tensors"]
         if not isinstance(tensors, list) or len(tensors) > MAX_TENSORS:
             return f"step {i} tensors is not a list of at most {MAX_TENSORS}"
@@ -236,18 +251,45 @@ def _steps_problem(steps: Any) -> str:
     return ""
 
 
+def _loss_problem(loss: Any) -> str:
+    """What is wrong with one step's loss as written ("" when nothing is): None, or the hex bit
+    pattern of a 16, 32 or 64-bit float that, where the width gives the type, is finite."""
+    if loss is None:
+        return ""
+    if not isinstance(loss, str) or not _LOSS_RE.match(loss):
+        return f"{str(loss)[:40]!r} is not a float bit pattern (0x + 4, 8 or 16 hex digits)"
+    mask = _EXPONENT_MASK.get(len(loss) - 2)
+    if mask is not None and int(loss, 16) & mask == mask:
+        # A run that produced NaN or an infinity is not a known answer: a golden made of one
+        # would call every healthy device different.
+        return f"{loss} is a NaN or an infinity, not a known answer"
+    return ""
+
+
+def _loss_width_problem(record: GoldenRecord, spec: JobSpec) -> str:
+    """Where a step's loss is not of the width the job's kind records ("" when none is)."""
+    want = LOSS_BITS.get(spec.kind)
+    for s in record.steps:
+        bits = None if s.loss is None else (len(s.loss) - 2) * 4
+        if bits != want:
+            have = "no loss" if bits is None else f"a {bits}-bit loss {s.loss}"
+            need = "no loss" if want is None else f"a {want}-bit (float{want}) loss"
+            return f"step {s.step} has {have}, but a {spec.kind} job records {need}"
+    return ""
+
+
 def spec_problem(record: GoldenRecord, spec: JobSpec) -> str:
     """What in the record contradicts its job spec ("" when nothing does): the number of steps the
-    spec implies on the device the record was made on."""
+    spec implies on the device the record was made on, and the width of every loss."""
     device = str(record.platform.get("device") or "cpu")
     try:
         want = expected_steps(spec, device)
     except (KeyError, TypeError, ValueError):
-        return ""
+        want = len(record.steps)  # a spec the kind's table cannot size: the count is unchecked
     if len(record.steps) != want:
         return (f"has {len(record.steps)} steps but job {spec.name} implies {want} on "
                 f"{device.split(':')[0]}")
-    return ""
+    return _loss_width_problem(record, spec)
 
 
 def load(path: str | os.PathLike[str], *, spec: Optional[JobSpec] = None,
