@@ -15,13 +15,14 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+import cli_util
 from screener.cli import main
 from screener.errors import BadInputError
 from screener.lifecycle.machine import NodeSeen
 from screener.lifecycle.apply import apply_event
 from screener.lifecycle.records import StaleTransition, Transition
 from screener.stores import open_store
-from screener.stores.local import SCHEMA_VERSION, LocalStore
+from screener.stores.local import APPLICATION_ID, SCHEMA_VERSION, LocalStore
 from screener.types import AlarmRecord, NodeState, SuspectNode
 
 S = NodeState
@@ -359,3 +360,139 @@ def test_a_full_disk_is_named_not_a_rollback_error(tmp_path):
     assert code == 1 and stderr.count("\n") == 1 and "Traceback" not in stderr
     assert f"{mnt}/new.db: the disk is full (filesystem {mnt}" in stderr
     assert out["after"] == "quarantined"
+
+
+# --- the store refuses what it did not write (issue 23.4) --------------------------------------
+
+def _sqlite(path: Path, *statements: str) -> Path:
+    db = sqlite3.connect(path)
+    for stmt in statements:
+        db.execute(stmt)
+    db.commit(), db.close()
+    return path
+
+
+def _our_store(path: Path) -> Path:
+    with LocalStore(path) as store:
+        store.record(t("n1", None, S.BURNIN, NOW))
+        store.record(t("n1", S.BURNIN, S.QUARANTINED, NOW + 1, True, ["SN-1"]))
+        store.set_verdict("n1", {"outcome": "suspect"})
+    return path
+
+
+FOREIGN = {
+    "empty": (lambda p: (p.write_bytes(b""), p)[1], "an empty file, not a screener database"),
+    "not sqlite": (lambda p: (p.write_bytes(b"plain text " * 500), p)[1], "not a usable"),
+    "another program's sqlite": (
+        lambda p: _sqlite(p, "CREATE TABLE songs (title TEXT)"), "schema version 0, no table nodes"),
+    "another application id": (
+        lambda p: _sqlite(p, "PRAGMA application_id = 1234", "CREATE TABLE t (x)"),
+        "application id 0x000004d2 is another program's"),
+    "newer schema": (lambda p: _sqlite(_our_store(p), f"PRAGMA user_version = {SCHEMA_VERSION + 1}"),
+                     f"schema version {SCHEMA_VERSION + 1} is newer"),
+    "older user_version": (lambda p: _sqlite(_our_store(p), "PRAGMA user_version = 0"),
+                           "not a screener database (schema version 0"),
+    "a table dropped": (lambda p: _sqlite(_our_store(p), "DROP TABLE verdicts"), "no table verdicts"),
+    "same tables, other columns": (
+        lambda p: _sqlite(p, "PRAGMA user_version = 1", "CREATE TABLE nodes (node, state)",
+                          "CREATE TABLE transitions (x)", "CREATE TABLE verdicts (node, verdict)"),
+        "table nodes lacks since, last_id"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(FOREIGN))
+def test_a_file_it_did_not_write_is_one_line_and_left_alone(tmp_path, kind):
+    make, needle = FOREIGN[kind]
+    path = make(tmp_path / "x.db")
+    before = path.read_bytes()
+    for read_only in (True, False):
+        with pytest.raises(BadInputError) as e:
+            LocalStore(path, read_only=read_only)
+        text = str(e.value)
+        assert text.startswith(f"{path}: ") and needle in text and "\n" not in text, text
+        assert e.value.exit_code == 2
+        assert path.read_bytes() == before, (kind, read_only)  # nothing written, ever
+    r = cli_util.screener("node", "status", "--store", "local", "--db", str(path))
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_read_only_commands_never_write(tmp_path):
+    path = _our_store(tmp_path / "s.db")
+    before = path.read_bytes()
+    for args in (["node", "status"], ["node", "status", "n1"], ["node", "history", "n1"],
+                 ["lemons"], ["report", "fleet", "-o", str(tmp_path / "r.html")]):
+        r = cli_util.screener(*args, "--store", "local", "--db", str(path))
+        assert r.returncode == 0, (args, r.stderr)
+    assert path.read_bytes() == before
+    with LocalStore(path, read_only=True) as store:  # and a write through it is refused
+        with pytest.raises(Exception, match="readonly"):
+            store.record(t("n2", None, S.BURNIN, NOW))
+    assert path.read_bytes() == before
+
+
+def test_a_store_of_the_first_schema_is_still_ours(tmp_path):
+    # Written before the application id: our tables, user_version 1, application id 0.
+    path = _sqlite(_our_store(tmp_path / "old.db"), "PRAGMA application_id = 0")
+    with LocalStore(path, read_only=True) as store:
+        assert store.get_state("n1") == S.QUARANTINED
+    assert sqlite3.connect(path).execute("PRAGMA application_id").fetchone()[0] == 0
+    with LocalStore(path) as store:  # a writer stamps it
+        assert [h.to_state for h in store.history("n1")] == [S.BURNIN, S.QUARANTINED]
+    assert sqlite3.connect(path).execute("PRAGMA application_id").fetchone()[0] == APPLICATION_ID
+
+
+def test_a_new_store_appears_whole(tmp_path):
+    path = tmp_path / "deep" / "new.db"
+    LocalStore(path).close()
+    assert sorted(p.name for p in path.parent.iterdir() if p.name.startswith(".")) == []
+    db = sqlite3.connect(path)
+    assert db.execute("PRAGMA application_id").fetchone()[0] == APPLICATION_ID
+    assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    db.close()
+    with pytest.raises(BadInputError, match="no state database there"):
+        LocalStore(tmp_path / "missing.db", read_only=True)
+    assert not (tmp_path / "missing.db").exists()
+
+
+EDITS = {
+    "unknown state": ("UPDATE nodes SET state = 'exploded'",
+                      "table nodes, node 'n1': state 'exploded' is not a node state"),
+    "record not JSON": ("UPDATE transitions SET record = '{not json' WHERE seq = 2",
+                        "table transitions, row 2 (node 'n1'): the record is not a transition"),
+    "record an array": ("UPDATE transitions SET record = '[1, 2]' WHERE seq = 2",
+                        "row 2 (node 'n1'): the record is not a transition (not a JSON object)"),
+    "record unknown to-state": (
+        "UPDATE transitions SET record = json_set(record, '$.to', 'gone') WHERE seq = 2",
+        "row 2 (node 'n1'): the record is not a transition (malformed"),
+    "record of another node": (
+        "UPDATE transitions SET record = json_set(record, '$.node', 'n9') WHERE seq = 2",
+        "row 2 (node 'n1'): the record is not a transition (it is about node 'n9')"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(EDITS))
+def test_an_edited_row_is_one_line_naming_it(tmp_path, kind):
+    edit, needle = EDITS[kind]
+    path = _sqlite(_our_store(tmp_path / "s.db"), edit)
+    with LocalStore(path) as store:
+        if kind == "unknown state":
+            reads = [store.summaries, store.all_states, lambda: store.get_state("n1")]
+        else:  # every read of the records, the per-GPU lemon lookup's SQL included
+            reads = [store.summaries, lambda: store.history("n1"), lambda: store.failures(0),
+                     lambda: store.failures_for(["SN-1"], 0)]
+        for read in reads:
+            with pytest.raises(BadInputError) as e:
+                read()
+            assert str(e.value) == f"{path}: " + str(e.value).split(": ", 1)[1]
+            assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+    r = cli_util.screener("node", "status", "--store", "local", "--db", str(path))
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_an_edited_verdict_is_one_line(tmp_path):
+    path = _sqlite(_our_store(tmp_path / "s.db"), "UPDATE verdicts SET verdict = 'NaN'")
+    with LocalStore(path) as store, pytest.raises(BadInputError,
+                                                  match="table verdicts, node 'n1': the verdict"):
+        store.get_verdict("n1")

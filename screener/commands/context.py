@@ -62,8 +62,9 @@ class AppContext:
     def store(self, choice: StoreChoice) -> Any:
         """The store `choice` names (None for kind "none"), open until the command ends.
 
-        A local store whose --db does not exist is refused (exit 2) unless the choice may create
-        it; see StoreChoice.create.
+        A choice that may not create (StoreChoice.create: a command that only reads) opens a
+        local store read-only: a --db that does not exist is refused (exit 2) and nothing is
+        ever written to the file.
         """
         kind = self.store_kind(choice)
         if self._store is not None:
@@ -81,7 +82,7 @@ class AppContext:
         from screener.stores import open_store
 
         if kind == "local":
-            opened = open_store("local", db=choice.db)
+            opened = open_store("local", db=choice.db, read_only=not choice.create)
         else:
             extra = {"event_namespace": choice.event_namespace} if choice.event_namespace else {}
             opened = open_store("kube", kubeconfig=choice.kubeconfig, spool=choice.spool, **extra)

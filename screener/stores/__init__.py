@@ -24,15 +24,18 @@ def open_store(kind: str = "local", *, db: Optional[os.PathLike[str] | str] = No
                **kwargs: Any) -> Store:
     """Open a store by kind.
 
-    local: SQLite at `db` (default: default_state_dir()/screener.db).
+    local: SQLite at `db` (default: default_state_dir()/screener.db); `read_only=True` for a
+      command that only reads (nothing is created or written; see LocalStore).
     kube: the cluster's Node objects, via `kubeconfig`, or in-cluster configuration when running in
       a pod, or ~/.kube/config; transitions that cannot be written yet go to the spool at `spool`
       (default: default_state_dir()/spool.db). Extra keyword arguments go to KubeStore.
     """
     if kind == "local":
+        read_only = bool(kwargs.pop("read_only", False))
         if kwargs:
             raise ConfigError(f"local store: unknown options {sorted(kwargs)}")
-        return LocalStore(db if db is not None else default_state_dir() / "screener.db")
+        return LocalStore(db if db is not None else default_state_dir() / "screener.db",
+                          read_only=read_only)
     if kind == "kube":
         # Here, not at the top: the kubernetes client takes 1-3 s to import, and the local store,
         # the CLI's default, must not pay for it.

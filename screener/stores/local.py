@@ -2,8 +2,17 @@
 
 Used by `screener burnin` and the CLI when no cluster is configured. WAL journal, one transaction
 per transition (state and history together, so a process killed mid-write leaves either the whole
-transition or none of it), and a schema version in PRAGMA user_version: a file written by a newer
-screener is refused with a clear message instead of being misread.
+transition or none of it).
+
+The store refuses what it did not write (BadInputError, exit 2, one line): a file is ours when
+its PRAGMA application_id is APPLICATION_ID, its user_version is SCHEMA_VERSION and it has our
+tables; an empty file, another program's SQLite database or one of a newer schema is named and
+left alone, never taken for an empty fleet. (Files of the first schema, written before the
+application id, are recognised by their tables and get the id on their first writable open.) A
+new database is built under a temporary name and linked into place whole, so no half-made file is
+ever found at the path. `read_only=True` (the commands that only read) opens the file with
+SQLite's mode=ro: it creates nothing and writes nothing. Every row read back is validated: an
+unknown state or a record that is not a transition is one line naming the row.
 """
 
 from __future__ import annotations
@@ -12,11 +21,13 @@ import errno
 import json
 import os
 import sqlite3
+import secrets
 import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
+from screener import boundedjson
 from screener.errors import BadInputError, ScreenerError
 from screener.lifecycle.records import BUDGET_STATES, StaleTransition, Transition
 from screener.lifecycle.records import json_safe
@@ -24,6 +35,13 @@ from screener.stores.base import DiskFullError, summary_row
 from screener.types import NodeState
 
 SCHEMA_VERSION = 1
+APPLICATION_ID = 0x5343524E  # "SCRN" in PRAGMA application_id: this file is a screener store
+# Columns of each of our tables, as _SCHEMA creates them: how a file is recognised as ours.
+_TABLES = {"nodes": ("node", "state", "since", "last_id"),
+           "transitions": ("seq", "id", "node", "time", "from_state", "to_state", "failure",
+                           "record"),
+           "verdicts": ("node", "verdict")}
+MAX_RECORD_BYTES = 4 * 1024 * 1024  # a stored transition or verdict (evidence is bounded far lower)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS nodes (
@@ -87,58 +105,177 @@ def _is_disk_full(e: BaseException) -> bool:
     return False
 
 
-class LocalStore:
-    """A Store in a SQLite file. Safe to share between threads of one process and between processes."""
+def _create_schema(db: sqlite3.Connection) -> None:
+    """Our tables, the application id and the schema version, in one transaction."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        for stmt in _SCHEMA.split(";"):
+            if stmt.strip():
+                db.execute(stmt)
+        db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+        db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        db.execute("COMMIT")
+    except BaseException:
+        if db.in_transaction:
+            db.execute("ROLLBACK")
+        raise
 
-    def __init__(self, path: os.PathLike[str] | str, *, timeout: float = 10.0) -> None:
+
+def _link_into_place(tmp: Path, target: Path) -> None:
+    """Give the finished file `tmp` the name `target` unless something already has it (then the
+    other file stands and tmp is left to be removed), and make the new name durable."""
+    try:
+        os.link(tmp, target)
+    except FileExistsError:
+        return  # another process created the store meanwhile
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+            raise
+        # A filesystem without hard links: a rename, which does not refuse an existing name,
+        # so only when there is none (a narrow race, against another first start only).
+        if target.exists():
+            return
+        os.rename(tmp, target)
+    fd = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalStore:
+    """A Store in a SQLite file. Safe to share between threads of one process and between processes.
+
+    read_only: for the commands that only read: a missing file is an error rather than a new
+    store, and nothing is ever written to the file (SQLite's mode=ro).
+    """
+
+    def __init__(self, path: os.PathLike[str] | str, *, timeout: float = 10.0,
+                 read_only: bool = False) -> None:
         self.path = str(path)
-        if self.path != ":memory:":
-            try:
-                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                if _is_disk_full(e):
-                    raise DiskFullError(disk_full_message(self.path, "create the store's "
-                                                          "directory")) from e
-                raise BadInputError(f"{self.path}: cannot create the store's directory: "
-                                    f"{e.strerror or e}") from e
+        self.read_only = read_only
+        self._lock = threading.Lock()
         try:
-            # isolation_level=None: we issue BEGIN/COMMIT ourselves, one transaction per write.
-            self._db = sqlite3.connect(self.path, timeout=timeout, isolation_level=None,
-                                       check_same_thread=False)
-            self._lock = threading.Lock()
-            self._setup()
+            if self.path != ":memory:":
+                self._check_file(timeout)
+            self._db = self._connect(timeout)
+            try:
+                self._setup()
+            except BaseException:
+                self._db.close()
+                raise
         except sqlite3.DatabaseError as e:
             if _is_disk_full(e):
                 raise DiskFullError(disk_full_message(self.path, "open the state database")) from e
             raise BadInputError(f"{self.path}: not a usable screener database: {e}") from e
 
+    def _check_file(self, timeout: float) -> None:
+        """Refuse a path that holds no store we can open as asked; create a missing one (when
+        not read-only)."""
+        try:
+            size: Optional[int] = os.stat(self.path).st_size
+        except FileNotFoundError:
+            size = None
+        except OSError as e:
+            raise BadInputError(f"{self.path}: cannot read the state database: "
+                                f"{e.strerror or e}") from e
+        if size == 0:
+            # SQLite would take it for an empty database and write a schema into it; no store of
+            # ours is ever empty (a new one is linked into place whole, see _create).
+            raise BadInputError(f"{self.path}: an empty file, not a screener database: remove it "
+                                "(a new store is then created there) or give another path")
+        if size is None:
+            if self.read_only:
+                raise BadInputError(f"{self.path}: no state database there (a command that only "
+                                    "reads never creates one)")
+            self._create(timeout)
+
+    def _create(self, timeout: float) -> None:
+        """A new, empty store: built under a temporary name beside the path, then hard-linked into
+        place, so a process killed half-way leaves no half-made file where a store is looked
+        for. Another process that links first wins, and its store is opened instead."""
+        target = Path(self.path)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.parent / f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.new"
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        except OSError as e:
+            if _is_disk_full(e):
+                raise DiskFullError(disk_full_message(self.path, "create the state database")) from e
+            raise BadInputError(f"{self.path}: cannot create the state database: "
+                                f"{e.strerror or e}") from e
+        try:
+            db = sqlite3.connect(tmp, timeout=timeout, isolation_level=None)
+            try:
+                db.execute("PRAGMA journal_mode = WAL")  # kept in the file's header
+                db.execute("PRAGMA synchronous = FULL")
+                _create_schema(db)
+            finally:
+                db.close()  # checkpoints the WAL into the file and removes it
+            _link_into_place(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _connect(self, timeout: float) -> sqlite3.Connection:
+        # isolation_level=None: we issue BEGIN/COMMIT ourselves, one transaction per write.
+        if self.read_only and self.path != ":memory:":
+            uri = Path(os.path.abspath(self.path)).as_uri() + "?mode=ro"
+            return sqlite3.connect(uri, uri=True, timeout=timeout, isolation_level=None,
+                                   check_same_thread=False)
+        return sqlite3.connect(self.path, timeout=timeout, isolation_level=None,
+                               check_same_thread=False)
+
     def _setup(self) -> None:
         db = self._db
-        version = db.execute("PRAGMA user_version").fetchone()[0]
-        if version > SCHEMA_VERSION:
-            db.close()
-            raise BadInputError(f"{self.path}: database schema version {version} is newer than this "
-                                f"screener understands ({SCHEMA_VERSION}); upgrade screener or use "
-                                f"another --db")
         db.execute("PRAGMA busy_timeout = 10000")
-        if self.path != ":memory:":
-            mode = db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-            if str(mode).lower() != "wal":
-                raise BadInputError(f"{self.path}: cannot switch the database to WAL (got {mode})")
+        if self.path == ":memory:":
+            _create_schema(db)
+            return
+        app_id = db.execute("PRAGMA application_id").fetchone()[0]
+        version = db.execute("PRAGMA user_version").fetchone()[0]
+        problem = self._foreign(app_id, version)
+        if problem:
+            raise BadInputError(f"{self.path}: {problem}")
+        if self.read_only:
+            return
+        mode = db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        if str(mode).lower() != "wal":
+            raise BadInputError(f"{self.path}: cannot switch the database to WAL (got {mode})")
         # FULL: a committed transition survives power loss too; transitions are rare, so it is cheap.
         db.execute("PRAGMA synchronous = FULL")
-        db.execute("PRAGMA foreign_keys = ON")
-        if version < SCHEMA_VERSION:
+        if app_id == 0:  # a store of the first schema, from before the id: stamp it as ours
             db.execute("BEGIN IMMEDIATE")
             try:
-                for stmt in _SCHEMA.split(";"):
-                    if stmt.strip():
-                        db.execute(stmt)
-                db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+                db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
                 db.execute("COMMIT")
             except BaseException:
                 self._rollback()
                 raise
+
+    def _foreign(self, app_id: int, version: int) -> str:
+        """Why the open file is not a store this screener wrote ("" when it is one)."""
+        if app_id not in (APPLICATION_ID, 0):
+            return (f"not a screener database (SQLite application id {app_id:#010x} is another "
+                    "program's); screener neither reads nor changes it")
+        if version > SCHEMA_VERSION:
+            return (f"database schema version {version} is newer than this screener understands "
+                    f"({SCHEMA_VERSION}); upgrade screener or use another --db")
+        missing = self._missing_columns()
+        if version < SCHEMA_VERSION or missing:
+            return (f"not a screener database (schema version {version}"
+                    f"{', ' + missing if missing else ''}); screener neither reads nor changes it")
+        return ""
+
+    def _missing_columns(self) -> str:
+        """Which of our tables or columns the file lacks ("" when it has them all)."""
+        for table, want in _TABLES.items():
+            have = {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}
+            if not have:
+                return f"no table {table}"
+            lacking = [c for c in want if c not in have]
+            if lacking:
+                return f"table {table} lacks {', '.join(lacking)}"
+        return ""
 
     def _rollback(self) -> None:
         """Roll back if a transaction is open. SQLite may already have rolled back by itself (a
@@ -156,9 +293,34 @@ class LocalStore:
 
     # --- Store protocol ----------------------------------------------------------------------
 
+    def _state_of(self, node: str, value: Any) -> NodeState:
+        """The state a nodes row holds; BadInputError naming the row when it is none of ours."""
+        try:
+            return NodeState(value)
+        except ValueError:
+            raise BadInputError(
+                f"{self.path}: table nodes, node {str(node)[:128]!r}: state {str(value)[:40]!r} "
+                f"is not a node state ({', '.join(s.value for s in NodeState)})") from None
+
+    def _transition_of(self, seq: Any, node: str, text: Any) -> Transition:
+        """The Transition a transitions row holds; BadInputError naming the row when its record
+        is not JSON, not a transition, or about another node than the row's."""
+        try:
+            data = boundedjson.loads(text, max_bytes=MAX_RECORD_BYTES)
+            if not isinstance(data, dict):
+                raise ValueError("not a JSON object")
+            t = Transition.from_dict(data)
+            if t.node != node:
+                raise ValueError(f"it is about node {t.node[:128]!r}")
+            return t
+        except (TypeError, ValueError) as e:
+            raise BadInputError(f"{self.path}: table transitions, row {seq} (node "
+                                f"{str(node)[:128]!r}): the record is not a transition "
+                                f"({str(e)[:200]})") from None
+
     def get_state(self, node: str) -> Optional[NodeState]:
         row = self._query("SELECT state FROM nodes WHERE node = ?", (node,))
-        return NodeState(row[0][0]) if row else None
+        return self._state_of(node, row[0][0]) if row else None
 
     @contextmanager
     def _write(self, what: str) -> Iterator[None]:
@@ -186,7 +348,7 @@ class LocalStore:
         if db.execute("SELECT 1 FROM transitions WHERE id = ?", (t.id,)).fetchone():
             return  # already recorded: a replay
         row = db.execute("SELECT state FROM nodes WHERE node = ?", (t.node,)).fetchone()
-        stored = NodeState(row[0]) if row else None
+        stored = self._state_of(t.node, row[0]) if row else None
         if stored != t.from_state:
             raise StaleTransition(
                 f"node {t.node}: transition {_name(t.from_state)} -> {t.to_state.value} "
@@ -216,29 +378,32 @@ class LocalStore:
         """Failures at or after `since` that blame one of `serials` (the per-GPU lemon rule)."""
         with self._lock:
             try:
-                return _failures_for(self._db, serials, since)
+                return _failures_for(self, self._db, serials, since)
             except sqlite3.Error as e:
                 raise self._error("read the store", e) from e
 
     def summaries(self) -> list[dict[str, Any]]:
         """node, state, since, reason, actor of every node, in one query (`node status`)."""
-        rows = self._query("SELECT n.node, n.state, t.record FROM nodes n LEFT JOIN transitions t "
-                           "ON t.id = n.last_id ORDER BY n.node")
-        return [summary_row(node, NodeState(state), json.loads(rec) if rec else None)
-                for node, state, rec in rows]
+        rows = self._query("SELECT n.node, n.state, t.seq, t.record FROM nodes n LEFT JOIN "
+                           "transitions t ON t.id = n.last_id ORDER BY n.node")
+        return [summary_row(node, self._state_of(node, state),
+                            self._transition_of(seq, node, rec).to_dict() if rec else None)
+                for node, state, seq, rec in rows]
 
     def history(self, node: str, since: Optional[float] = None) -> list[Transition]:
-        rows = self._query("SELECT record FROM transitions WHERE node = ? AND time >= ? ORDER BY seq",
+        rows = self._query("SELECT seq, record FROM transitions WHERE node = ? AND time >= ? "
+                           "ORDER BY seq",
                            (node, float("-inf") if since is None else float(since)))
-        return [Transition.from_dict(json.loads(r[0])) for r in rows]
+        return [self._transition_of(seq, node, rec) for seq, rec in rows]
 
     def all_states(self) -> dict[str, NodeState]:
-        return {n: NodeState(s) for n, s in self._query("SELECT node, state FROM nodes ORDER BY node")}
+        return {n: self._state_of(n, s)
+                for n, s in self._query("SELECT node, state FROM nodes ORDER BY node")}
 
     def failures(self, since: float) -> list[Transition]:
-        rows = self._query("SELECT record FROM transitions WHERE failure = 1 AND time >= ? "
-                           "ORDER BY time, seq", (float(since),))
-        return [Transition.from_dict(json.loads(r[0])) for r in rows]
+        rows = self._query("SELECT seq, node, record FROM transitions WHERE failure = 1 AND "
+                           "time >= ? ORDER BY time, seq", (float(since),))
+        return [self._transition_of(seq, node, rec) for seq, node, rec in rows]
 
     def set_verdict(self, node: str, verdict: Mapping[str, Any]) -> None:
         payload = json.dumps(json_safe(dict(verdict)), sort_keys=True)
@@ -251,7 +416,16 @@ class LocalStore:
 
     def get_verdict(self, node: str) -> Optional[dict[str, Any]]:
         rows = self._query("SELECT verdict FROM verdicts WHERE node = ?", (node,))
-        return json.loads(rows[0][0]) if rows else None
+        if not rows:
+            return None
+        try:
+            verdict = boundedjson.loads(rows[0][0], max_bytes=MAX_RECORD_BYTES)
+            if not isinstance(verdict, dict):
+                raise ValueError("not a JSON object")
+        except (TypeError, ValueError) as e:
+            raise BadInputError(f"{self.path}: table verdicts, node {node[:128]!r}: the verdict "
+                                f"is not a JSON object ({str(e)[:200]})") from None
+        return verdict
 
     def close(self) -> None:
         with self._lock:
@@ -283,10 +457,10 @@ class LocalTxn:
         db = store._db
         self._store, self._db, self.node = store, db, node
         row = db.execute("SELECT state FROM nodes WHERE node = ?", (node,)).fetchone()
-        self.state: Optional[NodeState] = NodeState(row[0]) if row else None
+        self.state: Optional[NodeState] = store._state_of(node, row[0]) if row else None
         self.history: list[Transition] = [
-            Transition.from_dict(json.loads(r[0])) for r in
-            db.execute("SELECT record FROM transitions WHERE node = ? ORDER BY seq", (node,))]
+            store._transition_of(seq, node, rec) for seq, rec in
+            db.execute("SELECT seq, record FROM transitions WHERE node = ? ORDER BY seq", (node,))]
         # Two counts over an indexed table of one row per node: no history is decoded.
         total = db.execute("SELECT COUNT(*) FROM nodes").fetchone()[0]
         marks = ",".join("?" * len(BUDGET_STATES))
@@ -296,7 +470,7 @@ class LocalTxn:
         self.out_of_service = int(out)
 
     def failures_for(self, serials: Sequence[str], since: float) -> list[Transition]:
-        return _failures_for(self._db, serials, since)
+        return _failures_for(self._store, self._db, serials, since)
 
     def commit(self, transitions: Sequence[Transition]) -> None:
         for t in transitions:
@@ -305,15 +479,20 @@ class LocalTxn:
             self._store._insert(t)
 
 
-def _failures_for(db: sqlite3.Connection, serials: Sequence[str], since: float) -> list[Transition]:
+def _failures_for(store: LocalStore, db: sqlite3.Connection, serials: Sequence[str],
+                  since: float) -> list[Transition]:
     serials = sorted({str(s) for s in serials})
     if not serials:
         return []
     marks = ",".join("?" * len(serials))
-    rows = db.execute("SELECT record FROM transitions t WHERE failure = 1 AND time >= ? AND EXISTS "
-                      f"(SELECT 1 FROM json_each(t.record, '$.gpu_serials') j WHERE j.value IN ({marks}))"
-                      " ORDER BY time, seq", (float(since), *serials)).fetchall()
-    return [Transition.from_dict(json.loads(r[0])) for r in rows]
+    # A record that is not a JSON object is selected too (CASE keeps json_each off it, which would
+    # fail the whole query), so that _transition_of names its row rather than skipping it.
+    rows = db.execute(
+        "SELECT seq, node, record FROM transitions t WHERE failure = 1 AND time >= ? AND CASE "
+        "WHEN NOT json_valid(t.record) THEN 1 WHEN json_type(t.record) != 'object' THEN 1 ELSE "
+        f"EXISTS (SELECT 1 FROM json_each(t.record, '$.gpu_serials') j WHERE j.value IN ({marks}))"
+        " END ORDER BY time, seq", (float(since), *serials)).fetchall()
+    return [store._transition_of(seq, node, rec) for seq, node, rec in rows]
 
 
 def _name(state: Optional[NodeState]) -> str:
