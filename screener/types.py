@@ -295,6 +295,10 @@ class RunStatus(StrValue):
     KILLED = "killed"  # SIGKILL from outside (the OOM killer, an operator): not the device
     DEVICE_ERROR = "device_error"  # a CUDA error, ECC, illegal access inside a job
     SCREENER_ERROR = "screener_error"  # a bug of ours in the child: ScreenerError, exit 1
+    # A job raised an exception that is not plainly ours (an IndexError from an index tensor
+    # the device computed wrong): a crash of the device when peers or a golden show the job
+    # completes, else a bug of ours.
+    JOB_ERROR = "job_error"
     BAD_INPUT = "bad_input"  # a missing device, a job that cannot fit: BadInputError, exit 2
 
 

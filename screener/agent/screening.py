@@ -297,6 +297,7 @@ def _with(o: ScreenOutcome, **changes: Any) -> ScreenOutcome:
 
 SCREEN_ID_ENV = "SCREENER_SCREEN_ID"  # tags every process of one screen (see reap_stale_screens)
 WORKER_RECORD = "worker.json"
+KNOWN_DIGESTS = "known-digests.json"  # in work_dir: what this node's earlier screens produced
 
 
 @dataclass(frozen=True)
@@ -377,7 +378,8 @@ class KatProcessRunner:
             os.replace(tmp / (WORKER_RECORD + ".tmp"), tmp / WORKER_RECORD)
             try:
                 assert proc.stdin is not None
-                proc.stdin.write(json.dumps(self.options.to_dict()).encode())
+                proc.stdin.write(json.dumps({**self.options.to_dict(),
+                                             "known": self._known()}).encode())
                 proc.stdin.close()
                 while proc.poll() is None:
                     if request.cancelled():
@@ -393,10 +395,45 @@ class KatProcessRunner:
                 tail = err.read()[-2000:].decode(errors="replace")
         if proc.returncode in (0, int(ExitCode.INCONCLUSIVE), int(ExitCode.HARDWARE_SUSPECT)) \
                 and out.exists():
-            return ScreenOutcome.from_screen_dict(json.loads(out.read_text()))
+            data = json.loads(out.read_text())
+            self._remember(data)
+            return ScreenOutcome.from_screen_dict(data)
         code = proc.returncode if proc.returncode in (1, 2) else 1
         return ScreenOutcome.inconclusive(ScreenStop.ERROR, f"screen worker exited {proc.returncode}: "
                                           f"{tail.strip()[-500:]}", code=ExitCode(code))
+
+    def _known(self) -> dict[str, Any]:
+        """What this node's earlier screens produced (see _remember); {} without a work_dir."""
+        if self.work_dir is None:
+            return {}
+        try:
+            data = json.loads((self.work_dir / KNOWN_DIGESTS).read_text())
+        except (OSError, ValueError):
+            return {}  # none yet, or unreadable: the screen judges without it
+        return data if isinstance(data, dict) else {}
+
+    def _remember(self, screen: Mapping[str, Any]) -> None:
+        """Keep the digests of the devices that reproduced themselves (two or more runs, one
+        result) and were not suspect, by platform, job and spec: when a later screen finds a
+        device's repeats disagreeing with no golden or majority to say which is right, these
+        say it, and the device (not the job) is suspect. Written atomically; best effort."""
+        if self.work_dir is None:
+            return
+        known = self._known()
+        for v in screen.get("verdicts") or ():
+            if v.get("outcome") == Outcome.SUSPECT.value or not v.get("platform_hash"):
+                continue
+            jobs = (v.get("evidence") or {}).get("jobs") or {}
+            for job, info in jobs.items():
+                if int(info.get("runs") or 0) >= 2 and info.get("results") == 1:
+                    known.setdefault(v["platform_hash"], {})[job] = {
+                        "digest": info.get("digest"), "spec_hash": info.get("spec_hash")}
+        try:
+            tmp = self.work_dir / (KNOWN_DIGESTS + ".tmp")
+            tmp.write_text(json.dumps(known, sort_keys=True))
+            os.replace(tmp, self.work_dir / KNOWN_DIGESTS)
+        except OSError as e:
+            log.warning("could not keep the known-answer digests in %s: %s", self.work_dir, e)
 
     def _stop(self, proc: subprocess.Popen) -> None:
         """SIGTERM the worker (its handler kills the per-device children), then make sure."""
@@ -543,7 +580,7 @@ def _worker(result_path: str, mode: str = "screen") -> int:
                                     golden_dir=opts.get("golden_dir"), jobs_dir=opts.get("jobs_dir"),
                                     repeat=int(opts.get("repeat") or 1),
                                     timeout=float(opts.get("job_timeout_s") or kat.DEFAULT_TIMEOUT),
-                                    faults=faults or None)
+                                    faults=faults or None, known=opts.get("known") or None)
             data, code = result.to_dict(), int(result.exit_code)
     except ScreenerError as e:
         print(f"screener: {e}", file=sys.stderr)

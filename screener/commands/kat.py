@@ -26,8 +26,10 @@ from screener.types import ExitCode
 _DEVICE_HELP = "Device to screen: cpu, cuda:N or all (every GPU, or the CPU without one). Repeatable."
 _INJECT_HELP = ("Inject a fault in a device's child, to prove the screen catches it: "
                 "'device=cuda:1,op=mm,call=2,element=7,bit=30' (keys: device, op, call, element, bit, "
-                "mode=flip|scale|nan|inf|set, factor, value, output, parameter, step, job, iteration). "
-                "Repeatable.")
+                "mode=flip|scale|nan|inf|set, factor, value, output, persistent=true (every call from "
+                "`call` on), parameter, step, job, iteration). Repeatable. A fault that never fires "
+                "(a call past the job's last) is named on stderr and makes the exit code 2: a "
+                "screen that tested nothing must not read as a pass.")
 
 
 def _faults(specs: Sequence[str], devices: Sequence[str]) -> dict[str, list[Any]]:
@@ -54,6 +56,15 @@ def _progress(total: Optional[int], stage: str, as_json: bool = False) -> Iterat
     finally:
         events.close()
         shown.close()  # JobEvents ends its stage only; this stops the heartbeat thread too
+
+
+def _unfired_exit(result: Any, code: int) -> int:
+    """Warn about injected faults that never fired; such a run exits 2 (usage), since it did
+    not test what it was asked to."""
+    lines = result.warnings() if result is not None else []
+    for line in lines:
+        click.echo(f"screener: warning: {line}", err=True)
+    return int(ExitCode.USAGE) if lines else code
 
 
 def _echo_json(obj: Any) -> None:
@@ -97,7 +108,8 @@ def kat_run(jobs: tuple[str, ...], devices: tuple[str, ...], golden_dir: Optiona
     (exit 3) and the command that records a golden is printed.
 
     Exit: 0 pass, 75 a device is suspect, 3 inconclusive, 2 bad input (e.g. a broken golden
-    file), 1 the screener failed (e.g. a job that is nondeterministic on every device).
+    file, or an --inject fault that never fired), 1 the screener failed (e.g. a job that is
+    nondeterministic on every device with no golden or majority to say which result is right).
     """
     from screener.known_answer.kat import resolve_devices, resolve_jobs, run_screen
     from screener.known_answer.text import format_verdicts
@@ -111,7 +123,7 @@ def kat_run(jobs: tuple[str, ...], devices: tuple[str, ...], golden_dir: Optiona
         _echo_json(result.to_dict())
     else:
         click.echo(format_verdicts(result))
-    sys.exit(int(result.exit_code))
+    sys.exit(_unfired_exit(result, int(result.exit_code)))
 
 
 @kat_group.command("list")
@@ -384,7 +396,7 @@ def burnin_cmd(app: AppContext, devices: tuple[str, ...], jobs: tuple[str, ...],
         _echo_json(d)
     else:
         click.echo(full.table())
-    sys.exit(int(full.exit_code))
+    sys.exit(_unfired_exit(full.kat.screen if full.kat else None, int(full.exit_code)))
 
 
 def _probe(previous: Any) -> Any:

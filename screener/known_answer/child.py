@@ -20,6 +20,7 @@ import sys
 import time
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+from screener.errors import ScreenerError
 from screener.known_answer import protocol
 from screener.known_answer.fault_spec import DeviceFault
 from screener.known_answer.memory import available_bytes
@@ -81,19 +82,38 @@ def _start(device: str, threads: int) -> bool:
     return True
 
 
-def _after_step(faults: Sequence[DeviceFault]) -> Optional[Callable[[int, Any], None]]:
-    """The train jobs' hook that flips the parameter faults' bits after their optimizer step."""
+def _after_step(faults: Sequence[tuple[int, DeviceFault]],
+                fired: list[dict[str, Any]]) -> Optional[Callable[[int, Any], None]]:
+    """The train jobs' hook that flips the parameter faults' bits after their optimizer step;
+    each flip is recorded in `fired` with its fault's index in the request."""
     from screener.known_answer.faults import corrupt_parameter  # imports torch
 
     if not faults:
         return None
 
     def after_step(step: int, model: Any) -> None:
-        for f in faults:
+        for index, f in faults:
             if f.step == step:
-                corrupt_parameter(model, f.parameter, f.element, bit=f.bit or 0)
+                rec = corrupt_parameter(model, str(f.parameter), f.element, bit=f.bit or 0)
+                fired.append({**rec, "fault": index, "step": step})
 
     return after_step
+
+
+# Exceptions that are bugs of ours whatever the data: a job that raises one is the screener
+# failing (exit 1), never a verdict. Any other exception inside a job (an IndexError from an
+# index tensor a fault corrupted, a ValueError from a NaN where none can be) may come from the
+# device's wrong arithmetic; the judgment decides with the evidence (peers, golden).
+_OURS = (ImportError, NameError, SyntaxError, AttributeError, TypeError, NotImplementedError,
+         RecursionError, ScreenerError)
+
+
+def _job_kind(e: BaseException) -> ErrorKind:
+    """Whose fault an exception raised inside a job's run is."""
+    kind = _kind(e)
+    if kind == ErrorKind.SCREENER and not isinstance(e, _OURS):
+        return ErrorKind.JOB
+    return kind
 
 
 def _run_one(spec: JobSpec, it: int, device: str, request: Mapping[str, Any],
@@ -104,9 +124,10 @@ def _run_one(spec: JobSpec, it: int, device: str, request: Mapping[str, Any],
 
     threads = int(request.get("threads", protocol.DEFAULT_THREADS))
     emit({"event": Event.START, "job": spec.name, "iteration": it})
-    mine = [f for f in faults if f.applies(spec.name, it)]
-    op_faults = [f.fault_spec() for f in mine if f.op is not None]
-    injector = inject(*op_faults) if op_faults else None
+    mine = [(i, f) for i, f in enumerate(faults) if f.applies(spec.name, it)]
+    op_faults = [(i, f) for i, f in mine if f.op is not None]
+    injector = inject(*(f.fault_spec() for _, f in op_faults)) if op_faults else None
+    flipped: list[dict[str, Any]] = []
     try:
         if it == 0:  # before the job allocates anything
             p = spec.params_for(device)
@@ -114,15 +135,25 @@ def _run_one(spec: JobSpec, it: int, device: str, request: Mapping[str, Any],
                        timeout_s=request.get("timeout"), threads=threads,
                        shapes=gemm_shapes(p, device) if spec.kind == "gemm" else None)
         result = run_job(spec, device, injector=injector, threads=threads,
-                         after_step=_after_step([f for f in mine if f.parameter is not None]))
+                         after_step=_after_step([(i, f) for i, f in mine if f.parameter is not None],
+                                                flipped))
     except Exception as e:  # noqa: BLE001 - reported to the parent, which decides
-        emit(protocol.error_event(e, _kind(e), spec.name, it))
+        event = protocol.error_event(e, _job_kind(e), spec.name, it)
+        event["fired"] = _fired(injector, op_faults, flipped)
+        emit(event)
         return False
-    event: dict[str, Any] = {"event": Event.RESULT, "iteration": it, "result": result.to_dict()}
-    if injector is not None:
-        event["fired"] = injector.fired
-    emit(event)
+    out: dict[str, Any] = {"event": Event.RESULT, "iteration": it, "result": result.to_dict()}
+    if mine:
+        out["fired"] = _fired(injector, op_faults, flipped)
+    emit(out)
     return True
+
+
+def _fired(injector: Any, op_faults: Sequence[tuple[int, DeviceFault]],
+           flipped: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What fired in a job's run, each record naming its fault's index in the request."""
+    recs = [{**r, "fault": op_faults[r["spec"]][0]} for r in (injector.fired if injector else ())]
+    return recs + list(flipped)
 
 
 def child_main(request: Mapping[str, Any]) -> int:

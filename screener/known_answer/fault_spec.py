@@ -16,6 +16,8 @@ FAULT_MODES = ("flip", "scale", "nan", "inf", "set")  # = screener.known_answer.
 _INT_KEYS = ("call", "element", "bit", "output", "step", "iteration")
 _FLOAT_KEYS = ("factor", "value")
 _STR_KEYS = ("op", "mode", "parameter", "job")
+_BOOL_KEYS = ("persistent",)
+_BOOLS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 
 
 @dataclass(frozen=True)
@@ -23,7 +25,8 @@ class DeviceFault:
     """A fault for one device's child: an op fault (FaultSpec fields) or a parameter flip.
 
     job / iteration restrict it to one job and one iteration (None: every one). An op fault uses
-    op, call, element, bit, mode, factor, value, output; a parameter fault (train jobs) sets
+    op, call, element, bit, mode, factor, value, output (persistent: every call from `call` on);
+    a parameter fault (train jobs) sets
     `parameter`, `step`, `element` and `bit`: the bit is flipped after that optimizer step.
     """
 
@@ -39,12 +42,15 @@ class DeviceFault:
     step: int = 0
     job: Optional[str] = None
     iteration: Optional[int] = None
+    persistent: bool = False
 
     def __post_init__(self) -> None:
         # Checked here without importing torch (screener.known_answer.faults does), so the parent
         # process of a screen stays light; the child builds the FaultSpec, which checks again.
         if (self.op is None) == (self.parameter is None):
             raise BadInputError("a fault needs exactly one of op= and parameter=")
+        if not isinstance(self.persistent, bool):
+            raise BadInputError(f"fault persistent={self.persistent!r} must be true or false")
         if self.mode not in FAULT_MODES:
             raise BadInputError(f"fault mode {self.mode!r} is not one of {', '.join(FAULT_MODES)}")
         if min(self.call, self.element, self.output, self.step) < 0 or (
@@ -60,7 +66,7 @@ class DeviceFault:
         try:
             return FaultSpec(op=str(self.op), call=self.call, element=self.element, bit=self.bit,
                              mode=self.mode, factor=self.factor, value=self.value,
-                             output=self.output)
+                             output=self.output, persistent=self.persistent)
         except ValueError as e:
             raise BadInputError(f"fault {self}: {e}") from None
 
@@ -86,12 +92,16 @@ def _value(text: str, key: str, value: str) -> Any:
         raise BadInputError(f"fault {text!r}: {key} must be {kind}") from None
     if key in _STR_KEYS:
         return value
+    if key in _BOOL_KEYS:
+        if value.lower() not in _BOOLS:
+            raise BadInputError(f"fault {text!r}: {key} must be true or false")
+        return _BOOLS[value.lower()]
     raise BadInputError(f"fault {text!r}: unknown key {key!r}")
 
 
 def parse_fault(text: str) -> tuple[Optional[str], DeviceFault]:
     """Parse `key=value,...` (device, op, call, element, bit, mode, factor, value, output,
-    parameter, step, job, iteration) into (device or None for every device, DeviceFault)."""
+    persistent, parameter, step, job, iteration) into (device or None for every device, DeviceFault)."""
     kv: dict[str, Any] = {}
     device = None
     for part in filter(None, (s.strip() for s in text.split(","))):

@@ -88,7 +88,9 @@ class FaultSpec:
     match op, device and predicate. element: flat row-major index into the output (mod numel).
     bit: bit to flip (mode "flip"). mode: flip | scale | nan | inf | set. factor: for "scale";
     value: for "set"; device: "cuda", "cuda:1", "cpu" (None: any). predicate(args, kwargs): only
-    calls for which it is true. output: which output of a multi-output op.
+    calls for which it is true. output: which output of a multi-output op. persistent: fire on
+    the n-th matching call and every one after it (a unit that is wrong again and again, the
+    commonest silent data corruption), not only on the n-th.
     """
 
     op: str
@@ -101,6 +103,7 @@ class FaultSpec:
     device: Optional[str] = None
     predicate: Optional[Callable[[tuple, dict], bool]] = None
     output: int = 0
+    persistent: bool = False  # every matching call from `call` on: a unit that stays bad
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -228,7 +231,7 @@ class FaultInjector(TorchDispatchMode):
             with self._lock:
                 n = self.counts[i]
                 self.counts[i] += 1
-            if n != spec.call:
+            if n != spec.call and not (spec.persistent and n > spec.call):
                 continue
             rec = apply_to_tensor(target, spec.element, mode=spec.mode, bit=spec.bit,
                                   factor=spec.factor, value=spec.value)

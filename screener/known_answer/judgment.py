@@ -8,19 +8,29 @@ For each device and job, the results are compared:
     the golden), different bits are inconclusive with the record command, never suspect;
 (b) with the other devices of the same platform in this run: a device that differs from a
     strict majority is suspect even without a golden;
-(c) across repeats on the device itself: a device that disagrees with itself is suspect.
+(c) across repeats on the device itself: every run counts, not only the first two.
+
+A job's reference on a platform is, in this order: its golden, a sibling golden that one of
+the runs reproduces, the result a strict majority (two or more) of the devices gave in every
+run, or what this node's earlier screens gave (`known`). A device that does not reproduce the
+reference is suspect, whatever its repeats did among themselves (wrong in every run the same
+way, in some runs, or differently in each): a unit that is wrong again and again is the
+commonest silent data corruption, not a nondeterministic job. Only where no reference exists
+and the job disagrees with itself on every device (or three or more devices of a platform all
+differ) is it our bug (NondeterminismError, exit 1, with the evidence).
 
 How a child ended counts too, and only evidence about the device makes it suspect: a crash or a
-device error is suspect; a child killed from outside (the OOM killer) is inconclusive; a timeout
-is suspect only when the same job finished on a peer device of the same platform in this run,
-or when the job's golden records how long it takes and the limit was at least HANG_FACTOR
-times that (otherwise a slow job and a hung device look the same).
+device error is suspect; a job that raised (an IndexError from an index tensor the device
+computed wrong) is a crash of the device when something shows the job completes (an earlier
+run, a peer, its golden, earlier screens), else our bug (ScreenerError); a child killed from
+outside (the OOM killer) is inconclusive; a timeout is suspect only when the same job finished
+on a peer device of the same platform in this run, or when the job's golden records how long it
+takes and the limit was at least HANG_FACTOR times that (otherwise a slow job and a hung
+device look the same).
 
-A job that disagrees with itself on every device is a screener bug (NondeterminismError, exit
-1, with the evidence). With no golden and fewer than MIN_PEERS agreeing devices the verdict is
-inconclusive (exit 3) and names the command that records a golden. In every verdict `expected`
-is the golden's (or the majority's) value and `observed` the device's, also when the device
-went wrong in its first repeat.
+With no golden and fewer than MIN_PEERS agreeing devices the verdict is inconclusive (exit 3)
+and names the command that records a golden. In every verdict `expected` is the reference's
+value and `observed` the device's, also when the device went wrong in its first repeat.
 
 Pure: no processes, no files. Goldens come through a lookup function; specs are only named.
 """
@@ -66,6 +76,23 @@ class ScreenResult:
     jobs: tuple[str, ...]
     iterations: Mapping[str, int]
     seconds: float = 0.0
+    # device -> {"requested", "fired", "unfired"}: the faults a drill or `--inject` asked for
+    faults: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    @property
+    def unfired_faults(self) -> dict[str, list[dict[str, Any]]]:
+        """device -> the requested faults that never fired, on devices whose child finished
+        (a fault that never fired tested nothing, and its screen's pass means nothing)."""
+        return {d: list(f["unfired"]) for d, f in self.faults.items() if f.get("unfired")}
+
+    def warnings(self) -> list[str]:
+        """One line per device whose requested faults did not all fire."""
+        return [f"{d}: {len(u)} injected fault(s) never fired (the job never reached them): "
+                + "; ".join(",".join(f"{k}={v}" for k, v in f.items()
+                                     if v is not None and k in ("op", "call", "parameter", "step",
+                                                                "job", "iteration"))
+                            for f in u)
+                for d, u in self.unfired_faults.items()]
 
     def verdict(self, device: str) -> Verdict:
         """The verdict of one device."""
@@ -79,7 +106,10 @@ class ScreenResult:
                 "platforms": {d: dict(p) for d, p in self.platforms.items()},
                 "timings": {d: dict(t) for d, t in self.timings.items()},
                 "jobs": list(self.jobs), "iterations": dict(self.iterations),
-                "seconds": round(self.seconds, 3)}
+                "seconds": round(self.seconds, 3),
+                **({"faults": {d: dict(f) for d, f in self.faults.items()},
+                    "faults_fired": {d: list(f["fired"]) for d, f in self.faults.items()},
+                    "warnings": self.warnings()} if self.faults else {})}
 
 
 def record_command(jobs: Iterable[str], devices: Iterable[str], golden_dir: Optional[str]) -> str:
@@ -123,45 +153,112 @@ _REASON_RANK = {KatReason.TIMEOUT: 0, KatReason.CRASH: 0, KatReason.KILLED: 0,
 _NEEDS_GOLDEN = (KatReason.NO_GOLDEN, KatReason.SIBLING_GOLDEN_DIFFERS)
 
 
+@dataclass(frozen=True)
+class Reference:
+    """What a job's results on one platform are judged against when a device's repeats disagree:
+    its golden, a sibling platform's golden that a run reproduces, the result a strict majority
+    of two or more devices produced, or what this node's earlier screens produced. `steps` is
+    None when only the digest is known (an earlier screen whose result no run reproduced)."""
+
+    source: str  # "golden", "sibling golden", "majority", "earlier screens"
+    steps: Optional[tuple[Any, ...]]
+    digest: Optional[str]
+    record: Any = None  # the golden, for its own comparison
+
+    def matches(self, result: JobResult) -> bool:
+        """Whether a run reproduced the reference bit for bit."""
+        if self.record is not None:
+            return bool(self.record.compare(result) is None)
+        return result.digest == self.digest
+
+
 @dataclass
 class _JobGroup:
     """One job on the OK devices of one platform: what they are compared with, and each other."""
 
     job: str
     phash: str
-    members: list[str]  # the platform's OK devices
+    members: list[str]  # the platform's devices that produced results
     results: dict[str, JobRuns]  # of the members that produced the job's result
     record: Any  # the platform's golden, or None
     kin: Sequence[Any]  # sibling platforms' goldens (only without a golden of its own)
+    known: Optional[str] = None  # the digest this node's earlier screens gave on the platform
     refs: dict[str, JobResult] = field(init=False)
     counts: "Counter[str]" = field(init=False)
     majority: Optional[str] = field(init=False)  # the digest a strict majority agrees on
+    reference: Optional[Reference] = field(init=False)
 
     def __post_init__(self) -> None:
         self.refs = {d: r.reference for d, r in self.results.items()}
         self.counts = Counter(r.digest for r in self.refs.values())
         self.majority = next((dg for dg, c in self.counts.items()
                               if c * 2 > len(self.results)), None)
+        self.reference = self._reference()
+
+    def _all_results(self) -> Iterator[JobResult]:
+        for runs in self.results.values():
+            for _, r in runs.results():
+                yield r
+
+    def _reference(self) -> Optional[Reference]:
+        if self.record is not None:
+            return Reference("golden", tuple(self.record.steps), None, self.record)
+        for r in self.kin:
+            if any(r.compare(res) is None for res in self._all_results()):
+                return Reference("sibling golden", tuple(r.steps), None, r)
+        consensus = self._consensus()
+        if consensus is not None:
+            return Reference("majority", consensus.steps, consensus.digest)
+        if self.known is not None:
+            same = next((r for r in self._all_results() if r.digest == self.known), None)
+            return Reference("earlier screens", same.steps if same else None, self.known)
+        return None
+
+    def _consensus(self) -> Optional[JobResult]:
+        """The result a strict majority (two or more) of the devices gave in every run.
+
+        Devices that each disagree with themselves are no majority, even when their first runs
+        agree: state carried from one run to the next (our bug) looks exactly like that."""
+        steady = Counter(runs.reference.digest for runs in self.results.values()
+                         if runs.consistent)
+        n = len(self.results)
+        winner = next((dg for dg, c in steady.items() if c >= 2 and c * 2 > n), None)
+        return None if winner is None else next(
+            r.reference for r in self.results.values() if r.reference.digest == winner)
+
+
+# What a node's earlier screens produced: platform hash -> job -> digest (the form a node
+# publishes, screener.known_answer.crosscheck.platform_digests), or with the spec hash it was
+# produced under: {"digest": ..., "spec_hash": ...} (a changed spec changes the bits).
+Known = Mapping[str, Mapping[str, Any]]
 
 
 def judge(runs: Mapping[str, DeviceRun], specs: Sequence[NamedJob], golden: GoldenLookup, *,
-          golden_dir: Optional[str] = None, seconds: float = 0.0) -> ScreenResult:
+          golden_dir: Optional[str] = None, seconds: float = 0.0,
+          known: Optional[Known] = None) -> ScreenResult:
     """Compare the runs with goldens, peers and themselves; one Verdict per device.
 
-    Raises NondeterminismError when a job disagrees with itself on every device that ran it
-    (with no golden to show it can be reproduced) or when three or more devices of one platform
-    all give different results; raises ScreenerError when a child failed in our own code, and
-    BadInputError when a child was given bad input (a missing device).
+    A device that does not reproduce its reference (golden, sibling golden, a majority of its
+    platform, or `known`: what this node's earlier screens produced) is suspect, whatever its
+    repeats did among themselves. Raises NondeterminismError only where nothing says which
+    result is right: a job that disagrees with itself on every device that ran it, or three or
+    more devices of one platform that all give different results, with no reference. Raises
+    ScreenerError when a child failed in our own code (or a job raised where nothing shows it
+    can complete), and BadInputError when a child was given bad input (a missing device).
     """
     _raise_for_failures_of_ours(runs)
-    ok = {d: r for d, r in runs.items() if r.status == RunStatus.OK}
-    goldens = _goldens(ok, specs, golden)
-    _check_nondeterminism(ok, specs, goldens)
-    issues = {d: _ending_issues(d, run, runs, specs, golden) for d, run in runs.items()}
+    # The results a child produced count even when it ended badly later: a device that gave a
+    # wrong answer and then crashed is judged on both.
+    judged = {d: r for d, r in runs.items() if r.status == RunStatus.OK or r.jobs}
+    goldens = _goldens(runs, specs, golden)
+    groups = list(_groups(judged, specs, goldens, golden, known or {}))
+    _check_nondeterminism(groups)
+    issues = {d: _ending_issues(d, run, runs, specs, goldens, known or {})
+              for d, run in runs.items()}
     matched: dict[str, dict[str, dict[str, Any]]] = {d: {} for d in runs}
-    for group in _groups(ok, specs, goldens, golden):
+    for group in groups:
         for d in group.members:
-            if d not in group.results:
+            if d not in group.results and runs[d].status == RunStatus.OK:
                 issues[d].append(Issue(Outcome.INCONCLUSIVE, KatReason.INCOMPLETE, group.job,
                                        detail="the job produced no result"))
         for d in group.results:
@@ -172,6 +269,19 @@ def judge(runs: Mapping[str, DeviceRun], specs: Sequence[NamedJob], golden: Gold
     verdicts = tuple(_verdict(d, run, issues[d], golden_dir, matched[d])
                      for d, run in runs.items())
     return _result(runs, specs, verdicts, seconds)
+
+
+def known_digest(known: Known, phash: str, job: str, spec_hash: Optional[str]) -> Optional[str]:
+    """The digest earlier screens gave for a job on a platform, if its spec has not changed."""
+    table = known.get(phash) if isinstance(known, Mapping) else None
+    entry = table.get(job) if isinstance(table, Mapping) else None
+    if isinstance(entry, str):
+        return entry
+    if isinstance(entry, Mapping) and isinstance(entry.get("digest"), str):
+        recorded = entry.get("spec_hash")
+        if recorded is None or spec_hash is None or recorded == spec_hash:
+            return str(entry["digest"])
+    return None
 
 
 def _raise_for_failures_of_ours(runs: Mapping[str, DeviceRun]) -> None:
@@ -186,11 +296,11 @@ def _raise_for_failures_of_ours(runs: Mapping[str, DeviceRun]) -> None:
                                 f"{run.stderr_tail}".rstrip())
 
 
-def _goldens(ok: Mapping[str, DeviceRun], specs: Sequence[NamedJob],
+def _goldens(runs: Mapping[str, DeviceRun], specs: Sequence[NamedJob],
              golden: GoldenLookup) -> dict[tuple[str, str], Any]:
-    """The golden (or None) of every job on every platform that ran OK, looked up once."""
+    """The golden (or None) of every job on every platform that reported one, looked up once."""
     goldens: dict[tuple[str, str], Any] = {}
-    for run in ok.values():
+    for run in runs.values():
         for spec in specs:
             key = (spec.name, run.platform_hash or "")
             if key not in goldens and run.platform_hash:
@@ -199,7 +309,8 @@ def _goldens(ok: Mapping[str, DeviceRun], specs: Sequence[NamedJob],
 
 
 def _groups(ok: Mapping[str, DeviceRun], specs: Sequence[NamedJob],
-            goldens: Mapping[tuple[str, str], Any], golden: GoldenLookup) -> Iterator[_JobGroup]:
+            goldens: Mapping[tuple[str, str], Any], golden: GoldenLookup,
+            known: Known) -> Iterator[_JobGroup]:
     """Every (job, platform) of the OK runs, job by job, platforms in order of first device."""
     platforms: dict[str, list[str]] = {}
     for device, run in ok.items():
@@ -211,11 +322,14 @@ def _groups(ok: Mapping[str, DeviceRun], specs: Sequence[NamedJob],
             kin = (siblings(spec, ok[members[0]].platform)
                    if record is None and siblings is not None and phash else [])
             results = {d: ok[d].jobs[spec.name] for d in members if spec.name in ok[d].jobs}
-            yield _JobGroup(spec.name, phash, members, results, record, kin)
+            spec_hash = next((r.reference.spec_hash for r in results.values()), None)
+            yield _JobGroup(spec.name, phash, members, results, record, kin,
+                            known_digest(known, phash, spec.name, spec_hash))
 
 
 def _ending_issues(device: str, run: DeviceRun, runs: Mapping[str, DeviceRun],
-                   specs: Sequence[NamedJob], golden: GoldenLookup) -> list[Issue]:
+                   specs: Sequence[NamedJob], goldens: Mapping[tuple[str, str], Any],
+                   known: Known) -> list[Issue]:
     """What the way a device's child ended says (nothing when it finished)."""
     job = run.current[0] if run.current else None
     if run.status == RunStatus.KILLED:
@@ -223,10 +337,47 @@ def _ending_issues(device: str, run: DeviceRun, runs: Mapping[str, DeviceRun],
             f"{run.detail}: killed from outside (memory pressure, an operator), which says "
             f"nothing about the device"))]
     if run.status == RunStatus.TIMEOUT:
-        return [_hang(device, run, runs, specs, golden)]
+        return [_hang(device, run, runs, specs, goldens)]
+    if run.status == RunStatus.JOB_ERROR:
+        return [_job_crash(device, run, runs, goldens, known)]
     if run.status != RunStatus.OK:  # crash or device_error (ours and bad input raised before)
         return [Issue(Outcome.SUSPECT, KatReason(run.status), job, detail=run.detail)]
     return []
+
+
+def _job_crash(device: str, run: DeviceRun, runs: Mapping[str, DeviceRun],
+               goldens: Mapping[tuple[str, str], Any], known: Known) -> Issue:
+    """A job that raised on this device is a crash of the device (suspect) when something shows
+    the job completes: an earlier run on this device, a peer of the platform in this run, its
+    golden, or this node's earlier screens; with none of these it is our bug (ScreenerError)."""
+    job = run.current[0] if run.current else None
+    why = _completes(device, run, runs, goldens, known, job)
+    if why is None:
+        raise ScreenerError(
+            f"device {device}: {run.detail}; nothing shows the job completes on this platform "
+            f"(no golden, no peer device, no earlier run), so this is taken as a screener "
+            f"failure, not a hardware verdict\n{run.stderr_tail}".rstrip())
+    return Issue(Outcome.SUSPECT, KatReason.CRASH, job, detail=f"{run.detail}; {why}")
+
+
+def _completes(device: str, run: DeviceRun, runs: Mapping[str, DeviceRun],
+               goldens: Mapping[tuple[str, str], Any], known: Known,
+               job: Optional[str]) -> Optional[str]:
+    """What shows a job completes where it raised on `device`, or None."""
+    if job is None:
+        return None
+    if job in run.jobs:
+        return f"it completed the job {run.jobs[job].runs} time(s) earlier in this screen"
+    peers = [d for d, r in runs.items() if d != device and job in r.jobs
+             and (run.platform_hash is None or r.platform_hash == run.platform_hash)]
+    if peers:
+        return f"{len(peers)} peer device(s) of the platform completed it (e.g. {peers[0]})"
+    record = goldens.get((job, run.platform_hash or ""))
+    if record is not None:
+        return f"its golden {getattr(record, 'path', '')} records completed runs on this platform"
+    if run.platform_hash and known_digest(known, run.platform_hash, job, None):
+        return "this node's earlier screens completed it on this platform"
+    return None
 
 
 def _device_issues(g: _JobGroup, d: str,
@@ -236,9 +387,8 @@ def _device_issues(g: _JobGroup, d: str,
     runs = g.results[d]
     ref = runs.reference
     out: list[Issue] = []
-    if runs.mismatch is not None:
-        it, other = runs.mismatch
-        out.append(_self_mismatch(it, ref, other, _trusted_steps(g, ref, other), g.job))
+    if not runs.consistent:
+        out.append(_self_mismatch(runs, g.reference, g.job))
     if g.record is not None:
         issue = _golden_issue(g, ref)
         return out + ([issue] if issue else []), {"golden": g.record.path,
@@ -284,7 +434,7 @@ def _peer_issue(g: _JobGroup, ref: JobResult, golden_dir: Optional[str], *,
                      first_difference(g.refs[peer].steps, ref.steps),
                      detail=f"differs from the {g.counts[g.majority]} of {have} devices "
                             f"that agree (e.g. {peer})")
-    if have >= 2 and g.majority is None:
+    if have >= 2 and g.majority is None and not (g.known and ref.digest == g.known):
         return Issue(Outcome.SUSPECT, KatReason.PEER_SPLIT, g.job,
                      detail=f"{have} devices of one platform give {len(g.counts)} different "
                             f"results and no strict majority agrees")
@@ -313,11 +463,24 @@ def _result(runs: Mapping[str, DeviceRun], specs: Sequence[NamedJob],
         timings={d: {j: round(sum(r.seconds) / max(len(r.seconds), 1), 4)
                      for j, r in run.jobs.items()} for d, run in runs.items()},
         jobs=tuple(s.name for s in specs), iterations={d: r.iterations for d, r in runs.items()},
-        seconds=seconds)
+        seconds=seconds, faults=_faults(runs))
+
+
+def _faults(runs: Mapping[str, DeviceRun]) -> dict[str, dict[str, Any]]:
+    """Per device that was asked to inject faults: which fired. A fault that did not fire is
+    only 'unfired' when the child finished: one that crashed first never had the chance."""
+    out: dict[str, dict[str, Any]] = {}
+    for d, run in runs.items():
+        if not run.faults:
+            continue
+        fired = sorted(run.faults_fired)
+        unfired = run.unfired_faults() if run.status == RunStatus.OK else []
+        out[d] = {"requested": len(run.faults), "fired": fired, "unfired": unfired}
+    return out
 
 
 def _hang(device: str, run: DeviceRun, runs: Mapping[str, DeviceRun], specs: Sequence[NamedJob],
-          golden: GoldenLookup) -> Issue:
+          goldens: Mapping[tuple[str, str], Any]) -> Issue:
     """A timeout is a hang (suspect) only with evidence that the job finishes in time: a peer of
     the same platform finished it in this run, or its golden says how long it takes."""
     job = run.current[0] if run.current else None
@@ -328,13 +491,7 @@ def _hang(device: str, run: DeviceRun, runs: Mapping[str, DeviceRun], specs: Seq
         return Issue(Outcome.SUSPECT, KatReason.TIMEOUT, job, detail=(
             f"{run.detail}; {len(peers)} peer device(s) of the platform finished it "
             f"(e.g. {peers[0]})"))
-    spec = next((s for s in specs if s.name == job), None)
-    record = None
-    if spec is not None and run.platform_hash:
-        try:
-            record = golden(spec, run.platform_hash)
-        except Exception:  # noqa: BLE001 - a broken golden was already reported by the lookup
-            record = None
+    record = goldens.get((job, run.platform_hash)) if job and run.platform_hash else None
     took = _recorded_seconds(record)
     limit = run.timeout_s
     if took is not None and limit is not None and limit >= HANG_FACTOR * took:
@@ -354,87 +511,66 @@ def _recorded_seconds(record: Any) -> Optional[float]:
     return None
 
 
-def _check_nondeterminism(ok: Mapping[str, DeviceRun], specs: Sequence[NamedJob],
-                          goldens: Mapping[tuple[str, str], Any]) -> None:
-    """Raise NondeterminismError for a job that is our bug, not the hardware's: it disagrees
-    with itself on every device, or gives three or more devices of a platform all different
-    results with no golden to say which is right."""
-    for spec in specs:
-        ran = [d for d, r in ok.items() if spec.name in r.jobs]
-        if not ran:
+def _check_nondeterminism(groups: Sequence[_JobGroup]) -> None:
+    """Raise NondeterminismError for a job that is our bug, not the hardware's: nothing says
+    which result is right (no golden, no sibling golden reproduced, no majority, no earlier
+    screen) and it disagrees with itself on every device, or gives three or more devices of a
+    platform all different results. With a reference, a device that misses it is suspect."""
+    by_job: dict[str, list[_JobGroup]] = {}
+    for g in groups:
+        if g.results:
+            by_job.setdefault(g.job, []).append(g)
+    for job, gs in by_job.items():
+        if any(g.reference is not None for g in gs):
             continue
-        self_bad = [d for d in ran if ok[d].jobs[spec.name].mismatch is not None]
-        # One device that disagrees with itself while a golden proves the job reproducible is a
-        # suspect device; every device disagreeing with itself is our bug.
-        proven = any(_golden_reproduced(goldens.get((spec.name, ok[d].platform_hash or "")),
-                                        ok[d].jobs[spec.name]) for d in ran)
-        if self_bad and len(self_bad) == len(ran) and not (len(ran) == 1 and proven):
-            d = self_bad[0]
-            it, other = ok[d].jobs[spec.name].mismatch  # type: ignore[misc]
-            diff = first_difference(ok[d].jobs[spec.name].reference.steps, other.steps)
+        ran = [(d, runs) for g in gs for d, runs in g.results.items()]
+        if all(not runs.consistent for _, runs in ran):
+            d, runs = ran[0]
+            it, other = runs.mismatch  # type: ignore[misc]
             raise NondeterminismError(
-                f"job {spec.name} is nondeterministic: it gave different bits across repeats on "
-                f"every device ({', '.join(self_bad)}); e.g. {d} iteration {it} vs 0 at "
-                f"{where(diff)}. This is a screener bug, not a hardware verdict.")
-        _check_platform_split(spec.name, ok, ran, goldens)
+                f"job {job} is nondeterministic: it gave different bits across repeats on "
+                f"every device ({', '.join(d for d, _ in ran)}) and no golden, majority or "
+                f"earlier screen says which is right; e.g. {d} iteration {it} vs 0 at "
+                f"{where(first_difference(runs.reference.steps, other.steps))}. This is a "
+                f"screener bug, not a hardware verdict.")
+        for g in gs:
+            if len(g.results) >= 3 and len(g.counts) == len(g.results):
+                raise NondeterminismError(
+                    f"job {job} gave {len(g.results)} different results on the "
+                    f"{len(g.results)} devices of platform {g.phash} "
+                    f"({', '.join(g.results)}) and no golden or earlier screen says which is "
+                    f"right: a screener bug, not a hardware verdict")
 
 
-def _check_platform_split(job: str, ok: Mapping[str, DeviceRun], ran: Sequence[str],
-                          goldens: Mapping[tuple[str, str], Any]) -> None:
-    """Three or more devices of one platform, all different, and no golden: our bug."""
-    by_platform: dict[str, list[str]] = {}
-    for d in ran:
-        by_platform.setdefault(ok[d].platform_hash or "", []).append(d)
-    for phash, members in by_platform.items():
-        digests = {ok[d].jobs[job].reference.digest for d in members}
-        if len(members) >= 3 and len(digests) == len(members) and \
-                goldens.get((job, phash)) is None:
-            raise NondeterminismError(
-                f"job {job} gave {len(members)} different results on the "
-                f"{len(members)} devices of platform {phash} ({', '.join(members)}): a "
-                f"screener bug, not a hardware verdict")
-
-
-def _trusted_steps(g: _JobGroup, ref: JobResult, other: JobResult) -> Any:
-    """The steps a device's disagreeing repeats are judged against: its golden, else a sibling
-    golden that one repeat reproduces, else the result a strict majority of two or more devices
-    agree on; None when nothing outside the device says which repeat is right."""
-    if g.record is not None:
-        return g.record.steps
-    for r in g.kin:
-        if r.compare(ref) is None or r.compare(other) is None:
-            return r.steps
-    if g.majority is not None and len(g.refs) >= 2 and g.counts[g.majority] >= 2:
-        return next(r.steps for r in g.refs.values() if r.digest == g.majority)
-    return None
-
-
-def _self_mismatch(it: int, ref: JobResult, other: JobResult, trusted: Any, job: str) -> Issue:
-    """A device that disagrees with itself. Expected is the trusted value (golden or majority)
-    and observed the device's wrong one, whichever repeat went wrong: a fault in the first
-    repeat must not make the corrupted value 'expected'."""
-    if trusted is None:
+def _self_mismatch(runs: JobRuns, reference: Optional[Reference], job: str) -> Issue:
+    """A device whose repeats disagree. Expected is the reference's value (golden, majority,
+    earlier screens) and observed the device's first wrong one, whichever repeat went wrong: a
+    fault in the first repeat must not make the corrupted value 'expected'."""
+    results = runs.results()
+    if reference is None or reference.steps is None:
+        it, other = runs.mismatch  # type: ignore[misc]
+        why = ("no golden or majority says which is right" if reference is None else
+               f"{reference.source} gave digest {reference.digest}, which "
+               f"{'iteration 0 reproduces' if reference.matches(runs.reference) else 'no run reproduces'}")
         return Issue(Outcome.SUSPECT, KatReason.SELF_MISMATCH, job,
-                     first_difference(ref.steps, other.steps),
-                     detail=f"iteration {it} differs from iteration 0 (no golden or majority "
-                            f"says which is right; expected is iteration 0's value)")
-    ref_diff = first_difference(trusted, ref.steps)
-    bad, good, bad_it, good_it = ((ref, other, 0, it) if ref_diff is not None
-                                  else (other, ref, it, 0))
-    # digests differ, so at least one repeat differs from the trusted result
-    diff = ref_diff or first_difference(trusted, bad.steps)
-    agrees = first_difference(trusted, good.steps) is None
-    return Issue(Outcome.SUSPECT, KatReason.SELF_MISMATCH, job, diff,
-                 detail=f"iteration {bad_it} differs from the trusted result, which iteration "
-                        f"{good_it} {'reproduces' if agrees else 'does not reproduce either'}")
-
-
-def _golden_reproduced(record: Any, runs: JobRuns) -> bool:
-    """Whether any run of the job reproduced its golden bit for bit."""
-    if record is None:
-        return False
-    candidates = [runs.reference] + ([runs.mismatch[1]] if runs.mismatch else [])
-    return any(record.compare(r) is None for r in candidates)
+                     first_difference(runs.reference.steps, other.steps),
+                     detail=f"iteration {it} differs from iteration 0 ({why}; expected is "
+                            f"iteration 0's value); {len(runs.counts)} different results in "
+                            f"{runs.runs} runs")
+    wrong = [(it, r) for it, r in results if not reference.matches(r)] or [runs.mismatch]
+    right = sum(c for dg, c in runs.counts.items()
+                if any(r.digest == dg and reference.matches(r) for _, r in results))
+    it, bad = wrong[0]
+    # Wrong in every run is a golden (or majority) mismatch, told by its own name.
+    reason = (KatReason.SELF_MISMATCH if right else
+              KatReason.GOLDEN_MISMATCH if reference.record is not None else
+              KatReason.PEER_MISMATCH)
+    return Issue(Outcome.SUSPECT, reason, job,
+                 first_difference(reference.steps, bad.steps),
+                 detail=f"{runs.runs - right} of {runs.runs} runs differ from the "
+                        f"{reference.source} (first: iteration {it}; {len(runs.counts)} "
+                        f"different results); "
+                        + (f"{right} run(s) reproduce it" if right else "no run reproduces it"))
 
 
 def _evidence(run: DeviceRun, issues: Sequence[Issue],
@@ -446,6 +582,7 @@ def _evidence(run: DeviceRun, issues: Sequence[Issue],
         "iterations": run.iterations,
         # per job: its digest and, when compared with one, the golden (and whether a sibling's)
         "jobs": {j: {"digest": r.reference.digest, "runs": r.runs,
+                     "spec_hash": r.reference.spec_hash, "results": len(r.counts),
                      "seconds": round(sum(r.seconds), 4), **matched.get(j, {})}
                  for j, r in run.jobs.items()},
     }

@@ -27,7 +27,7 @@ from typing import Any, Mapping, Optional, Sequence
 from screener.errors import BadInputError
 from screener.known_answer import golden as _golden
 from screener.known_answer.fault_spec import DeviceFault
-from screener.known_answer.judgment import GoldenLookup, ScreenResult, judge
+from screener.known_answer.judgment import GoldenLookup, Known, ScreenResult, judge
 from screener.known_answer.protocol import DEFAULT_THREADS
 from screener.known_answer.recording import RecordResult, write_goldens
 from screener.known_answer.supervise import DEFAULT_TIMEOUT, Progress, execute
@@ -111,11 +111,14 @@ def run_screen(jobs: Optional[Sequence[str | JobSpec]] = None, devices: Sequence
                golden_dir: Optional[str] = None, jobs_dir: Optional[str] = None, repeat: int = 1,
                duration: Optional[float] = None, timeout: float = DEFAULT_TIMEOUT,
                faults: Optional[Mapping[str, Sequence[DeviceFault]]] = None,
-               progress: Optional[Progress] = None) -> ScreenResult:
+               progress: Optional[Progress] = None,
+               known: Optional[Known] = None) -> ScreenResult:
     """Screen devices with known-answer jobs (default: the quick screen) and judge the results.
 
     repeat: runs of each job per device (>= 2 adds the self-consistency check); duration: keep
-    repeating for that many seconds instead. Raises GoldenError (bad golden, exit 2),
+    repeating for that many seconds instead. known: what this node's earlier screens produced
+    (platform hash -> job -> digest): where no golden or majority exists it says which of a
+    device's disagreeing repeats is right (screener.known_answer.judgment). Raises GoldenError (bad golden, exit 2),
     NondeterminismError or ScreenerError (exit 1); a bad device is a Verdict, never an exception.
     """
     if repeat < 1:
@@ -129,7 +132,7 @@ def run_screen(jobs: Optional[Sequence[str | JobSpec]] = None, devices: Sequence
     runs = execute(specs, devs, iterations=repeat, duration=duration, timeout=timeout,
                    faults=faults, progress=progress)
     return judge(runs, specs, golden_lookup(golden_dir), golden_dir=golden_dir,
-                 seconds=time.monotonic() - t0)
+                 seconds=time.monotonic() - t0, known=known)
 
 
 def record_goldens(specs: Sequence[JobSpec], devices: Sequence[str], *,

@@ -7,8 +7,10 @@ whatever else lands on stdout (a library's banner) is not mistaken for an event:
 
 - platform  {platform, platform_hash}: the device's platform signature, once, after start-up;
 - start     {job, iteration}: a job's run begins (the parent's timeout restarts);
-- result    {iteration, result, fired?}: a JobResult.to_dict(), and the faults that fired;
-- error     {job, iteration, kind, type, message, traceback}: the child gives up (ErrorKind);
+- result    {iteration, result, fired?}: a JobResult.to_dict(), and the faults that fired (each
+              naming its index in the request's faults);
+- error     {job, iteration, kind, type, message, traceback, fired?}: the child gives up
+              (ErrorKind), with the faults that fired in the job's run;
 - done      {iterations}: every iteration ran; a child that ends without it crashed.
 
 Both sides import only this module to agree on the format; it needs nothing beyond the standard
@@ -48,6 +50,9 @@ class ErrorKind(StrValue):
     USAGE = "usage"  # bad input: a missing device, a job that cannot fit
     DEVICE = "device"  # the device failed: a CUDA error, ECC, an illegal access
     SCREENER = "screener"  # a bug of ours
+    # A job raised inside its run (an IndexError from a corrupted index tensor): the device's
+    # wrong arithmetic or our bug; the judgment decides from peers and goldens.
+    JOB = "job"
 
 
 def child_argv(python: str) -> list[str]:

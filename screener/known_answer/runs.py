@@ -6,27 +6,75 @@ judgment (screener.known_answer.judgment) reads it. Plain data, so the judgment 
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
 from screener.known_answer.results import JobResult
 from screener.types import RunStatus
 
+# Distinct results of one job kept per device. A persistently bad unit gives a different wrong
+# answer in every run; the judgment needs a golden-equal run if there is one, and the first
+# wrong ones, not all of them (each is a few KB, a burn-in repeats a job for hours).
+MAX_DISTINCT = 8
+
 
 @dataclass
 class JobRuns:
-    """Every run of one job on one device, kept small: the first result, the first differing one."""
+    """Every run of one job on one device, kept small: the first result, and the first run of
+    each different result (up to MAX_DISTINCT; past that only counted).
 
-    reference: JobResult
+    A device is judged on all of them: a later run that reproduces the golden, or a run that is
+    wrong differently from the first, both matter (a unit that is wrong in every run is the
+    commonest silent data corruption, and must not look like a nondeterministic job)."""
+
+    reference: JobResult  # iteration 0's result
     runs: int = 1
     mismatch: Optional[tuple[int, JobResult]] = None  # (iteration, result) first differing run
     seconds: list[float] = field(default_factory=list)
     fired: list[dict[str, Any]] = field(default_factory=list)
+    distinct: dict[str, tuple[int, JobResult]] = field(default_factory=dict)  # digest -> first
+    counts: "Counter[str]" = field(default_factory=Counter)  # digest -> runs that gave it
+    dropped: int = 0  # runs whose (new) result was past MAX_DISTINCT
+
+    def __post_init__(self) -> None:
+        if not self.distinct:
+            self.distinct[self.reference.digest] = (0, self.reference)
+            self.counts[self.reference.digest] += 1
+
+    def add(self, iteration: int, result: JobResult) -> None:
+        """Count one more run of the job."""
+        self.runs += 1
+        digest = result.digest
+        self.counts[digest] += 1
+        if digest not in self.distinct:
+            if len(self.distinct) < MAX_DISTINCT:
+                self.distinct[digest] = (iteration, result)
+            else:
+                self.dropped += 1
+        if self.mismatch is None and digest != self.reference.digest:
+            self.mismatch = (iteration, result)
+
+    @property
+    def consistent(self) -> bool:
+        """Whether every run gave the same bits."""
+        return len(self.counts) == 1
+
+    def results(self) -> list[tuple[int, JobResult]]:
+        """The first run of each different result, in the order they first appeared."""
+        return sorted(self.distinct.values(), key=lambda p: p[0])
+
+    def iterations_of(self, digest: str) -> int:
+        """How many runs gave this digest."""
+        return self.counts.get(digest, 0)
 
 
 @dataclass
 class DeviceRun:
-    """What a device's child produced: platform, results per job, and how it ended."""
+    """What a device's child produced: platform, results per job, and how it ended.
+
+    faults: the DeviceFault.to_dict()s its child was asked to apply (drills, `--inject`);
+    faults_fired: the index (into faults) of each one that fired at least once."""
 
     device: str
     status: RunStatus = RunStatus.OK
@@ -39,15 +87,22 @@ class DeviceRun:
     seconds: float = 0.0
     stderr_tail: str = ""
     timeout_s: Optional[float] = None  # the limit it ran past, when status is TIMEOUT
+    faults: list[dict[str, Any]] = field(default_factory=list)
+    faults_fired: set[int] = field(default_factory=set)
 
     def add(self, iteration: int, result: JobResult, fired: Sequence[dict[str, Any]] = ()) -> None:
-        """Count one result of a job, keeping the first one that differs from the first."""
+        """Count one result of a job (and the faults that fired in its run)."""
+        for rec in fired:
+            if isinstance(rec.get("fault"), int):
+                self.faults_fired.add(rec["fault"])
         runs = self.jobs.get(result.job)
         if runs is None:
             self.jobs[result.job] = JobRuns(result, seconds=[result.seconds], fired=list(fired))
             return
-        runs.runs += 1
+        runs.add(iteration, result)
         runs.seconds.append(result.seconds)
         runs.fired.extend(fired)
-        if runs.mismatch is None and result.digest != runs.reference.digest:
-            runs.mismatch = (iteration, result)
+
+    def unfired_faults(self) -> list[dict[str, Any]]:
+        """The requested faults that never fired (a drill that tested nothing)."""
+        return [f for i, f in enumerate(self.faults) if i not in self.faults_fired]

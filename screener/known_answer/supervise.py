@@ -7,7 +7,8 @@ How a child ends decides what it says about the device:
 - KILLED: SIGKILL (or exit 137) from someone else, above all the kernel's OOM killer (the
   cgroup's memory.events oom_kill count is read before and after);
 - TIMEOUT: no event within the timeout (killed here, with its whole process group);
-- DEVICE_ERROR / BAD_INPUT / SCREENER_ERROR: the child's own error event said whose fault.
+- DEVICE_ERROR / BAD_INPUT / SCREENER_ERROR / JOB_ERROR: the child's own error event said whose
+  fault (JOB_ERROR: a job raised, and only the judgment can tell the device's from ours).
 What each means for the verdict is screener.known_answer.judgment's business.
 """
 
@@ -41,7 +42,8 @@ POLL = 0.25  # seconds between timeout checks while no event arrives
 
 Progress = Callable[[Mapping[str, Any]], None]
 
-_STATUS_OF_ERROR = {ErrorKind.DEVICE: RunStatus.DEVICE_ERROR, ErrorKind.USAGE: RunStatus.BAD_INPUT}
+_STATUS_OF_ERROR = {ErrorKind.DEVICE: RunStatus.DEVICE_ERROR, ErrorKind.USAGE: RunStatus.BAD_INPUT,
+                    ErrorKind.JOB: RunStatus.JOB_ERROR}
 
 
 class _Child:
@@ -160,6 +162,9 @@ def _handle(child: _Child, event: Mapping[str, Any]) -> None:
                  if event.get("job") else "start-up")
         run.detail = f"{where}: {event.get('type')}: {event.get('message')}"
         run.stderr_tail = str(event.get("traceback", ""))
+        for rec in event.get("fired") or ():
+            if isinstance(rec, dict) and isinstance(rec.get("fault"), int):
+                run.faults_fired.add(rec["fault"])
     elif kind == Event.DONE:
         child.done = True
         run.current = None
@@ -217,6 +222,7 @@ def execute(specs: Sequence[JobSpec], devices: Sequence[str], *, iterations: Opt
                 threads=threads, timeout=timeout,
                 faults=[f.to_dict() for f in (faults or {}).get(device, ())])
             children.append(_Child(device, request, events, python or sys.executable))
+            children[-1].run.faults = list(request["faults"])
         _watch(children, events, timeout, startup, progress)
     finally:
         for child in children:
