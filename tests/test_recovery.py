@@ -172,11 +172,15 @@ def test_plan_cli_history(tmp_path):
     ["--checkpoint-minutes", "1"],
     ["--checkpoint-minutes", "1", "--mttf-hours", "3", "--history"],
     ["--checkpoint-minutes", "1", "--node-mttf-hours", "100"],
-    ["--checkpoint-minutes", "0", "--mttf-hours", "3"],
 ])
 def test_plan_cli_bad_input(args):
     r = CliRunner().invoke(main, ["plan", *args])
     assert isinstance(r.exception, BadInputError), r.output
+
+
+def test_plan_numbers_out_of_range_are_usage_errors():
+    r = CliRunner().invoke(main, ["plan", "--checkpoint-minutes", "0", "--mttf-hours", "3"])
+    assert r.exit_code == 2 and "Invalid value for '--checkpoint-minutes'" in r.output, r.output
 
 
 def test_plan_bad_input_is_one_line_exit_2():

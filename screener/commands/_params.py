@@ -2,7 +2,9 @@
 
 click.FloatRange lets `nan` through every bound (each comparison with NaN is False) and accepts
 `inf`, so `--timeout nan` switched the hang watchdog off and `--days nan` made an empty window.
-FiniteFloat refuses both with click's usual one line and exit 2.
+FiniteFloat refuses both with click's usual one line and exit 2. Every number a command takes is
+bounded on both sides (tests/test_bounds.py walks every command to check it): `--days 1e308`
+overflowed the report's date arithmetic, and a count of 10**30 runs or waits for ever.
 """
 
 from __future__ import annotations
@@ -14,6 +16,12 @@ import click
 
 from screener.errors import BadInputError
 from screener.settings.durations import parse_duration
+
+
+# Upper bounds shared by commands: the longest history window a command reads (a century), and the
+# most failures a lemon threshold may ask for.
+MAX_DAYS = 36500.0
+MAX_FAILURES = 1000
 
 
 class FiniteFloat(click.ParamType):

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import click
 
-from screener.commands._params import positive
+from screener.commands._params import MAX_DAYS, MAX_FAILURES, positive
 from screener.commands.context import AppContext, pass_app
 from screener.commands.options import with_store
 from screener.types import ExitCode, NodeState
@@ -90,7 +90,7 @@ def status_cmd(node: Optional[str], as_json: bool, store: Any) -> int:
 
 @node_group.command("history")
 @click.argument("node")
-@click.option("--days", type=positive(max=36500.0), default=None,
+@click.option("--days", type=positive(max=MAX_DAYS), default=None,
               help="Only transitions of the last DAYS days.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout.")
 @with_store
@@ -151,9 +151,9 @@ def set_cmd(app: AppContext, node: str, state: str, reason: str, as_json: bool,
 
 
 @click.command("lemons")
-@click.option("--days", type=positive(max=36500.0), default=30.0, show_default=True,
+@click.option("--days", type=positive(max=MAX_DAYS), default=30.0, show_default=True,
               help="Window to count failures in.")
-@click.option("--min-failures", type=click.IntRange(min=1), default=3, show_default=True,
+@click.option("--min-failures", type=click.IntRange(1, MAX_FAILURES), default=3, show_default=True,
               help="Failures within the window that make a lemon.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout.")
 @with_store

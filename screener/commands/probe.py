@@ -8,6 +8,7 @@ from typing import Optional
 
 import click
 
+from screener.settings.health import MAX_PER_NODE
 from screener.types import Severity
 
 
@@ -29,9 +30,9 @@ def _gpu_column(f: object) -> str:
               help="Keep the kernel-log read position in this file, so a second run reports "
                    "only new Xid lines.")
 @click.option("--no-kmsg", is_flag=True, help="Do not read the kernel log.")
-@click.option("--expected-gpus", type=click.IntRange(min=0),
+@click.option("--expected-gpus", type=click.IntRange(0, MAX_PER_NODE),
               help="GPUs this node should have; fewer is critical (fallen off the bus).")
-@click.option("--expected-nvlinks", type=click.IntRange(min=0),
+@click.option("--expected-nvlinks", type=click.IntRange(0, MAX_PER_NODE),
               help="Active NVLinks each GPU should have; fewer is suspect.")
 @click.option("--require-mount", "mounts", multiple=True, metavar="PATH",
               help="A mount point that must be mounted (repeatable).")

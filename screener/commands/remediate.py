@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import click
 
-from screener.commands._params import Duration
+from screener.commands._params import MAX_DAYS, Duration, FiniteFloat, positive
 from screener.commands.context import AppContext, pass_app
 from screener.commands.options import store_options
 from screener.settings.stores import StoreChoice
@@ -83,9 +83,9 @@ def hyperpod_group() -> None:
               help="Comma-separated deep health checks: InstanceStress, InstanceConnectivity, "
                    "MultiNodeTrainingValidation.")
 @click.option("--wait", is_flag=True, help="Poll until the check ends on every node and report.")
-@click.option("--poll", "poll_s", type=click.FloatRange(min=1.0), default=30.0, show_default=True,
+@click.option("--poll", "poll_s", type=FiniteFloat(1.0, 3600.0), default=30.0, show_default=True,
               help="Seconds between polls with --wait.")
-@click.option("--timeout", "timeout_s", type=click.FloatRange(min=1.0), default=4 * 3600.0,
+@click.option("--timeout", "timeout_s", type=FiniteFloat(1.0, 7 * 86400.0), default=4 * 3600.0,
               show_default=True, help="Give up waiting after this many seconds (exit 3).")
 @click.option("--dry-run", is_flag=True, help="Print the request without starting the check.")
 @click.option("--record", is_flag=True,
@@ -272,7 +272,7 @@ def replace_cmd(app: AppContext, nodes: tuple[str, ...], cluster: str, region: O
               help="Prometheus base URL holding dcgm-exporter metrics [env SCREENER_PROMETHEUS_URL].")
 @click.option("--around", default="now", show_default=True,
               help="Time of the alarm: 'now', unix seconds or ISO 8601 (UTC if no zone).")
-@click.option("--window", type=Duration(), default="30m", show_default=True,
+@click.option("--window", type=Duration(longest=30 * 86400.0), default="30m", show_default=True,
               help="How far before and after --around to look (e.g. 30m, 2h).")
 @click.option("--match", "match", default=None, metavar="LABEL=VALUE",
               help="Select the node's series by this label instead of trying Hostname, node, "
@@ -321,23 +321,23 @@ def correlate_cmd(app: AppContext, node: str, url: str, around: str, window: flo
 # --- screener plan --------------------------------------------------------------------------------
 
 @click.command("plan")
-@click.option("--checkpoint-minutes", "c", type=float, required=True,
+@click.option("--checkpoint-minutes", "c", type=positive(max=7 * 1440.0), required=True,
               help="Time to write one checkpoint, in minutes (the time training is blocked).")
-@click.option("--mttf-hours", "m", type=float, default=None,
+@click.option("--mttf-hours", "m", type=positive(max=1e6), default=None,
               help="The job's mean time between interruptions, in hours.")
-@click.option("--node-mttf-hours", type=float, default=None,
+@click.option("--node-mttf-hours", type=positive(max=1e8), default=None,
               help="Mean time between failures of one node, in hours (with --nodes).")
-@click.option("--nodes", type=click.IntRange(min=1), default=None,
+@click.option("--nodes", type=click.IntRange(1, 1_000_000), default=None,
               help="Nodes the job needs (with --node-mttf-hours or --history; default for "
                    "--history: every node in the store).")
 @click.option("--history", is_flag=True,
               help="Measure the per-node failure rate from the store's own records.")
-@click.option("--days", type=click.FloatRange(min=0.001), default=30.0, show_default=True,
+@click.option("--days", type=FiniteFloat(0.001, MAX_DAYS), default=30.0, show_default=True,
               help="How much history --history reads.")
-@click.option("--restart-minutes", "r", type=click.FloatRange(min=0.0), default=0.0,
+@click.option("--restart-minutes", "r", type=FiniteFloat(0.0, 7 * 1440.0), default=0.0,
               show_default=True, help="Time to detect, exclude, reschedule and reload after an "
                                       "interruption.")
-@click.option("--interval-minutes", type=float, default=None,
+@click.option("--interval-minutes", type=positive(max=1e6), default=None,
               help="Also evaluate this checkpoint interval (e.g. the one you use now).")
 @store_options()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON results on stdout.")

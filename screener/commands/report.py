@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from screener.commands._params import positive
+from screener.commands._params import MAX_DAYS, MAX_FAILURES, positive
 from screener.commands.context import AppContext, pass_app
 from screener.commands.options import with_store
 from screener.errors import BadInputError
@@ -58,9 +58,9 @@ def burnin_report_cmd(report_file: str, out: str) -> int:
 @report_group.command("fleet")
 @click.option("-o", "--out", default="fleet-report.html", show_default=True,
               type=click.Path(dir_okay=False), help="HTML file to write.")
-@click.option("--days", type=positive(), default=30.0, show_default=True,
+@click.option("--days", type=positive(max=MAX_DAYS), default=30.0, show_default=True,
               help="History window of the timeline and of the lemon counts.")
-@click.option("--min-failures", type=click.IntRange(min=1), default=3, show_default=True,
+@click.option("--min-failures", type=click.IntRange(1, MAX_FAILURES), default=3, show_default=True,
               help="Confirmed failures in the window that make a lemon.")
 @click.option("--burnin-report", "burnin_reports", multiple=True, type=click.Path(dir_okay=False),
               help="A burn-in report (screener burnin --report) whose HBM bandwidth per GPU to "

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from screener.settings import strict as configs
-from screener.errors import ConfigError, TransitionRefused
+from screener.errors import TransitionRefused
 from screener.lifecycle.records import ACTOR_HUMAN, ACTOR_SCREENER, Transition
 from screener.types import (ALARM_CHECK_REASONS, BUDGET_STATES, AlarmRecord, Finding, NodeState,
                             Outcome, Reason, Severity, Verdict)
@@ -158,18 +158,15 @@ class LifecyclePolicy:
     min_budget_nodes: int = 1  # the budget is never below this many nodes
 
     def __post_init__(self) -> None:
-        if not (self.lemon_window_days > 0 and math.isfinite(self.lemon_window_days)):
-            raise ConfigError(f"lemon_window_days must be positive, not {self.lemon_window_days!r}")
-        if isinstance(self.lemon_min_failures, bool) or not isinstance(self.lemon_min_failures, int) \
-                or self.lemon_min_failures < 1:
-            raise ConfigError(f"lemon_min_failures must be an integer >= 1, "
-                              f"not {self.lemon_min_failures!r}")
-        if not (0.0 <= self.quarantine_budget <= 1.0):
-            raise ConfigError(f"quarantine_budget must be a share between 0 and 1, "
-                              f"not {self.quarantine_budget!r}")
-        if isinstance(self.min_budget_nodes, bool) or not isinstance(self.min_budget_nodes, int) \
-                or self.min_budget_nodes < 0:
-            raise ConfigError(f"min_budget_nodes must be an integer >= 0, not {self.min_budget_nodes!r}")
+        # Both sides bounded, and a bool is no number: `quarantine_budget = true` was 100%.
+        configs.require_number("lifecycle", "lemon_window_days", self.lemon_window_days, 0.0,
+                               3650.0, low_open=True, unit="days")
+        configs.require_number("lifecycle", "lemon_min_failures", self.lemon_min_failures, 1,
+                               1000, integer=True)
+        configs.require_number("lifecycle", "quarantine_budget", self.quarantine_budget, 0.0, 1.0,
+                               unit="a share of the fleet")
+        configs.require_number("lifecycle", "min_budget_nodes", self.min_budget_nodes, 0,
+                               1_000_000, integer=True)
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any]) -> "LifecyclePolicy":

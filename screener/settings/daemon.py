@@ -42,13 +42,31 @@ ENV_PREFIX = "SCREENER_DAEMON_"
 STORE_CHOICES = ("auto", "local", "kube")
 
 
-def _is_num(v: Any) -> bool:
-    """A finite int or float (not a bool): NaN and infinities are never a setting."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
 _STR_FIELDS = ("node", "alarm_dir", "store", "event_namespace", "own_pod", "metrics_host")
-_PATH_FIELDS = ("db", "kubeconfig", "spool", "jobs_dir", "golden_dir")  # None or a string
+_HOUR, _DAY = 3600.0, 86400.0
+_YEAR = 365 * _DAY
+# Every number's range: (low, high, low excluded, an integer). The upper bounds are far past any
+# sensible setting; they keep every interval within what the loop's waits and the clock's
+# arithmetic take (tick_s = 1e10 overflowed the loop's wait) and every count finite in time.
+_NUMBERS: dict[str, tuple[float, float, bool, bool]] = {
+    "tick_s": (0.0, _HOUR, True, False),
+    "job_poll_s": (0.0, _HOUR, True, False),
+    "probe_interval_s": (0.0, 7 * _DAY, True, False),
+    "liveness_s": (0.0, 7 * _DAY, True, False),
+    "screen_time_cap_s": (0.0, 7 * _DAY, True, False),
+    "idle_window_s": (0.0, 30 * _DAY, False, False),
+    "retry_inconclusive_s": (0.0, 30 * _DAY, False, False),
+    "screen_interval_s": (0.0, _YEAR, False, False),
+    "burnin_duration_s": (0.0, _YEAR, False, False),
+    "adopt_min_age_s": (0.0, 10 * _YEAR, False, False),
+    "adopt_created_before": (0.0, 1e10, False, False),  # a unix time (1e10: the year 2286)
+    "idle_utilization_pct": (1, 100, False, True),
+    "metrics_port": (-1, 65535, False, True),  # 0: any free port, -1: none
+    "processed_keep": (0, 1_000_000, False, True),
+    # a repeat is compared with the first, so at least 2
+    "burnin_min_iterations": (2, 10_000, False, True),
+}
+_PATH_FIELDS = ("db", "kubeconfig", "spool", "jobs_dir", "golden_dir", "work_dir")  # None or a string
 
 
 @dataclass(frozen=True)
@@ -144,32 +162,16 @@ class DaemonConfig:
                 raise bad(name, "must be a path (a non-empty string)")
         if self.store not in STORE_CHOICES:
             raise bad("store", f"must be one of {', '.join(STORE_CHOICES)}")
-        for name in ("tick_s", "probe_interval_s", "screen_time_cap_s", "job_poll_s", "liveness_s"):
-            v = getattr(self, name)
-            if not _is_num(v) or not v > 0:
-                raise bad(name, "must be a positive, finite number of seconds")
         if self.adopt not in ("auto", "off"):
             raise bad("adopt", "must be auto or off")
-        if not isinstance(self.burnin_min_iterations, int) or isinstance(self.burnin_min_iterations, bool) \
-                or self.burnin_min_iterations < 2:
-            raise bad("burnin_min_iterations", "must be an integer >= 2 (a repeat is compared with the first)")
-        for name in ("idle_window_s", "screen_interval_s", "retry_inconclusive_s", "burnin_duration_s",
-                     "adopt_min_age_s", "adopt_created_before"):
-            v = getattr(self, name)
-            if not _is_num(v) or v < 0:
-                raise bad(name, "must be a finite number of seconds >= 0")
-        if not isinstance(self.idle_utilization_pct, int) or isinstance(self.idle_utilization_pct, bool) \
-                or not 0 < self.idle_utilization_pct <= 100:
-            raise bad("idle_utilization_pct", "must be an integer percentage 1..100")
-        if not isinstance(self.metrics_port, int) or isinstance(self.metrics_port, bool) \
-                or not -1 <= self.metrics_port <= 65535:
-            raise bad("metrics_port", "must be a port number (0: any free port, -1: none)")
-        if not isinstance(self.processed_keep, int) or isinstance(self.processed_keep, bool) \
-                or self.processed_keep < 0:
-            raise bad("processed_keep", "must be an integer >= 0")
+        for name, (low, high, low_open, integer) in _NUMBERS.items():
+            configs.require_number("daemon", name, getattr(self, name), low, high,
+                                   integer=integer, low_open=low_open,
+                                   unit="" if integer or name == "adopt_created_before"
+                                   else "seconds")
         for name in ("jobs", "devices"):
             v = getattr(self, name)
-            if isinstance(v, str) or not all(isinstance(x, str) and x for x in v):
+            if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) and x for x in v):
                 raise bad(name, "must be a list of names")
             object.__setattr__(self, name, tuple(v))
         for name in ("publish_digests", "screens"):

@@ -13,6 +13,9 @@ from screener.errors import ConfigError
 # Where the kernel log and the boot id are on a Linux node (the kernel-log reader's defaults too).
 DEFAULT_KMSG = "/dev/kmsg"
 DEFAULT_BOOT_ID = "/proc/sys/kernel/random/boot_id"
+# The most GPUs (or NVLinks per GPU) a count may expect: past any real node, so a typo such as
+# 80000 is refused rather than read as every GPU fallen off the bus.
+MAX_PER_NODE = 1024
 
 
 @dataclass(frozen=True)
@@ -60,25 +63,24 @@ class ProbeConfig:
 
         for name in ("expected_gpus", "expected_nvlinks"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-                raise bad(name, "must be a non-negative integer or null")
+            if v is not None:  # null: not checked. A node has far fewer than MAX_PER_NODE.
+                configs.require_number("probe", name, v, 0, MAX_PER_NODE, integer=True)
         for name in ("min_free_memory_fraction", "min_free_disk_fraction"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0.0 <= v <= 1.0:
-                raise bad(name, "must be a number between 0 and 1")
-        if (not isinstance(self.busy_utilization, int) or isinstance(self.busy_utilization, bool)
-                or not 0 <= self.busy_utilization <= 100):
-            raise bad("busy_utilization", "must be an integer percentage 0..100")
+            configs.require_number("probe", name, getattr(self, name), 0.0, 1.0)
+        configs.require_number("probe", "busy_utilization", self.busy_utilization, 0, 100,
+                               integer=True, unit="percent")
         if self.kmsg_first_read not in ("all", "end"):
             raise bad("kmsg_first_read", "must be 'all' or 'end'")
         for name in ("required_mounts", "disk_paths"):
             v = getattr(self, name)
-            if isinstance(v, str) or not all(isinstance(p, str) and p for p in v):
+            if not isinstance(v, (list, tuple)) or not all(isinstance(p, str) and p for p in v):
                 raise bad(name, "must be a list of paths")
             object.__setattr__(self, name, tuple(v))
         for name in ("power_cap_is_warning", "nvml_events"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be true or false")
+        if not isinstance(self.boot_id_path, str) or not self.boot_id_path:
+            raise bad("boot_id_path", "must be a path")
         for name in ("kmsg_path", "kmsg_state_file"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v):

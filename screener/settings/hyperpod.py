@@ -60,10 +60,8 @@ class HyperPodConfig:
             object.__setattr__(self, "checks", validate_checks(self.checks))
         except BadInputError as e:
             raise ConfigError(f"hyperpod checks: {e}") from None
-        if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int) \
-                or self.max_attempts < 1:
-            raise ConfigError(f"hyperpod max_attempts {self.max_attempts!r} must be an integer of "
-                              "at least 1")
+        # botocore's standard mode retries with backoff: 100 attempts is hours already.
+        configs.require_number("hyperpod", "max_attempts", self.max_attempts, 1, 100, integer=True)
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any]) -> "HyperPodConfig":

@@ -5,7 +5,9 @@ keys it accepts. A key the dataclass does not know is a typo or a setting from a
 silently dropping it would run with a default the operator did not choose, so it is an error that
 names the section and the key. A NaN or an infinity anywhere in a section is refused here for
 every section at once: `x < 0` is False for NaN, so a range check alone would let it through and
-switch a timer off. Value checks stay in each dataclass's __post_init__.
+switch a timer off. Value checks stay in each dataclass's __post_init__, which bounds every number
+on both sides with `require_number`: a bool is no number (TOML's `true` would be 1, a budget of
+100%), and an interval of 1e10 s overflows the waits it reaches.
 """
 
 from __future__ import annotations
@@ -56,3 +58,28 @@ def _non_finite(value: Any) -> Any:
             stack.extend(v)
     return None
 
+
+
+def number_problem(value: Any, low: float, high: float, *, integer: bool = False,
+                   low_open: bool = False) -> str:
+    """Why `value` is not a number in [low, high] (low excluded when low_open; an int when
+    `integer`; never a bool or NaN), or "" when it is one."""
+    what = "an integer" if integer else "a number"
+    lo = f"> {low:g}" if low_open else f">= {low:g}"
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+        return f"must be {what} {lo} and <= {high:g}, not {type(value).__name__}"
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"must be a finite number {lo} and <= {high:g}"
+    if value < low or (low_open and value == low) or value > high:
+        return f"must be {what} {lo} and <= {high:g}"
+    return ""
+
+
+def require_number(section: str, name: str, value: Any, low: float, high: float, *,
+                   integer: bool = False, low_open: bool = False, unit: str = "") -> None:
+    """ConfigError '<section> config <name>=<value>: must be ...' unless number_problem is empty;
+    `unit` (e.g. "seconds") ends the message."""
+    problem = number_problem(value, low, high, integer=integer, low_open=low_open)
+    if problem:
+        raise ConfigError(f"{section} config {name}={repr(value)[:40]}: {problem}"
+                          f"{f' ({unit})' if unit else ''}")
