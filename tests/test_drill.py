@@ -86,3 +86,17 @@ def test_bad_drill_options_are_usage_errors():
     r = CliRunner().invoke(main, ["drill", "--node", "a", "--node", "b", "--node", "c",
                                   "--faulty", "z"])
     assert r.exit_code != 0 and "faulty node 'z'" in str(r.exception or r.output)
+
+
+def test_a_drill_whose_fault_never_fires_exits_2_not_a_pass_or_a_failure(tmp_path):
+    """A fault past the last matmul of the step never fires: the drill tested nothing, which
+    is a usage error (2), not a broken pipeline (1) and never a pass."""
+    from screener.agent.drill import run_drill
+    from screener.agent.screening import LocalTaint
+
+    options = DrillOptions(steps=2, fault_step=1, call=10 ** 6)
+    with LocalStore(str(tmp_path / "state.db")) as store:
+        report = run_drill(options, tmp_path, store=store, taint=LocalTaint(tmp_path))
+    assert report.fault_fired is False and "the fault never fired" in report.problems
+    assert int(report.exit_code) == 2 and report.to_dict()["fault_fired"] is False
+    assert set(report.states.values()) <= {None, "healthy", "burnin"}  # nobody was quarantined

@@ -77,6 +77,7 @@ class DrillReport:
     latency: dict[str, float] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     store: str = "local"
+    fault_fired: bool = True  # False: the drill tested nothing (exit 2, not a pass or a failure)
 
     @property
     def caught(self) -> bool:
@@ -89,7 +90,10 @@ class DrillReport:
 
     @property
     def exit_code(self) -> ExitCode:
-        # A drill that fails means the pipeline is broken: the screener failed, not the hardware.
+        # A drill whose fault never fired tested nothing: its options were wrong (2). One that
+        # fails otherwise means the pipeline is broken: the screener failed, not the hardware.
+        if not self.fault_fired:
+            return ExitCode.USAGE
         return ExitCode.PASS if self.ok else ExitCode.SCREENER_ERROR
 
     def lines(self) -> list[str]:
@@ -114,6 +118,7 @@ class DrillReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, "exit_code": int(self.exit_code), "caught": self.caught,
+                "fault_fired": self.fault_fired,
                 "faulty": self.options.faulty, "nodes": list(self.options.nodes),
                 "store": self.store, "hops": self.hops, "alarm": self.alarm,
                 "alarm_files": self.alarm_files, "states": self.states, "latency": self.latency,
@@ -184,13 +189,16 @@ def run_drill(options: DrillOptions, workdir: str | os.PathLike[str], *, store: 
 def _job_hops(report: DrillReport, options: DrillOptions, result: PeerResult
               ) -> Optional[Mapping[str, Any]]:
     """The training's hops (the fault, the alarm) into `report`; returns the fault that fired."""
-    fault = next((r["fault"] for r in result.ranks if r.get("fault")), None)
+    # a rank reports the fault it was asked to apply, with what fired ([] when nothing did)
+    fault = next((r["fault"] for r in result.ranks if r.get("fault") and r["fault"].get("fired")),
+                 None)
     if fault is not None:
         report.hops.append({"time": fault["time"], "what":
                             f"fault injected on {options.faulty} (rank {_rank_on(result, options.faulty)})"
                             f" at step {fault['step']}: bit {options.bit} of element {options.element} "
                             f"of a {options.op} output flipped"})
     else:
+        report.fault_fired = False
         report.problems.append("the fault never fired")
     report.alarm = result.alarm
     if result.alarm:

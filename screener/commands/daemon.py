@@ -217,7 +217,8 @@ def drill_cmd(ctx: click.Context, workdir: Optional[str], kubeconfig: Optional[s
     node takes the files in and records the transitions (local SQLite store, or the cluster with
     --kubeconfig). Prints the path the alarm took with the time of each hop and the latency from
     fault to label. Exit 0 when the fault was caught and the faulty node, and only it, ended
-    quarantined; 1 when any of that failed (the pipeline is broken).
+    quarantined; 2 when the fault never fired (the drill tested nothing); 1 when anything else
+    failed (the pipeline is broken).
     """
     from screener.agent.drill import DEFAULT_NODES, DrillOptions, run_drill, with_nodes
     from screener.agent.screening import LocalTaint
