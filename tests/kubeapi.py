@@ -233,6 +233,10 @@ class KubeAPI:
         self.pods: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
         self.configmaps: dict[tuple[str, str], dict[str, Any]] = {}  # (namespace, name) -> object
+        # The namespaces that exist; None: every one does. When a set, a create in any other is
+        # 404 'namespaces "NS" not found', as the API server answers (a get or list there is the
+        # usual 404 or empty list).
+        self.namespaces: Optional[set[str]] = None
         self.calls: list[Call] = []
         self._slow: list[tuple[Optional[str], Optional[str], float]] = []  # (verb, resource, s)
         self._rv = 100
@@ -510,6 +514,9 @@ class KubeAPI:
                 return 200, copy.deepcopy(self.nodes[call.name]), None
             if call.verb in ("patch", "update") and call.subresource in ("", "status"):
                 return 200, self._write_node(call, headers, body), None
+        if call.verb == "create" and call.namespace and self.namespaces is not None \
+                and call.namespace not in self.namespaces:
+            raise ApiError(404, "NotFound", f'namespaces "{call.namespace}" not found')
         if call.resource == "configmaps" and call.namespace:
             return self._configmaps(call, q, headers, body)
         if call.resource == "events" and call.verb == "create":

@@ -4,7 +4,9 @@ text parser, after real daemon passes (fake clock, scripted NVML, scripted scree
 from __future__ import annotations
 
 import json
+import logging
 import socket
+import struct
 import time
 import urllib.error
 import urllib.request
@@ -163,6 +165,32 @@ def test_a_silent_client_is_dropped_after_the_read_timeout():
         s.close()
     finally:
         server.stop()
+
+
+def test_a_client_that_resets_mid_request_is_one_debug_line(caplog, capfd):
+    """500 resets wrote 500 tracebacks (762 KB of non-JSON log) before; now one debug line each,
+    and the server still answers."""
+    caplog.set_level(logging.DEBUG, logger="screener.metrics")
+    server = MetricsServer(DaemonMetrics(NODE), "127.0.0.1", 0).start()
+    try:
+        for _ in range(20):
+            s = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # the headers never end
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            s.close()  # linger 0: a reset, not a FIN
+        deadline = time.monotonic() + 10
+        gone = []
+        while len(gone) < 20 and time.monotonic() < deadline:
+            gone = [r for r in caplog.records if "went away" in r.getMessage()]
+            time.sleep(0.02)
+        assert len(gone) == 20 and {r.levelno for r in gone} == {logging.DEBUG}
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        with urllib.request.urlopen(server.url + "/healthz", timeout=10) as r:
+            assert r.status == 200
+    finally:
+        server.stop()
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Exception occurred" not in err, err[:2000]
 
 
 def test_readiness_says_when_the_intake_is_stalled():

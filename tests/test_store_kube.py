@@ -606,3 +606,25 @@ def test_a_replay_never_undoes_a_persons_later_decision(api, tmp_path):
     assert api.node("gpu-2")["metadata"]["labels"][LABEL_STATE] == "quarantined"
     daemon.close()
     person.close()
+
+
+def test_a_missing_namespace_is_named_with_how_to_create_it(api, tmp_path):
+    """A create in a namespace that does not exist is a 404; taken for a lost race it read
+    'budget record: still conflicting' (issue 23.7)."""
+    api.namespaces = {"default"}
+    store = make_store(api, namespace="screener-nowhere")
+    with pytest.raises(KubeApiError) as e:
+        store.record(tr("gpu-1", None, S.REPAIR))
+    text = str(e.value)
+    assert "namespace 'screener-nowhere' does not exist" in text, text
+    assert "kubectl create namespace screener-nowhere" in text and "conflicting" not in text
+    events = make_store(api, namespace="default", event_namespace="events-nowhere")
+    with pytest.raises(KubeApiError, match="namespace 'events-nowhere' does not exist .*Events"):
+        events.record(tr("gpu-2", None, S.BURNIN))
+    kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
+    p = cli_util.screener("node", "set", "gpu-2", "repair", "--reason", "x", "--store", "kube",
+                          "--kubeconfig", str(kubeconfig), "--spool", str(tmp_path / "spool.db"),
+                          env={"POD_NAMESPACE": "screener-nowhere"})
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode != 0 and len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
+    assert "kubectl create namespace screener-nowhere" in lines[0], p.stderr

@@ -18,13 +18,17 @@ Exposure: the server binds the address it is given (the pod IP in the manifests,
 reads a request within `read_timeout_s` and holds at most `max_connections` connections: a new
 connection beyond the cap closes the oldest one, so idle or slow clients can neither exhaust the
 process's file descriptors (which the loop needs for alarm files and the store) nor keep
-/healthz from answering.
+/healthz from answering. A client that goes away mid-request (a reset, a closed pipe, a timeout)
+is one debug line; socketserver's default printed a traceback on stderr for each, which is not
+JSON and flooded the daemon's log.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import socket
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -186,6 +190,7 @@ class DaemonMetrics:
 
 MAX_CONNECTIONS = 64
 READ_TIMEOUT_S = 10.0
+log = logging.getLogger("screener.metrics")
 
 
 class _CappedServer(ThreadingHTTPServer):
@@ -221,6 +226,19 @@ class _CappedServer(ThreadingHTTPServer):
     def open_connections(self) -> int:
         with self._open_lock:
             return len(self._open)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A request that failed: a client that went away is routine (a scraper timing out, a
+        connection closed by the cap) and one debug line; anything else is our own error, one
+        error line with its traceback in the log record, never on bare stderr."""
+        exc = sys.exc_info()[1]
+        peer = client_address[0] if isinstance(client_address, tuple) else client_address
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            log.debug("metrics client %s went away: %s", peer, exc,
+                      extra={"event": "metrics_client_gone"})
+        else:
+            log.error("metrics request from %s failed: %r", peer, exc, exc_info=True,
+                      extra={"event": "metrics_error"})
 
 
 class MetricsServer:

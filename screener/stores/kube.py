@@ -707,13 +707,19 @@ class KubeStore:
         """Create (no resourceVersion) or replace (with it, as precondition) a ConfigMap.
         None when the precondition failed: 409 (changed or already exists) or 404 (deleted)."""
         name = body["metadata"]["name"]
+        create = not body["metadata"].get("resourceVersion")
         try:
-            if body["metadata"].get("resourceVersion"):
+            if not create:
                 return self._call(f"update configmap {self.namespace}/{name}",
                                   self.api.replace_namespaced_config_map, name, self.namespace, body)
             return self._call(f"create configmap {self.namespace}/{name}",
                               self.api.create_namespaced_config_map, self.namespace, body)
         except KubeApiError as e:
+            if create and e.status == 404:
+                # A create has one 404: its namespace is missing. Taken for a lost race, it read
+                # as "budget record: still conflicting" after every retry.
+                raise KubeApiError(_missing_namespace(self.namespace, "the budget record and "
+                                                      "the node histories"), 404) from e
             if e.status in (404, 409):
                 return None
             raise
@@ -767,6 +773,9 @@ class KubeStore:
             self._call(f"create event for {t.node}", self.api.create_namespaced_event,
                        self.event_namespace, body)
         except KubeApiError as e:
+            if e.status == 404:
+                raise KubeApiError(_missing_namespace(self.event_namespace, "the Node Events"),
+                                   404) from e
             if e.status != 409:  # 409: AlreadyExists, posted by an earlier attempt
                 raise
 
@@ -776,6 +785,13 @@ class KubeStore:
 
 def _name(state: Optional[NodeState]) -> str:
     return state.value if state else "(new)"
+
+
+def _missing_namespace(namespace: str, what: str) -> str:
+    """The one line for a create refused because its namespace does not exist."""
+    return (f"namespace {namespace!r} does not exist ({what} are written there): create it with "
+            f"`kubectl create namespace {namespace}`, or point screener at the namespace it runs "
+            "in ($POD_NAMESPACE for the store, event_namespace for Events)")
 
 
 def _message(e: ApiException) -> str:
