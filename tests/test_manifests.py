@@ -266,8 +266,14 @@ def _admission(objs):
     return pol["spec"]
 
 
-def _admit(spec, old, new, *, user="system:serviceaccount:screener-system:screener", extra=None):
-    """The messages of the validations that deny the update ([] = admitted; None = not matched)."""
+NODE_CLAIM = "authentication.kubernetes.io/node-name"
+OWN_NODE = {NODE_CLAIM: ["n1"]}  # what a token bound to a pod on n1 carries
+
+
+def _admit(spec, old, new, *, user="system:serviceaccount:screener-system:screener",
+           extra=OWN_NODE):
+    """The messages of the validations that deny the update ([] = admitted; None = not matched);
+    `extra` is the token's userInfo.extra (None: a token without any)."""
     import celpy
     from celpy import celtypes, json_to_cel
 
@@ -298,8 +304,12 @@ NODE_OBJ = {
                  "annotations": {"team": "a"}},
     "spec": {"providerID": "aws:///z/i-1", "taints": [{"key": "nvidia.com/gpu", "effect": "NoSchedule"}]},
     "status": {"conditions": [{"type": "Ready", "status": "True"}], "capacity": {"cpu": "8"},
-               "allocatable": {"cpu": "8"}},
+               "allocatable": {"cpu": "8"},
+               "addresses": [{"type": "InternalIP", "address": "10.0.0.1"}],
+               "daemonEndpoints": {"kubeletEndpoint": {"Port": 10250}},
+               "nodeInfo": {"kubeletVersion": "v1.30.0", "machineID": "m1"}},
 }
+OWNER = {"apiVersion": "v1", "kind": "ConfigMap", "name": "gone", "uid": "0000"}
 
 
 def _changed(edit):
@@ -324,6 +334,18 @@ def _changed(edit):
     (lambda n: n["spec"].__setitem__("providerID", "aws:///z/i-2"), "provider ID"),
     (lambda n: n["status"]["conditions"][0].__setitem__("status", "False"), "GPUHardwareSuspect"),
     (lambda n: n["status"]["capacity"].__setitem__("cpu", "16"), "capacity"),
+    # issue 23: what a real API server let through before
+    (lambda n: n["spec"]["taints"].append({"key": TAINT_STATE_KEY, "value": "suspect",
+                                           "effect": "NoExecute"}), "effect NoSchedule"),
+    (lambda n: n["metadata"].__setitem__("ownerReferences", [OWNER]), "owner references"),
+    (lambda n: n["metadata"].__setitem__("finalizers", ["example.com/hold"]), "finalizers"),
+    (lambda n: n["status"]["addresses"][0].__setitem__("address", "10.9.9.9"), "addresses"),
+    (lambda n: n["status"]["daemonEndpoints"]["kubeletEndpoint"].__setitem__("Port", 1), "daemon"),
+    (lambda n: n["status"].pop("daemonEndpoints"), "daemon endpoints"),
+    (lambda n: n["status"]["nodeInfo"].__setitem__("machineID", "m2"), "node info"),
+    (lambda n: n["status"].__setitem__("phase", "Terminated"), "phase"),
+    (lambda n: n["spec"].__setitem__("podCIDR", "10.1.0.0/24"), "pod CIDRs"),
+    (lambda n: n["spec"].__setitem__("configSource", {"configMap": {"name": "x"}}), "config source"),
 ])
 def test_admission_policy_lets_screener_change_only_its_own_fields(objs, edit, denied):
     spec = _admission(objs)
@@ -339,9 +361,13 @@ def test_admission_policy_lets_screener_change_only_its_own_fields(objs, edit, d
 def test_admission_policy_keeps_a_pod_bound_token_to_its_own_node(objs):
     spec = _admission(objs)
     new = _changed(lambda n: n["metadata"]["labels"].__setitem__(LABEL_STATE, "suspect"))
-    node_claim = "authentication.kubernetes.io/node-name"
-    assert _admit(spec, NODE_OBJ, new, extra={node_claim: ["n1"]}) == []
-    assert "only the node it runs on" in _admit(spec, NODE_OBJ, new, extra={node_claim: ["n2"]})[0]
+    assert _admit(spec, NODE_OBJ, new, extra={NODE_CLAIM: ["n1"]}) == []
+    assert "only the node it runs on" in _admit(spec, NODE_OBJ, new, extra={NODE_CLAIM: ["n2"]})[0]
+    # Fails closed: a token without the claim (a secret token, a person using the account's
+    # kubeconfig) changes no node; before, it kept only the field rules.
+    for extra in (None, {}, {"authentication.kubernetes.io/credential-id": ["JTI=x"]}):
+        messages = _admit(spec, NODE_OBJ, new, extra=extra)
+        assert len(messages) == 1 and "only the node it runs on" in messages[0], (extra, messages)
     bare = {"metadata": {"name": "n1"}, "spec": {}}  # no labels, taints or status yet
     assert _admit(spec, bare, {"metadata": {"name": "n1", "labels": {LABEL_STATE: "burnin"}},
                                "spec": {}}) == []
