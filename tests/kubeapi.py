@@ -12,6 +12,8 @@ the real wire protocol. This server speaks it for the handful of resources scree
   GET    /api/v1/pods, /api/v1/namespaces/NS/pods           list (fieldSelector spec.nodeName=)
   GET    /api/v1/namespaces/NS/configmaps[?labelSelector=..][&limit=&continue=]   list
   GET|PUT|PATCH|DELETE /api/v1/namespaces/NS/configmaps/NAME, POST .../configmaps
+                                                            (DELETE honours preconditions uid /
+                                                            resourceVersion: 409 on a mismatch)
 
 Semantics kept from the real API server: a global resourceVersion that increases on every write; a
 PATCH or PUT that carries a stale metadata.resourceVersion gets 409 Conflict (nodes and
@@ -21,7 +23,10 @@ configmaps; a ConfigMap PUT without one is an unconditional update), a POST of a
 other lists (spec.taints has no merge key); lists page with limit/continue in name order (with
 metadata.remainingItemCount when no selector is given); a node list asked for with
 `Accept: application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1` returns only
-metadata; label selectors take `k=v`, `k!=v`, `k` and `!k`; Status objects as error bodies.
+metadata; label selectors take `k=v`, `k!=v`, `k` and `!k`; Status objects as error bodies. A list
+with resourceVersion=0 is served "from the cache", as kube-apiserver (through v1.32) serves it:
+any version, `limit` ignored, everything in one page without a continue token (Call.cached records
+it).
 
 Test controls: fail_next(n, status) answers the next n requests with an error, conflict_next(n)
 answers the next n writes with 409, down()/up() stop and restart listening on the same port,
@@ -66,6 +71,8 @@ class Call:
     request_bytes: int = 0
     response_bytes: int = 0
     server_seconds: float = 0.0  # time the server spent answering (its own work, not the client's)
+    cached: bool = False  # a list served from the cache (resourceVersion=0)
+    agent: str = ""  # the client's User-Agent (benchmarks set one per simulated daemon)
 
 
 class ApiError(Exception):
@@ -458,7 +465,8 @@ class KubeAPI:
                 out = status_body(status, "InternalError" if status >= 500 else "Error",
                                   f"scripted failure {status}")
                 self.calls.append(Call(call.verb, call.resource, call.subresource, call.name,
-                                       call.namespace, status, len(body), len(json.dumps(out))))
+                                       call.namespace, status, len(body), len(json.dumps(out)),
+                                       agent=headers.get("User-Agent") or ""))
                 return status, out, None
             try:
                 code, out, stream = self._dispatch(call, method, q, headers, body)
@@ -467,7 +475,9 @@ class KubeAPI:
             data = json.dumps(out).encode() if stream is None else b""
             self.calls.append(Call(call.verb, call.resource, call.subresource, call.name,
                                    call.namespace, code, len(body), len(data),
-                                   time.perf_counter() - started))
+                                   time.perf_counter() - started,
+                                   cached=call.verb == "list" and q.get("resourceVersion") == "0",
+                                   agent=headers.get("User-Agent") or ""))
             delay = max([d for v, r, d in self._slow if v in (None, call.verb)
                          and r in (None, call.resource)], default=0.0)
         if delay:
@@ -548,6 +558,8 @@ class KubeAPI:
             limit = int(q.get("limit") or 0)
         except ValueError:
             raise ApiError(400, "BadRequest", f"invalid limit {q.get('limit')!r}") from None
+        if q.get("resourceVersion") == "0":
+            limit = 0  # served from the watch cache, which (through v1.32) ignores limit
         if limit > 0 and len(items) > limit:
             page = items[:limit]
             meta["continue"] = base64.urlsafe_b64encode(page[-1]["metadata"]["name"].encode()).decode()
@@ -583,6 +595,14 @@ class KubeAPI:
         if call.verb == "get":
             return 200, copy.deepcopy(current), None
         if call.verb == "delete":
+            pre = (json.loads(body or b"{}") or {}).get("preconditions") or {}
+            for key, have in (("uid", current["metadata"]["uid"]),
+                              ("resourceVersion", current["metadata"]["resourceVersion"])):
+                if pre.get(key) is not None and str(pre[key]) != have:
+                    what = "UID" if key == "uid" else "ResourceVersion"
+                    raise ApiError(409, "Conflict", f'Operation cannot be fulfilled on configmaps '
+                                   f'"{name}": Precondition failed: {what} in precondition: '
+                                   f'{pre[key]}, {what} in object meta: {have}')
             del self.configmaps[(ns, name)]
             return 200, status_body(200, "", "deleted") | {"status": "Success"}, None
         if call.verb in ("update", "patch"):

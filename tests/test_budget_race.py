@@ -4,9 +4,9 @@ Eight real processes (each its own Python, its own store and connections) apply 
 to eight different healthy nodes of a ten-node fleet at the same instant. The budget is 10% of the
 fleet: one node. Every round exactly one node may end quarantined, the other seven held in suspect
 (tainted, waiting for a slot), on SQLite (one BEGIN IMMEDIATE transaction around read-decide-write)
-and against the Kubernetes API test server (the budget ConfigMap written with its resourceVersion as
-precondition; the server answers 409 to a stale one, as a real API server does, and is made slow to
-answer reads so that the racers really do read the same version).
+and against the Kubernetes API test server (a budget slot ConfigMap created per node out of service;
+the server answers 409 AlreadyExists to the create of a taken slot, as a real API server does, and
+is made slow to answer reads so that the racers really do read the same state).
 
 benchmarks/bench_store.py --race-rounds N runs the same race for longer.
 """
@@ -151,8 +151,11 @@ def kube_round(racers: Racers, api: KubeAPI, now: float) -> dict[str, Any]:
     states = {name: api.node(name)["metadata"]["labels"].get(LABEL_STATE) for name in api.nodes}
     budget = api.configmap(NAMESPACE, "screener-budget")
     conflicts = sum(1 for c in api.calls if c.resource == "configmaps" and c.status == 409)
+    with api._lock:  # the budget slots: one ConfigMap per node out of service
+        out = sorted(cm["data"]["node"] for (ns, name), cm in api.configmaps.items()
+                     if ns == NAMESPACE and name.startswith("screener-budget-slot-"))
     return {"answers": answers, "states": states, "conflicts": conflicts,
-            "out": sorted(json.loads(budget["data"]["outOfService"])), "fleet": budget["data"]["fleet"]}
+            "out": out, "fleet": budget["data"]["fleet"]}
 
 
 def check_round(result: dict[str, Any], racers: Racers) -> str:

@@ -34,7 +34,7 @@ FOREIGN_CONDITION = {"type": "NetworkUnavailable", "status": "False", "reason": 
 RBAC = {("get", "nodes", ""), ("list", "nodes", ""), ("watch", "nodes", ""), ("patch", "nodes", ""),
         ("patch", "nodes", "status"), ("create", "events", ""), ("list", "pods", ""),
         ("get", "configmaps", ""), ("list", "configmaps", ""), ("create", "configmaps", ""),
-        ("update", "configmaps", "")}
+        ("update", "configmaps", ""), ("delete", "configmaps", "")}
 
 
 @pytest.fixture

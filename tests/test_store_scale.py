@@ -149,10 +149,19 @@ def test_a_node_with_the_old_long_history_annotation_keeps_working():
         store.close()
 
 
-def test_the_budget_record_holds_claims_and_recounts_the_fleet():
+def slots(api: KubeAPI) -> dict[str, str]:
+    """node -> slot ConfigMap name, from the server's own state."""
+    with api._lock:
+        return {cm["data"]["node"]: name for (ns, name), cm in api.configmaps.items()
+                if ns == NS and name.startswith(kf.SLOT_PREFIX)}
+
+
+def test_the_budget_holds_claims_and_recounts_the_fleet():
     with KubeAPI() as api:
         names = fleet(api, 10)
-        store = make_store(api)
+        clock = [NOW]
+        store = KubeStore(api.api_client(), sleep=lambda s: None, rng=lambda: 0.0,
+                          clock=lambda: clock[0], instance="test")
         assert apply_event(store, names[0], confirmed(), now=NOW).state == S.QUARANTINED
         held = apply_event(store, names[1], confirmed(), now=NOW + 1)
         assert held.state == S.SUSPECT and held.transition.evidence["budget"] == {
@@ -161,40 +170,44 @@ def test_the_budget_record_holds_claims_and_recounts_the_fleet():
         assert node["metadata"]["labels"][LABEL_STATE] == "suspect"
         assert {"key": "screener.io/state", "value": "suspect", "effect": "NoSchedule"} in \
             node["spec"]["taints"]
-        ledger = kf.Ledger.from_configmap(api.configmap(NS, kf.BUDGET_CONFIGMAP))
-        assert ledger.fleet == 10 and sorted(ledger.out) == [names[0]]
+        assert store.ledger().fleet == 10 and slots(api) == {names[0]: "screener-budget-slot-0"}
 
         # A person's quarantine is not limited by the budget but counts in it.
         from screener.lifecycle.machine import HumanCommand
         apply_event(store, names[2], HumanCommand(S.QUARANTINED, "smells of smoke"), now=NOW + 2)
+        assert sorted(slots(api)) == [names[0], names[2]]  # past the limit: slot 1
         apply_event(store, names[0], Remediation(passed=True), now=NOW + 3)
-        ledger = kf.Ledger.from_configmap(api.configmap(NS, kf.BUDGET_CONFIGMAP))
-        assert sorted(ledger.out) == [names[2]]
+        assert sorted(slots(api)) == [names[2]] and sorted(store.ledger().out) == [names[2]]
         assert reconsider_held(store, names[1], S.SUSPECT, now=NOW + 4) == S.SUSPECT  # still full
         apply_event(store, names[2], HumanCommand(S.BURNIN, "false alarm"), now=NOW + 5)
         assert reconsider_held(store, names[1], S.SUSPECT, now=NOW + 60) == S.QUARANTINED
         assert api.node(names[1])["metadata"]["labels"][LABEL_STATE] == "quarantined"
+        assert sorted(slots(api)) == [names[1]]
 
-        # A new node is counted when it gets its first state.
+        # A new node is counted when it gets its first state (in its registration shard).
         api.add_node("gpu-late")
+        clock[0] = NOW + 70
         apply_event(store, "gpu-late", NodeSeen(), now=NOW + 70)
-        assert kf.Ledger.from_configmap(api.configmap(NS, kf.BUDGET_CONFIGMAP)).fleet == 11
+        assert store.ledger().fleet == 11
+        assert kf.Ledger.from_configmap(api.configmap(NS, kf.BUDGET_CONFIGMAP)).fleet == 10
 
         # The hourly recount: a deleted node leaves the count, a lost claim (a writer that died
-        # between its claim and its node write) is dropped once older than the grace period.
+        # between its claim and its node write) is freed once older than the grace period, and
+        # the registrations it counted leave the shards.
         with api._lock:
             del api.nodes[names[9]]
-        cm = api.configmap(NS, kf.BUDGET_CONFIGMAP)
-        ledger = kf.Ledger.from_configmap(cm)
-        ledger.out["gpu-ghost"] = {"state": "quarantined", "since": NOW - 7200}
-        ledger.out["gpu-fresh"] = {"state": "quarantined", "since": NOW - 5}
-        ledger.counted = NOW - 4000
-        api.mutate  # (the record is a ConfigMap: rewrite it as another writer would)
-        with api._lock:
-            api.configmaps[(NS, kf.BUDGET_CONFIGMAP)]["data"] = ledger.configmap(NS)["data"]
+            for k, (who, since) in enumerate([("gpu-ghost", NOW - 7200), ("gpu-fresh", NOW - 5)]):
+                body = kf.slot_configmap(5 + k, who, "quarantined", since, namespace=NS)
+                api._store_configmap(NS, body["metadata"]["name"], body, None)
+            rec = api.configmaps[(NS, kf.BUDGET_CONFIGMAP)]
+            rec["data"]["counted"] = repr(NOW + 70 - 4000)
+        clock[0] = NOW + 100
         recounted = store.ledger()
-        assert recounted.fleet == 10 and recounted.counted == NOW
+        assert recounted.fleet == 10 and recounted.counted == NOW + 100
+        assert not recounted.registered and api.configmap(NS, "screener-fleet-5")["data"] == {
+            "nodes": "{}"}
         assert sorted(recounted.out) == sorted([names[1], "gpu-fresh"])
+        assert sorted(slots(api)) == sorted([names[1], "gpu-fresh"])
         store.close()
 
 

@@ -667,6 +667,10 @@ def _on_failure(d: _Deciding, sig: _Signal, event: Any, failures: Sequence[Trans
     rollback = _rollback(d.current, d.history, sig, d.now)
     limit = policy.budget_limit(fleet.total)
     if d.current in BUDGET_STATES or fleet.out_of_service + 1 <= limit:
+        if d.current not in BUDGET_STATES:
+            # The counts it was granted on: a store claims its slot below this limit.
+            evidence["budget"] = {"limit": limit, "out_of_service": fleet.out_of_service,
+                                  "fleet": fleet.total}
         return d.move(target, reason, code, evidence, failure=True, serials=sig.serials,
                       rollback=rollback)
     # Past the budget: held in suspect, and a person decides.

@@ -5,8 +5,8 @@ What a transition writes (the conventions of DESIGN.md; where each thing lives: 
     state but healthy (replacing our previous taint, keeping everyone else's), with the bounded
     summary annotation `screener.io/history` (the last few transitions), in one patch;
   * the full transition in the node's history ConfigMap in the screener namespace;
-  * the quarantine budget record (ConfigMap `screener-budget`) when the node leaves or rejoins
-    the service, or is new;
+  * the quarantine budget (kubebudget.py): a slot claimed when the node leaves the service
+    (before its node write) and freed when it rejoins; its registration when it is new;
   * condition `GPUHardwareSuspect` (True for suspect/quarantined/repair) through nodes/status;
   * one Event on the Node (Warning for suspect, quarantined and repair), named after the
     transition's id so a replay cannot post it twice.
@@ -17,12 +17,15 @@ for fleet-wide commands (`node status`, `lemons`), the cross-check, and an hourl
 the budget record.
 
 API calls made (the RBAC in manifests/): nodes get/list/patch, nodes/status patch, events create,
-pods list; configmaps get/list/create/update in the screener namespace. Writes carry the
+pods list; configmaps get/list/create/update/delete in the screener namespace. Writes carry the
 resourceVersion that was read, so a concurrent writer makes ours fail with 409 and we read again
-and re-apply: nobody's labels, taints or conditions are lost, and two daemons cannot both take
-the budget's last slot. Transient errors (5xx, 429, connection failures) are retried
-with exponential backoff (sleep injectable); a transition that still cannot be written goes to the
-spool and is replayed in order before anything newer is written.
+and re-apply: nobody's labels, taints or conditions are lost. Every request has a connect and a
+read timeout and every call a deadline (kubecalls.py); transient errors (5xx, 429, connection
+failures, timeouts) are retried with backoff within it. A transition is one unit: when any of its
+writes still fails (the API out of reach, or conflicts that do not settle), it goes to the spool
+and is replayed in order before anything newer is written; each write re-checks the current
+objects, so a replay completes a partial write (a node patch whose answer was lost, a missing
+registration, condition or Event) and never does one twice.
 """
 
 from __future__ import annotations
@@ -36,7 +39,6 @@ import random
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, TypeVar
 
 from screener._optional import require
@@ -44,13 +46,14 @@ from screener._optional import require
 require("kubernetes", "the Kubernetes store (--store kube, or auto inside a cluster)")
 import kubernetes.client
 import kubernetes.config
-import urllib3
-from kubernetes.client.exceptions import ApiException
 
-from screener.settings import strict as configs
 from screener.settings.stores import in_pod
-from screener.errors import BadInputError, ConfigError, ExternalServiceError, ScreenerError
+from screener.errors import ConfigError, ScreenerError
 from screener.stores import kubeformat as kf
+from screener.stores.kubebudget import FLEET_SHARDS, BudgetView, KubeBudget
+from screener.stores.kubecalls import (META_ACCEPT, TRANSIENT_STATUS, ApiCaller,  # noqa: F401
+                                       KubeApiError, KubeTimeouts, NodeNotFound, RetryPolicy,
+                                       TransientKubeError, missing_namespace)
 from screener.stores.kubeconfig import check_kubeconfig, check_loaded
 from screener.stores.kubeformat import EVIDENCE_BYTES, shrink_evidence  # noqa: F401 (re-exported)
 from screener.lifecycle.records import (ACTOR_HUMAN, ACTOR_SCREENER, BUDGET_STATES, BudgetConflict,
@@ -68,56 +71,12 @@ T = TypeVar("T")
 MERGE_PATCH = "application/merge-patch+json"
 GPU_RESOURCE = "nvidia.com/gpu"
 WARNING_STATES = frozenset({NodeState.SUSPECT, NodeState.QUARANTINED, NodeState.REPAIR})
-TRANSIENT_STATUS = frozenset({0, 429, 500, 502, 503, 504})
-# Ask for PartialObjectMetadataList: names, labels and annotations, not the Nodes' status.
-META_ACCEPT = "application/json;as=PartialObjectMetadataList;v=v1;g=meta.k8s.io,application/json"
 DEFAULT_NAMESPACE = "screener-system"
-
-
-class KubeApiError(ExternalServiceError):
-    """The Kubernetes API failed or refused a request (after retries, for transient errors)."""
-
-    def __init__(self, message: str, status: Optional[int] = None) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class TransientKubeError(KubeApiError):
-    """The API stayed unreachable or kept answering 5xx/429 through every retry."""
-
-
-class NodeNotFound(BadInputError):
-    """No Node of that name exists in the cluster."""
 
 
 class Superseded(ScreenerError):
     """A spooled transition that a person's later decision on the node replaced: the screener
     decided it on a state the person has since changed, while this daemon could not write."""
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """Backoff for transient errors and the bound on 409 re-reads. Unknown keys are an error."""
-
-    attempts: int = 5  # tries per API call for transient errors
-    base_delay: float = 0.2  # seconds before the first retry; doubles each time
-    max_delay: float = 5.0
-    jitter: float = 0.5  # each delay is scaled by a random factor in [1 - jitter, 1]
-    conflict_attempts: int = 10  # read-modify-write rounds before giving up on 409s
-
-    def __post_init__(self) -> None:
-        if self.attempts < 1 or self.conflict_attempts < 1:
-            raise ConfigError("retry attempts must be >= 1")
-        if self.base_delay < 0 or self.max_delay < 0 or not 0 <= self.jitter <= 1:
-            raise ConfigError("retry delays must be >= 0 and jitter within [0, 1]")
-
-    @classmethod
-    def from_mapping(cls, d: Mapping[str, Any]) -> "RetryPolicy":
-        return configs.from_mapping(cls, d, "kube retry")
-
-    def delay(self, attempt: int, rng: Callable[[], float]) -> float:
-        d = min(self.max_delay, self.base_delay * (2 ** attempt))
-        return d * (1 - self.jitter * rng())
 
 
 def _iso(ts: float) -> str:
@@ -136,16 +95,19 @@ class KubeStore:
                  event_namespace: str = "default", namespace: Optional[str] = None,
                  history_limit: int = kf.HISTORY_KEEP, history_bytes: int = kf.HISTORY_BYTES,
                  page_size: int = 500, recount_s: float = 3600.0, claim_grace_s: float = 600.0,
-                 retry: RetryPolicy = RetryPolicy(),
+                 retry: RetryPolicy = RetryPolicy(), timeouts: KubeTimeouts = KubeTimeouts(),
+                 fleet_shards: int = FLEET_SHARDS,
                  clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
                  rng: Callable[[], float] = random.random, component: str = "screener",
                  instance: Optional[str] = None) -> None:
-        """namespace: where the history ConfigMaps and the budget record live ($POD_NAMESPACE,
-        else screener-system). history_limit/history_bytes bound a node's history ConfigMap.
+        """namespace: where the history ConfigMaps and the budget live ($POD_NAMESPACE, else
+        screener-system). history_limit/history_bytes bound a node's history ConfigMap.
         page_size: items per page of a list. recount_s: how old the budget record's fleet count
-        may get before a transition recounts it (from one paginated list of Node metadata).
-        claim_grace_s: how long a recount keeps a budget claim whose node does not show the
-        state yet (the claimer is between its two writes)."""
+        may get before one daemon counts it again (one paginated list of Node metadata).
+        claim_grace_s: how long a count keeps a budget slot whose node does not show the state
+        yet (the claimer is between its two writes). timeouts: of every request and call (the
+        daemon's `kube_timeouts` table). fleet_shards: how many objects registrations spread
+        over (every daemon of a fleet must use the same number)."""
         self.api = kubernetes.client.CoreV1Api(api_client)
         self.spool = spool if spool is not None else Spool(":memory:")
         self.event_namespace = event_namespace
@@ -153,20 +115,26 @@ class KubeStore:
         self.history_limit = history_limit
         self.history_bytes = history_bytes
         self.page_size = page_size
-        self.recount_s = recount_s
-        self.claim_grace_s = claim_grace_s
-        self._recount_jitter = rng()
-        self.retry = retry
+        self.retry, self.timeouts = retry, timeouts
         self.clock, self.sleep, self.rng = clock, sleep, rng
         self.component = component
         self.instance = instance or node_name()
         self._lock = threading.RLock()
+        self.calls = ApiCaller(self.api, self.namespace, retry=retry, timeouts=timeouts,
+                               sleep=sleep, rng=rng, page_size=page_size)
+        self._call, self._pages = self.calls.call, self.calls.pages
+        self._list_node_meta = self.calls.node_meta
+        self._cm_get, self._cm_write = self.calls.cm_get, self.calls.cm_write
+        self.budget = KubeBudget(self.calls, instance=self.instance, clock=clock, sleep=sleep,
+                                 rng=rng, conflict_attempts=retry.conflict_attempts,
+                                 recount_s=recount_s, claim_grace_s=claim_grace_s,
+                                 shards=fleet_shards)
 
     @classmethod
     def from_config(cls, *, kubeconfig: Optional[str] = None, context: Optional[str] = None,
                     spool_path: Optional[os.PathLike[str] | str] = None, **kwargs: Any) -> "KubeStore":
         """Load configuration: --kubeconfig if given, else in-cluster when running in a pod, else
-        $KUBECONFIG or ~/.kube/config."""
+        $KUBECONFIG or ~/.kube/config. Keyword arguments go to the constructor (timeouts=...)."""
         cfg = kubernetes.client.Configuration()
         in_cluster = not kubeconfig and in_pod()
         where = kubeconfig or ("in-cluster service account" if in_cluster else
@@ -191,36 +159,13 @@ class KubeStore:
             # yaml errors, RecursionError... all one line and exit 2, never a traceback.
             text = " ".join(str(e).split())[:300] or type(e).__name__
             raise ConfigError(f"{where}: cannot load Kubernetes configuration: {text}") from e
+        # One layer of retries, ours, within the call's deadline: urllib3's own would retry a
+        # timed-out GET three more times inside one of our attempts.
+        cfg.retries = False
         spool = Spool(spool_path if spool_path is not None else default_state_dir() / "spool.db")
         return cls(kubernetes.client.ApiClient(cfg), spool=spool, **kwargs)
 
     # --- calling the API --------------------------------------------------------------------
-
-    def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Call the API and return the parsed JSON body; retry transient errors with backoff."""
-        kwargs["_preload_content"] = False
-        last: Optional[BaseException] = None
-        for attempt in range(self.retry.attempts):
-            if attempt:
-                self.sleep(self.retry.delay(attempt - 1, self.rng))
-            try:
-                resp = fn(*args, **kwargs)
-                data = resp.data
-                return json.loads(data) if data else None
-            except ApiException as e:
-                if e.status in TRANSIENT_STATUS:
-                    last = e
-                    log.info("%s: transient API error %s (attempt %d)", what, e.status, attempt + 1)
-                    continue
-                raise KubeApiError(f"{what}: Kubernetes API answered {e.status} {e.reason}: "
-                                   f"{_message(e)}", e.status) from e
-            except (urllib3.exceptions.HTTPError, OSError) as e:
-                last = e
-                log.info("%s: API unreachable: %s (attempt %d)", what, e, attempt + 1)
-        brief = (f"{last.status} {last.reason}: {_message(last)}" if isinstance(last, ApiException)
-                 else str(last))
-        raise TransientKubeError(f"{what}: Kubernetes API unavailable after {self.retry.attempts} "
-                                 f"attempts: {brief}") from last
 
     def _read_node(self, node: str) -> dict[str, Any]:
         try:
@@ -278,7 +223,7 @@ class KubeStore:
         self._record(transition)
 
     def _record(self, transition: Transition, node_obj: Optional[dict[str, Any]] = None,
-                cm: Any = ...) -> bool:
+                cm: Any = ..., view: Optional[BudgetView] = None) -> bool:
         """record(), reusing objects just read; True when written now, False when spooled."""
         with self._lock:
             if len(self.spool):
@@ -286,7 +231,7 @@ class KubeStore:
                 self.replay()
                 return False
             try:
-                self._write(transition, check_from=True, node_obj=node_obj, cm=cm)
+                self._write(transition, check_from=True, node_obj=node_obj, cm=cm, view=view)
                 return True
             except TransientKubeError as e:
                 self.spool.append(transition)
@@ -396,9 +341,10 @@ class KubeStore:
         entries: dict[str, dict[str, Any]] = {}
         wanted = {str(s) for s in serials}
         for serial in sorted(wanted):
-            for cm in self._pages(f"list configmaps with GPU {serial}",
-                                  self.api.list_namespaced_config_map, self.namespace,
-                                  label_selector=kf.serial_label(serial)):
+            # From the API server's cache: a failure recorded a moment ago and not in it yet
+            # is the one being decided now, or counts at the next failure.
+            for cm in self.calls.cm_list(f"list configmaps with GPU {serial}",
+                                         kf.serial_label(serial), cached=True):
                 for e in kf.history_entries(cm):
                     if e.get("failure") and wanted & {str(x) for x in e.get("gpu_serials") or ()}:
                         entries.setdefault(str(e["id"]), e)
@@ -486,10 +432,12 @@ class KubeStore:
     # --- writing one transition -------------------------------------------------------------
 
     def _write(self, t: Transition, *, check_from: bool, node_obj: Optional[dict[str, Any]] = None,
-               cm: Any = ...) -> None:
-        """Node (label, taint, summary) first, then the history ConfigMap, the budget record when
-        membership changes, the condition and the Event. Each step is idempotent, so a replay
-        after a partial write completes it."""
+               cm: Any = ..., view: Optional[BudgetView] = None) -> None:
+        """Node (label, taint, summary) first, then the rest of the unit: the history ConfigMap,
+        the budget (registration, slot), the condition and the Event. Each step re-checks the
+        current objects, so a replay after a partial write completes it; and once the node is
+        written, a failure of the rest is transient (TransientKubeError: spooled, replayed), never
+        a transition left half-written."""
         if cm is ...:
             cm = self._history_cm(t.node)
         entry = self._entry(t)
@@ -521,10 +469,23 @@ class KubeStore:
                     "spec": {"taints": taints}}
 
         obj = self._update_node(t.node, change_node, first=node_obj)
+        try:
+            self._complete(t, obj, entry, cm, seen.get("on_node") or [], view)
+        except TransientKubeError:
+            raise
+        except KubeApiError as e:
+            if e.status != 409:
+                raise  # RBAC, validation, a missing namespace: a person must fix them
+            raise TransientKubeError(f"transition of {t.node} written on the Node, the rest "
+                                     f"still conflicting: {e}", 409) from e
+
+    def _complete(self, t: Transition, obj: dict[str, Any], entry: dict[str, Any], cm: Any,
+                  on_node: list[dict[str, Any]], view: Optional[BudgetView]) -> None:
+        """What a transition writes after the Node: history, budget, condition, Event."""
         # The full history: this entry, and what only the Node holds (an old-format history to
         # migrate, or a summary entry whose ConfigMap write an earlier crash cut short).
-        self._append_history(t.node, entry, cm, seen.get("on_node") or [])
-        self._sync_budget(t, new_node=not seen.get("done") and seen.get("stored") is None)
+        self._append_history(t.node, entry, cm, on_node)
+        self._sync_budget(t, view)
 
         def change_status(obj: dict[str, Any]) -> Optional[dict[str, Any]]:
             conditions = list((obj.get("status") or {}).get("conditions") or [])
@@ -588,171 +549,37 @@ class KubeStore:
         log.info("node %s: history moved from the Node annotation to ConfigMap %s/%s", node,
                  self.namespace, kf.history_configmap_name(node))
 
-    # --- the quarantine budget record -------------------------------------------------------
+    # --- the quarantine budget (kubebudget.py) ----------------------------------------------
 
-    def ledger(self) -> kf.Ledger:
-        """The budget record; created (from a recount) when missing, recounted when old."""
-        for _ in range(self.retry.conflict_attempts):
-            cm = self._cm_get(kf.BUDGET_CONFIGMAP)
-            if cm is None:
-                fresh = self._recount(None)
-                if fresh is not None:
-                    return fresh
-                continue  # another daemon created it first
-            ledger = kf.Ledger.from_configmap(cm)
-            # Each store waits its own random extra quarter, so thousands of daemons do not all
-            # recount in the same second the record turns an hour old.
-            if self.clock() - ledger.counted > self.recount_s * (1 + 0.25 * self._recount_jitter):
-                # Once an hour some transition pays for one paginated list of Node metadata, so
-                # deleted nodes and lost claims leave the count; a conflict means someone else did.
-                return self._recount(ledger) or kf.Ledger.from_configmap(
-                    self._cm_get(kf.BUDGET_CONFIGMAP) or cm)
-            return ledger
-        raise KubeApiError("budget record: still conflicting", 409)
+    def ledger(self) -> BudgetView:
+        """The budget as it stands (fleet, out, counted): one list; counted again when stale."""
+        return self.budget.view()
 
-    def _recount(self, old: Optional[kf.Ledger]) -> Optional[kf.Ledger]:
-        """Count the fleet and who is out from the Nodes' labels; write it with old's version
-        (or create it). None when another writer got there first."""
-        now = self.clock()
-        fleet, out = 0, {}
-        for obj in self._list_node_meta(LABEL_STATE):
-            state = _state_of(obj)
-            if state is None:
-                continue
-            fleet += 1
-            if state in BUDGET_STATES:
-                name = obj["metadata"]["name"]
-                prev = (old.out.get(name) if old else None) or {}
-                out[name] = {"state": state.value, "since": prev.get("since", now)}
-        if old is not None:
-            for name, claim in old.out.items():
-                # A fresh claim whose node does not show the state yet: its writer is between the
-                # claim and the node's patch. Keep it; drop claims older than that (a lost writer).
-                if name not in out and now - float(claim.get("since") or 0) < self.claim_grace_s:
-                    out[name] = claim
-        new = kf.Ledger(fleet=fleet, out=out, counted=now,
-                        resource_version=old.resource_version if old else None)
-        written = self._cm_write(new.configmap(self.namespace))
-        return kf.Ledger.from_configmap(written) if written is not None else None
+    def _sync_budget(self, t: Transition, view: Optional[BudgetView]) -> None:
+        """After t's node write: register a new node, and make the slots agree with t. Every
+        step is idempotent, so a replay after a partial write completes it."""
+        into = t.to_state in BUDGET_STATES
+        if t.from_state is not None and not into and t.from_state not in BUDGET_STATES:
+            return  # healthy/burnin/suspect moves leave the budget alone
+        view = view if view is not None else self.budget.view()
+        if t.from_state is None:
+            self.budget.register(view, t.node, t.time)
+        if into and not view.claims_of(t.node):
+            # Claimed before the node write when decided through begin(); here for a transition
+            # recorded without one (or a claim a count freed meanwhile): it is decided already.
+            self.budget.claim(view, t.node, t.to_state, limit=None)
+        elif not into and t.node in view.out:
+            self.budget.release(view, t.node)
 
-    def _claim(self, ledger: kf.Ledger, t: Transition) -> kf.Ledger:
-        """Add t.node to the out-of-service set, only if the record is still the one decided on."""
-        new = copy.deepcopy(ledger)
-        new.out[t.node] = {"state": t.to_state.value, "since": self.clock()}
-        written = self._cm_write(new.configmap(self.namespace))
-        if written is None:
-            raise BudgetConflict(f"budget record changed while deciding about {t.node}")
-        return kf.Ledger.from_configmap(written)
-
-    def _update_ledger(self, change: Callable[[kf.Ledger], bool]) -> None:
-        """Read-modify-write of the budget record; `change` edits it in place, False: no write."""
-        for _ in range(self.retry.conflict_attempts * 3):
-            ledger = self.ledger()
-            if not change(ledger):
-                return
-            if self._cm_write(ledger.configmap(self.namespace)) is not None:
-                return
-            self.sleep(0.01 * (0.5 + self.rng()))
-        raise KubeApiError("budget record: still conflicting", 409)
-
-    def _sync_budget(self, t: Transition, *, new_node: bool) -> None:
-        """After t's node write: count a new node, and make the out-of-service set agree with t."""
-        if not new_node and t.to_state not in BUDGET_STATES and t.from_state not in BUDGET_STATES:
-            return  # healthy/burnin/suspect moves leave the record alone
-
-        def change(ledger: kf.Ledger) -> bool:
-            changed = False
-            if new_node:
-                ledger.fleet += 1
-                changed = True
-            if t.to_state in BUDGET_STATES:
-                if ledger.out.get(t.node, {}).get("state") != t.to_state.value:
-                    ledger.out[t.node] = {"state": t.to_state.value,
-                                          "since": ledger.out.get(t.node, {}).get("since", t.time)}
-                    changed = True
-            elif t.node in ledger.out:
-                del ledger.out[t.node]
-                changed = True
-            return changed
-
-        self._update_ledger(change)
-
-    def _reconcile_member(self, node: str) -> None:
-        """Make the record agree with the node's label (after a claim whose write was refused)."""
+    def _release_unless_out(self, node: str) -> None:
+        """Free the node's slot unless its label says it is out (after a claim whose node write
+        was refused)."""
         try:
             state = _state_of(self._read_node(node))
         except NodeNotFound:
             state = None
-
-        def change(ledger: kf.Ledger) -> bool:
-            if state in BUDGET_STATES or node not in ledger.out:
-                return False
-            del ledger.out[node]
-            return True
-
-        self._update_ledger(change)
-
-    # --- ConfigMaps and lists ---------------------------------------------------------------
-
-    def _cm_get(self, name: str) -> Optional[dict[str, Any]]:
-        try:
-            return self._call(f"get configmap {self.namespace}/{name}",
-                              self.api.read_namespaced_config_map, name, self.namespace)
-        except KubeApiError as e:
-            if e.status == 404:
-                return None
-            raise
-
-    def _cm_write(self, body: dict[str, Any]) -> Optional[dict[str, Any]]:
-        """Create (no resourceVersion) or replace (with it, as precondition) a ConfigMap.
-        None when the precondition failed: 409 (changed or already exists) or 404 (deleted)."""
-        name = body["metadata"]["name"]
-        create = not body["metadata"].get("resourceVersion")
-        try:
-            if not create:
-                return self._call(f"update configmap {self.namespace}/{name}",
-                                  self.api.replace_namespaced_config_map, name, self.namespace, body)
-            return self._call(f"create configmap {self.namespace}/{name}",
-                              self.api.create_namespaced_config_map, self.namespace, body)
-        except KubeApiError as e:
-            if create and e.status == 404:
-                # A create has one 404: its namespace is missing. Taken for a lost race, it read
-                # as "budget record: still conflicting" after every retry.
-                raise KubeApiError(_missing_namespace(self.namespace, "the budget record and "
-                                                      "the node histories"), 404) from e
-            if e.status in (404, 409):
-                return None
-            raise
-
-    def _pages(self, what: str, fn: Callable[..., Any], *args: Any,
-               **kwargs: Any) -> Iterator[dict[str, Any]]:
-        """Items of a list, `page_size` at a time (limit/continue)."""
-        token: Optional[str] = None
-        while True:
-            extra = {"_continue": token} if token else {}
-            data = self._call(what, fn, *args, limit=self.page_size, **kwargs, **extra) or {}
-            yield from data.get("items") or []
-            token = (data.get("metadata") or {}).get("continue")
-            if not token:
-                return
-
-    def _list_node_meta(self, label_selector: str = "") -> Iterator[dict[str, Any]]:
-        """Nodes as PartialObjectMetadata (name, labels, annotations), paginated."""
-        client = self.api.api_client
-        token: Optional[str] = None
-        while True:
-            query: list[tuple[str, Any]] = [("limit", self.page_size)]
-            if label_selector:
-                query.append(("labelSelector", label_selector))
-            if token:
-                query.append(("continue", token))
-            data = self._call("list nodes", client.call_api, "/api/v1/nodes", "GET", {}, query,
-                              {"Accept": META_ACCEPT}, auth_settings=["BearerToken"],
-                              response_types_map={}, _return_http_data_only=True) or {}
-            yield from data.get("items") or []
-            token = (data.get("metadata") or {}).get("continue")
-            if not token:
-                return
+        if state not in BUDGET_STATES:
+            self.budget.release(self.budget.view(), node)
 
     def _event(self, t: Transition, node_obj: dict[str, Any]) -> None:
         now = _iso(self.clock())
@@ -774,7 +601,7 @@ class KubeStore:
                        self.event_namespace, body)
         except KubeApiError as e:
             if e.status == 404:
-                raise KubeApiError(_missing_namespace(self.event_namespace, "the Node Events"),
+                raise KubeApiError(missing_namespace(self.event_namespace, "the Node Events"),
                                    404) from e
             if e.status != 409:  # 409: AlreadyExists, posted by an earlier attempt
                 raise
@@ -785,20 +612,6 @@ class KubeStore:
 
 def _name(state: Optional[NodeState]) -> str:
     return state.value if state else "(new)"
-
-
-def _missing_namespace(namespace: str, what: str) -> str:
-    """The one line for a create refused because its namespace does not exist."""
-    return (f"namespace {namespace!r} does not exist ({what} are written there): create it with "
-            f"`kubectl create namespace {namespace}`, or point screener at the namespace it runs "
-            "in ($POD_NAMESPACE for the store, event_namespace for Events)")
-
-
-def _message(e: ApiException) -> str:
-    try:
-        return str(json.loads(e.body).get("message"))
-    except (TypeError, ValueError, AttributeError):
-        return str(e.body)[:200] if e.body else ""
 
 
 def _refuse_superseded(t: Transition, stored: Optional[NodeState],
@@ -856,25 +669,25 @@ def _merge_pending(written: list[Transition], pending: list[Transition],
 
 
 class KubeTxn:
-    """The NodeTxn of KubeStore: the node, its history and the budget record, read once.
+    """The NodeTxn of KubeStore: the node, its history and the budget, read once.
 
-    Atomicity with the budget is optimistic: a transition that takes the node out of service
-    automatically is written only after the budget record, with the resourceVersion read here as
-    precondition, names the node. A 409 there raises BudgetConflict and apply_event decides again
-    on fresh counts, so two daemons racing for the last slot cannot both get it.
+    The budget holds exactly however many decide at once: a transition that takes the node out of
+    service automatically is written only after it has claimed a free slot below the limit it was
+    decided under (kubebudget.py); when none is left, BudgetConflict makes apply_event decide
+    again on fresh counts (the node is then held in suspect, tainted at once).
     """
 
     def __init__(self, store: KubeStore, node: str) -> None:
         self._store, self.node = store, node
         self._obj = store._read_node(node)
         self._cm = store._history_cm(node)
-        self._ledger = store.ledger()
+        self._view = store.budget.view()
         pending = store.spool.entries(node)
         labelled = _state_of(self._obj)
         self.state: Optional[NodeState] = pending[-1][1].to_state if pending else labelled
         self.history = store._history_from(node, self._obj, self._cm)
-        self.fleet_total = self._ledger.fleet + (0 if labelled is not None or pending else 1)
-        self.out_of_service = self._ledger.others_out(node)
+        self.fleet_total = self._view.fleet + (0 if labelled is not None or pending else 1)
+        self.out_of_service = self._view.others_out(node)
 
     def failures_for(self, serials: Sequence[str], since: float) -> list[Transition]:
         return self._store.failures_for(serials, since)
@@ -896,29 +709,32 @@ class KubeTxn:
                 raise ValueError(f"a decision about {self.node} cannot record a transition of {t.node}")
             claimed = False
             if (t.to_state in BUDGET_STATES and t.from_state not in BUDGET_STATES
-                    and self.node not in self._ledger.out):
-                if t.actor == ACTOR_SCREENER:
-                    # The lifecycle decided with these counts: claim only if they still hold.
-                    self._ledger = store._claim(self._ledger, t)
-                else:
-                    # A person's decision is not limited by the budget, but it counts for others
-                    # from before the node leaves service.
-                    def add(led: kf.Ledger, t: Transition = t) -> bool:
-                        if t.node in led.out:
-                            return False
-                        led.out[t.node] = {"state": t.to_state.value, "since": store.clock()}
-                        return True
-
-                    store._update_ledger(add)
+                    and not self._view.claims_of(self.node)):
+                # An automatic decision claims below the limit it was made under; a person's is
+                # not limited by the budget, but counts for others before the node leaves service.
+                limit = _decided_limit(t, self._view) if t.actor == ACTOR_SCREENER else None
+                self._view = store.budget.claim(self._view, self.node, t.to_state, limit)
                 claimed = True
             try:
                 store._record(t, node_obj=copy.deepcopy(self._obj) if first else None,
-                              cm=self._cm if first else ...)
+                              cm=self._cm if first else ..., view=self._view)
             except StaleTransition:
                 if claimed:
-                    store._reconcile_member(self.node)
+                    store._release_unless_out(self.node)
                 raise
             first = False
+
+
+def _decided_limit(t: Transition, view: BudgetView) -> int:
+    """The budget limit the lifecycle decided `t` under (its evidence carries it); without it,
+    only the next slot: exact, though claims then queue."""
+    for key in ("budget", "released_by_budget"):
+        figures = t.evidence.get(key)
+        if isinstance(figures, dict):
+            limit = figures.get("limit")
+            if isinstance(limit, int) and not isinstance(limit, bool) and limit >= 0:
+                return limit
+    return view.others_out(t.node) + 1
 
 
 def _gpus_requested(spec: Mapping[str, Any]) -> int:

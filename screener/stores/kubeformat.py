@@ -12,9 +12,12 @@ them stays small and bounded. A node's full history lives off the Node:
     `screener.io/history=true` (so `lemons` lists them, paginated) and, for each GPU serial a
     failure in it blames, `gpu.screener.io/s-<hash>=true` (so the per-GPU lemon rule finds the few
     nodes that saw a serial with one label-selected list, whatever the fleet's size).
-  * ConfigMap `screener-budget`: the quarantine budget, one small record updated with its
-    resourceVersion as precondition (optimistic concurrency, 409 on a race): the fleet's size
-    and which nodes are out of service.
+  * The quarantine budget (kubebudget.py), ConfigMaps labelled `screener.io/budget=true`, read
+    with one list: the record `screener-budget` (the fleet's size as last counted, and who is
+    counting it now); one claim per node out of service, `screener-budget-slot-<k>`, created
+    (atomically: a taken name is 409 AlreadyExists) and deleted on release, so claims do not
+    queue on one object; and FLEET_SHARDS registration shards `screener-fleet-<s>` holding the
+    nodes that got their first state since the record was counted.
 
 Earlier versions kept the whole history (a JSON list of full transitions) in the annotation. Such a
 node keeps working: its entries are read, and moved to the ConfigMap the first time its daemon
@@ -37,10 +40,17 @@ HISTORY_FORMAT = 2
 SUMMARY_KEEP = 5  # transitions in the Node's summary annotation
 SUMMARY_BYTES = 2048
 SUMMARY_REASON_CHARS = 200
-HISTORY_KEEP = 500  # transitions in a node's history ConfigMap
-HISTORY_BYTES = 512 * 1024  # well inside a ConfigMap's 1 MiB
+# A node's history ConfigMap is read and rewritten whole on every transition of the node, so its
+# bounds are the per-event bytes: 100 transitions (weeks of a busy node) within 128 KiB; failures
+# inside the lemon window are the last entries dropped (see history_configmap).
+HISTORY_KEEP = 100
+HISTORY_BYTES = 128 * 1024
 
 BUDGET_CONFIGMAP = "screener-budget"
+SLOT_PREFIX = "screener-budget-slot-"
+SHARD_PREFIX = "screener-fleet-"
+LABEL_BUDGET = "screener.io/budget"  # the record, the slots and the shards: one list reads them
+LABEL_BUDGET_KIND = "screener.io/budget-kind"  # record, slot or shard
 HISTORY_PREFIX = "screener-history-"
 LABEL_HISTORY = "screener.io/history"
 LABEL_SERIAL_PREFIX = "gpu.screener.io/s-"
@@ -147,12 +157,10 @@ def _entry_time(entry: Mapping[str, Any]) -> float:
 def history_configmap(node: str, entries: list[dict[str, Any]], *, namespace: str,
                       resource_version: Optional[str] = None, keep: int = HISTORY_KEEP,
                       max_bytes: int = HISTORY_BYTES) -> dict[str, Any]:
-    """The ConfigMap body holding `entries` (the newest `keep` that fit in `max_bytes`)."""
-    entries = entries[-keep:]
+    """The ConfigMap body holding `entries`, at most `keep` of them within `max_bytes` (see
+    bounded_entries for which go first)."""
+    entries = bounded_entries(entries, keep, max_bytes)
     text = json.dumps(entries, separators=(",", ":"), sort_keys=True)
-    while len(entries) > 1 and len(text) > max_bytes:
-        entries = entries[max(1, len(entries) // 10):]
-        text = json.dumps(entries, separators=(",", ":"), sort_keys=True)
     labels = {**MANAGED_BY, LABEL_HISTORY: "true"}
     for e in entries:
         serials = e.get("gpu_serials")
@@ -166,53 +174,180 @@ def history_configmap(node: str, entries: list[dict[str, Any]], *, namespace: st
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": {DATA_HISTORY: text}}
 
 
+def bounded_entries(entries: list[dict[str, Any]], keep: int, max_bytes: int) -> list[dict[str, Any]]:
+    """At most `keep` entries whose JSON list fits in `max_bytes`: the oldest non-failures go
+    first, then the oldest failures (the lemon rule counts a node's recent failures from here),
+    and the newest entry always stays. Order is kept."""
+    sizes = [len(json.dumps(e, separators=(",", ":"), sort_keys=True)) + 1 for e in entries]
+    total, count = sum(sizes) + 2, len(entries)
+    dropped: set[int] = set()
+    for want_failure in (False, True):
+        for i, e in enumerate(entries[:-1]):
+            if count <= keep and total <= max_bytes:
+                break
+            if bool(e.get("failure")) == want_failure:
+                dropped.add(i)
+                total -= sizes[i]
+                count -= 1
+    return [e for i, e in enumerate(entries) if i not in dropped]
+
+
 # --- the budget record -----------------------------------------------------------------------------
 
 
 @dataclass
 class Ledger:
-    """The fleet-wide quarantine budget: how many nodes screener manages, and which are out.
+    """The budget record `screener-budget`: the fleet's size as last counted, and the lease of
+    whoever is counting it again.
 
-    fleet: nodes with a screener state (counted when a node gets its first state; recounted from a
-    list of Node metadata every so often and when the record is missing).
-    out: node -> {"state": quarantined|repair, "since": unix time of the claim}.
-    counted: when the fleet was last recounted. resource_version: the record's, for the precondition.
+    fleet: nodes with a screener state when the record was counted (nodes registered since are in
+    the shards, see kubebudget.py). counted: when that count's list of Node metadata began.
+    counter, counting_until: the store instance that holds the recount lease, and until when (at
+    most one daemon recounts a stale record; the others use it as it is). out: node -> claim, the
+    out-of-service set an earlier version kept here (read, counted, and moved into slots by the
+    next recount). resource_version: the record's, for the precondition.
     """
 
     fleet: int = 0
     out: dict[str, dict[str, Any]] = field(default_factory=dict)
     counted: float = 0.0
     resource_version: Optional[str] = None
+    counter: str = ""
+    counting_until: float = 0.0
 
     @classmethod
     def from_configmap(cls, cm: Mapping[str, Any]) -> "Ledger":
         """Parse the record. Anyone with write access to the namespace can edit it, so every field
         is checked; a record with any field out of shape reads with `counted` = 0, which makes the
-        next ledger() recount it from the Nodes' labels (the truth) instead of trusting it."""
+        next read recount it from the Nodes' labels (the truth) instead of trusting it."""
         data = cm.get("data") or {}
         rv = (cm.get("metadata") or {}).get("resourceVersion")
+        counter = str(data.get("counter") or "")[:253]
+        try:
+            until = _ledger_counted(data.get("countingUntil") or "0")
+        except ValueError:
+            until = 0.0
         try:
             out = _ledger_out(data.get("outOfService"))
         except ValueError:
-            return cls(fleet=0, out={}, counted=0.0, resource_version=rv)
+            return cls(fleet=0, out={}, counted=0.0, resource_version=rv, counter=counter,
+                       counting_until=until)
         try:
             return cls(fleet=_ledger_fleet(data.get("fleet")), out=out,
-                       counted=_ledger_counted(data.get("counted")), resource_version=rv)
+                       counted=_ledger_counted(data.get("counted")), resource_version=rv,
+                       counter=counter, counting_until=until)
         except ValueError:
-            return cls(fleet=0, out=out, counted=0.0, resource_version=rv)
+            return cls(fleet=0, out=out, counted=0.0, resource_version=rv, counter=counter,
+                       counting_until=until)
 
     def others_out(self, node: str) -> int:
         return sum(1 for n in self.out if n != node)
 
     def configmap(self, namespace: str) -> dict[str, Any]:
         meta: dict[str, Any] = {"name": BUDGET_CONFIGMAP, "namespace": namespace,
-                                "labels": dict(MANAGED_BY)}
+                                "labels": budget_labels("record")}
         if self.resource_version:
             meta["resourceVersion"] = self.resource_version
-        return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta,
-                "data": {"fleet": str(self.fleet), "counted": repr(float(self.counted)),
-                         "outOfService": json.dumps(self.out, separators=(",", ":"),
-                                                    sort_keys=True)}}
+        data = {"fleet": str(self.fleet), "counted": repr(float(self.counted)),
+                "outOfService": json.dumps(self.out, separators=(",", ":"), sort_keys=True)}
+        if self.counter:
+            data.update(counter=self.counter, countingUntil=repr(float(self.counting_until)))
+        return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data}
+
+
+def budget_labels(kind: str) -> dict[str, str]:
+    """Labels of the budget's ConfigMaps: one label-selected list reads all of them."""
+    return {**MANAGED_BY, LABEL_BUDGET: "true", LABEL_BUDGET_KIND: kind}
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One node out of service: the slot ConfigMap `screener-budget-slot-<index>` naming it."""
+
+    index: int
+    node: str
+    state: str
+    since: float
+    uid: str = ""
+    resource_version: str = ""
+
+    @property
+    def name(self) -> str:
+        return slot_name(self.index)
+
+
+def slot_name(index: int) -> str:
+    return f"{SLOT_PREFIX}{index}"
+
+
+def slot_configmap(index: int, node: str, state: str, since: float, *,
+                   namespace: str) -> dict[str, Any]:
+    """The body that claims slot `index` for `node` (created, never updated: create is atomic)."""
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": slot_name(index), "namespace": namespace,
+                         "labels": budget_labels("slot"), "annotations": {ANNOTATION_NODE: node}},
+            "data": {"node": node, "state": state, "since": repr(float(since))}}
+
+
+def parse_slot(cm: Mapping[str, Any]) -> Optional[Claim]:
+    """The claim a slot ConfigMap holds; None when it is not one screener wrote (checked field by
+    field: a hand-made slot must not free or take anyone's place)."""
+    meta, data = cm.get("metadata") or {}, cm.get("data") or {}
+    name = str(meta.get("name") or "")
+    if not name.startswith(SLOT_PREFIX) or not re.fullmatch(r"[0-9]{1,7}", name[len(SLOT_PREFIX):]):
+        return None
+    node, state = data.get("node"), data.get("state")
+    try:
+        since = _ledger_counted(data.get("since"))
+        if NodeState(state) not in BUDGET_STATES:
+            return None
+    except ValueError:
+        return None
+    if not isinstance(node, str) or not node or len(node) > 253:
+        return None
+    return Claim(index=int(name[len(SLOT_PREFIX):]), node=node, state=str(state), since=since,
+                 uid=str(meta.get("uid") or ""), resource_version=str(meta.get("resourceVersion") or ""))
+
+
+SHARD_MAX_NODES = 4096  # a shard holds registrations since the last count, which it triggers early
+
+
+def shard_name(index: int) -> str:
+    return f"{SHARD_PREFIX}{index}"
+
+
+def shard_of(node: str, shards: int) -> int:
+    """Which registration shard counts `node` (a stable hash, the same in every daemon)."""
+    return int(hashlib.sha256(node.encode()).hexdigest()[:8], 16) % max(1, shards)
+
+
+def shard_configmap(index: int, nodes: Mapping[str, float], *, namespace: str,
+                    resource_version: Optional[str] = None) -> dict[str, Any]:
+    """A registration shard: node -> when it got its first state, since the record's count."""
+    meta: dict[str, Any] = {"name": shard_name(index), "namespace": namespace,
+                            "labels": budget_labels("shard")}
+    if resource_version:
+        meta["resourceVersion"] = resource_version
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta,
+            "data": {"nodes": json.dumps(dict(sorted(nodes.items())), separators=(",", ":"))}}
+
+
+def parse_shard(cm: Mapping[str, Any]) -> dict[str, float]:
+    """The registrations a shard holds; entries out of shape are skipped (a hand-edited shard can
+    at most make the fleet look smaller until the next count, which is the safe direction)."""
+    raw = (cm.get("data") or {}).get("nodes")
+    try:
+        items = boundedjson.loads(raw, max_bytes=LEDGER_MAX_BYTES, max_depth=2) if raw else {}
+    except ValueError:
+        return {}
+    if not isinstance(items, dict):
+        return {}
+    out: dict[str, float] = {}
+    for node, when in list(items.items())[:SHARD_MAX_NODES]:
+        if isinstance(node, str) and isinstance(when, (int, float)) and not isinstance(when, bool) \
+                and math.isfinite(when):
+            out[node] = float(when)
+    return out
 
 
 # Bounds of a budget record written by screener: no fleet is larger, and the out-of-service set

@@ -1,0 +1,269 @@
+"""Calling the Kubernetes API for KubeStore: timeouts, retries, and the errors a caller sees.
+
+Every request carries a connect and a read timeout, and every logical call (its retries included)
+ends within `KubeTimeouts.call_s`, so an API server that accepts connections and never answers
+(black-holed, overloaded, a half-dead load balancer) costs a bounded wait, after which the caller
+spools what it was writing and the daemon's tick goes on. After a call ran out of time the API is
+taken as unreachable for `unreachable_s`: calls in that window fail at once instead of each
+waiting its own timeout, so one tick does not spend minutes on a dead server. Refused and reset
+connections fail fast by themselves and do not open that window.
+
+Transient answers (5xx, 429, connection failures, timeouts) are retried with exponential backoff
+and jitter (sleep and randomness injectable); 4xx answers are the caller's business.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, Optional
+
+import urllib3
+from kubernetes.client.exceptions import ApiException
+
+from screener.errors import BadInputError, ConfigError, ExternalServiceError
+from screener.settings import strict as configs
+
+log = logging.getLogger("screener.stores.kube")
+
+TRANSIENT_STATUS = frozenset({0, 429, 500, 502, 503, 504})
+# Ask for PartialObjectMetadataList: names, labels and annotations, not the Nodes' status.
+META_ACCEPT = "application/json;as=PartialObjectMetadataList;v=v1;g=meta.k8s.io,application/json"
+
+
+class KubeApiError(ExternalServiceError):
+    """The Kubernetes API failed or refused a request (after retries, for transient errors)."""
+
+    def __init__(self, message: str, status: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class TransientKubeError(KubeApiError):
+    """The API stayed unreachable, timed out, or kept answering 5xx/429 through every retry; or a
+    write kept conflicting. Whatever was being written is spooled and written later."""
+
+
+class NodeNotFound(BadInputError):
+    """No Node of that name exists in the cluster."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Backoff for transient errors and the bound on 409 re-reads. Unknown keys are an error."""
+
+    attempts: int = 5  # tries per API call for transient errors (within KubeTimeouts.call_s)
+    base_delay: float = 0.2  # seconds before the first retry; doubles each time
+    max_delay: float = 5.0
+    jitter: float = 0.5  # each delay is scaled by a random factor in [1 - jitter, 1]
+    conflict_attempts: int = 10  # read-modify-write rounds before giving up on 409s
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1 or self.conflict_attempts < 1:
+            raise ConfigError("retry attempts must be >= 1")
+        if self.base_delay < 0 or self.max_delay < 0 or not 0 <= self.jitter <= 1:
+            raise ConfigError("retry delays must be >= 0 and jitter within [0, 1]")
+
+    @classmethod
+    def from_mapping(cls, d: Mapping[str, Any]) -> "RetryPolicy":
+        return configs.from_mapping(cls, d, "kube retry")
+
+    def delay(self, attempt: int, rng: Callable[[], float]) -> float:
+        d = min(self.max_delay, self.base_delay * (2 ** attempt))
+        return d * (1 - self.jitter * rng())
+
+
+@dataclass(frozen=True)
+class KubeTimeouts:
+    """How long a request, and a call with its retries, may take. Unknown keys are an error.
+
+    connect_s: to open a connection. read_s: for each read of an answer (a black-holed server
+    fails here). call_s: one call with all its retries. unreachable_s: after a call ran out of
+    time, how long later calls fail at once (0: never)."""
+
+    connect_s: float = 5.0
+    read_s: float = 20.0
+    call_s: float = 45.0
+    unreachable_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        configs.require_number("kube timeouts", "connect_s", self.connect_s, 0.0, 600.0,
+                               low_open=True, unit="seconds")
+        configs.require_number("kube timeouts", "read_s", self.read_s, 0.0, 3600.0,
+                               low_open=True, unit="seconds")
+        configs.require_number("kube timeouts", "call_s", self.call_s, 0.0, 3600.0,
+                               low_open=True, unit="seconds")
+        configs.require_number("kube timeouts", "unreachable_s", self.unreachable_s, 0.0,
+                               3600.0, unit="seconds")
+
+    @classmethod
+    def from_mapping(cls, d: Mapping[str, Any]) -> "KubeTimeouts":
+        return configs.from_mapping(cls, d, "kube timeouts")
+
+
+class ApiCaller:
+    """One store's way to the API: a call with timeouts and retries, lists by page, ConfigMaps."""
+
+    def __init__(self, api: Any, namespace: str, *, retry: RetryPolicy, timeouts: KubeTimeouts,
+                 sleep: Callable[[float], None], rng: Callable[[], float], page_size: int) -> None:
+        self.api, self.namespace = api, namespace
+        self.retry, self.timeouts = retry, timeouts
+        self.sleep, self.rng, self.page_size = sleep, rng, page_size
+        self._unreachable_until = 0.0  # time.monotonic(): a timed-out call opened the window
+        self._guard = threading.Lock()
+
+    def call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Call the API and return the parsed JSON body; retry transient errors with backoff,
+        all within timeouts.call_s."""
+        self._fail_fast(what)
+        kwargs["_preload_content"] = False
+        kwargs["_request_timeout"] = (self.timeouts.connect_s, self.timeouts.read_s)
+        started = time.monotonic()
+        last: Optional[BaseException] = None
+        for attempt in range(self.retry.attempts):
+            if attempt:
+                delay = self.retry.delay(attempt - 1, self.rng)
+                if time.monotonic() - started + delay >= self.timeouts.call_s:
+                    break  # no time left for another try
+                self.sleep(delay)
+            try:
+                data = fn(*args, **kwargs).data
+                return json.loads(data) if data else None
+            except ApiException as e:
+                if e.status not in TRANSIENT_STATUS:
+                    raise KubeApiError(f"{what}: Kubernetes API answered {e.status} {e.reason}: "
+                                       f"{_message(e)}", e.status) from e
+                last = e
+                log.info("%s: transient API error %s (attempt %d)", what, e.status, attempt + 1)
+            except (urllib3.exceptions.HTTPError, OSError) as e:
+                last = e
+                log.info("%s: API unreachable: %s (attempt %d)", what, e, attempt + 1)
+            if time.monotonic() - started >= self.timeouts.call_s:
+                break
+        if _timed_out(last) and self.timeouts.unreachable_s > 0:
+            with self._guard:
+                self._unreachable_until = time.monotonic() + self.timeouts.unreachable_s
+        brief = (f"{last.status} {last.reason}: {_message(last)}" if isinstance(last, ApiException)
+                 else str(last))
+        raise TransientKubeError(f"{what}: Kubernetes API unavailable after {attempt + 1} "
+                                 f"attempts: {brief} ({time.monotonic() - started:.1f} s)") from last
+
+    def _fail_fast(self, what: str) -> None:
+        with self._guard:
+            left = self._unreachable_until - time.monotonic()
+        if left > 0:
+            raise TransientKubeError(f"{what}: not sent: the Kubernetes API did not answer in "
+                                     f"time; trying again in {left:.0f} s")
+
+    def pages(self, what: str, fn: Callable[..., Any], *args: Any,
+              **kwargs: Any) -> Iterator[dict[str, Any]]:
+        """Items of a list, `page_size` at a time (limit/continue). With resource_version="0" the
+        API server answers from its cache, where it may ignore limit and send everything."""
+        token: Optional[str] = None
+        while True:
+            extra = {"_continue": token} if token else {}
+            data = self.call(what, fn, *args, limit=self.page_size, **kwargs, **extra) or {}
+            yield from data.get("items") or []
+            token = (data.get("metadata") or {}).get("continue")
+            if not token:
+                return
+
+    def node_meta(self, label_selector: str = "") -> Iterator[dict[str, Any]]:
+        """Nodes as PartialObjectMetadata (name, labels, annotations), paginated, consistent."""
+        client = self.api.api_client
+        token: Optional[str] = None
+        while True:
+            query: list[tuple[str, Any]] = [("limit", self.page_size)]
+            if label_selector:
+                query.append(("labelSelector", label_selector))
+            if token:
+                query.append(("continue", token))
+            data = self.call("list nodes", client.call_api, "/api/v1/nodes", "GET", {}, query,
+                             {"Accept": META_ACCEPT}, auth_settings=["BearerToken"],
+                             response_types_map={}, _return_http_data_only=True) or {}
+            yield from data.get("items") or []
+            token = (data.get("metadata") or {}).get("continue")
+            if not token:
+                return
+
+    # --- ConfigMaps in the screener namespace ----------------------------------------------
+
+    def cm_get(self, name: str) -> Optional[dict[str, Any]]:
+        """The ConfigMap, or None when there is none (a consistent read)."""
+        try:
+            return self.call(f"get configmap {self.namespace}/{name}",
+                             self.api.read_namespaced_config_map, name, self.namespace)
+        except KubeApiError as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def cm_write(self, body: dict[str, Any]) -> Optional[dict[str, Any]]:
+        """Create (no resourceVersion) or replace (with it, as precondition) a ConfigMap.
+        None when the precondition failed: 409 (changed or already exists) or 404 (deleted)."""
+        name = body["metadata"]["name"]
+        create = not body["metadata"].get("resourceVersion")
+        try:
+            if not create:
+                return self.call(f"update configmap {self.namespace}/{name}",
+                                 self.api.replace_namespaced_config_map, name, self.namespace, body)
+            return self.call(f"create configmap {self.namespace}/{name}",
+                             self.api.create_namespaced_config_map, self.namespace, body)
+        except KubeApiError as e:
+            if create and e.status == 404:
+                # A create has one 404: its namespace is missing. Taken for a lost race, it read
+                # as "budget record: still conflicting" after every retry.
+                raise KubeApiError(missing_namespace(self.namespace, "the budget record and "
+                                                     "the node histories"), 404) from e
+            if e.status in (404, 409):
+                return None
+            raise
+
+    def cm_delete(self, name: str, uid: str) -> bool:
+        """Delete the ConfigMap only if it is still the object `uid` names (a precondition, so a
+        slot someone else has taken since is never freed by us). False when it was not there."""
+        body = {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": {"uid": uid}}
+        try:
+            self.call(f"delete configmap {self.namespace}/{name}",
+                      self.api.delete_namespaced_config_map, name, self.namespace, body=body)
+            return True
+        except KubeApiError as e:
+            if e.status in (404, 409):
+                return False
+            raise
+
+    def cm_list(self, what: str, label_selector: str, *,
+                cached: bool = False) -> Iterator[dict[str, Any]]:
+        """ConfigMaps of the namespace with the label selector; `cached`: from the API server's
+        cache (resourceVersion=0), for reads where a moment's staleness is harmless."""
+        extra = {"resource_version": "0"} if cached else {}
+        return self.pages(what, self.api.list_namespaced_config_map, self.namespace,
+                          label_selector=label_selector, **extra)
+
+
+def missing_namespace(namespace: str, what: str) -> str:
+    """The one line for a create refused because its namespace does not exist."""
+    return (f"namespace {namespace!r} does not exist ({what} are written there): create it with "
+            f"`kubectl create namespace {namespace}`, or point screener at the namespace it runs "
+            "in ($POD_NAMESPACE for the store, event_namespace for Events)")
+
+
+def _timed_out(e: Optional[BaseException]) -> bool:
+    """Whether a failure was a timeout (the server took the connection and never answered)."""
+    while e is not None:
+        if isinstance(e, urllib3.exceptions.NewConnectionError):
+            return False  # refused or unresolvable: fast by itself (urllib3 files it under timeouts)
+        if isinstance(e, (urllib3.exceptions.TimeoutError, TimeoutError)):
+            return True
+        e = getattr(e, "reason", None) if isinstance(e, urllib3.exceptions.MaxRetryError) else None
+    return False
+
+
+def _message(e: ApiException) -> str:
+    try:
+        return str(json.loads(e.body).get("message"))
+    except (TypeError, ValueError, AttributeError):
+        return str(e.body)[:200] if e.body else ""
