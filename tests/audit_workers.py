@@ -14,12 +14,14 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
+import torch._dynamo  # torch.compile's setups; DDP's constructor imports it anyway
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from screener.known_answer import faults
 from screener.known_answer import synthetic
-from screener.audit import Auditor, NumericFailure, SDCAlarm, rollback_target
+from screener.audit import AuditError, AuditUsageError, Auditor, NumericFailure, SDCAlarm, \
+    rollback_target
 from screener.fingerprint import digest, fingerprints
 
 SEED = 7
@@ -174,6 +176,11 @@ def fault_matrix(rank: int, world: int, root: str) -> dict[str, Any]:
     # NaN written into rank 2's bucket inside the all-reduce, on the hook's call 3 (step 3).
     run("nan_allreduce", steps=6, audit_every=0, weights_every=1,
         reduce_hook=faults.corrupt_allreduce(rank=2, calls={3}, element=0))
+    # NaN written into rank 3's reduced bucket after the all-reduce, on the hook's call 2 (step
+    # 2): only rank 3 sees it, so only rank 3's node is a candidate (unsettled: which GPU made
+    # it is not settled).
+    run("nan_after_reduce", steps=4, audit_every=0, weights_every=1,
+        reduce_hook=nan_after_reduce(3, 2))
     # Finite gradients of 1e38 on every rank at step 2: their sum overflows float32 in the
     # default hook (it sums before dividing), every local gradient is finite: an overflow, a
     # numeric failure, never a reduction fault (nonfinite_reduced) or a rank named.
@@ -250,11 +257,16 @@ def peer_vanishes(rank: int, world: int) -> Any:
 
 MATRIX_SETUPS = ("fp32", "bf16", "fp16_scaler", "dropout_unseeded", "dropout_rank_seeded",
                  "accumulation", "clipping", "batchnorm_broadcast", "batchnorm_local",
-                 "extra_outputs")
+                 "extra_outputs",
+                 # issue 28: setups a healthy job was killed in at step 0
+                 "compiled_inner", "checkpoint_reentrant", "checkpoint_nonreentrant",
+                 "bucket_view_huge", "clipping_huge")
 FAULT_RANK = 3  # on node n1 of NODES = n0 n0 n1 n1 n2 n2
 FORCED_OVERFLOW_STEP = 2  # fp16_scaler: the scale is set to 2**60 for this step (every rank)
 DATA_OVERFLOW = (2, 3)  # fp16_scaler: (rank, step) whose batch overflows at any sane scale
 ACCUMULATION = 3
+HUGE_STEP, HUGE = 1, 1e20  # bucket_view_huge, clipping_huge: a finite spike on every rank
+COMPILE_BACKEND = "aot_eager"  # the CI slice's; the benchmark compiles with inductor too
 
 
 def mlp_batch(rank: int, step: int, *, n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
@@ -265,7 +277,27 @@ def mlp_batch(rank: int, step: int, *, n: int = 4) -> tuple[torch.Tensor, torch.
     return x, y
 
 
+class CheckpointedMLP(torch.nn.Module):
+    """Linear, then a checkpointed block with dropout (recomputed in backward from the stashed
+    RNG state), then a head: activation checkpointing as Hugging Face models use it."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.inp = torch.nn.Linear(8, 16)
+        self.block = torch.nn.Sequential(torch.nn.GELU(), torch.nn.Dropout(0.25),
+                                         torch.nn.Linear(16, 16), torch.nn.GELU())
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.utils.checkpoint.checkpoint(self.block, self.inp(x),
+                                              use_reentrant=self.reentrant)
+        return self.head(h)
+
+
 def _mlp(kind: str) -> torch.nn.Module:
+    if kind.startswith("checkpoint_"):
+        return CheckpointedMLP(reentrant=kind == "checkpoint_reentrant")
     layers: list[torch.nn.Module] = [torch.nn.Linear(8, 16)]
     if kind == "batchnorm":
         layers.append(torch.nn.BatchNorm1d(16))
@@ -291,14 +323,41 @@ def _lm_loss(dtype: Optional[torch.dtype]) -> Callable:
     return loss
 
 
-def build_setup(setup: str, rank: int) -> dict[str, Any]:
+def _huge_spike(loss_fn: Callable) -> tuple[Callable, Callable]:
+    """batch_fn and loss_fn giving every element of the first weight a finite gradient of HUGE
+    at HUGE_STEP, on every rank: a flag in the batch, so replays reproduce it."""
+    def batches(rank: int, step: int) -> Any:
+        return (*mlp_batch(rank, step), step == HUGE_STEP)
+
+    def loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        x, y, huge = batch
+        out = loss_fn(model, (x, y))
+        if huge:  # adds exactly 0 to the loss and HUGE to the gradient
+            w = next(model.parameters())
+            out = out + (w - w.detach()).sum() * HUGE
+        return out
+    return batches, loss
+
+
+def _noting_ddp_context(loss_fn: Callable, seen: list) -> Callable:
+    """loss_fn noting, for each replay (a call on DDP's module, not on the DDP model), whether it
+    runs in DDP's forward context, where torch.compile compiles as the training step does."""
+    def loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        if not isinstance(model, DDP):
+            seen.append(DDP._get_active_ddp_module() is not None)
+        return loss_fn(model, batch)
+    return loss
+
+
+def build_setup(setup: str, rank: int, compile_backend: str = COMPILE_BACKEND) -> dict[str, Any]:
     """Model, loss_fn, batch_fn and the loop's options for one setup of the matrix."""
     lm_spec = faults.FaultSpec(op="matmul", call=1, element=9, bit=0)  # attention @ values
     # The last Linear's output, mantissa bit 8 of fp32 and fp16 (an exponent bit of bf16): a
     # lower bit of a small output can vanish in the loss's (output - target) and fault nothing.
     mlp_spec = faults.FaultSpec(op="addmm", call=1, element=5, bit=8)
     s: dict[str, Any] = {"scaler": None, "k": 1, "clip": False, "broadcast_buffers": True,
-                         "fault": mlp_spec, "forced_overflow": None}
+                         "fault": mlp_spec, "forced_overflow": None, "ddp": {},
+                         "optimizer": torch.optim.SGD, "replay_contexts": []}
     if setup in ("fp32", "bf16", "clipping", "extra_outputs"):
         s["model"] = synthetic.make_model(SEED, **SHAPE)
         s["batch_fn"] = batch_fn
@@ -318,7 +377,8 @@ def build_setup(setup: str, rank: int) -> dict[str, Any]:
         torch.manual_seed(1000 + rank)  # different dropout masks on every rank
     # (dropout_unseeded: the default generator, the same start state everywhere)
     kind = "batchnorm" if setup.startswith("batchnorm") else \
-        "dropout" if setup.startswith("dropout") else "plain"
+        "dropout" if setup.startswith("dropout") else \
+        setup if setup.startswith("checkpoint_") else "plain"
     s["model"] = _mlp(kind)
     s["batch_fn"] = mlp_batch
     s["loss_fn"] = mlp_loss
@@ -331,6 +391,15 @@ def build_setup(setup: str, rank: int) -> dict[str, Any]:
         s["loss_fn"] = lambda m, b: mlp_loss(m, b, dtype=torch.float16)
         s["scaler"] = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
         s["forced_overflow"] = FORCED_OVERFLOW_STEP
+    if setup == "compiled_inner":  # DDP(torch.compile(model)): the replays run the compiled one
+        torch._dynamo.reset()  # each run compiles afresh: no cache limit reached on some ranks
+        s["model"] = torch.compile(s["model"], backend=compile_backend)
+        s["loss_fn"] = _noting_ddp_context(s["loss_fn"], s["replay_contexts"])
+    if setup in ("bucket_view_huge", "clipping_huge"):
+        s["batch_fn"], s["loss_fn"] = _huge_spike(mlp_loss)
+        s["optimizer"] = torch.optim.AdamW  # survives the spike, as plain DDP does
+        s["ddp"] = {"gradient_as_bucket_view": setup == "bucket_view_huge"}
+        s["clip"] = setup == "clipping_huge"  # clip_grad_norm_'s float32 norm is inf at 1e20
     if setup == "accumulation":
         s["k"] = ACCUMULATION
         s["batch_fn"] = lambda r, step: [mlp_batch(r, ACCUMULATION * step + i)
@@ -353,21 +422,28 @@ def matrix_run(rank: int, setup: str, *, steps: int, alarm_dir: str, fault_rank:
                audit_every: int = 1, weights_every: int = 1, pass_scaler: bool = True,
                loss_override: Optional[Callable] = None, fault: Optional[faults.FaultSpec] = None,
                after_step: Optional[Callable[..., Any]] = None,
-               topology: Any = None) -> dict[str, Any]:
-    """Train one setup of the matrix under an Auditor auditing and voting every step."""
-    s = build_setup(setup, rank)
+               topology: Any = None, compile_backend: str = COMPILE_BACKEND,
+               compile_outer: bool = False) -> dict[str, Any]:
+    """Train one setup of the matrix under an Auditor auditing and voting every step.
+
+    compile_outer: the loop trains torch.compile(ddp) while the Auditor is given ddp (the
+    Auditor must refuse at the first check_gradients: out["refused"])."""
+    s = build_setup(setup, rank, compile_backend)
     model, scaler, k = s["model"], s["scaler"], s["k"]
-    ddp = DDP(model, broadcast_buffers=s["broadcast_buffers"])
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ddp = DDP(model, broadcast_buffers=s["broadcast_buffers"], **s["ddp"])
+    opt = s["optimizer"](model.parameters(), lr=0.05)
     loss_fn = loss_override or s["loss_fn"]
     fired: list = []
     if fault_rank == rank:
         loss_fn = _faulty(loss_fn, fault or s["fault"], fired)
-    out: dict[str, Any] = {"rank": rank, "alarm": None, "numeric": None, "steps_done": 0}
+    out: dict[str, Any] = {"rank": rank, "alarm": None, "numeric": None, "steps_done": 0,
+                           "refused": None, "error": None, "grad_max": 0.0}
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     auditor = Auditor(ddp, loss_fn=loss_fn, batch_fn=s["batch_fn"], audit_every=audit_every,
                       weights_every=weights_every, alarm_dir=alarm_dir, job=setup,
                       scaler=scaler if pass_scaler else None, accumulation_steps=k,
                       check_reduced=not s["clip"], topology=topology)
+    trained = torch.compile(ddp, backend=compile_backend) if compile_outer else ddp
     try:
         for step in range(steps):
             opt.zero_grad(set_to_none=True)
@@ -379,10 +455,13 @@ def matrix_run(rank: int, setup: str, *, steps: int, alarm_dir: str, fault_rank:
             losses = []
             for i, mb in enumerate(micro):
                 with ddp.no_sync() if i < k - 1 else contextlib.nullcontext():
-                    result = loss_fn(ddp, mb)
+                    result = loss_fn(trained, mb)
                     loss = result[0] if isinstance(result, tuple) else result
                     (scaler.scale(loss) if scaler is not None else loss).backward()
                 losses.append(result if k == 1 else loss.detach())
+            out["grad_max"] = max(out["grad_max"], max(float(p.grad.abs().max())
+                                                       for p in model.parameters()
+                                                       if p.grad is not None))
             norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.5) if s["clip"] else None
             auditor.check_gradients(step, losses[0] if k == 1 else sum(losses), grad_norm=norm)
             if scaler is not None:
@@ -400,8 +479,16 @@ def matrix_run(rank: int, setup: str, *, steps: int, alarm_dir: str, fault_rank:
         out["alarm"] = a.to_dict()
     except NumericFailure as e:
         out["numeric"] = {"step": e.step, "ranks": list(e.ranks), "message": str(e)}
+    except AuditUsageError as e:
+        out["refused"] = str(e)
+    except AuditError as e:  # reported, so that one setup's failure does not hide the others
+        out["error"] = f"{type(e).__name__}: {e}"
     out["counters"] = dict(auditor.counters)
     out["fired"] = len(fired)
+    out["weights_finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    out["compiled_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+    out["replay_contexts"] = s["replay_contexts"]
+    out["replay_backward"] = auditor._replay_mode.backward  # learnt from a reentrant checkpoint
     out["weights"] = digest(fingerprints(list(model.parameters())))
     out["scale"] = scaler.get_scale() if scaler is not None else None
     auditor.close()
@@ -409,16 +496,61 @@ def matrix_run(rank: int, setup: str, *, steps: int, alarm_dir: str, fault_rank:
 
 
 def _refusal(rank: int, build: Callable[[], Any]) -> Optional[str]:
+    """The message of the AuditUsageError build() raises (exit 2), or None when it raised none."""
     try:
         build()
-    except (ValueError, TypeError) as e:
+    except AuditUsageError as e:
         return str(e)
     return None
 
 
+def refuse_compiled_around(rank: int, root: str, results: dict[str, Any],
+                           compile_backend: str) -> None:
+    """torch.compile(DDP(model)) is refused in one line: given to the Auditor (at construction),
+    or trained while the Auditor was given the DDP model (at the first check_gradients)."""
+    import gc
+
+    results["refused/compiled_outer"] = _refusal(rank, lambda: Auditor(
+        torch.compile(DDP(_mlp("plain")), backend=compile_backend), loss_fn=mlp_loss,
+        batch_fn=mlp_batch, alarm_dir=root))
+    gc.collect()
+    d = os.path.join(root, "compiled_outer_trained")
+    torch._dynamo.reset()
+    t0 = time.perf_counter()
+    results["refused/compiled_outer_trained"] = matrix_run(
+        rank, "dropout_unseeded", steps=2, alarm_dir=d, compile_backend=compile_backend,
+        compile_outer=True)
+    results["refused/compiled_outer_trained"]["seconds"] = time.perf_counter() - t0
+    dist.barrier()
+    results["refused/compiled_outer_trained"]["files"] = read_alarm_dir(d)
+    torch._dynamo.reset()
+    gc.collect()
+
+
+def nan_after_reduce(target_rank: int, call: int) -> Callable:
+    """A reduce hook: torch's all-reduce, then NaN written into target_rank's reduced bucket on
+    the hook's call number `call` (counted on every rank)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    calls = {"n": 0}
+
+    def hook(state, bucket):  # no annotations: DDP checks them against GradBucket
+        n = calls["n"]
+        calls["n"] += 1
+
+        def poison(fut: Any) -> torch.Tensor:
+            reduced = fut.value()[0] if isinstance(fut.value(), list) else fut.value()
+            if dist.get_rank() == target_rank and n == call:
+                reduced.view(-1)[0] = float("nan")
+            return reduced
+        return allreduce_hook(state, bucket).then(poison)
+    return hook
+
+
 def matrix(rank: int, world: int, root: str, healthy_steps: int,
            setups: tuple[str, ...] = MATRIX_SETUPS, faults_too: bool = True,
-           fault_ranks: tuple[int, ...] = (FAULT_RANK,), fault_steps: int = 2) -> dict[str, Any]:
+           fault_ranks: tuple[int, ...] = (FAULT_RANK,), fault_steps: int = 2,
+           compile_backend: str = COMPILE_BACKEND) -> dict[str, Any]:
     """Every setup healthy, then with a persistent fault on FAULT_RANK; the refusals and the
     numeric failures no node is blamed for. One process group for all of it."""
     import gc
@@ -431,7 +563,8 @@ def matrix(rank: int, world: int, root: str, healthy_steps: int,
     def run(name: str, setup: str, **kw: Any) -> None:
         d = os.path.join(root, name)
         t0 = time.perf_counter()
-        results[name] = matrix_run(rank, setup, alarm_dir=d, topology=topology, **kw)
+        results[name] = matrix_run(rank, setup, alarm_dir=d, topology=topology,
+                                   compile_backend=compile_backend, **kw)
         results[name]["seconds"] = time.perf_counter() - t0
         dist.barrier()  # every rank has written its files before anyone reads
         results[name]["files"] = read_alarm_dir(d)
@@ -441,6 +574,7 @@ def matrix(rank: int, world: int, root: str, healthy_steps: int,
         run(f"{setup}/healthy", setup, steps=healthy_steps)
         for r in fault_ranks:
             run(f"{setup}/fault{r}", setup, steps=fault_steps, fault_rank=r)
+    refuse_compiled_around(rank, root, results, compile_backend)
     if not faults_too:
         return results
 

@@ -112,6 +112,22 @@ def test_nan_inside_the_allreduce_is_unsettled_and_the_step_is_not_applied(runs)
                and [n.node for n in r.suspect_nodes] == [r.node] for r in recs)
 
 
+def test_nan_only_one_rank_holds_after_the_allreduce_narrows_the_candidates_to_its_node(runs):
+    """An all-reduce gives every rank the same result: a NaN in rank 3's reduced bucket alone was
+    made where it is seen, so rank 3's node (n1) is the one candidate; nobody is named."""
+    outs = runs["nan_after_reduce"]
+    a = same_alarm_everywhere(outs)
+    assert (a["check"], a["step"], a["settled"], a["suspect_ranks"]) == ("nonfinite_reduced", 2,
+                                                                          False, [])
+    assert a["candidate_ranks"] == [3] and a["evidence"]["ranks_seeing_nonfinite"] == [3]
+    assert "only rank(s) 3 of 6" in a["evidence"]["why"]
+    for o in outs:
+        assert o["weights_finite"] and o["weights_after"] == o["weights_before_alarm"]
+    (rec,) = files_of(outs)
+    assert (rec.node, rec.settled, rec.suspect_ranks) == ("n1", False, ())
+    assert rec.evidence["candidate_ranks"] == [3]
+
+
 def test_nan_the_data_explains_is_numeric_not_hardware(runs):
     for o in runs["numeric"]:
         assert o["alarm"] is None and (o["numeric"]["step"], o["numeric"]["ranks"]) == (3, [2])

@@ -5,9 +5,15 @@ Each setup of audit_workers.MATRIX_SETUPS trains healthy for a few steps (no ala
 failure, nothing skipped but the GradScaler's overflow steps), then again with a persistent
 single-bit fault in every forward rank 3 computes (its training step and its replays alike): the
 alarm must be settled and name rank 3 on n1 alone, with one alarm file, on n1. Then the verdicts
-that are no hardware verdict (exit 76, no file) and a setup refused at construction. All of it runs
-in one launch of six processes (starting them is the expensive part); the long campaign is
+that are no hardware verdict (exit 76, no file) and the setups refused (exit 2, one line). All of
+it runs in one launch of six processes (starting them is the expensive part); the long campaign is
 benchmarks/bench_audit_matrix.py.
+
+Issue 28's setups, which healthy jobs were killed in at step 0: DDP(torch.compile(model))
+(torch.compile with backend="aot_eager" here: inductor's C++ compile in six processes on a small
+CI machine costs minutes; the benchmark runs inductor), reentrant and non-reentrant activation
+checkpointing, gradient_as_bucket_view and clip_grad_norm_ with a +1e20 gradient spike on every
+rank; torch.compile(DDP(model)) is refused.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import pytest
 
 import audit_workers
 from ddp_util import run_ranks
+from screener.audit import AuditUsageError, classify
+from screener.audit.refusals import COMPILED_AROUND_DDP
 from screener.types import AlarmRecord
 
 NODES = ["n0", "n0", "n1", "n1", "n2", "n2"]
@@ -37,7 +45,8 @@ def test_healthy_setup_raises_nothing(runs, setup):
     skipped = 2 if setup == "fp16_scaler" else 0  # the forced overflow and the data's overflow
     for o in outs:
         assert o["alarm"] is None and o["numeric"] is None, (o["alarm"], o["numeric"])
-        assert o["files"] == []
+        assert o["refused"] is None and o["error"] is None, (o["refused"], o["error"])
+        assert o["files"] == [] and o["weights_finite"]
         assert o["steps_done"] == HEALTHY_STEPS
         c = o["counters"]
         assert c["audits"] == HEALTHY_STEPS - skipped and c.get("audits_skipped", 0) == 0
@@ -59,6 +68,32 @@ def test_persistent_bit_flip_on_one_rank_is_caught_settled_and_localised(runs, s
     assert [n["node"] for n in a["suspect_nodes"]] == ["n1"]
     recs = [AlarmRecord.from_dict(f) for f in outs[0]["files"]]
     assert [(r.node, r.settled, r.suspect_ranks) for r in recs] == [("n1", True, (3,))]
+
+
+def test_issue28_setups_run_what_they_claim_to(runs):
+    """The compiled setup trains and replays compiled code, its replays in DDP's forward context
+    (where torch.compile compiles as the training step does); reentrant checkpointing is replayed
+    by a backward pass, non-reentrant by autograd.grad; the spike is there, finite."""
+    for o in runs["compiled_inner/healthy"]:
+        assert o["compiled_graphs"] > 0
+        assert o["replay_contexts"] and all(o["replay_contexts"])
+    assert all(o["replay_backward"] for o in runs["checkpoint_reentrant/healthy"])
+    assert not any(o["replay_backward"] for o in runs["checkpoint_nonreentrant/healthy"])
+    for setup in ("bucket_view_huge", "clipping_huge"):
+        assert all(o["grad_max"] >= audit_workers.HUGE for o in runs[f"{setup}/healthy"])
+
+
+def test_torch_compile_around_ddp_is_refused_in_one_line_exit_2(runs):
+    """Given to the Auditor: refused at construction. The Auditor given the DDP model while the
+    loop trains torch.compile(ddp): refused at the first check_gradients, before any verdict."""
+    msgs = runs["refused/compiled_outer"]
+    assert msgs == [COMPILED_AROUND_DDP] * len(NODES)
+    assert "\n" not in msgs[0] and "DDP(torch.compile(model))" in msgs[0]
+    assert classify(AuditUsageError(msgs[0])) == 2
+    for o in runs["refused/compiled_outer_trained"]:
+        assert o["refused"] == COMPILED_AROUND_DDP
+        assert o["alarm"] is None and o["numeric"] is None and o["error"] is None
+        assert o["steps_done"] == 0 and o["counters"] == {} and o["files"] == []
 
 
 def test_scaler_overflow_steps_are_skipped_and_counted_not_alarmed(runs):

@@ -1,6 +1,7 @@
 """What a replay reproduces, without a process group: the RNG states and loss scale a step started
-from (capture.py), micro-batch accumulation as .grad accumulates, loss_fn outputs with extras; the
-blast-radius rule; the setups refused at construction; run_guarded's records for screener launch."""
+from (capture.py), micro-batch accumulation as .grad accumulates, loss_fn outputs with extras,
+reentrant activation checkpointing; the blast-radius rule; the setups refused at construction;
+run_guarded's records for screener launch."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ import json
 import pytest
 import torch
 
-from screener.audit import run_guarded
-from screener.audit.auditor import _refuse_unreplayable
+from screener.audit import AuditUsageError, run_guarded
+from screener.audit.refusals import refuse_unreplayable
 from screener.audit.blast import too_wide
 from screener.audit.capture import StateCodec, StepState, capture, restored
-from screener.audit.ring import loss_of, replay
+from screener.audit.ring import ReplayMode, has_reentrant_checkpoint, loss_of, replay
 from screener.fingerprint import fingerprints
 from screener.types import AlarmRecord
 
@@ -84,7 +85,7 @@ def test_scaled_replay_and_accumulation_match_the_training_step_bits():
     rl, rg = replay(model, params, lambda m, b: _loss(m, b) / 3, micro, device=CPU,
                     state=StepState(None, None, scale), accumulation_steps=3)
     assert torch.equal(fingerprints(rg), owner) and torch.equal(rl, total)
-    with pytest.raises(TypeError, match="accumulation_steps=3"):
+    with pytest.raises(AuditUsageError, match="accumulation_steps=3"):
         replay(model, params, _loss, micro[0], device=CPU, accumulation_steps=3)
 
 
@@ -95,8 +96,72 @@ def test_loss_fn_may_return_extras():
     class Out:
         loss = t
     assert loss_of(Out()) is t
-    with pytest.raises(TypeError, match="one-element loss tensor"):
+    with pytest.raises(AuditUsageError, match="one-element loss tensor"):
         loss_of(torch.ones(3))
+
+
+class _Checkpointed(torch.nn.Module):
+    """A block with dropout under activation checkpointing, and a weight used both inside the
+    checkpoint and outside it (tied), as Hugging Face models with gradient checkpointing do."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.reentrant = reentrant
+        self.inp = torch.nn.Linear(6, 8)
+        self.mix = torch.nn.Linear(8, 8)
+        self.block = torch.nn.Sequential(torch.nn.GELU(), torch.nn.Dropout(0.5), self.mix)
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.utils.checkpoint.checkpoint(self.block, self.inp(x),
+                                              use_reentrant=self.reentrant)
+        return self.head(self.mix(h))  # self.mix again, outside the checkpoint
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_checkpointed_steps_replay_bit_for_bit_and_leave_grad_and_hooks_alone(reentrant):
+    """Reentrant checkpointing refuses torch.autograd.grad; the replay takes a backward pass into
+    parameter aliases instead (and remembers it): the training step's bits, while the real
+    .grad, the hooks on the real parameters (where DDP's reducer sits) and this rank's RNG stream
+    are untouched. Non-reentrant checkpointing keeps autograd.grad."""
+    model = _Checkpointed(reentrant)
+    params = list(model.parameters())
+    micro = [_batch(i) for i in range(2)]
+    torch.manual_seed(5)
+    state = capture(CPU)
+    total = 0
+    for mb in micro:  # two micro-batches, .grad accumulating, from one RNG start
+        loss = _loss(model, mb)
+        loss.backward()
+        total = total + loss.detach()
+    owner = fingerprints([p.grad for p in params])
+    sentinel = [p.grad.clone() for p in params]
+    fired: list[int] = []
+    for p in params:
+        p.register_post_accumulate_grad_hook(lambda q: fired.append(1))
+    torch.manual_seed(9)
+    rng = torch.get_rng_state()
+    mode = ReplayMode()
+    for _ in range(2):  # the first replay discovers the mode, the second starts in it
+        rl, rg = replay(model, params, _loss, micro, device=CPU, state=state,
+                        accumulation_steps=2, mode=mode)
+        assert torch.equal(fingerprints(rg), owner) and torch.equal(rl, total)
+        assert mode.backward is reentrant
+    assert fired == [] and torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(p.grad, s) for p, s in zip(params, sentinel))
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())  # swapped back
+    assert model.block[2] is model.mix and model.mix.weight is params[2]
+
+
+def test_a_reentrant_checkpoint_is_found_in_the_graph():
+    x = torch.randn(3, 6)
+    assert has_reentrant_checkpoint(_loss(_Checkpointed(True), (x, torch.zeros(3, 2))))
+    assert not has_reentrant_checkpoint(_loss(_Checkpointed(False), (x, torch.zeros(3, 2))))
+    assert not has_reentrant_checkpoint(_loss(_net(), (x, torch.zeros(3, 2))))
+    model = _Checkpointed(True)
+    with pytest.raises(RuntimeError, match="use_reentrant=True"):  # why the backward form exists
+        torch.autograd.grad(_loss(model, (x, torch.zeros(3, 2))), list(model.parameters()))
 
 
 def test_blast_radius_rule():
@@ -110,10 +175,10 @@ def test_blast_radius_rule():
 def test_syncbatchnorm_is_refused_in_one_line():
     model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(
         torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)))
-    with pytest.raises(ValueError) as e:
-        _refuse_unreplayable(model)
+    with pytest.raises(AuditUsageError) as e:
+        refuse_unreplayable(model)
     assert "SyncBatchNorm" in str(e.value) and "\n" not in str(e.value)
-    _refuse_unreplayable(_net())  # plain layers pass
+    refuse_unreplayable(_net())  # plain layers pass
 
 
 def test_run_guarded_records_its_code_and_alarms_its_node_on_a_hardware_error(tmp_path,

@@ -15,7 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from screener.audit import NumericFailure, SDCAlarm, classify, rollback_target, run_guarded
+import screener.audit
+from screener.audit import AuditError, AuditUsageError, NumericFailure, SDCAlarm, classify, \
+    rollback_target, run_guarded
 from screener.audit.alarms import node_records, write_alarm_file
 from screener.audit.checkpoints import marker_path, read_marker, write_marker
 from screener.audit.ring import (differing_rows, make_record, record_digest, referee_of,
@@ -203,6 +205,11 @@ def test_alarm_validates_and_survives_pickling():
      ExitCode.PEER_FAILED),
     (dist.DistBackendError("NCCL communicator was aborted"), ExitCode.PEER_FAILED),
     (TimeoutError("barrier"), ExitCode.PEER_FAILED),
+    (AuditUsageError("screener.audit: the model is torch.compile(DDP(model)): ..."),
+     ExitCode.USAGE),
+    (AuditUsageError("refused, whatever it quotes: connection reset, ECC"), ExitCode.USAGE),
+    (AuditError("screener.audit: the ring replay at step 0 failed on rank(s) 2"),
+     ExitCode.SCREENER_ERROR),
     (ValueError("bad shape"), None),
     (RuntimeError("CUDA error: an illegal memory access was encountered"), None),
     (ZeroDivisionError("x"), None),
@@ -219,6 +226,53 @@ def test_classify_follows_the_cause_chain():
             raise RuntimeError("step failed") from inner
     except RuntimeError as outer:
         assert classify(outer) == ExitCode.HARDWARE_SUSPECT
+
+
+def test_every_exception_class_of_the_audit_has_its_exit_code():
+    """The guard's table covers each class screener.audit raises: none escapes as a traceback."""
+    classes = {name: obj for name in screener.audit.__all__
+               if isinstance(obj := getattr(screener.audit, name), type)
+               and issubclass(obj, BaseException)}
+    assert set(classes) == {"SDCAlarm", "NumericFailure", "AuditError", "AuditUsageError"}
+    for cls in classes.values():
+        exc = cls("weights", 1) if cls is SDCAlarm else cls(1, [0]) if cls is NumericFailure \
+            else cls("x")
+        assert classify(exc) is not None, cls
+
+
+def test_an_audit_error_whose_cause_is_hardware_or_a_peer_keeps_that_code():
+    for cause, code in [(RuntimeError("CUDA error: uncorrectable ECC error encountered"), 75),
+                        (TimeoutError("gloo timed out"), 77)]:
+        try:
+            try:
+                raise cause
+            except Exception as inner:
+                raise AuditError("screener.audit: the ring replay at step 3 failed on rank(s) "
+                                 "1") from inner
+        except AuditError as e:
+            assert classify(e) == code
+
+
+def test_audit_failures_end_as_one_line_and_their_code_not_a_traceback(caplog):
+    def ours():
+        try:
+            {}["missing"]
+        except KeyError as e:
+            raise AuditError("screener.audit: the ring replay at step 0 failed on rank(s) 1") \
+                from e
+
+    def refused():
+        raise AuditUsageError("screener.audit: the DDP model runs inside torch.compile")
+
+    caplog.set_level(logging.ERROR, logger="screener.audit")
+    assert run_guarded(ours) == 1  # returned, not raised
+    line = json.loads(caplog.records[-1].getMessage())
+    assert (line["exit_code"], line["error"]) == (1, "AuditError")
+    assert line["where"].startswith(__file__) and line["where"].endswith("(KeyError)")
+    assert run_guarded(refused) == 2
+    line = json.loads(caplog.records[-1].getMessage())
+    assert (line["exit_code"], line["error"]) == (2, "AuditUsageError") and "where" not in line
+    assert len(caplog.records) == 2 and all("\n" not in r.getMessage() for r in caplog.records)
 
 
 def test_run_guarded_maps_logs_rank_and_host_first_and_reraises_the_rest(caplog):

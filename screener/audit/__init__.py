@@ -13,23 +13,25 @@
             if step % ckpt_every == 0:
                 auditor.verified_save(lambda: save(step), step)
 
-    sys.exit(shutdown(run_guarded(main)))  # SDCAlarm -> 75, numeric -> 76, peer lost -> 77
+    sys.exit(shutdown(run_guarded(main)))  # SDCAlarm -> 75, numeric -> 76, peer lost -> 77,
+                                           # a setup it refuses -> 2, its own failure -> 1
 
 Modules, one job each: topology (rank -> node, host, instance), hooks (the DDP comm hook recording
 local gradients), ring (replay assignment and recomputation), vote (majority over replicas), alarms
-(SDCAlarm and alarm files), checkpoints (verified-save markers, rollback target), guard (exit codes),
-auditor (the checks in order). Imports only torch, the standard library, screener.types and
+(SDCAlarm, the exception classes and alarm files), refusals (the setups refused, and why),
+checkpoints (verified-save markers, rollback target), guard (exit codes), auditor (the checks in
+order). Imports only torch, the standard library, screener.types and
 screener.fingerprint.
 """
 
 from __future__ import annotations
 
-from screener.audit.alarms import NumericFailure, SDCAlarm
-from screener.audit.auditor import AuditConfig, AuditError, Auditor
+from screener.audit.alarms import AuditError, AuditUsageError, NumericFailure, SDCAlarm
+from screener.audit.auditor import AuditConfig, Auditor
 from screener.audit.checkpoints import rollback_target
 from screener.audit.guard import classify, run_guarded, shutdown
 from screener.audit.topology import RankInfo, Topology, gather_topology
 
-__all__ = ["Auditor", "AuditConfig", "AuditError", "SDCAlarm", "NumericFailure",
+__all__ = ["Auditor", "AuditConfig", "AuditError", "AuditUsageError", "SDCAlarm", "NumericFailure",
            "rollback_target", "run_guarded", "shutdown", "classify", "RankInfo", "Topology",
            "gather_topology"]

@@ -3,7 +3,8 @@
 `SDCAlarm` is the collective verdict of one check: every rank builds it from the same gathered data,
 so every rank raises an equal alarm at the same step. `NumericFailure` is the other outcome of the
 non-finite check: a NaN/Inf that a replay on another node reproduces is the model's or the data's
-doing, not the hardware's (exit code 76, see guard.py).
+doing, not the hardware's (exit code 76, see guard.py). `AuditError` is the auditor's own failure
+(exit 1) and `AuditUsageError` a setup or argument it refuses (exit 2).
 
 Alarm files. Exactly one rank per node writes, the node's lowest rank in the process group, and a
 node only ever gets a file about itself (`AlarmRecord.node` is that node):
@@ -39,8 +40,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 from screener.types import ALARM_DIR_ENV, DEFAULT_ALARM_DIR, MAX_ID_LEN, AlarmRecord, SuspectNode
 
-__all__ = ["SDCAlarm", "NumericFailure", "CHECKS", "alarm_dir", "node_records",
-           "write_alarm_file", "write_atomic", "log_json"]
+__all__ = ["SDCAlarm", "NumericFailure", "AuditError", "AuditUsageError", "CHECKS", "alarm_dir",
+           "node_records", "write_alarm_file", "write_atomic", "log_json"]
 
 log = logging.getLogger("screener.audit")
 
@@ -132,6 +133,20 @@ class NumericFailure(FloatingPointError):
 
     def __reduce__(self):
         return (NumericFailure, (self.step, self.ranks, self.evidence, self.reason))
+
+
+class AuditError(RuntimeError):
+    """The auditor itself failed on some rank (e.g. a replay raised): never a hardware verdict.
+
+    Exit code 1 (guard.py): the screener failed, a person looks. Its cause (`__cause__`) is the
+    exception this rank saw, if it saw one."""
+
+
+class AuditUsageError(AuditError, ValueError):
+    """The Auditor cannot audit what it was given: a training setup no replay can reproduce bit
+    for bit, or an argument it cannot use. The message is one line that says why and what to do
+    instead. Raised when the Auditor is built, or on the first step for what only the first step
+    shows; before any verdict. Exit code 2 (usage or bad input)."""
 
 
 def alarm_dir(explicit: Optional[str | os.PathLike[str]] = None) -> Path:

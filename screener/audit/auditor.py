@@ -10,14 +10,17 @@
         optimizer.step()
         auditor.check_weights(step)           # check 3 every weights_every steps
 
-Check 1 (every step): one all_gather of (loss, local gradient norm, reduced gradient norm) per rank.
-The comm hook (hooks.py) learns both gradients' finiteness from the one pass that divides the
-summed buckets by the world size, and measures norms only when something is not finite (0 stands
-for a gradient known finite). A rank whose loss or local gradient is NaN/Inf is flagged; its
-micro-batch is then replayed on another node: a finite replay names the rank (settled,
-"nonfinite_local"), a non-finite one means the model or data produced it (NumericFailure, exit 76).
+Check 1 (every step): one all_gather of (loss, local gradient's largest magnitude, reduced
+gradient's) per rank. The comm hook (hooks.py) learns both gradients' finiteness from the one pass
+that divides the summed buckets by the world size, and measures magnitudes only when something is
+not finite (0 stands for a gradient known finite). Finiteness is always a property of the values,
+never of a norm that could overflow (a finite gradient of 1e20 is finite). A rank whose loss or
+local gradient is NaN/Inf is flagged; its micro-batch is then replayed on another node: a finite
+replay names the rank (settled, "nonfinite_local"), a non-finite one means the model or data
+produced it (NumericFailure, exit 76).
 A non-finite reduced gradient while every local one was finite means the reduction is suspect:
-"nonfinite_reduced", nobody named.
+"nonfinite_reduced", nobody named; the candidates are every rank when every rank sees it, else
+the ranks that do (an all-reduce gives every rank the same result).
 
 Check 2 (steps where step % audit_every == 0): ring replay (see ring.py). Each rank replays its
 assigned owners' micro-batches; small digests of the records (loss bits plus a digest of the
@@ -52,15 +55,17 @@ each rank also replays its own step; a step that does not reproduce on its own r
 nondeterministic, which is no hardware verdict: NumericFailure (exit 76). The same for a settled
 verdict wider than one node or half the ranks (blast.py): silent data corruption is local.
 
-Setups that cannot be replayed bit for bit are refused at construction with one line (ValueError):
-SyncBatchNorm (its forward is a collective), CUDA without deterministic algorithms, ranks with
-different torch thread counts.
+Setups that cannot be replayed bit for bit are refused at construction with one line
+(AuditUsageError, exit 2; refusals.py): torch.compile around the DDP model (found on the first
+forward when the Auditor was given the DDP model itself), SyncBatchNorm, CUDA without
+deterministic algorithms, ranks with different torch thread counts. Reentrant checkpointing is
+replayed with a backward pass (ring.py).
 
 Both checks raise SDCAlarm (after the alarm files are written and one JSON line is logged per rank);
 nothing is applied to the model by the auditor, so raising before optimizer.step() keeps the step from
 running. Every verdict comes from gathered data, so all ranks raise the same alarm at the same step.
 A replay that fails with an exception on any rank raises AuditError on every rank: our own failure,
-never a hardware verdict.
+never a hardware verdict (exit 1, guard.py).
 
 Limits: parameters DDP ignores are not checked; buffers are restored after a replay but not sent
 to the replayer, so a forward that reads buffers which differ between ranks (an eval-mode BatchNorm
@@ -70,12 +75,13 @@ must set gradients to None (the default since torch 2.0).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NoReturn, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -83,16 +89,18 @@ import torch.distributed as dist
 from screener.audit import ring
 from screener.audit.blast import LIKELY_CAUSES, too_wide
 from screener.audit.capture import StateCodec, StepState, capture, scaler_scale
-from screener.audit.alarms import NumericFailure, SDCAlarm, alarm_dir, log_json, node_records, \
-    write_alarm_file
+from screener.audit.alarms import AuditError, AuditUsageError, NumericFailure, SDCAlarm, \
+    alarm_dir, log_json, node_records, write_alarm_file
 from screener.audit.checkpoints import write_marker
 from screener.audit.collective import comm_device, gather
-from screener.audit.hooks import GradientRecorder, StepStats
+from screener.audit.hooks import GradientRecorder, StepStats, largest_magnitude
+from screener.audit.refusals import COMPILED_AROUND_DDP, refuse_compiled_wrapper, \
+    refuse_placement, refuse_unreplayable
 from screener.audit.topology import Topology, gather_topology, job_name
 from screener.audit.vote import vote
 from screener.fingerprint import digest, fingerprints
 
-__all__ = ["Auditor", "AuditConfig", "AuditError"]
+__all__ = ["Auditor", "AuditConfig", "AuditError", "AuditUsageError"]
 
 log = logging.getLogger("screener.audit")
 
@@ -100,10 +108,7 @@ _UNKNOWN = -1  # fingerprints recorded for a backward whose step was not known i
 _GROUP = object()  # reduce_state default: the auditor's process group
 _MAX_NAMES = 8  # parameter names listed in evidence per disagreement
 _OK, _FAILED, _NOT_RECORDED = 0, 1, 2  # a rank's status on an audit step
-
-
-class AuditError(RuntimeError):
-    """The auditor itself failed on some rank (e.g. a replay raised): never a hardware verdict."""
+_USAGE = 2  # a replay failed with an AuditUsageError (beside _OK and _FAILED in error flags)
 
 
 @dataclass(frozen=True)
@@ -121,12 +126,13 @@ class AuditConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.accumulation_steps, int) or self.accumulation_steps < 1:
-            raise ValueError(f"accumulation_steps must be an integer >= 1, not "
-                             f"{self.accumulation_steps!r}")
+            raise AuditUsageError(f"screener.audit: accumulation_steps must be an integer >= 1, "
+                                  f"not {self.accumulation_steps!r}")
         for name in ("audit_every", "weights_every", "self_check_every"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"{name} must be an integer >= 0, not {v!r}")
+                raise AuditUsageError(f"screener.audit: {name} must be an integer >= 0, not "
+                                      f"{v!r}")
 
 
 def _num(x: float) -> Any:
@@ -134,18 +140,27 @@ def _num(x: float) -> Any:
     return x if math.isfinite(x) else str(x)
 
 
+def _error_flag(error: Optional[BaseException]) -> int:
+    """What a rank tells the others about its replays: _OK, _USAGE or _FAILED."""
+    if error is None:
+        return _OK
+    return _USAGE if isinstance(error, AuditUsageError) else _FAILED
+
+
 def _hex64(bits: int) -> str:
     return f"0x{bits & 0xFFFFFFFFFFFFFFFF:016x}"
 
 
-def _refuse_unreplayable(module: torch.nn.Module) -> None:
-    """One line (ValueError) for a model no replay can reproduce bit for bit."""
-    for name, m in module.named_modules():
-        if isinstance(m, torch.nn.SyncBatchNorm):
-            raise ValueError(f"screener.audit: {name or 'the model'} is a SyncBatchNorm, whose "
-                             f"forward is a collective over all ranks: a replay of one rank's "
-                             f"micro-batch cannot reproduce it (use BatchNorm, or audit_every=0 "
-                             f"for the weight vote only)")
+def _ddp_forward_context(model: torch.nn.Module) -> Any:
+    """The context DDP's own forward runs its module in (DDP._inside_ddp_forward: it names the
+    active DDP model to torch.compile). A replay that compiles a new graph of a compiled module
+    (a shape the step has not run here) then compiles it as the training step did, split at
+    DDP's buckets by dynamo's DDPOptimizer; outside it, one unsplit graph, whose fused kernels
+    may round differently. No effect on an eager module."""
+    inside = getattr(model, "_inside_ddp_forward", None)
+    if inside is None or getattr(model, "_use_python_reducer", False):
+        return contextlib.nullcontext()
+    return inside()
 
 
 class Auditor:
@@ -164,7 +179,7 @@ class Auditor:
     when the loop accumulates gradients under ddp.no_sync(); batch_fn then returns the list of
     them, loss_fn returns one micro-batch's loss as it is backpropagated (divided by k if the loop
     divides), and check_gradients gets the sum of those losses. self_check_every: see the module
-    docstring. Refuses (ValueError, one line) a setup it cannot replay bit for bit.
+    docstring. Refuses (AuditUsageError, one line, exit 2) a setup it cannot replay bit for bit.
     """
 
     def __init__(self, model: torch.nn.Module, *,
@@ -178,10 +193,11 @@ class Auditor:
                  check_reduced: bool = True, confirm_nonfinite: bool = True,
                  topology: Optional[Topology] = None, scaler: Any = None,
                  accumulation_steps: int = 1, self_check_every: int = 20) -> None:
+        refuse_compiled_wrapper(model)
         module = getattr(model, "module", None)
         if not isinstance(module, torch.nn.Module) or not hasattr(model, "register_comm_hook"):
-            raise TypeError(f"Auditor needs a DistributedDataParallel model, not "
-                            f"{type(model).__name__}")
+            raise AuditUsageError(f"screener.audit: the Auditor needs a DistributedDataParallel "
+                                  f"model, not {type(model).__name__}")
         self.config = AuditConfig(audit_every=audit_every, weights_every=weights_every,
                                   check_reduced=check_reduced, confirm_nonfinite=confirm_nonfinite,
                                   accumulation_steps=accumulation_steps,
@@ -194,9 +210,10 @@ class Auditor:
         self.batch_fn = batch_fn
         if scaler is not None and not all(hasattr(scaler, a) for a in ("get_scale", "is_enabled",
                                                                        "scale")):
-            raise TypeError(f"scaler must be a torch.amp.GradScaler, not {type(scaler).__name__}")
+            raise AuditUsageError(f"screener.audit: scaler must be a torch.amp.GradScaler, not "
+                                  f"{type(scaler).__name__}")
         self.scaler = scaler
-        _refuse_unreplayable(module)
+        refuse_unreplayable(module)
         self.group = process_group if process_group is not None \
             else getattr(model, "process_group", None)
         self._select_parameters(model, module)
@@ -207,6 +224,8 @@ class Auditor:
         # The RNG states and loss scale the current step started from (capture.py): taken by the
         # first forward after the last check_gradients, or by begin_step().
         self._state: Optional[StepState] = None
+        self._compiled_around = False  # the DDP model ran inside torch.compile (refusals.py)
+        self._replay_mode = ring.ReplayMode()  # learns once that replays need a backward pass
         self._pre_hook = model.register_forward_pre_hook(self._on_forward)
         self._self_check_due = bool(self.config.self_check_every)
         self._audits_since_self_check = 0
@@ -226,7 +245,7 @@ class Auditor:
         ignore = set(getattr(model, "parameters_to_ignore", None) or ())
         named = [(n, p) for n, p in module.named_parameters() if n not in ignore]
         if not named:
-            raise ValueError("the model has no parameters to audit")
+            raise AuditUsageError("screener.audit: the model has no parameters to audit")
         self.weight_names = [n for n, _ in named]
         self._weights = [p for _, p in named]
         self.grad_names = [n for n, p in named if p.requires_grad]
@@ -247,20 +266,11 @@ class Auditor:
         self.topology = topology if topology is not None \
             else gather_topology(self.group, device=self.device)
         if self.topology.world_size != self.world_size:
-            raise ValueError(f"topology has {self.topology.world_size} ranks, the process group "
-                             f"{self.world_size}")
+            raise AuditUsageError(f"screener.audit: topology has {self.topology.world_size} ranks, "
+                                  f"the process group {self.world_size}")
         me = self.topology.info(self.rank)
         self.hostname, self.node = me.hostname, me.node
-        threads = sorted({i.threads for i in self.topology.infos})
-        if self.device.type == "cpu" and len(threads) > 1:
-            raise ValueError(f"screener.audit: the ranks run {threads} torch threads; CPU kernels "
-                             f"split sums by thread count, so replays cannot match bit for bit "
-                             f"(call torch.set_num_threads with one value on every rank)")
-        if self.device.type == "cuda" and not torch.are_deterministic_algorithms_enabled():
-            raise ValueError("screener.audit: on CUDA the audit replays bit for bit only with "
-                             "deterministic kernels: call torch.use_deterministic_algorithms(True) "
-                             "and set CUBLAS_WORKSPACE_CONFIG=:4096:8 (or "
-                             "screener.determinism.make_deterministic) before the Auditor")
+        refuse_placement(self.device, [i.threads for i in self.topology.infos])
         self._codec = StateCodec(self.device)
 
     def _plan_replays(self) -> None:
@@ -295,13 +305,18 @@ class Auditor:
         try:
             model.register_comm_hook(None, self._recorder.hook)
         except RuntimeError as e:
-            raise ValueError("could not register the auditor's comm hook (DDP takes one hook, "
-                             "registered before the first backward); pass your own hook as "
-                             f"Auditor(reduce_hook=...): {e}") from e
+            raise AuditUsageError("screener.audit: could not register the auditor's comm hook (DDP "
+                                  "takes one hook, registered before the first backward); pass "
+                                  f"your own hook as Auditor(reduce_hook=...): {e}") from e
 
     # ---- step start and teardown ---------------------------------------------------------------
 
     def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
+        # Traced by dynamo only when the DDP model itself runs inside torch.compile: dynamo
+        # replays this store on every call of the compiled code, and check_gradients refuses.
+        if torch.compiler.is_compiling():
+            self._compiled_around = True
+            return
         if self._state is None:
             self._state = capture(self.device, self.scaler)
 
@@ -374,6 +389,8 @@ class Auditor:
         out before the replays, the digests of the replays' records come back after them.
         """
         step = int(step)
+        if self._compiled_around:  # every rank runs the same compiled code: all refuse here
+            raise AuditUsageError(COMPILED_AROUND_DDP)
         self._note(step)
         loss = self._loss_tensor(loss)
         stats = self._recorder.take(self.device)
@@ -382,7 +399,7 @@ class Auditor:
             else StepState(None, None, scaler_scale(self.scaler))
         self._state = None
         self.counters["steps"] += 1
-        reduced = stats.reduced_norm if grad_norm is None else self._scalar(grad_norm, "grad_norm")
+        reduced = stats.reduced_norm if grad_norm is None else self._given_norm(grad_norm)
         head = torch.stack([self._loss_value(loss),
                             stats.local_norm.to(self._comm, torch.float64),
                             reduced.to(self._comm, torch.float64)])
@@ -416,9 +433,9 @@ class Auditor:
         self_check = self._self_check_due
         mine, error = self._replay_mine(step, loss, stats.grad_fingerprints, states, self_check)
         flag = torch.zeros(1, 4, dtype=torch.int64)
-        flag[0, 0] = _FAILED if error is not None else _OK
+        flag[0, 0] = _error_flag(error)
         got = gather(torch.cat([flag, ring.record_digest(mine)]), self.group, self._comm)
-        self._check_errors(got[:, 0, 0] == _FAILED, error, step, "the ring replay")
+        self._check_errors(got[:, 0, 0], error, step, "the ring replay")
         digests = got[:, 1:]  # (world, 1 + M + 1, 4): own, replays, self-replay
         m = self._max_replays
         if self_check:
@@ -444,10 +461,21 @@ class Auditor:
     def _scalar(self, value: torch.Tensor | float, what: str) -> torch.Tensor:
         if isinstance(value, torch.Tensor):
             if value.numel() != 1:
-                raise ValueError(f"check_gradients needs the scalar {what}, got shape "
-                                 f"{tuple(value.shape)}")
+                raise AuditUsageError(f"screener.audit: check_gradients needs the scalar {what}, "
+                                      f"got shape {tuple(value.shape)}")
             return value.detach().reshape(()).to(self._comm, torch.float64)
         return torch.tensor(float(value), dtype=torch.float64, device=self._comm)
+
+    def _given_norm(self, grad_norm: torch.Tensor | float) -> torch.Tensor:
+        """The caller's norm of the reduced gradient; when it is not finite, the largest magnitude
+        of the reduced gradient itself: clip_grad_norm_ squares in float32, so its norm is inf
+        for a finite gradient element past ~1.8e19, and non-finite must mean non-finite values
+        (issue 28). The reduced gradient is in .grad now (clipped: a finite one times 0 stays
+        finite, NaN or inf times anything stays non-finite)."""
+        norm = self._scalar(grad_norm, "grad_norm")
+        if bool(torch.isfinite(norm)):
+            return norm
+        return largest_magnitude([p.grad for p in self._grad_params], self._comm)
 
     def _per_rank(self, column: torch.Tensor, ranks: Sequence[int]) -> dict[str, Any]:
         index = self.topology.index_of
@@ -489,31 +517,46 @@ class Auditor:
             self._nonfinite_local(step, flagged, g, states)
             return True  # reached only when the scaler explains it
         seeing = sorted(ranks[k] for k, ok in enumerate(finite[:, 2].tolist()) if not ok)
-        if seeing:
-            evidence = {"ranks_seeing_nonfinite": seeing,
-                        "reduced_norm": self._per_rank(g[:, 2], seeing),
-                        "local_norm_max": _num(float(g[:, 1].max())),
-                        "why": "every local gradient was finite; the all-reduce produced NaN/Inf"}
-            # No element of a sum exceeds the sum of the addends' norms: below the gradient
-            # dtype's largest value the sum cannot have overflowed, so the reduction made the
-            # NaN/Inf. At or past it, an overflow explains it (the default hook sums before it
-            # divides; hooks.py), which is the loss scaler's business or a numeric failure.
-            bound = float(g[:, 1].sum())
-            if bound >= self._grad_max:
-                evidence["why"] = (f"every local gradient was finite, but their norms add up to "
-                                   f"{bound:.3g}, past the largest {self._grad_dtype}: the sum "
-                                   f"overflowed")
-                evidence["local_norm_sum"] = bound
-                if self._scaling():
-                    self._scaler_skip(step, sorted(ranks), evidence["why"])
-                    return True
-                self._numeric(step, sorted(ranks), evidence, reason=(
-                    f"the gradients' sum overflowed {self._grad_dtype} at step {step} (local "
-                    f"norms add up to {bound:.3g}): the gradients are too large, not corrupted"))
-            self._raise(SDCAlarm("nonfinite_reduced", step, (), (), False, evidence,
-                                 candidate_ranks=sorted(ranks), first_suspect_step=step,
-                                 key=self._key("nonfinite_reduced", step)))
-        return False
+        return bool(seeing) and self._nonfinite_reduced(step, g, seeing)
+
+    def _nonfinite_reduced(self, step: int, g: torch.Tensor, seeing: list[int]) -> bool:
+        """Every local gradient finite, the reduced one NaN/Inf on the ranks `seeing`: the sum
+        overflowed (the loss scaler's business or a numeric failure), else the reduction is
+        suspect. Returns True when the scaler owns it; raises otherwise."""
+        ranks = sorted(self.topology.ranks)
+        everywhere = len(seeing) == self.world_size
+        evidence: dict[str, Any] = {
+            "ranks_seeing_nonfinite": seeing,
+            "reduced_norm": self._per_rank(g[:, 2], seeing),
+            "local_norm_max": _num(float(g[:, 1].max())),
+            "why": "every local gradient was finite; the all-reduce produced NaN/Inf"}
+        # No element of a sum exceeds the sum of the addends' largest magnitudes: below the
+        # gradient dtype's largest value the sum cannot have overflowed, so the reduction made
+        # the NaN/Inf. At or past it, an overflow explains it (the default hook sums before it
+        # divides; hooks.py), but only when every rank sees it: the sum is the same everywhere.
+        bound = float(g[:, 1].sum())
+        if everywhere and bound >= self._grad_max:
+            evidence["why"] = (f"every local gradient was finite, but their largest magnitudes "
+                               f"add up to {bound:.3g}, past the largest {self._grad_dtype}: the "
+                               f"sum overflowed")
+            evidence["local_norm_sum"] = bound
+            if self._scaling():
+                self._scaler_skip(step, ranks, evidence["why"])
+                return True
+            self._numeric(step, ranks, evidence, reason=(
+                f"the gradients' sum overflowed {self._grad_dtype} at step {step} (local "
+                f"magnitudes add up to {bound:.3g}): the gradients are too large, not corrupted"))
+        if not everywhere:
+            # An all-reduce leaves the same result on every rank: a NaN/Inf only some ranks hold
+            # was made where it is seen (after the sum arrived). The candidates narrow to those
+            # ranks; which GPU did it stays unsettled.
+            evidence["why"] = (f"every local gradient was finite; only rank(s) "
+                               f"{', '.join(map(str, seeing))} of {self.world_size} hold a "
+                               f"non-finite reduced gradient, and an all-reduce gives every rank "
+                               f"the same result")
+        self._raise(SDCAlarm("nonfinite_reduced", step, (), (), False, evidence,
+                             candidate_ranks=ranks if everywhere else seeing,
+                             first_suspect_step=step, key=self._key("nonfinite_reduced", step)))
 
     def _confirmer(self, owner: int, flagged: set[int]) -> Optional[int]:
         """Who replays a non-finite owner: its ring replayer, else a clean rank on another node."""
@@ -536,18 +579,29 @@ class Auditor:
                 ) -> tuple[torch.Tensor, list[Optional[torch.Tensor]]]:
         assert self.batch_fn is not None and self.loss_fn is not None
         batch = self.batch_fn(owner, step)
-        return ring.replay(self.module, self._grad_params, self.loss_fn, batch, device=self.device,
-                           state=state, accumulation_steps=self.config.accumulation_steps)
+        with _ddp_forward_context(self.model):
+            return ring.replay(self.module, self._grad_params, self.loss_fn, batch,
+                               device=self.device, state=state,
+                               accumulation_steps=self.config.accumulation_steps,
+                               mode=self._replay_mode)
 
     def _check_errors(self, flags: torch.Tensor, local: Optional[BaseException], step: int,
                       what: str) -> None:
-        failed = [self.topology.ranks[k] for k in range(flags.numel()) if bool(flags[k] != 0)]
-        if failed:
-            msg = (f"screener.audit: {what} at step {step} failed on rank(s) "
-                   f"{', '.join(map(str, failed))}: the auditor failed, not the hardware")
-            if local is not None:
-                msg += f" (here: {type(local).__name__}: {local})"
-            raise AuditError(msg) from local
+        """Raise on every rank alike when a replay failed on any (flags: each rank's
+        _error_flag): AuditUsageError when every failure was one, else AuditError."""
+        codes = [int(flags[k]) for k in range(flags.numel())]
+        failed = [self.topology.ranks[k] for k, c in enumerate(codes) if c != _OK]
+        if not failed:
+            return
+        msg = (f"screener.audit: {what} at step {step} failed on rank(s) "
+               f"{', '.join(map(str, failed))}")
+        here = "" if local is None else \
+            f" (here: {type(local).__name__}: {' '.join(str(local).split())})"
+        if all(c == _USAGE for c in codes if c != _OK):
+            raise AuditUsageError(msg + here) from local
+        raise AuditError(msg + ": the auditor failed, not the hardware (a replay runs "
+                         "loss_fn(ddp_model.module, batch_fn(rank, step)) outside the training "
+                         "loop)" + here) from local
 
     def _nonfinite_local(self, step: int, flagged: list[int], g: torch.Tensor,
                          states: Callable[[], dict[int, StepState]]) -> None:
@@ -610,14 +664,13 @@ class Auditor:
                 continue
             try:
                 loss, grads = self._replay(owner, step, owner_states[owner])
-                norms = [torch.linalg.vector_norm(x.detach().float()) for x in grads
-                         if x is not None]
+                # the values themselves, not a norm whose squares could overflow (issue 28)
                 ok = bool(torch.isfinite(loss).all()) and bool(
-                    torch.isfinite(torch.stack(norms)).all() if norms else True)
+                    torch.isfinite(largest_magnitude(grads, self.device)))
                 results[i] = 1.0 if ok else 0.0
             except Exception as e:  # noqa: BLE001 - reported collectively below
                 error = e
-        results[-1] = 1.0 if error is not None else 0.0
+        results[-1] = _error_flag(error)
         got = gather(results, self.group, self._comm)  # (world, len(flagged) + 1)
         self._check_errors(got[:, -1], error, step, "the non-finite confirmation replay")
         return got
@@ -725,7 +778,7 @@ class Auditor:
         while len(extra) < m2:
             extra.append(torch.zeros_like(mine[0]))
         status = torch.zeros_like(mine[0])
-        status[0, 0] = 1 if error is not None else 0
+        status[0, 0] = _error_flag(error)
         full = torch.cat([mine, torch.stack(extra + [status])])  # (1 + M + m2 + 1, 1 + P, 2)
         got = gather(full, self.group, self._comm)
         self._check_errors(got[:, -1, 0, 0], error, step, "the ring replay referee")
@@ -833,12 +886,12 @@ class Auditor:
         return f"{self.config.job}-{check}-s{step}" if self.config.job else f"{check}-s{step}"
 
     def _numeric(self, step: int, ranks: list[int], evidence: dict[str, Any],
-                 reason: Optional[str] = None) -> None:
+                 reason: Optional[str] = None) -> NoReturn:
         log_json(logging.ERROR, "numeric_failure", rank=self.rank, hostname=self.hostname,
                  node=self.node, step=step, ranks=ranks, reason=reason, evidence=evidence)
         raise NumericFailure(step, ranks, evidence, reason)
 
-    def _raise(self, alarm: SDCAlarm) -> None:
+    def _raise(self, alarm: SDCAlarm) -> NoReturn:
         """Drop this node's alarm file (if this rank writes for it), log one line, raise.
 
         A settled verdict wider than one node or half the ranks is no hardware verdict (blast.py):

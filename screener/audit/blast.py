@@ -21,8 +21,10 @@ LIKELY_CAUSES = (
     "replay cannot restore (a torch.Generator of your own, random numbers drawn in loss_fn before "
     "the model's forward: call auditor.begin_step() first), a GradScaler not passed as "
     "Auditor(scaler=...), gradient accumulation not declared (accumulation_steps=...), autocast "
-    "outside loss_fn, zero_grad(set_to_none=False), different torch thread counts, or a code path "
-    "that depends on the rank")
+    "outside loss_fn, zero_grad(set_to_none=False), different torch thread counts, torch.compile "
+    "around the DDP model (compile inside it: DDP(torch.compile(model))) or compiling different "
+    "graphs on different ranks (new shapes recompiled: compile with fixed shapes, dynamic=False), "
+    "or a code path that depends on the rank")
 
 
 def too_wide(suspects: Sequence[int], node_of: Mapping[int, str], world_size: int) -> Optional[str]:

@@ -3,11 +3,17 @@
 | failure                                                     | exit code               |
 | ----------------------------------------------------------- | ----------------------- |
 | SDCAlarm (settled or not)                                   | 75 hardware suspect     |
-| CUDA ECC / uncorrectable error (message names it)           | 75 hardware suspect     |
+| CUDA ECC / uncorrectable error (message names it, anywhere  | 75 hardware suspect     |
+| in the cause chain, an AuditError's cause included)         |                         |
 | NumericFailure, FloatingPointError: non-finite, no suspect  | 76 numeric              |
+| AuditUsageError: a setup or argument the Auditor refuses    | 2 usage or bad input    |
 | collective timeout, vanished peer (torch DistError family,  | 77 peer failed          |
 | or a message: timed out, connection closed/reset, watchdog) |                         |
+| AuditError: the auditor itself failed (a replay raised)     | 1 the screener failed   |
 | anything else                                               | re-raised (a bug: a person looks) |
+
+Every exception class of screener.audit has its row: what the audit raises ends as one JSON line and
+its code, never as a traceback. An AuditError's line names where its cause was raised.
 
 The first failing rank is the evidence and the timeouts of the others are noise, so every failure is
 logged first as one JSON line that starts with the rank and hostname.
@@ -39,8 +45,8 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
-from screener.audit.alarms import NumericFailure, SDCAlarm, alarm_dir, bounded_alarm_id, log_json, \
-    write_alarm_file, write_atomic
+from screener.audit.alarms import AuditError, AuditUsageError, NumericFailure, SDCAlarm, alarm_dir, \
+    bounded_alarm_id, log_json, write_alarm_file, write_atomic
 from screener.audit.topology import instance_id_of, job_name, node_name
 from screener.types import EXIT_DIR_ENV, AlarmRecord, ExitCode, SuspectNode
 
@@ -75,6 +81,8 @@ def classify(exc: BaseException) -> Optional[ExitCode]:
         return ExitCode.HARDWARE_SUSPECT
     if isinstance(exc, (NumericFailure, FloatingPointError)):
         return ExitCode.NUMERIC
+    if isinstance(exc, AuditUsageError):  # our own words, whatever they quote
+        return ExitCode.USAGE
     runtime = [e for e in chain if isinstance(e, (RuntimeError, OSError))]
     if any(_ECC.search(str(e)) for e in runtime):
         return ExitCode.HARDWARE_SUSPECT
@@ -82,7 +90,21 @@ def classify(exc: BaseException) -> Optional[ExitCode]:
         return ExitCode.PEER_FAILED
     if any(_PEER.search(str(e)) for e in runtime):
         return ExitCode.PEER_FAILED
+    if isinstance(exc, AuditError):  # after the chain: a replay stopped by an ECC error is 75
+        return ExitCode.SCREENER_ERROR
     return None
+
+
+def _where(exc: BaseException) -> Optional[str]:
+    """file:line of the innermost frame that raised exc's cause (or exc): the one place a person
+    needs when the auditor failed, in place of a traceback."""
+    e = exc.__cause__ or exc
+    tb = e.__traceback__
+    if tb is None:
+        return None
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno} ({type(e).__name__})"
 
 
 def _rank() -> int:
@@ -138,6 +160,8 @@ def run_guarded(main: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
         code = classify(e)
         fields: dict[str, Any] = {"node": node_name(), "exit_code": int(code) if code else None,
                                   "error": type(e).__name__, "message": str(e)[:2000]}
+        if isinstance(e, AuditError) and not isinstance(e, AuditUsageError):
+            fields["where"] = _where(e)
         if isinstance(e, SDCAlarm):
             fields.update(check=e.check, step=e.step, settled=e.settled,
                           suspect_ranks=list(e.suspect_ranks),

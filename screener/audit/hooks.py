@@ -13,25 +13,32 @@ not views of the buckets) adds one pass over the gradients to what DDP does with
   DDP's hook-less path folds that multiplication into its copy of the gradients into the bucket;
   a hook has to do it itself, so the finiteness check rides on a pass that is needed anyway.
 - a finite sum proves every rank's local gradient finite (a NaN or Inf in any addend makes the sum
-  NaN or Inf: +inf + -inf is NaN), so on the usual step nothing else is read and no norm is taken.
+  NaN or Inf: +inf + -inf is NaN), so on the usual step nothing else is read or measured.
   Only when the sum is not finite does the callback measure the local gradient, from the
   parameters' own .grad, which DDP overwrites with the reduced bucket only at the end of backward:
   that names the rank whose gradient was NaN/Inf, or says every local gradient was finite and the
   reduction produced it.
 
 Summing before dividing can overflow where dividing first would not only for float32 elements
-past ~3.4e38 / world, an overflow in all but name: the local norms measured then (in float64) add
-up past float32's range, and the auditor calls it an overflow (the loss scaler's, or a numeric
+past ~3.4e38 / world, an overflow in all but name: the local magnitudes measured then add up past
+float32's range, and the auditor calls it an overflow (the loss scaler's, or a numeric
 failure), not a faulty reduction. float16/bfloat16 buckets, whose range is small, take the generic
 path, which divides first.
 
 The generic path (the caller's reduce_hook, e.g. fault injection, compression; other dtypes or
 devices; gradient_as_bucket_view=True, where .grad is the bucket and the local values are gone
-after the reduction) measures the bucket's L2 norm before calling the reduce hook and the reduced
-bucket's norm when it completes, as a reduce hook may do anything to the values.
+after the reduction) measures the bucket's largest magnitude before calling the reduce hook and the
+reduced bucket's when it completes, as a reduce hook may do anything to the values.
 
-StepStats carries norms where they were measured and 0 for a bucket known finite and not
-measured, so a non-finite total is exactly a non-finite gradient on either path.
+What is measured is the largest magnitude (the inf-norm, `magnitude`), never an L2 norm: the
+squares of an L2 norm overflow float32 from about 1.8e19 on CPU and GPU alike, so a finite
+gradient of 2e19 would read as infinite and a healthy job would die (issue 28). The largest
+magnitude is exact in the bucket's own dtype, NaN exactly when an element is NaN, inf exactly
+when one is infinite; and it still bounds what a sum of the ranks' gradients can reach (see
+auditor._judge_nonfinite).
+
+StepStats carries those magnitudes where they were measured and 0 for a bucket known finite and
+not measured, so a non-finite value is exactly a non-finite gradient on either path.
 
 Gradients are mapped to parameters by identity (`id(param)`), never by bucket order: DDP builds its
 first-iteration buckets in reverse parameter order and rebuilds them after the first iteration in the
@@ -51,11 +58,11 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from screener.fingerprint import fingerprints
 
-__all__ = ["GradientRecorder", "StepStats"]
+__all__ = ["GradientRecorder", "StepStats", "magnitude", "largest_magnitude"]
 
 ReduceHook = Callable[[Any, Any], "torch.futures.Future[Any]"]
 
-_ZERO = torch.zeros((), dtype=torch.float32)  # the stand-in norm of a bucket known finite
+_ZERO = torch.zeros((), dtype=torch.float32)  # the stand-in magnitude of a bucket known finite
 
 
 class StepStats:
@@ -63,8 +70,9 @@ class StepStats:
 
     def __init__(self, local_norm: torch.Tensor, reduced_norm: torch.Tensor, buckets: int,
                  grad_fingerprints: Optional[torch.Tensor], step: Optional[int]) -> None:
-        # 0-d float64 on the gradients' device: the norm over the measured buckets (a bucket known
-        # finite without a measurement counts 0), so it is NaN/Inf exactly when a gradient is
+        # 0-d float64 on the gradients' device: the largest magnitude over the measured buckets (a
+        # bucket known finite without a measurement counts 0), so it is NaN/Inf exactly when a
+        # gradient is. The names say norm: the largest magnitude is the inf-norm.
         self.local_norm = local_norm
         self.reduced_norm = reduced_norm
         self.buckets = buckets  # how many buckets the hook saw (0: no backward since last take)
@@ -72,22 +80,37 @@ class StepStats:
         self.step = step  # the step the fingerprints were recorded for
 
 
-def _norm(t: torch.Tensor) -> torch.Tensor:
-    # float32 accumulation everywhere; on CPU torch accumulates float32 norms in double, so only a
-    # truly non-finite element gives inf. On CUDA a squared sum past ~3e38 overflows to inf, which
-    # check 1 reports as non-finite: a gradient element past 1e19 is an overflow in all but name.
-    return torch.linalg.vector_norm(t.detach(), dtype=torch.float32)
+def magnitude(t: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude in t (its inf-norm) as a 0-d float64 tensor on t's device: NaN when
+    an element is NaN, inf when one is infinite, finite otherwise however large the values.
+
+    This is how the audit tells finite from non-finite, on every path and device. aminmax is one
+    vectorised pass whose only arithmetic is comparison, so nothing can overflow (an L2 norm's
+    squares overflow float32 past ~1.8e19), NaN propagates into its result, and it costs what an
+    L2 norm costs (torch.linalg's own inf-norm is several times slower on the CPU). No device
+    synchronisation: the result stays a tensor.
+    """
+    t = t.detach()
+    if t.numel() == 0:
+        return torch.zeros((), dtype=torch.float64, device=t.device)
+    lo, hi = torch.aminmax(t)
+    return torch.maximum(hi, -lo).to(torch.float64)
 
 
-def _local_norm(params: Sequence[torch.nn.Parameter], device: torch.device) -> torch.Tensor:
-    """The norm of the parameters' .grad (a missing .grad is the zeros DDP puts in the bucket), in
-    float64: finite exactly when every element is, however large, so that the auditor can tell a
-    sum that overflowed from a reduction that produced NaN/Inf (see auditor._judge_nonfinite)."""
-    norms = [torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float64)
-             for p in params if p.grad is not None]
-    if not norms:
+def largest_magnitude(tensors: Sequence[Optional[torch.Tensor]],
+                      device: torch.device) -> torch.Tensor:
+    """The largest magnitude over several tensors (None counts as zeros), float64 on device."""
+    values = [magnitude(t).to(device) for t in tensors if t is not None]
+    if not values:
         return torch.zeros((), dtype=torch.float64, device=device)
-    return torch.linalg.vector_norm(torch.stack(norms))
+    return torch.stack(values).amax()  # amax propagates NaN
+
+
+def _local_magnitude(params: Sequence[torch.nn.Parameter], device: torch.device) -> torch.Tensor:
+    """The largest magnitude of the parameters' .grad (a missing .grad is the zeros DDP puts in
+    the bucket): finite exactly when every element is, however large, so that the auditor can
+    tell a sum that overflowed from a reduction that produced NaN/Inf (auditor._judge_nonfinite)."""
+    return largest_magnitude([p.grad for p in params], device)
 
 
 class GradientRecorder:
@@ -135,7 +158,7 @@ class GradientRecorder:
             if self.record_step is not None:
                 self._record_fingerprints(bucket)  # before anything changes the buffer
             if not fused:
-                self._local[index] = _norm(buf)
+                self._local[index] = magnitude(buf)
         if fused:
             return self._sum_then_scale(index, buf, bucket.parameters())
         fut = self.reduce_hook(self.reduce_state, bucket)
@@ -145,7 +168,7 @@ class GradientRecorder:
         def note_reduced(f: "torch.futures.Future[Any]") -> Any:
             value = f.value()
             reduced = value[0] if isinstance(value, (list, tuple)) else value
-            n = _norm(reduced)
+            n = magnitude(reduced)
             with self._lock:
                 self._reduced[index] = n
             return value
@@ -169,7 +192,7 @@ class GradientRecorder:
             if found.item() == 0.0:
                 local = reduced_norm = _ZERO
             else:  # rare: whose was it? .grad still holds this rank's own gradient
-                local, reduced_norm = _local_norm(params, reduced.device), _norm(reduced)
+                local, reduced_norm = _local_magnitude(params, reduced.device), magnitude(reduced)
             with self._lock:
                 self._local[index] = local
                 if self.check_reduced:
@@ -200,11 +223,8 @@ class GradientRecorder:
             fp, seen, fp_step, unknown = self._fp, self._seen, self._fp_step, self._unknown
             self._reset()
 
-        def total(norms: list[torch.Tensor]) -> torch.Tensor:  # float64: the head's type
-            if not norms:
-                return torch.zeros((), dtype=torch.float64, device=device)
-            return torch.linalg.vector_norm(torch.stack([n.to(device, torch.float64)
-                                                         for n in norms]))
+        def total(values: list[torch.Tensor]) -> torch.Tensor:  # float64: the head's type
+            return largest_magnitude(values, device)
 
         complete = (fp is not None and seen is not None and bool(seen.all()) and unknown == 0)
         return StepStats(total(local), total(reduced), len(local), fp if complete else None,

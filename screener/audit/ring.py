@@ -12,7 +12,14 @@ Assignment (pure functions of the topology, so every rank derives the same plan)
   With fewer than three nodes there is none, and the mismatch stays unsettled.
 
 Replay computes loss and gradients of another rank's micro-batch on the unwrapped module with
-`torch.autograd.grad`, so the real .grad is untouched. It starts from the owner's RNG states and
+`torch.autograd.grad`, so the real .grad is untouched. Reentrant activation checkpointing
+(`torch.utils.checkpoint(..., use_reentrant=True)`, still the default of many Hugging Face models)
+refuses autograd.grad: its backward runs a backward pass of its own, into .grad. A replay whose
+graph holds such a checkpoint (found by walking the graph before the gradients are taken) runs
+instead with every parameter swapped for an alias, a new leaf sharing its storage, and takes a
+plain backward pass into the aliases' .grad: the same graph on the same values, so the same bits,
+while the real .grad, the hooks on the real parameters and DDP's reducer see nothing. ReplayMode
+remembers the discovery, so it costs one extra forward once. It starts from the owner's RNG states and
 uses the owner's loss scale (both travel with the audit payload, see capture.py), so dropout and a
 GradScaler replay bit for bit; this rank's own RNG streams are put back afterwards, and so is every
 buffer (a BatchNorm forward in training mode would otherwise update running statistics). For the
@@ -29,16 +36,19 @@ fingerprint of parameter k's gradient (None counts as zeros, whose fingerprint i
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
+from screener.audit.alarms import AuditUsageError
 from screener.audit.capture import StepState, restored
 from screener.audit.topology import Topology
 from screener.fingerprint import fingerprints
 
-__all__ = ["replayer_of", "referee_of", "replay_plan", "replay", "loss_of", "make_record", "loss_bits",
-           "record_digest", "differing_rows"]
+__all__ = ["replayer_of", "referee_of", "replay_plan", "replay", "ReplayMode", "loss_of",
+           "make_record", "loss_bits", "record_digest", "differing_rows",
+           "has_reentrant_checkpoint"]
 
 
 def _same_index(topo: Topology, rank: int, node: str) -> int:
@@ -105,15 +115,125 @@ def loss_of(out: Any) -> torch.Tensor:
     elif not isinstance(out, torch.Tensor) and hasattr(out, "loss"):
         value = out.loss
     if not isinstance(value, torch.Tensor) or value.numel() != 1:
-        raise TypeError(f"loss_fn must return a one-element loss tensor (alone, first in a tuple, "
-                        f"or as 'loss'), not {type(out).__name__}")
+        raise AuditUsageError(f"screener.audit: loss_fn must return a one-element loss tensor "
+                              f"(alone, first in a tuple, or as 'loss'), not "
+                              f"{type(out).__name__}")
     return value
+
+
+@dataclass
+class ReplayMode:
+    """How replays take gradients, kept across an Auditor's replays: torch.autograd.grad until a
+    replay's graph shows a reentrant checkpoint, a backward pass into parameter aliases after."""
+
+    backward: bool = False
+
+
+class _NeedsBackward(Exception):
+    """The replay's graph holds a reentrant checkpoint: autograd.grad would be refused."""
+
+
+def has_reentrant_checkpoint(out: torch.Tensor) -> bool:
+    """Whether the autograd graph behind `out` holds a reentrant checkpoint node.
+
+    torch's, Megatron's and DeepSpeed's reentrant checkpoints are all autograd Functions named
+    CheckpointFunction, whose backward runs a backward pass of its own; use_reentrant=False
+    leaves no such node. One visit per node: cheap next to the forward that built the graph.
+    """
+    stack = [out.grad_fn]
+    seen: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if type(node).__name__.endswith("CheckpointFunctionBackward"):
+            return True
+        stack.extend(fn for fn, _ in node.next_functions)
+    return False
+
+
+@contextlib.contextmanager
+def _aliased_parameters(module: torch.nn.Module) -> Iterator[dict[int, torch.nn.Parameter]]:
+    """For the body, every parameter of module swapped for an alias: a new leaf Parameter sharing
+    its storage (no copy), one per parameter however often it is registered (tied weights).
+    Returns id(real parameter) -> alias. setattr, not the _parameters dict, so that modules that
+    cache their parameters (an RNN's flat weights) follow."""
+    alias: dict[int, torch.nn.Parameter] = {}
+    swapped: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
+    try:
+        for m in module.modules():
+            for name, p in list(m._parameters.items()):
+                if p is None:
+                    continue
+                a = alias.get(id(p))
+                if a is None:
+                    a = alias[id(p)] = torch.nn.Parameter(p.detach(),
+                                                          requires_grad=p.requires_grad)
+                swapped.append((m, name, p))
+                setattr(m, name, a)
+        yield alias
+    finally:
+        for m, name, p in reversed(swapped):
+            setattr(m, name, p)
+
+
+def _micro_batches(batch: Any, accumulation_steps: int) -> list[Any]:
+    if accumulation_steps == 1:
+        return [batch]
+    if not isinstance(batch, Sequence) or len(batch) != accumulation_steps:
+        raise AuditUsageError(f"screener.audit: with accumulation_steps={accumulation_steps}, "
+                              f"batch_fn must return a sequence of that many micro-batches")
+    return list(batch)
+
+
+def _scaled(loss: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """The loss as it is backpropagated: times the scale, as GradScaler.scale computes it."""
+    out = loss if scale is None else loss * scale.to(device=loss.device)
+    return out.reshape(())
+
+
+def _by_grad(module: torch.nn.Module, params: Sequence[torch.nn.Parameter], loss_fn: Callable,
+             micro: list[Any], scale: Optional[torch.Tensor]
+             ) -> tuple[torch.Tensor, list[Optional[torch.Tensor]]]:
+    """The usual replay: torch.autograd.grad per micro-batch, added up as .grad adds them."""
+    total: Optional[torch.Tensor] = None
+    acc: list[Optional[torch.Tensor]] = [None] * len(params)
+    for mb in micro:
+        loss = loss_of(loss_fn(module, mb))
+        total = loss.detach() if total is None else total + loss.detach()
+        out = _scaled(loss, scale)
+        if has_reentrant_checkpoint(out):
+            raise _NeedsBackward()
+        grads = torch.autograd.grad(out, list(params), allow_unused=True)
+        for k, g in enumerate(grads):
+            if g is not None:
+                acc[k] = g if acc[k] is None else acc[k] + g  # type: ignore[operator]
+    assert total is not None
+    return total, acc
+
+
+def _by_backward(module: torch.nn.Module, params: Sequence[torch.nn.Parameter],
+                 loss_fn: Callable, micro: list[Any], scale: Optional[torch.Tensor]
+                 ) -> tuple[torch.Tensor, list[Optional[torch.Tensor]]]:
+    """The replay reentrant checkpointing accepts: a backward pass per micro-batch into the
+    parameters' aliases, whose .grad accumulates over the micro-batches as the real .grad does."""
+    total: Optional[torch.Tensor] = None
+    with _aliased_parameters(module) as alias:
+        for mb in micro:
+            loss = loss_of(loss_fn(module, mb))
+            total = loss.detach() if total is None else total + loss.detach()
+            _scaled(loss, scale).backward()
+        grads = [alias[id(p)].grad if id(p) in alias else None for p in params]
+    assert total is not None
+    return total, grads
 
 
 def replay(module: torch.nn.Module, params: Sequence[torch.nn.Parameter],
            loss_fn: Callable[[torch.nn.Module, Any], Any], batch: Any, *,
            device: torch.device, state: Optional[StepState] = None,
-           accumulation_steps: int = 1) -> tuple[torch.Tensor, list[Optional[torch.Tensor]]]:
+           accumulation_steps: int = 1, mode: Optional[ReplayMode] = None
+           ) -> tuple[torch.Tensor, list[Optional[torch.Tensor]]]:
     """Loss and gradients of `batch` with respect to `params`, without touching any .grad.
 
     state: the owner's RNG states and loss scale (capture.py). The gradient is that of the loss
@@ -121,30 +241,21 @@ def replay(module: torch.nn.Module, params: Sequence[torch.nn.Parameter],
     gradient bit for bit. accumulation_steps > 1: batch is a sequence of that many micro-batches,
     replayed in order from the same starting RNG state; their gradients are added one after the
     other as .grad accumulation adds them, and the loss is the sum of the micro-batch losses
-    (what the loop must pass to check_gradients).
+    (what the loop must pass to check_gradients). mode: how gradients are taken (see the module
+    docstring); updated when this replay finds a reentrant checkpoint.
     """
-    micro = [batch]
-    if accumulation_steps > 1:
-        if not isinstance(batch, Sequence) or len(batch) != accumulation_steps:
-            raise TypeError(f"with accumulation_steps={accumulation_steps}, batch_fn must return a "
-                            f"sequence of that many micro-batches")
-        micro = list(batch)
+    micro = _micro_batches(batch, accumulation_steps)
+    mode = mode if mode is not None else ReplayMode()
     scale = None if state is None or state.scale is None else \
         torch.full((1,), state.scale, dtype=torch.float32, device=device)
-    total: Optional[torch.Tensor] = None
-    acc: list[Optional[torch.Tensor]] = [None] * len(params)
+    if not mode.backward:
+        try:
+            with _preserved_state(module, device, state), torch.enable_grad():
+                return _by_grad(module, params, loss_fn, micro, scale)
+        except _NeedsBackward:
+            mode.backward = True  # and again from the owner's states: the forward drew from them
     with _preserved_state(module, device, state), torch.enable_grad():
-        for mb in micro:
-            loss = loss_of(loss_fn(module, mb))
-            total = loss.detach() if total is None else total + loss.detach()
-            out = loss if scale is None else loss * scale.to(device=loss.device)
-            grads = torch.autograd.grad(out.reshape(()), list(params), allow_unused=True)
-            for k, g in enumerate(grads):
-                if g is None:
-                    continue
-                acc[k] = g if acc[k] is None else acc[k] + g  # type: ignore[operator]
-    assert total is not None
-    return total, acc
+        return _by_backward(module, params, loss_fn, micro, scale)
 
 
 def loss_bits(loss: torch.Tensor | float) -> int:
