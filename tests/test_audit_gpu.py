@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from screener.known_answer import faults
 from screener.known_answer import synthetic
 from screener.audit import Auditor, SDCAlarm
-from screener.audit.hooks import GradientRecorder
+from screener.audit.hooks import GradientRecorder, magnitude
 from screener.audit.ring import replay
 from screener.determinism import make_deterministic
 from screener.fingerprint import fingerprints
@@ -81,3 +81,45 @@ def test_nan_inside_the_nccl_allreduce_stops_the_step(nccl, tmp_path):
     assert (info.value.check, info.value.step) == ("nonfinite_reduced", 1)
     assert torch.equal(fingerprints(list(model.parameters())), before)
     assert len(list(tmp_path.iterdir())) == 1
+
+
+LIMITS = [(torch.float32, 1e19), (torch.float32, 1e30), (torch.float32, 3e38),
+          (torch.bfloat16, torch.finfo(torch.bfloat16).max),
+          (torch.float16, torch.finfo(torch.float16).max)]
+
+
+@pytest.mark.parametrize("dtype,value", LIMITS, ids=[f"{d}-{v:.3g}" for d, v in LIMITS])
+def test_cuda_magnitude_is_exact_and_finite_however_large(dtype, value):
+    """The CUDA reduction of hooks.magnitude, across blocks: the element's exact magnitude, finite;
+    NaN and inf in its place are non-finite (an L2 norm of 1e19 and past overflowed here)."""
+    t = torch.zeros(1_000_003, dtype=dtype, device="cuda:0")
+    exact = float(torch.tensor(value, dtype=dtype))
+    for at in (0, 500_001, 1_000_002):
+        t.zero_()
+        t[at] = -value
+        m = magnitude(t)
+        assert m.device.type == "cuda" and float(m) == exact
+        t[at] = float("nan")
+        assert torch.isnan(magnitude(t))
+        t[at] = float("inf")
+        assert torch.isinf(magnitude(t))
+
+
+def test_a_huge_finite_cuda_gradient_is_trained_through_not_alarmed(nccl, tmp_path):
+    """+1e20 in one weight's gradient at step 1 on the CUDA (generic) hook path, and a bucket view:
+    finite, no alarm, no numeric failure."""
+    model = synthetic.make_model(5, **SHAPE).cuda()
+    ddp = DDP(model, device_ids=[0], gradient_as_bucket_view=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    auditor = Auditor(ddp, loss_fn=synthetic.compute_loss, batch_fn=batch_fn, audit_every=0,
+                      weights_every=1, alarm_dir=tmp_path)
+    for step in range(3):
+        opt.zero_grad(set_to_none=True)
+        loss = synthetic.compute_loss(ddp, batch_fn(0, step))
+        w = next(model.parameters())
+        (loss + (w - w.detach()).sum() * (1e20 if step == 1 else 0.0)).backward()
+        auditor.check_gradients(step, loss)
+        opt.step()
+        auditor.check_weights(step)
+    assert auditor.counters["steps"] == 3 and not list(tmp_path.iterdir())
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
