@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import functools
 import json
 import re
 import socket
@@ -214,18 +215,31 @@ def json_patch(doc: Any, ops: Any) -> Any:
 
 
 def _match_labels(labels: dict[str, str], selector: str) -> bool:
+    for key, op, val in _selector_terms(selector):
+        if op == "exists":
+            if key not in labels:
+                return False
+        elif op == "!exists":
+            if key in labels:
+                return False
+        elif (labels.get(key) == val) != (op != "!="):
+            return False
+    return True
+
+
+@functools.lru_cache(maxsize=256)
+def _selector_terms(selector: str) -> tuple[tuple[str, str, str], ...]:
+    """A label selector parsed once (a list filters thousands of objects with it)."""
+    out = []
     for term in filter(None, (s.strip() for s in selector.split(","))):
         m = re.fullmatch(r"([^=!\s]+)\s*(==|=|!=)\s*(\S*)", term)
         if m:
-            key, op, val = m.groups()
-            if (labels.get(key) == val) != (op != "!="):
-                return False
+            out.append((m.group(1), m.group(2), m.group(3)))
         elif term.startswith("!"):
-            if term[1:] in labels:
-                return False
-        elif term not in labels:
-            return False
-    return True
+            out.append((term[1:], "!exists", ""))
+        else:
+            out.append((term, "exists", ""))
+    return tuple(out)
 
 
 # --- the server -----------------------------------------------------------------------------------
@@ -234,8 +248,8 @@ def _match_labels(labels: dict[str, str], selector: str) -> bool:
 class KubeAPI:
     """The test server. Thread-safe; all state is plain JSON-like dicts."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
-        self.host, self.port = host, port
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, backlog: int = 256) -> None:
+        self.host, self.port, self.backlog = host, port, backlog
         self.nodes: dict[str, dict[str, Any]] = {}
         self.pods: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
@@ -265,7 +279,7 @@ class KubeAPI:
             server_api = api
 
         class Server(ThreadingHTTPServer):
-            request_queue_size = 256  # the default 5 makes racing clients wait a 1 s SYN retry
+            request_queue_size = api.backlog  # the default 5 makes racing clients wait a 1 s SYN retry
 
         self._server = Server((self.host, self.port), Handler)
         self._server.daemon_threads = True
@@ -457,8 +471,8 @@ class KubeAPI:
         parts = [unquote(p) for p in path.strip("/").split("/")]
         q = {k: v[-1] for k, v in query.items()}
         call = self._route(method, parts, q)
-        started = time.perf_counter()
         with self._lock:
+            started = time.perf_counter()  # its own work, not the wait for the lock
             if self._fail and self._fail[0][1] in (None, call.verb) and \
                     self._fail[0][2] in (None, call.subresource):
                 status = self._fail.pop(0)[0]

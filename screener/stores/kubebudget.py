@@ -94,12 +94,20 @@ class KubeBudget:
     # --- reading ----------------------------------------------------------------------------
 
     def read(self) -> Optional[BudgetView]:
-        """One consistent, label-selected list of the budget's objects; None without a record.
-        Consistent, not from the cache: a stale view could hold a node for a slot just freed."""
+        """One label-selected list of the budget's objects, from the API server's watch cache
+        (resourceVersion=0); None without a record.
+
+        From the cache because a consistent list of ConfigMaps reads the whole namespace from
+        etcd (every node's history) and filters it: per event, that grows with the fleet. The
+        cache is a prefix of the object's history, a moment behind: a slot it shows free that
+        is taken is a 409 on create (we look again), one it shows taken that was just freed
+        holds the node in suspect until its next look (release_held, within a minute). Neither
+        can put more nodes out than the budget: only creates take slots."""
         record: Optional[kf.Ledger] = None
         claims: dict[int, kf.Claim] = {}
         shards: dict[int, tuple[dict[str, float], Optional[str]]] = {}
-        for cm in self.calls.cm_list("list the quarantine budget", f"{kf.LABEL_BUDGET}=true"):
+        for cm in self.calls.cm_list("list the quarantine budget", f"{kf.LABEL_BUDGET}=true",
+                                     cached=True):
             name = str((cm.get("metadata") or {}).get("name") or "")
             if name == kf.BUDGET_CONFIGMAP:
                 record = kf.Ledger.from_configmap(cm)
@@ -204,10 +212,11 @@ class KubeBudget:
         """Give `node` a slot. limit: the budget its automatic decision was made under (a random
         free slot below it, else BudgetConflict: decide again); None for a decision the budget
         does not limit (a person's), which takes the lowest free slot."""
+        taken: set[int] = set()  # slots a create found taken that the cache may not show yet
         for _ in range(self.conflict_attempts * 3):
             if v.claims_of(node):
                 return v  # ours already (a retry whose first answer was lost, or a replay)
-            index = self._pick(v, node, limit)
+            index = self._pick(v, node, limit, taken)
             if index is None:
                 raise BudgetConflict(f"no quarantine budget slot free for {node} "
                                      f"({v.others_out(node)} of {limit} out of service)")
@@ -219,13 +228,21 @@ class KubeBudget:
                 if claim is not None:
                     v.claims[claim.index] = claim
                     return v
-            # Taken meanwhile (or created by our own earlier try): look again.
+            # Taken meanwhile, or created by our own earlier try whose answer was lost: ask the
+            # slot itself (a consistent read), and look at the budget again.
+            cm = self.calls.cm_get(kf.slot_name(index))
+            mine = kf.parse_slot(cm) if cm else None
             v = self.read() or v
+            if mine is not None and mine.node == node:
+                v.claims[index] = mine
+            elif mine is not None:
+                taken.add(index)
         raise BudgetConflict(f"budget slots for {node}: still taken after "
                              f"{self.conflict_attempts * 3} tries")
 
-    def _pick(self, v: BudgetView, node: str, limit: Optional[int]) -> Optional[int]:
-        taken = set(v.claims)
+    def _pick(self, v: BudgetView, node: str, limit: Optional[int],
+              also_taken: set[int]) -> Optional[int]:
+        taken = set(v.claims) | also_taken
         if limit is None:
             return next(k for k in range(len(taken) + 1) if k not in taken)
         if v.others_out(node) + 1 > limit:
