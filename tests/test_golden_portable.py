@@ -102,7 +102,8 @@ def test_expected_is_the_goldens_value_when_the_first_repeat_went_wrong(setup, t
     diff = first_difference(good.steps, bad.steps)
     assert (v.outcome, v.reason) == (Outcome.SUSPECT, "self_mismatch")
     assert (v.expected, v.observed) == (diff.expected, diff.observed)
-    assert "iteration 0 differs" in v.evidence["detail"]
+    assert "first: iteration 0" in v.evidence["detail"] and "1 run(s) reproduce it" in \
+        v.evidence["detail"]
     issue = next(i for i in v.evidence["issues"] if i["reason"] == "golden_mismatch")
     assert (issue["expected"], issue["observed"]) == (diff.expected, diff.observed)
     # the same when it is the second repeat that went wrong
@@ -123,7 +124,7 @@ def test_expected_is_the_majoritys_value_without_a_golden(setup):
 
 def test_record_adds_a_platform_with_equal_bits_to_the_existing_golden(setup, tmp_path):
     spec, plat, good, bad = setup
-    first = replace(plat, cpu_capability="AVX512", threads=1)
+    first = replace(plat, threads=plat.threads + 1)  # a sibling: another thread count
     path = _write(spec, first, good, tmp_path)
     before = path.read_text()
     rec = recording.write_goldens({"cpu": _run("cpu", [good, good], plat)}, [spec], str(tmp_path),
