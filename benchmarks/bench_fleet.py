@@ -15,7 +15,7 @@ checked: every failing node labelled, exactly min(N, budget) out of service, the
 the working tree's. Absolute times depend on the machine (both sides share the same 2 cores and
 Python's GIL with the server's threads); compare the two columns of one run.
 
-    python benchmarks/bench_fleet.py                          # 150 of 1,500, both stores; 300 of 3,000
+    python benchmarks/bench_fleet.py            # 150 and 200 of 1,500, 300 of 3,000: both stores
     python benchmarks/bench_fleet.py --runs 150/1500 --sides after
     python benchmarks/bench_fleet.py --recount 1500           # a stale record: who recounts
 
@@ -190,6 +190,7 @@ def mass_failure(cls: type, fleet: int, failing: int, stale: bool = False) -> di
     out = sorted(n for n in nodes if states[n][0] in ("quarantined", "repair"))
     held = sorted(n for n in nodes if states[n][0] == "suspect" and states[n][1] == ["suspect"])
     times = sorted(took.values())
+    held_times = sorted(took[n] for n in held if n in took)
     return {
         "failing": failing, "fleet": fleet, "limit": limit, "wall": wall, "errors": errors,
         "requests": len(calls), "server_s": sum(c[5] for c in calls),
@@ -201,6 +202,7 @@ def mass_failure(cls: type, fleet: int, failing: int, stale: bool = False) -> di
         "node_lists": sum(node_lists.values()),
         "kb_p50": statistics.median(nbytes[a] for a in agents) / 1024,
         "p50": _q(times, 0.5), "p90": _q(times, 0.9), "max": times[-1] if times else float("nan"),
+        "held_p50": _q(held_times, 0.5), "held_p90": _q(held_times, 0.9),
     }
 
 
@@ -212,7 +214,9 @@ ROWS = [("requests per node, median", "req_p50", "{:.0f}"), ("requests per node,
         ("409 conflicts per node, median", "conf_p50", "{:.0f}"), ("409 conflicts in all", "conf_total", "{:.0f}"),
         ("Node lists (recounts) in all", "node_lists", "{:.0f}"), ("KB per node, median", "kb_p50", "{:.1f}"),
         ("alarm to label P50 (s)", "p50", "{:.2f}"), ("alarm to label P90 (s)", "p90", "{:.2f}"),
-        ("alarm to label max (s)", "max", "{:.2f}"), ("requests in all", "requests", "{}"),
+        ("alarm to label max (s)", "max", "{:.2f}"),
+        ("held: alarm to taint P50 (s)", "held_p50", "{:.2f}"),
+        ("held: alarm to taint P90 (s)", "held_p90", "{:.2f}"), ("requests in all", "requests", "{}"),
         ("test server's own work (s)", "server_s", "{:.1f}"), ("quarantined (budget)", "out", "{}"),
         ("held, suspect and tainted", "held", "{}"), ("unlabelled (lost)", "unlabelled", "{}"),
         ("errors", "errors", "{}"), ("budget exact", "exact", "{}")]
@@ -234,7 +238,7 @@ def table(title: str, results: dict[str, dict[str, Any]]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--runs", nargs="+", default=["150/1500", "300/3000"],
+    ap.add_argument("--runs", nargs="+", default=["150/1500", "200/1500", "300/3000"],
                     help="FAILING/FLEET pairs")
     ap.add_argument("--sides", nargs="+", default=["before", "after"], choices=["before", "after"])
     ap.add_argument("--recount", type=int, default=0, metavar="FLEET",

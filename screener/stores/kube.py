@@ -13,8 +13,8 @@ What a transition writes (the conventions of DESIGN.md; where each thing lives: 
 
 The work per transition is a bounded number of requests and bytes whatever the fleet's size:
 nothing on the per-event path lists nodes. Lists (always paginated, Node lists metadata-only) are
-for fleet-wide commands (`node status`, `lemons`), the cross-check, and an hourly recount of
-the budget record.
+for fleet-wide commands (`node status`, `lemons`), the cross-check, and the budget record's
+count, made by one daemon (its lease) when the record is an hour old.
 
 API calls made (the RBAC in manifests/): nodes get/list/patch, nodes/status patch, events create,
 pods list; configmaps get/list/create/update/delete in the screener namespace. Writes carry the
@@ -46,6 +46,7 @@ from screener._optional import require
 require("kubernetes", "the Kubernetes store (--store kube, or auto inside a cluster)")
 import kubernetes.client
 import kubernetes.config
+from kubernetes.client.exceptions import ApiException
 
 from screener.settings.stores import in_pod
 from screener.errors import ConfigError, ScreenerError
@@ -120,8 +121,8 @@ class KubeStore:
         self.component = component
         self.instance = instance or node_name()
         self._lock = threading.RLock()
-        self.calls = ApiCaller(self.api, self.namespace, retry=retry, timeouts=timeouts,
-                               sleep=sleep, rng=rng, page_size=page_size)
+        self.calls = ApiCaller(self.api, self.namespace, api_exception=ApiException, retry=retry,
+                               timeouts=timeouts, sleep=sleep, rng=rng, page_size=page_size)
         self._call, self._pages = self.calls.call, self.calls.pages
         self._list_node_meta = self.calls.node_meta
         self._cm_get, self._cm_write = self.calls.cm_get, self.calls.cm_write
@@ -355,7 +356,7 @@ class KubeStore:
 
     @contextmanager
     def begin(self, node: str) -> Iterator["KubeTxn"]:
-        """One read-decide-write of `node` against the budget record (see NodeTxn)."""
+        """One read-decide-write of `node` against the budget (see NodeTxn)."""
         with self._lock:
             yield KubeTxn(self, node)
 

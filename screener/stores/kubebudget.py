@@ -32,7 +32,7 @@ from typing import Any, Optional
 
 from screener.lifecycle.records import BUDGET_STATES, BudgetConflict
 from screener.stores import kubeformat as kf
-from screener.stores.kubecalls import ApiCaller, KubeApiError, TransientKubeError
+from screener.stores.kubecalls import ApiCaller, TransientKubeError
 from screener.types import LABEL_STATE, NodeState
 
 log = logging.getLogger("screener.stores.kube")
@@ -313,4 +313,4 @@ def _state(obj: dict[str, Any]) -> Optional[NodeState]:
         return None
 
 
-__all__ = ["BudgetView", "KubeBudget", "FLEET_SHARDS", "KubeApiError"]
+__all__ = ["BudgetView", "KubeBudget", "FLEET_SHARDS"]

@@ -9,7 +9,9 @@ waiting its own timeout, so one tick does not spend minutes on a dead server. Re
 connections fail fast by themselves and do not open that window.
 
 Transient answers (5xx, 429, connection failures, timeouts) are retried with exponential backoff
-and jitter (sleep and randomness injectable); 4xx answers are the caller's business.
+and jitter (sleep and randomness injectable); 4xx answers are the caller's business. The
+kubernetes client itself is imported by kube.py only (one importer per vendor client): its
+ApiException class is passed in.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Optional
 
 import urllib3
-from kubernetes.client.exceptions import ApiException
 
 from screener.errors import BadInputError, ConfigError, ExternalServiceError
 from screener.settings import strict as configs
@@ -107,9 +108,11 @@ class KubeTimeouts:
 class ApiCaller:
     """One store's way to the API: a call with timeouts and retries, lists by page, ConfigMaps."""
 
-    def __init__(self, api: Any, namespace: str, *, retry: RetryPolicy, timeouts: KubeTimeouts,
-                 sleep: Callable[[float], None], rng: Callable[[], float], page_size: int) -> None:
-        self.api, self.namespace = api, namespace
+    def __init__(self, api: Any, namespace: str, *, api_exception: type[Exception],
+                 retry: RetryPolicy, timeouts: KubeTimeouts, sleep: Callable[[float], None],
+                 rng: Callable[[], float], page_size: int) -> None:
+        """api: a kubernetes CoreV1Api; api_exception: the client's ApiException class."""
+        self.api, self.namespace, self.api_exception = api, namespace, api_exception
         self.retry, self.timeouts = retry, timeouts
         self.sleep, self.rng, self.page_size = sleep, rng, page_size
         self._unreachable_until = 0.0  # time.monotonic(): a timed-out call opened the window
@@ -132,7 +135,7 @@ class ApiCaller:
             try:
                 data = fn(*args, **kwargs).data
                 return json.loads(data) if data else None
-            except ApiException as e:
+            except self.api_exception as e:
                 if e.status not in TRANSIENT_STATUS:
                     raise KubeApiError(f"{what}: Kubernetes API answered {e.status} {e.reason}: "
                                        f"{_message(e)}", e.status) from e
@@ -146,8 +149,8 @@ class ApiCaller:
         if _timed_out(last) and self.timeouts.unreachable_s > 0:
             with self._guard:
                 self._unreachable_until = time.monotonic() + self.timeouts.unreachable_s
-        brief = (f"{last.status} {last.reason}: {_message(last)}" if isinstance(last, ApiException)
-                 else str(last))
+        brief = (f"{last.status} {last.reason}: {_message(last)}"
+                 if isinstance(last, self.api_exception) else str(last))
         raise TransientKubeError(f"{what}: Kubernetes API unavailable after {attempt + 1} "
                                  f"attempts: {brief} ({time.monotonic() - started:.1f} s)") from last
 
@@ -262,7 +265,7 @@ def _timed_out(e: Optional[BaseException]) -> bool:
     return False
 
 
-def _message(e: ApiException) -> str:
+def _message(e: Any) -> str:
     try:
         return str(json.loads(e.body).get("message"))
     except (TypeError, ValueError, AttributeError):
