@@ -58,7 +58,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from screener.fingerprint import fingerprints
 
-__all__ = ["GradientRecorder", "StepStats", "magnitude", "largest_magnitude"]
+__all__ = ["GradientRecorder", "StepStats", "magnitude", "largest", "largest_magnitude"]
 
 ReduceHook = Callable[[Any, Any], "torch.futures.Future[Any]"]
 
@@ -81,29 +81,42 @@ class StepStats:
 
 
 def magnitude(t: torch.Tensor) -> torch.Tensor:
-    """The largest magnitude in t (its inf-norm) as a 0-d float64 tensor on t's device: NaN when
-    an element is NaN, inf when one is infinite, finite otherwise however large the values.
+    """The largest magnitude in t (its inf-norm) as a 0-d tensor on t's device (float32; float64
+    for a float64 t): NaN when an element is NaN, inf when one is infinite, finite otherwise
+    however large the values.
 
-    This is how the audit tells finite from non-finite, on every path and device. aminmax is one
-    vectorised pass whose only arithmetic is comparison, so nothing can overflow (an L2 norm's
-    squares overflow float32 past ~1.8e19), NaN propagates into its result, and it costs what an
-    L2 norm costs (torch.linalg's own inf-norm is several times slower on the CPU). No device
-    synchronisation: the result stays a tensor.
+    This is how the audit tells finite from non-finite, on every path and device. Nothing in it
+    can overflow (an L2 norm's squares overflow float32 past ~1.8e19), NaN propagates into the
+    result, and it costs what an L2 norm costs: on the CPU one vectorised aminmax (torch.linalg's
+    inf-norm is several times slower there), elsewhere the inf-norm, one reduction kernel whose
+    max propagates NaN. The result is exact (a largest value is one of the values). No device
+    synchronisation: it stays a tensor.
     """
     t = t.detach()
     if t.numel() == 0:
-        return torch.zeros((), dtype=torch.float64, device=t.device)
-    lo, hi = torch.aminmax(t)
-    return torch.maximum(hi, -lo).to(torch.float64)
+        return torch.zeros((), dtype=torch.float32, device=t.device)
+    if t.device.type == "cpu":
+        lo, hi = torch.aminmax(t)
+        m = torch.maximum(hi, -lo)
+    else:
+        m = torch.linalg.vector_norm(t, ord=float("inf"))
+    return m if m.dtype in (torch.float32, torch.float64) else m.float()
+
+
+def largest(values: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The largest of several magnitudes (0-d tensors), as one float64 on device: one stack and
+    one max however many there are (per bucket conversions would be a kernel launch each)."""
+    if not values:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    dtype = torch.float64 if any(v.dtype == torch.float64 for v in values) else torch.float32
+    return torch.stack([v.to(device=device, dtype=dtype) for v in values]).amax().to(
+        torch.float64)  # amax propagates NaN
 
 
 def largest_magnitude(tensors: Sequence[Optional[torch.Tensor]],
                       device: torch.device) -> torch.Tensor:
     """The largest magnitude over several tensors (None counts as zeros), float64 on device."""
-    values = [magnitude(t).to(device) for t in tensors if t is not None]
-    if not values:
-        return torch.zeros((), dtype=torch.float64, device=device)
-    return torch.stack(values).amax()  # amax propagates NaN
+    return largest([magnitude(t) for t in tensors if t is not None], device)
 
 
 def _local_magnitude(params: Sequence[torch.nn.Parameter], device: torch.device) -> torch.Tensor:
@@ -224,7 +237,7 @@ class GradientRecorder:
             self._reset()
 
         def total(values: list[torch.Tensor]) -> torch.Tensor:  # float64: the head's type
-            return largest_magnitude(values, device)
+            return largest(values, device)
 
         complete = (fp is not None and seen is not None and bool(seen.all()) and unknown == 0)
         return StepStats(total(local), total(reduced), len(local), fp if complete else None,
