@@ -32,8 +32,12 @@ class Rule:
 class TcpProxy:
     """Listen on 127.0.0.1:<port>, forward to target_port; see the module docstring."""
 
-    def __init__(self, target_port: int) -> None:
+    def __init__(self, target_port: int, hold_s: float = 20.0) -> None:
+        """hold_s: how long a black-holed connection is held before the proxy closes it (so a
+        client without timeouts fails its test instead of hanging it)."""
         self.target = ("127.0.0.1", target_port)
+        self.hold_s = hold_s
+        self._release = threading.Event()
         self.rules: list[Rule] = []
         self.seen: list[tuple[bytes, str]] = []
         self._held: list[socket.socket] = []
@@ -62,6 +66,8 @@ class TcpProxy:
         with self._lock:
             self.rules.clear()
             held, self._held = self._held, []
+            release, self._release = self._release, threading.Event()
+        release.set()
         for s in held:
             _close(s)
 
@@ -108,6 +114,9 @@ class TcpProxy:
             if action == "blackhole":
                 with self._lock:
                     self._held.append(conn)
+                    release = self._release
+                release.wait(self.hold_s)
+                _close(conn)
                 return
             if action == "reset-before":
                 _reset(conn)

@@ -123,15 +123,15 @@ def test_a_stale_record_is_recounted_by_one_daemon_the_others_use_it():
 
 
 def test_concurrent_registrations_each_count_once_with_condition_and_event():
-    """50 daemons registering 150 new nodes at once (3 each): the fleet count, the condition and
+    """30 daemons registering 90 new nodes at once (3 each): the fleet count, the condition and
     the Event of every node, none lost to conflicts, none counted twice."""
     with KubeAPI() as api:
-        names = [f"new-{k:03d}" for k in range(150)]
+        names = [f"new-{k:03d}" for k in range(90)]
         for n in names:
             api.add_node(n)
         api._store_configmap(NS, kf.BUDGET_CONFIGMAP,
                              kf.Ledger(fleet=0, counted=time.time() - 1).configmap(NS), None)
-        groups = {names[k]: names[k::50] for k in range(50)}
+        groups = {names[k]: names[k::30] for k in range(30)}
         stores = {g: daemon_store(api.url, g) for g in groups}
 
         def register(g: str) -> None:
@@ -141,7 +141,7 @@ def test_concurrent_registrations_each_count_once_with_condition_and_event():
         errors = at_once(list(groups), register)
         assert not errors, errors
         view = stores[names[0]].ledger()
-        assert view.fleet == 150 and len(view.registered) == 150
+        assert view.fleet == 90 and len(view.registered) == 90
         for n in names:
             node = api.node(n)
             assert node["metadata"]["labels"][LABEL_STATE] == "burnin"
