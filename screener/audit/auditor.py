@@ -96,6 +96,7 @@ from screener.audit.collective import comm_device, gather
 from screener.audit.hooks import GradientRecorder, StepStats, largest_magnitude
 from screener.audit.refusals import COMPILED_AROUND_DDP, refuse_compiled_wrapper, \
     refuse_placement, refuse_unreplayable
+from screener.audit.sharded import ShardedAuditor, is_sharded
 from screener.audit.topology import Topology, gather_topology, job_name
 from screener.audit.vote import vote
 from screener.fingerprint import digest, fingerprints
@@ -182,6 +183,12 @@ class Auditor:
     docstring. Refuses (AuditUsageError, one line, exit 2) a setup it cannot replay bit for bit.
     """
 
+    def __new__(cls, model: Any = None, *args: Any, **kwargs: Any) -> Any:
+        # One entry point: a model sharded with fully_shard (FSDP2, HSDP) gets the sharded audit.
+        if cls is Auditor and model is not None and is_sharded(model):
+            return ShardedAuditor(model, *args, **kwargs)
+        return super().__new__(cls)
+
     def __init__(self, model: torch.nn.Module, *,
                  loss_fn: Optional[Callable[[torch.nn.Module, Any], torch.Tensor]] = None,
                  batch_fn: Optional[Callable[[int, int], Any]] = None,
@@ -196,8 +203,9 @@ class Auditor:
         refuse_compiled_wrapper(model)
         module = getattr(model, "module", None)
         if not isinstance(module, torch.nn.Module) or not hasattr(model, "register_comm_hook"):
-            raise AuditUsageError(f"screener.audit: the Auditor needs a DistributedDataParallel "
-                                  f"model, not {type(model).__name__}")
+            raise AuditUsageError(f"screener.audit: the Auditor audits a DistributedDataParallel "
+                                  f"model, or one sharded with fully_shard (FSDP2 on a 1-D "
+                                  f"mesh, HSDP on a 2-D one), not {type(model).__name__}")
         self.config = AuditConfig(audit_every=audit_every, weights_every=weights_every,
                                   check_reduced=check_reduced, confirm_nonfinite=confirm_nonfinite,
                                   accumulation_steps=accumulation_steps,
