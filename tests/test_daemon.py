@@ -118,9 +118,10 @@ class DaemonRig:
 
     def __init__(self, tmp_path: Path, runner: Any, *, store: Any = None, taint: Any = None,
                  gpu_pods: Any = None, nvml: Optional[FakeNvml] = None, own_pids=None,
-                 daemon_kw: Optional[dict[str, Any]] = None, **config: Any) -> None:
+                 daemon_kw: Optional[dict[str, Any]] = None, clock: Any = None,
+                 **config: Any) -> None:
         self.tmp = tmp_path
-        self.clock = FakeClock()
+        self.clock = clock if clock is not None else FakeClock()
         self.nvml = nvml or FakeNvml([h100(0), h100(1)])
         self.adapter = NvmlAdapter(self.nvml, events=False)
         self.adapter.open()
@@ -430,7 +431,7 @@ def test_the_hyperpod_table_is_validated_at_load_even_with_the_feature_off(tmp_p
         DaemonConfig.load(f, environ={})
     for table, why in (({"checks": ["InstanceStres"]}, "unknown deep health check"),
                        ({"checks": "InstanceStress"}, "must be a list"),
-                       ({"max_attempts": 0}, "at least 1"),
+                       ({"max_attempts": 0}, ">= 1"),
                        ({"deep_check_on_quarantine": "yes"}, "true or false"),
                        ({"cluster": 5}, "must be a string")):
         with pytest.raises(ConfigError, match=why):

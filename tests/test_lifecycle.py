@@ -433,3 +433,19 @@ def test_a_straggler_alarm_makes_the_node_suspect_with_its_figures():
     assert t.to_state == S.SUSPECT and t.code == "Straggler" and not t.failure
     assert t.evidence["straggler"]["slowdown"] == 0.25 and "25% slower" in t.reason
     assert Action.REQUEST_CONFIRMING_SCREEN.value in d.actions
+
+
+def test_lemon_rule_counts_failures_stamped_after_now():
+    """Issue 23.3: after the wall clock stepped back, earlier failures carry stamps "in the
+    future"; they still count (age zero), here and for a GPU serial another node recorded."""
+    hist = [failure("n1", NOW + 2 * DAY), failure("n1", NOW + 9 * DAY)]
+    d = decide("n1", S.HEALTHY, alarm(True), now=NOW, history=hist, fleet=FleetCounts(100, 0))
+    assert d.state == S.REPAIR and d.transition.evidence["lemon"]["count"] == 3
+    fails = [failure("n7", NOW + DAY, ("GPU-SN-42",)), failure("n9", NOW - DAY, ("GPU-SN-42",))]
+    d = decide("n1", S.HEALTHY, alarm(True, gpu_serial="GPU-SN-42"), now=NOW, failures=fails,
+               fleet=FleetCounts(100, 0))
+    assert d.state == S.REPAIR and d.transition.evidence["lemon"]["nodes"] == ["n1", "n7", "n9"]
+    # The window's far end is unchanged: older than 30 days still does not count.
+    old = [failure("n1", NOW - 31 * DAY), failure("n1", NOW + DAY)]
+    assert decide("n1", S.HEALTHY, alarm(True), now=NOW, history=old,
+                  fleet=FleetCounts(100, 0)).state == S.QUARANTINED

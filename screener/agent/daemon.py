@@ -1,7 +1,8 @@
 """The DaemonSet loop: alarm intake, probes, idle detection, screening windows, metrics.
 
 One `Daemon` per node. Everything it touches is passed in: the store (LocalStore or KubeStore),
-the probe function, the screen runner, the taint control, the GPU-pod lister, the clock and the
+the probe function, the screen runner, the taint control, the GPU-pod lister, the clocks (a
+monotonic one for every interval, wall-clock stamps that never run backward: clock.py) and the
 stop event; `screener.commands.daemon` wires the real ones, tests pass fakes at the boundary.
 
 Start-up (`start`): ends the screen workers a killed predecessor left running and removes their
@@ -45,12 +46,12 @@ import json
 import logging
 import sys
 import threading
-import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from screener.agent.burnin import (BurninRequirement, crosscheck_digests_stage, missing_for_full,
                                    probe_report_stage)
+from screener.agent.clock import ClockLike, StampClock, as_clock
 from screener.agent.intake import AlarmIntake, IntakeResult, applied_in_history
 from screener.agent.metrics import DaemonMetrics
 from screener.agent.screening import (KIND_FULL, KIND_QUICK, ScreeningWindow, ScreenOutcome,
@@ -76,6 +77,7 @@ S = NodeState
 ProbeFn = Callable[[Optional[ProbeReport]], ProbeReport]
 PodsFn = Callable[[], list]  # the node's GPU pods (KubeStore.gpu_pods(node))
 VERDICT_UNSCREENED = "unscreened"  # the verdict annotation's kind for an adopted node
+BUDGET_LOOK_S = 30.0  # a node held by the budget looks for a free slot at most this often
 
 
 # --- JSON log lines -------------------------------------------------------------------------------
@@ -195,6 +197,10 @@ class Daemon:
         seconds) or None when unknown, for the adoption rule. commit_kmsg(): saves the kernel-log
         position (DeferredKernelLogReader.commit) once what it read is durable, or None.
         boot_time(): when the host booted (an Xid before it was recovered by the reboot).
+    clock: a clock.Clock (wall and monotonic) or one callable standing for both (a test clock
+        that never steps); default the system's. Every interval runs on its monotonic clock and
+        every history stamp comes from a StampClock over it, so a stepped wall clock neither
+        stops the probes nor reorders the history (clock.py).
     """
 
     def __init__(self, config: DaemonConfig, *, store: Store, probe: ProbeFn, runner: ScreenRunner,
@@ -203,7 +209,7 @@ class Daemon:
                  publish: Optional[Callable[[str, Mapping[str, Optional[str]]], None]] = None,
                  on_quarantine: Optional[Callable[[str], Any]] = None,
                  replay: Optional[Callable[[], int]] = None,
-                 metrics: Optional[DaemonMetrics] = None, clock: Callable[[], float] = time.time,
+                 metrics: Optional[DaemonMetrics] = None, clock: Optional[ClockLike] = None,
                  stop: Optional[threading.Event] = None,
                  untaint_delay_s: float = 1.0,
                  reap: Optional[Callable[[], Any]] = None,
@@ -219,23 +225,27 @@ class Daemon:
         self.publish = publish
         self.on_quarantine = on_quarantine
         self.replay = replay
-        self.clock = clock
+        # Intervals on the monotonic clock, history stamps from the stamp clock (clock.py).
+        self.clock = as_clock(clock)
+        self.stamps = StampClock(self.clock)
         self.stop = stop or threading.Event()
-        self.metrics = metrics or DaemonMetrics(self.node, clock=clock)
+        self.metrics = metrics or DaemonMetrics(self.node, clock=self.clock)
         # Both take this pass's report with each call (tick binds it), not at construction.
         self.intake = AlarmIntake(config.alarm_dir, self.node,
                                   already_applied=self._alarm_applied_before,
                                   processed_keep=config.processed_keep)
         self.window = ScreeningWindow(self.node, taint, runner,
                                       time_cap_s=config.screen_time_cap_s, poll_s=config.job_poll_s,
-                                      clock=clock, stop=self.stop, heartbeat=self.metrics.beat,
+                                      clock=self.clock.monotonic, stop=self.stop,
+                                      heartbeat=self.metrics.beat,
                                       untaint_delay_s=untaint_delay_s)
         self.idle = IdleTracker(config.idle_window_s)
         self.state: Optional[NodeState] = None
         self.last_report: Optional[ProbeReport] = None
         self._seen_findings: set[tuple[str, str, int]] = set()
-        self.next_probe = 0.0
-        self.last_screen_end: Optional[float] = None
+        self.next_probe = 0.0  # monotonic
+        self.next_budget_look = 0.0  # monotonic
+        self.last_screen_end: Optional[float] = None  # monotonic
         self.last_screen_stopped = ""
         self.last_screen_outcome: Optional[Outcome] = None
         self.started = False
@@ -263,11 +273,12 @@ class Daemon:
         if self.reap is not None:
             self.reaped = self.reap()
         self.window.clear_stale()
+        self._floor_stamps()
         event: Any = lifecycle.NodeSeen()
         why = self._adoption() if self.store.get_state(self.node) is None else ""
         if why:
             event = lifecycle.Adopted(why)
-        decision = apply_event(self.store, self.node, event, now=self.clock(),
+        decision = apply_event(self.store, self.node, event, now=self.stamps.now(),
                                policy=self.config.lifecycle)
         if why and decision.state == S.HEALTHY:
             self.store.set_verdict(self.node, {"kind": VERDICT_UNSCREENED,
@@ -285,14 +296,17 @@ class Daemon:
             log.warning("cannot read the last verdict of %s: %s", self.node, e)
             last = {}
         if isinstance(last.get("time"), (int, float)):
-            self.last_screen_end = float(last["time"])
+            # Its age by the stamp clock (never negative: a verdict stamped "in the future" by a
+            # clock that stepped back is taken as just now), carried onto the monotonic clock.
+            age = max(0.0, self.stamps.now() - float(last["time"]))
+            self.last_screen_end = self.clock.monotonic() - age
             try:
                 self.last_screen_outcome = Outcome(last.get("outcome"))
             except ValueError:
                 self.last_screen_outcome = None
             self.last_screen_stopped = str(last.get("stopped") or "")
             if self.last_screen_outcome == Outcome.PASS:
-                self.metrics.last_success.labels(self.node).set(self.last_screen_end)
+                self.metrics.last_success.labels(self.node).set(float(last["time"]))
         self._seed_xids()
         self.started = True
         self.metrics.ready = True
@@ -300,6 +314,17 @@ class Daemon:
         log.info("screener daemon started on %s in state %s", self.node,
                  self.state.value if self.state else None,
                  extra={"event": "started", "state": self.state.value if self.state else None})
+
+    def _floor_stamps(self) -> None:
+        """Stamp nothing before the newest transition the node's history holds: a daemon
+        restarted after the wall clock stepped back still records in order (clock.StampClock)."""
+        try:
+            newest = max((t.time for t in self.store.history(self.node)), default=None)
+        except ScreenerError as e:  # start-up goes on; this run's own stamps stay ordered
+            log.warning("cannot read the history of %s for its newest stamp: %s", self.node, e)
+            return
+        if newest is not None:
+            self.stamps.floor(newest)
 
     def _adoption(self) -> str:
         """Why this node, unknown to the store, is adopted as serving ("" when it is not)."""
@@ -325,7 +350,7 @@ class Daemon:
             return ""
         if self.config.adopt_created_before > 0 and created < self.config.adopt_created_before:
             return f"created before {self.config.adopt_created_before:.0f} (adopt_created_before)"
-        age = self.clock() - created
+        age = self.stamps.now() - created
         if age >= self.config.adopt_min_age_s:
             return (f"existed {age:.0f} s before the screener first saw it "
                     f"(adopt_min_age_s {self.config.adopt_min_age_s:g})")
@@ -365,7 +390,7 @@ class Daemon:
         try:
             while not self.stop.is_set():
                 self.tick()
-                now = self.clock()
+                now = self.clock.monotonic()
                 wait = max(0.0, min(self.config.tick_s, self.next_probe - now))
                 self.stop.wait(wait if wait > 0 else min(self.config.tick_s, 0.05))
         finally:
@@ -378,8 +403,8 @@ class Daemon:
         """One pass: intake, spool replay, probes when due, a screen when due and idle."""
         if not self.started:
             self.start()
-        now = self.clock()
-        report = PassReport(node=self.node, started=now)
+        now = self.clock.monotonic()
+        report = PassReport(node=self.node, started=self.stamps.now())
         self.metrics.beat()
         if self.last_report is None:
             # The first pass probes before the intake: an alarm's GPU serials count only when
@@ -414,8 +439,17 @@ class Daemon:
     def _reconsider_budget(self, report: PassReport) -> None:
         """A node held by the budget takes a slot another node freed: a quarantine like any other
         (its metrics, its log line, its deep health check)."""
-        self.state, released = release_held(self.store, self.node, self.state, now=self.clock(),
-                                            policy=self.config.lifecycle)
+        if self.state not in (None, S.SUSPECT):
+            return
+        mono = self.clock.monotonic()
+        if mono < self.next_budget_look:
+            return
+        # Looked at most every BUDGET_LOOK_S on the monotonic clock (release_held's own limit
+        # compares wall stamps, which a stepped clock would defeat).
+        self.next_budget_look = mono + BUDGET_LOOK_S
+        self.state, released = release_held(self.store, self.node, self.state,
+                                            now=self.stamps.now(), policy=self.config.lifecycle,
+                                            min_interval_s=0.0)
         if released is not None:
             self._note_transitions((released,), "a quarantine budget slot freed", report)
 
@@ -439,7 +473,7 @@ class Daemon:
 
     def _apply(self, event: Any, why: str, report: PassReport) -> lifecycle.Decision:
         """Feed one event to the lifecycle; what it did goes into `report` and the metrics."""
-        decision = apply_event(self.store, self.node, event, now=self.clock(),
+        decision = apply_event(self.store, self.node, event, now=self.stamps.now(),
                                policy=self.config.lifecycle)
         self.state = decision.state
         self._note_transitions(decision.transitions, why, report)
@@ -475,7 +509,7 @@ class Daemon:
                                           "result": getattr(started, "to_dict", lambda: str(started))()})
 
     def _apply_alarm(self, record: AlarmRecord, report: PassReport) -> None:
-        latency = self.clock() - record.created if record.created else None
+        latency = self.stamps.now() - record.created if record.created else None
         # An alarm acts only on the GPU serials this node's NVML reports.
         record = replace(record, evidence=lifecycle.local_serials(record.evidence,
                                                                   sorted(self._known_serials)))
@@ -523,7 +557,7 @@ class Daemon:
         new = [f for f in findings if _finding_key(f) not in self._seen_findings]
         for f in new:
             self.metrics.finding(f.severity)
-        now = self.clock()
+        now = self.stamps.now()  # compared with the history's stamps (_drop_recovered_xids)
         for f in findings:
             if f.code == "xid" and f.severity >= Severity.CRITICAL:
                 self._xids.setdefault(_xid_key(f), (now, f))
@@ -634,8 +668,7 @@ class Daemon:
         report.probed = True
         activity = self._activity(probe)
         report.activity = activity
-        now = self.clock()
-        report.idle = self.idle.update(activity, now)
+        report.idle = self.idle.update(activity, self.clock.monotonic())
         self.metrics.idle.labels(self.node).set(1 if report.idle else 0)
         if activity.busy:
             log.debug("node %s busy: %s", self.node, activity.reason)
@@ -700,12 +733,12 @@ class Daemon:
         finally:
             self.metrics.screening.labels(self.node).set(0)
         report.screen = outcome
-        end = self.clock()
+        end = self.stamps.now()
         self.idle.reset()
         self.metrics.screen_done(outcome.outcome, [v.outcome for v in outcome.verdicts],
                                  outcome.seconds, outcome.stopped,
                                  passed_at=end if outcome.outcome == Outcome.PASS else None)
-        self.last_screen_end = end
+        self.last_screen_end = self.clock.monotonic()
         self.last_screen_outcome = outcome.outcome
         self.last_screen_stopped = outcome.stopped
         log.info("screen on %s: %s%s in %.1f s", self.node, outcome.outcome.value,

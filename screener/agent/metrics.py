@@ -30,10 +30,9 @@ import logging
 import socket
 import sys
 import threading
-import time
 from collections import OrderedDict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Iterable, Optional
 
 from screener._optional import require
 
@@ -41,6 +40,7 @@ require("prometheus_client", "the daemon's metrics endpoint")
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from screener.agent.clock import ClockLike, as_clock
 from screener.errors import ConfigError
 from screener.types import AlarmResult, NodeState, Outcome, ScreenStop, Severity
 
@@ -50,16 +50,18 @@ SCREEN_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, float
 class DaemonMetrics:
     """Every metric the daemon exports, in one registry."""
 
-    def __init__(self, node: str, *, clock: Callable[[], float] = time.time,
+    def __init__(self, node: str, *, clock: Optional[ClockLike] = None,
                  registry: Optional[CollectorRegistry] = None) -> None:
+        """clock: liveness is measured on its monotonic clock (a stepped wall clock must neither
+        fail /healthz nor hide a wedged loop); the loop gauge carries its wall time."""
         self.node = node
-        self.clock = clock
+        self.clock = as_clock(clock)
         self.registry = registry or CollectorRegistry(auto_describe=True)
         self._declare(self.registry)
         self.intake_problem = ""
         self._seed(node)
-        self._beat = clock()
-        self.last_loop.labels(node).set(self._beat)
+        self._beat = self.clock.monotonic()
+        self.last_loop.labels(node).set(self.clock.wall())
         self.ready = False
 
     def _declare(self, r: CollectorRegistry) -> None:
@@ -132,8 +134,9 @@ class DaemonMetrics:
     # --- updates ------------------------------------------------------------------------------
 
     def beat(self) -> None:
-        self._beat = self.clock()
-        self.last_loop.labels(self.node).set(self._beat)
+        """The loop made progress (liveness)."""
+        self._beat = self.clock.monotonic()
+        self.last_loop.labels(self.node).set(self.clock.wall())
 
     def set_state(self, state: Optional[NodeState]) -> None:
         for s in NodeState:
@@ -182,7 +185,7 @@ class DaemonMetrics:
         self.errors.labels(self.node, where).inc()
 
     def alive(self, liveness_s: float) -> bool:
-        return self.clock() - self._beat <= liveness_s
+        return self.clock.monotonic() - self._beat <= liveness_s
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

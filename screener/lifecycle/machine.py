@@ -29,7 +29,8 @@ Inputs and what they do:
 
 Policy: a confirmed failure that makes `lemon_min_failures` within `lemon_window_days` for the node,
 or for any GPU serial it blames (counted across nodes), sends the node to repair even when every
-diagnostic passes. Automatic quarantines (and repairs) stop at the quarantine budget, a share of the
+diagnostic passes (a failure stamped after now, by a wall clock that stepped back, counts as just
+now). Automatic quarantines (and repairs) stop at the quarantine budget, a share of the
 fleet (at least one node); past it the node is held in suspect with an alert, and a person decides.
 """
 
@@ -699,7 +700,9 @@ def _lemon(node: str, serials: Sequence[str], history: Sequence[Transition],
     since = now - policy.window_seconds
     seen: dict[str, Transition] = {}
     for t in list(history) + list(failures):
-        if t.failure and t.time >= since and t.time <= now:
+        # A failure stamped after `now` counts (its age is taken as zero): a wall clock that
+        # stepped back, here or on the node that recorded it, must not hide it from the rule.
+        if t.failure and t.time >= since:
             seen[t.id] = t
     node_count = 1 + sum(1 for t in seen.values() if t.node == node)
     days = f"{policy.lemon_window_days:g} days"
