@@ -40,9 +40,10 @@ def dropout_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
 
 
 def build(world: int, *, hsdp: bool = False, reshard_after_forward: bool = True,
-          bf16: bool = False, checkpointing: bool = False) -> torch.nn.Module:
-    """The TinyLM sharded with fully_shard (per block, then the root)."""
-    model = synthetic.make_model(SEED, **SHAPE)
+          bf16: bool = False, checkpointing: bool = False,
+          shape: Optional[dict[str, int]] = None) -> torch.nn.Module:
+    """The TinyLM (SHAPE unless `shape`) sharded with fully_shard (per block, then the root)."""
+    model = synthetic.make_model(SEED, **(shape or SHAPE))
     if checkpointing:
         from torch.utils.checkpoint import checkpoint
 
@@ -95,7 +96,8 @@ def train(rank: int, world: int, *, steps: int, audit_every: int = 1, weights_ev
     model = build(world, hsdp=hsdp, reshard_after_forward=reshard_after_forward, bf16=bf16,
                   checkpointing=checkpointing)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    auditor = Auditor(model, loss_fn=loss_fn, audit_every=audit_every,
+    amp = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if scaler else None
+    auditor = Auditor(model, loss_fn=loss_fn, audit_every=audit_every, scaler=amp,
                       weights_every=weights_every, alarm_dir=alarm_dir, job="t",
                       accumulation_steps=accumulation,
                       batch_fn=(lambda r, s: [batch_for(r, s * 10 + i) for i in range(accumulation)]
@@ -112,16 +114,20 @@ def train(rank: int, world: int, *, steps: int, audit_every: int = 1, weights_ev
                     for i, mb in enumerate(micro):
                         model.set_requires_gradient_sync(i == accumulation - 1)
                         loss = loss_fn(model, mb)
-                        loss.backward()
+                        (amp.scale(loss) if amp else loss).backward()
                         total = total + loss.detach()
                     batch: Any = micro
                     loss = total
                 else:
                     batch = batch_for(rank, step)
                     loss = loss_fn(model, batch)
-                    loss.backward()
+                    (amp.scale(loss) if amp else loss).backward()
             auditor.check_gradients(step, loss, batch=None if with_batch_fn else batch)
-            opt.step()
+            if amp:
+                amp.step(opt)
+                amp.update()
+            else:
+                opt.step()
             if after_step is not None:
                 after_step(rank, step, model)
             auditor.check_weights(step)

@@ -44,3 +44,27 @@ def test_example_flip_is_caught_and_the_job_exits_75(tmp_path):
     assert rec.suspect_nodes[0].instance_id == "i-00000000000000003"
     assert f"roll back to: {tmp_path / 'ckpt' / 'step000000.pt'}" in out  # last clean audit: 0
     assert "terminate called" not in proc.stderr
+
+
+@pytest.mark.timeout(300)
+def test_the_fsdp_example_catches_a_flip_without_a_batch_fn_and_the_job_exits_75(tmp_path):
+    """examples/train_fsdp.py: FSDP2 with bf16 mixed precision, a plain data loader (no batch_fn),
+    three simulated nodes of one rank each under screener launch -- torchrun."""
+    alarms = tmp_path / "alarms"
+    cmd = [sys.executable, "-m", "screener.launch", "--nproc-per-node", "3",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           str(ROOT / "examples" / "train_fsdp.py"), "--nodes", "3", "--steps", "8",
+           "--audit-every", "5", "--weights-every", "2", "--alarm-dir", str(alarms),
+           "--inject", "flip:rank=1,step=5"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    env.pop("NODE_NAME", None)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=280)
+    out = proc.stdout
+    assert proc.returncode == 75, out + proc.stderr[-3000:]
+    assert "rank 1 step 5: fault in mm output element 5" in out
+    assert "ALARM: SDC alarm ring_replay at step 5: rank 1" in out, out + proc.stderr[-3000:]
+    (f,) = alarms.iterdir()
+    rec = AlarmRecord.from_dict(json.loads(f.read_text()))
+    assert (rec.check, rec.step, rec.settled, rec.suspect_ranks, rec.node) == (
+        "ring_replay", 5, True, (1,), "hyperpod-i-00000000000000002")
+    assert "terminate called" not in proc.stderr

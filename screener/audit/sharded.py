@@ -13,9 +13,10 @@ dispatches); the loop's calls are the same as for DDP. What each check sees:
 Check 1 (every step). Every FSDP module's reduce-scatter goes through a recorder of ours
 (`FSDPModule.set_custom_reduce_scatter`): before the reduction it learns whether this rank's local
 gradient is finite (one min/max pass over the reduce-scatter input: non-finite means NaN or Inf,
-never a norm that overflowed) and, on audit steps, the input's fingerprint. After backward each
-rank also tests its reduced gradient shards. One all_gather of (loss, local finite, reduced
-finite) per step. A rank whose loss or local gradient is not finite is replayed on another node
+never a norm that overflowed) and, on audit steps, the input's fingerprint. One all_gather of (loss, local finite, reduced
+finite) per step; the reduced gradient's finiteness comes from FSDP's all-reduce hook (the
+reduce-scatter output, or HSDP's replicate all-reduce output; a hook of the caller's still runs).
+A rank whose loss or local gradient is not finite is replayed on another node
 (a lockstep round, below): finite there names the rank (settled); not finite there is the data
 or the model (NumericFailure, exit 76). Every local gradient finite but a reduced shard not: the
 reduction went bad, and the alarm names no one.
@@ -122,9 +123,11 @@ class _Tap:
     replay_fps: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 2, dtype=torch.int64))
     recorded: bool = False
     replay_finite: bool = True
+    reduced_finite: bool = True
 
     def reset(self) -> None:
         self.local_finite = True
+        self.reduced_finite = True
         self.recorded = False
         self.fps = torch.zeros(self.n, 2, dtype=torch.int64)
 
@@ -310,10 +313,25 @@ class ShardedAuditor:
                                  f"parameter groups (a shard_placement_fn with per-parameter "
                                  f"meshes); the audit needs one reduce-scatter per module")
             m.set_custom_reduce_scatter(_recorder(len(self.module_names), self._tap))
+            m.set_all_reduce_hook(self._reduced_hook(getattr(groups[0], "_all_reduce_hook", None)))
             self.module_names.append(name or "root")
         self._tap.n = len(self.module_names)
         self._tap.reset()
         self._tap.replay_fps = torch.zeros(self._tap.n, 2, dtype=torch.int64)
+
+    def _reduced_hook(self, theirs: Optional[Callable[[torch.Tensor], None]]
+                      ) -> Callable[[torch.Tensor], None]:
+        """FSDP's hook on the reduced gradient (the reduce-scatter output, or for HSDP the
+        replicate all-reduce's): learns whether it is finite; a hook of the caller's still runs."""
+        tap = self._tap
+
+        def hook(reduced: torch.Tensor) -> None:
+            if not tap.replaying and not _finite(reduced):
+                tap.reduced_finite = False
+            if theirs is not None:
+                theirs(reduced)
+
+        return hook
 
     def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
         if self._state is None and not self._tap.replaying:
@@ -363,8 +381,7 @@ class ShardedAuditor:
         loss_t = ring.loss_of(loss) if not isinstance(loss, (int, float)) else torch.tensor(
             float(loss), dtype=torch.float64)
         tap = self._tap
-        reduced_ok = all(_finite(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
-                         for p in self._params if p.grad is not None)
+        reduced_ok = tap.reduced_finite
         state = self._state if self._state is not None else StepState(None, None,
                                                                        scaler_scale(self.scaler))
         self._state = None
