@@ -155,7 +155,7 @@ def test_priority_and_signals_in_the_pure_combination():
 def test_the_training_job_runs_torchrun_under_the_launcher_and_matches_its_codes():
     import yaml
 
-    job = yaml.safe_load((ROOT / "manifests" / "training-job.yaml").read_text())
+    job = yaml.safe_load((ROOT / "examples" / "training-job.yaml").read_text())
     c = job["spec"]["template"]["spec"]["containers"][0]
     cmd = c["command"]
     assert cmd[:3] == ["screener", "launch", "--"] and is_torchrun(cmd[3:]) is not None

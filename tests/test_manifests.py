@@ -123,7 +123,7 @@ def test_daemonset_reaches_gpus_without_holding_one(objs):
     assert vols["alarms"]["hostPath"]["path"] == DEFAULT_ALARM_DIR
     tol = {t["key"] for t in spec["tolerations"]}
     assert {TAINT_STATE_KEY, TAINT_SCREENING_KEY, "nvidia.com/gpu"} <= tol
-    assert spec["nodeSelector"] and spec["hostPID"] is True
+    assert spec["affinity"]["nodeAffinity"] and spec["hostPID"] is True
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert c["livenessProbe"]["httpGet"]["port"] == c["readinessProbe"]["httpGet"]["port"] == "metrics"
@@ -147,8 +147,7 @@ def test_daemonset_security_context_is_narrow(objs):
 def test_jobs_ship_suspended_and_map_exit_codes(objs):
     burnin = by_kind(objs, "Job", "screener-burnin")
     peer = by_kind(objs, "Job", "screener-peer-burnin")
-    train = by_kind(objs, "Job", "llm-train")
-    for job in (burnin, peer, train):
+    for job in (burnin, peer):
         assert job["spec"]["suspend"] is True
     rule = burnin["spec"]["podFailurePolicy"]["rules"][0]
     assert rule["action"] == "FailJob" and rule["onExitCodes"]["values"] == [75]
@@ -160,7 +159,8 @@ def test_jobs_ship_suspended_and_map_exit_codes(objs):
     svc = by_kind(objs, "Service", "screener-peer-burnin")
     assert svc["spec"]["clusterIP"] == "None"
     assert peer["spec"]["template"]["spec"]["subdomain"] == svc["metadata"]["name"]
-    # The training Job is gated on healthy nodes.
+    # The example training Job (examples/, not the base) is gated on healthy nodes.
+    train = load_all(ROOT / "examples" / "training-job.yaml")[0]
     terms = train["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
         "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     assert {"key": LABEL_STATE, "operator": "In", "values": ["healthy"]} in terms[0]["matchExpressions"]
@@ -176,7 +176,7 @@ def test_commands_in_the_manifests_and_the_dockerfile_exist():
     assert 'ENTRYPOINT ["screener"]' in docker and 'CMD ["daemon"]' in docker
     objs = resolve_kustomization()
     for o in objs:
-        if o["kind"] not in ("DaemonSet", "Job") or o["metadata"]["name"] == "llm-train":
+        if o["kind"] not in ("DaemonSet", "Job"):
             continue
         c = o["spec"]["template"]["spec"]["containers"][0]
         if c.get("command"):  # torchrun -m screener.known_answer.peer_training, checked above
@@ -374,7 +374,7 @@ def test_admission_policy_keeps_a_pod_bound_token_to_its_own_node(objs):
 
 
 def test_the_training_job_can_write_alarms_and_only_through_the_writers_group():
-    job = load_all(MANIFESTS / "training-job.yaml")[0]
+    job = load_all(ROOT / "examples" / "training-job.yaml")[0]
     spec = job["spec"]["template"]["spec"]
     assert ALARM_GID in spec["securityContext"]["supplementalGroups"]
     assert "fsGroup" not in spec["securityContext"]  # no effect on hostPath; the folder is setgid

@@ -431,7 +431,7 @@ def test_training_job_manifest_is_valid_and_gated():
     import kubernetes.client
     import yaml
 
-    path = Path(__file__).resolve().parents[1] / "manifests" / "training-job.yaml"
+    path = Path(__file__).resolve().parents[1] / "examples" / "training-job.yaml"
     raw = yaml.safe_load(path.read_text())
     client = kubernetes.client.ApiClient()
     job = client.deserialize(types.SimpleNamespace(data=json.dumps(raw)), "V1Job")
