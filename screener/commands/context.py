@@ -84,7 +84,10 @@ class AppContext:
         if kind == "local":
             opened = open_store("local", db=choice.db, read_only=not choice.create)
         else:
-            extra = {"event_namespace": choice.event_namespace} if choice.event_namespace else {}
+            extra: dict[str, Any] = {"event_namespace": choice.event_namespace} \
+                if choice.event_namespace else {}
+            if choice.context:
+                extra["context"] = choice.context
             opened = open_store("kube", kubeconfig=choice.kubeconfig, spool=choice.spool, **extra)
         self._on_close(opened.close)
         return opened

@@ -1,6 +1,6 @@
 """The store options every command that reads or moves node states takes, written once.
 
-`store_options(...)` adds --store, --db, --kubeconfig (and --spool) and hands the command one
+`store_options(...)` adds --store, --db, --kubeconfig, --context (and --spool) and hands the command one
 `store_choice: StoreChoice` (screener.settings.stores); the command opens it through the
 AppContext (screener.commands.context) only if it needs it. `with_store(...)` also opens it and
 hands the command the opened `store`.
@@ -18,13 +18,15 @@ from screener.settings.stores import StoreChoice
 
 F = Callable[..., Any]
 
-STORE_HELP = ("Where node states live: 'local' (SQLite, the default outside a cluster) or 'kube' "
-              "(Node labels, taints, conditions, annotations). auto: kube when --kubeconfig is "
-              "given or when running inside a pod, else local.")
+STORE_HELP = ("Where node states live: 'local' (SQLite) or 'kube' (Node labels, taints, "
+              "conditions, annotations). auto, as kubectl picks a cluster: kube when --kubeconfig "
+              "or --context is given, $KUBECONFIG names a file that exists, ~/.kube/config exists, "
+              "or inside a pod (its service account); else local.")
 DB_HELP = ("SQLite file of the local store [default: $XDG_STATE_HOME/screener/screener.db or "
            "~/.local/state/screener/screener.db].")
-KUBECONFIG_HELP = ("kubeconfig file for the kube store (default: in-cluster configuration inside "
-                   "a pod, else $KUBECONFIG or ~/.kube/config).")
+KUBECONFIG_HELP = ("kubeconfig file for the kube store (default, as kubectl: $KUBECONFIG's files, "
+                   "else ~/.kube/config, else the in-cluster configuration inside a pod).")
+CONTEXT_HELP = "kubeconfig context for the kube store (default: the kubeconfig's current-context)."
 SPOOL_HELP = ("SQLite file where the kube store keeps transitions it could not write yet "
               "[default: beside the local database].")
 
@@ -44,27 +46,34 @@ def store_options(*, create: bool = False, none_help: Optional[str] = None, env:
     kinds = ["auto", "local", "kube"] + (["none"] if none_help else [])
 
     def decorate(fn: F) -> F:
-        @click.option("--store", "store_kind", type=click.Choice(kinds), default=default,
-                      show_default=default is not None, envvar="SCREENER_STORE" if env else None,
-                      help=STORE_HELP + (f" none: {none_help}" if none_help else ""))
-        @click.option("--db", type=click.Path(dir_okay=False), default=None,
-                      envvar="SCREENER_DB" if env else None, help=DB_HELP)
-        @click.option("--kubeconfig", type=click.Path(dir_okay=False), default=None,
-                      help=KUBECONFIG_HELP)
         @functools.wraps(fn)
         def wrapper(*args: Any, store_kind: Optional[str], db: Optional[str],
-                    kubeconfig: Optional[str], spool: Optional[str] = None, **kwargs: Any) -> Any:
+                    kubeconfig: Optional[str], spool: Optional[str] = None,
+                    context: Optional[str] = None, **kwargs: Any) -> Any:
             if overrides:
                 return fn(*args, store_overrides={"store": store_kind, "db": db,
                                                   "kubeconfig": kubeconfig}, **kwargs)
             choice = StoreChoice(kind=store_kind or "auto", db=db, kubeconfig=kubeconfig,
-                                 spool=spool, create=create)
+                                 context=context or None, spool=spool, create=create)
             return fn(*args, store_choice=choice, **kwargs)
 
+        # Applied innermost first: --help lists them as --store, --db, --kubeconfig, --context,
+        # --spool.
+        decorated: F = wrapper
         if spool:
-            return click.option("--spool", type=click.Path(dir_okay=False), default=None,
-                                help=SPOOL_HELP)(wrapper)
-        return wrapper
+            decorated = click.option("--spool", type=click.Path(dir_okay=False), default=None,
+                                     help=SPOOL_HELP)(decorated)
+        if not overrides:  # the daemon runs in a pod, on its service account: no contexts
+            decorated = click.option("--context", default=None, help=CONTEXT_HELP)(decorated)
+        decorated = click.option("--kubeconfig", type=click.Path(dir_okay=False), default=None,
+                                 help=KUBECONFIG_HELP)(decorated)
+        decorated = click.option("--db", type=click.Path(dir_okay=False), default=None,
+                                 envvar="SCREENER_DB" if env else None, help=DB_HELP)(decorated)
+        decorated = click.option(
+            "--store", "store_kind", type=click.Choice(kinds), default=default,
+            show_default=default is not None, envvar="SCREENER_STORE" if env else None,
+            help=STORE_HELP + (f" none: {none_help}" if none_help else ""))(decorated)
+        return decorated
 
     return decorate
 

@@ -1,9 +1,11 @@
 """Which store a command uses: the `--store/--db/--kubeconfig/--spool` choice and what "auto" means.
 
-Pure: it decides, it opens nothing (screener.commands.context opens what this names). One rule for
-every command and the daemon: "auto" is the cluster's Node objects when a kubeconfig is given or
-the process runs in a pod ($KUBERNETES_SERVICE_HOST, set by the kubelet in every container),
-else the local SQLite store.
+It decides and opens nothing (screener.commands.context opens what this names); it only looks
+whether kubeconfig files exist. One rule for every command and the daemon, kubectl's: the cluster
+is the one `--kubeconfig` names, else the files $KUBECONFIG lists (those that exist), else
+~/.kube/config when it exists, else the pod's service account inside a pod
+($KUBERNETES_SERVICE_HOST, set by the kubelet in every container). "auto" is the cluster's Node
+objects when any of these (or a --context) is there, else the local SQLite store.
 """
 
 from __future__ import annotations
@@ -27,14 +29,37 @@ def in_pod(environ: Optional[Mapping[str, str]] = None) -> bool:
     return bool(env.get(IN_CLUSTER_ENV))
 
 
+def kubeconfig_path(explicit: Optional[str] = None,
+                    environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The kubeconfig kubectl would read, or None (then: in-cluster inside a pod, else none).
+
+    `explicit` (--kubeconfig) as given; else the files of $KUBECONFIG that exist, joined with
+    os.pathsep (kubectl merges them, and skips the missing ones); else $HOME/.kube/config when it
+    exists. `environ` replaces os.environ (HOME included), so a test can be hermetic.
+    """
+    if explicit:
+        return explicit
+    env = os.environ if environ is None else environ
+    listed = env.get("KUBECONFIG") or ""
+    if listed:
+        found = [p for p in listed.split(os.pathsep) if p and os.path.exists(p)]
+        return os.pathsep.join(found) or None
+    home = env.get("HOME") or ""
+    default = os.path.join(home, ".kube", "config") if home else ""
+    return default if default and os.path.exists(default) else None
+
+
 def resolve_store_kind(kind: str, kubeconfig: Optional[str] = None,
-                       environ: Optional[Mapping[str, str]] = None) -> str:
+                       environ: Optional[Mapping[str, str]] = None,
+                       context: Optional[str] = None) -> str:
     """"local", "kube" or "none": `kind` with "auto" decided (see the module docstring)."""
     if kind not in STORE_KINDS:
         raise ConfigError(f"unknown store kind {kind!r}; expected one of {', '.join(STORE_KINDS)}")
     if kind != "auto":
         return kind
-    return "kube" if kubeconfig or in_pod(environ) else "local"
+    if context or kubeconfig_path(kubeconfig, environ) or in_pod(environ):
+        return "kube"
+    return "local"
 
 
 @dataclass(frozen=True)
@@ -42,8 +67,9 @@ class StoreChoice:
     """A store as the options name it, before anything is opened.
 
     kind: auto, local, kube or none. db: the local store's SQLite file (None: the default in the
-    user's state directory). kubeconfig: for the kube store (None: in-cluster, then
-    ~/.kube/config). spool: where the kube store keeps transitions it could not write yet.
+    user's state directory). kubeconfig: for the kube store (None: as kubectl, $KUBECONFIG, then
+    ~/.kube/config, then in-cluster). context: the kubeconfig context (None: its
+    current-context). spool: where the kube store keeps transitions it could not write yet.
     event_namespace: where the kube store creates Node Events (None: its default).
     create: whether a `db` that does not exist may be created; a command that only reads says
     no, so a misspelt path is an error instead of an empty fleet that reads as "all clear".
@@ -52,10 +78,11 @@ class StoreChoice:
     kind: str = "auto"
     db: Optional[str] = None
     kubeconfig: Optional[str] = None
+    context: Optional[str] = None
     spool: Optional[str] = None
     event_namespace: Optional[str] = None
     create: bool = True
 
     def resolved(self, environ: Optional[Mapping[str, str]] = None) -> str:
         """"local", "kube" or "none" (resolve_store_kind)."""
-        return resolve_store_kind(self.kind, self.kubeconfig, environ)
+        return resolve_store_kind(self.kind, self.kubeconfig, environ, self.context)

@@ -48,7 +48,7 @@ import kubernetes.client
 import kubernetes.config
 from kubernetes.client.exceptions import ApiException
 
-from screener.settings.stores import in_pod
+from screener.settings.stores import in_pod, kubeconfig_path
 from screener.errors import ConfigError, ScreenerError
 from screener.stores import kubeformat as kf
 from screener.stores.kubebudget import FLEET_SHARDS, BudgetView, KubeBudget
@@ -134,24 +134,28 @@ class KubeStore:
     @classmethod
     def from_config(cls, *, kubeconfig: Optional[str] = None, context: Optional[str] = None,
                     spool_path: Optional[os.PathLike[str] | str] = None, **kwargs: Any) -> "KubeStore":
-        """Load configuration: --kubeconfig if given, else in-cluster when running in a pod, else
-        $KUBECONFIG or ~/.kube/config. Keyword arguments go to the constructor (timeouts=...)."""
+        """Load configuration as kubectl does (screener.settings.stores.kubeconfig_path):
+        --kubeconfig, else $KUBECONFIG's files, else ~/.kube/config, else in-cluster inside a
+        pod; `context` picks a kubeconfig context. Keyword arguments go to the constructor."""
         cfg = kubernetes.client.Configuration()
-        in_cluster = not kubeconfig and in_pod()
-        where = kubeconfig or ("in-cluster service account" if in_cluster else
-                               os.environ.get("KUBECONFIG") or "~/.kube/config")
+        path = kubeconfig_path(str(kubeconfig) if kubeconfig else None)
+        in_cluster = path is None and in_pod()
+        where = path or ("in-cluster service account" if in_cluster else "no kubeconfig")
         try:
-            if kubeconfig:
-                check_kubeconfig(str(kubeconfig))
-                kubernetes.config.load_kube_config(config_file=str(kubeconfig), context=context,
+            if path:
+                for one in path.split(os.pathsep):
+                    check_kubeconfig(one)
+                # The path, not the loader's default: that one is read from $KUBECONFIG once,
+                # when kubernetes is imported.
+                kubernetes.config.load_kube_config(config_file=path, context=context,
                                                    client_configuration=cfg)
-            elif in_cluster:
+            elif in_cluster and not context:
                 kubernetes.config.load_incluster_config(client_configuration=cfg)
             else:
-                for path in (os.environ.get("KUBECONFIG") or "~/.kube/config").split(os.pathsep):
-                    if path and os.path.exists(os.path.expanduser(path)):
-                        check_kubeconfig(os.path.expanduser(path))
-                kubernetes.config.load_kube_config(context=context, client_configuration=cfg)
+                raise ConfigError(
+                    f"no kubeconfig has context {context!r} (in-cluster configuration has none)"
+                    if in_cluster else "no Kubernetes configuration: no --kubeconfig, $KUBECONFIG "
+                    "names no file, no ~/.kube/config and not in a pod")
             check_loaded(cfg, where)
         except ConfigError:
             raise
