@@ -67,6 +67,7 @@ Exit codes (the same for every command):
   1   the screener itself failed (never a hardware verdict)
   2   usage error or bad input
   3   inconclusive (nothing to compare against)
+  4   partial burn-in: every stage passed, the node stays in burnin
   75  hardware suspect
   76  numeric failure, not blamed on hardware
   77  a peer failed"""

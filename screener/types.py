@@ -25,6 +25,9 @@ class ExitCode(enum.IntEnum):
     SCREENER_ERROR = 1  # the screener itself failed: never a hardware verdict
     USAGE = 2  # bad command line or bad input file
     INCONCLUSIVE = 3  # nothing to compare against
+    # A burn-in whose stages all passed but that was not a full one (shorter, fewer rounds, a
+    # stage skipped) on a node that therefore stays in burnin: not a pass, and no fault either.
+    PARTIAL = 4
     HARDWARE_SUSPECT = 75
     NUMERIC = 76  # non-finite numbers not blamed on hardware
     PEER_FAILED = 77

@@ -39,10 +39,14 @@ def test_cli_burnin_for_a_duration_passes_with_report(golden_dir, tmp_path):
     for j in JOBS:
         args += ["--job", j]
     r = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert r.returncode == 0, r.stdout + r.stderr
+    # A second is a partial burn-in: every stage passed, and the new node stays in burnin, which
+    # is exit 4, never 0 (issue 25.4).
+    assert r.returncode == ExitCode.PARTIAL == 4, r.stdout + r.stderr
     out = json.loads(r.stdout)
     assert out == json.loads(report.read_text())
     assert out["outcome"] == "pass" and out["requested"] == {"duration": 1.0, "iterations": None}
+    assert out["burnin_kind"] == "partial" and out["state_after"] == "burnin"
+    assert out["summary"].startswith("partial: node stays in burnin (missing: ")
     rows = out["rows"]
     assert [(x["device"], x["job"], x["result"]) for x in rows] == [("cpu", j, "pass") for j in JOBS]
     assert rows[0]["runs"] >= 1 and rows[0]["runs"] == rows[1]["runs"]
@@ -61,7 +65,7 @@ def test_a_fault_in_a_later_iteration_is_caught(golden_dir):
     assert rows["gemm-fp32"].where.startswith("step 1 ")
     assert rows["train-bf16"].result == "pass"
     table = rep.table()
-    assert "self_mismatch" in table and "burn-in suspect (exit 75)" in table
+    assert "self_mismatch" in table and "known-answer stage: suspect in " in table
     assert rep.to_dict()["exit_code"] == 75
 
 

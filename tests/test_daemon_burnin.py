@@ -100,6 +100,20 @@ def test_a_partial_burnin_never_makes_the_node_healthy(kat_env, tmp_path):
         assert short.outcome == Outcome.PASS and short.kind == "partial"
         assert any("of the required 3600 s" in m for m in short.missing)
         assert short.state_after == NodeState.BURNIN
+        # What it prints says what happened to the node, and its exit code is not a pass's
+        # (issue 25.4): no line reads "pass" as a result, the time is the whole run's.
+        assert short.exit_code == ExitCode.PARTIAL and short.to_dict()["exit_code"] == 4
+        last = short.table().splitlines()[-1]
+        assert last.startswith("overall: partial: node stays in burnin (missing: the known-answer"
+                               " jobs ran ") and "(exit 4) in " in last, last
+        assert not [ln for ln in short.table().splitlines()
+                    if ln.startswith(("burn-in pass", "overall: pass"))]
+        assert short.to_dict()["summary"] == last.split("overall: ", 1)[1].split(" (exit")[0]
+        nowhere = run_full_burnin("new-3", ["cpu"], lambda: clean, plan=PLAN, store=None,
+                                  probe=probe_fn(tmp_path),
+                                  requirement=BurninRequirement(min_seconds=3600.0))
+        assert nowhere.exit_code == ExitCode.PASS  # --store none: no node is kept in burnin
+        assert nowhere.summary().startswith("partial: the stages that ran passed, no node state")
         assert store.get_verdict("new-2")["kind"] == "partial"
         no_hbm = run_full_burnin("new-2", ["cpu"], lambda: clean,
                                  plan=BurninPlan(hbm=False), store=store,

@@ -162,6 +162,30 @@ def test_fleet_report_reads_the_store(tmp_path):
     assert len(plots["hbm-bandwidth"]["marks"]) == 5
 
 
+def test_fleet_seconds_are_per_run_in_the_json_and_the_plot(tmp_path):
+    # A verdict's evidence holds the seconds of all runs together: 6.872 s for 10 runs of
+    # gemm-bf16 is 0.687 s a run, and a node that ran one run of 0.7 s is the slower (issue 25.3).
+    s = LocalStore(tmp_path / "s.db")
+    for node, jobs in (("many", {"gemm-bf16": {"seconds": 6.872, "runs": 10}}),
+                       ("one", {"gemm-bf16": {"seconds": 0.7, "runs": 1}}),
+                       ("new", {"gemm-bf16": {"seconds": 9.0, "seconds_per_run": 0.9,
+                                              "runs": 10}}),
+                       ("old", {"gemm-bf16": {"seconds": 5.0}})):  # runs unknown: not plotted
+        s.record(Transition(node, NOW - DAY, None, NodeState.HEALTHY, "t"))
+        s.set_verdict(node, {"time": NOW - DAY, "outcome": "pass", "verdicts": [
+            {"device": "cuda:0", "outcome": "pass", "job": "", "evidence": {"jobs": jobs}}]})
+    data = fleet_data(s, now=NOW, days=30)
+    per_run = {r["node"]: r["seconds_per_run"] for r in data["job_seconds"]}
+    assert per_run == pytest.approx({"many": 0.6872, "one": 0.7, "new": 0.9})
+    assert all("seconds" not in r for r in data["job_seconds"])  # no total under another name
+    r = screener("report", "fleet", "--json", "--db", str(tmp_path / "s.db"), "--days", "30")
+    assert r.returncode == 0, r.stderr
+    assert {x["node"]: x["seconds_per_run"] for x in json.loads(r.stdout)["job_seconds"]} \
+        == pytest.approx({"many": 0.6872, "one": 0.7, "new": 0.9})
+    dots = parse(fleet_html(data)).plots["job-seconds"]
+    assert "0.687 seconds" in dots["text"] and "6.87" not in dots["text"], dots["text"]
+
+
 def test_fleet_report_of_an_empty_store_says_no_data(tmp_path):
     store = LocalStore(tmp_path / "empty.db")
     plots = parse(fleet_html(fleet_data(store, now=NOW))).plots

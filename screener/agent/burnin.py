@@ -127,7 +127,9 @@ class BurninReport:
                 lines.append(f"  {v.evidence['detail']}")
             if v.evidence.get("command"):
                 lines.append(f"  record a golden: {v.evidence['command']}")
-        lines.append(f"burn-in {self.outcome.value} (exit {int(self.exit_code)}) in "
+        # This table is one stage of the burn-in: its time and outcome are the stage's; the
+        # overall result and exit code are the full report's last line.
+        lines.append(f"known-answer stage: {self.outcome.value} in "
                      f"{self.finished - self.started:.1f} s")
         return "\n".join(lines)
 
@@ -297,16 +299,37 @@ class FullBurninReport:
         return Outcome.PASS
 
     @property
+    def stays_in_burnin(self) -> bool:
+        """Every stage that ran passed, but the burn-in was partial, so the lifecycle kept the
+        node in burnin: what a script must not read as a pass."""
+        return (bool(self.missing) and self.outcome == Outcome.PASS
+                and self.state_after == NodeState.BURNIN)
+
+    @property
     def exit_code(self) -> ExitCode:
         if self.outcome == Outcome.SUSPECT or self.state_after in NO_WORK_STATES:
             return ExitCode.HARDWARE_SUSPECT
         if self.outcome == Outcome.INCONCLUSIVE:
             return ExitCode.INCONCLUSIVE
+        if self.stays_in_burnin:
+            return ExitCode.PARTIAL
         return ExitCode.PASS
+
+    def summary(self) -> str:
+        """One line saying what happened to the node; never "pass" for a partial burn-in."""
+        missing = f" (missing: {'; '.join(self.missing)})" if self.missing else ""
+        if self.stays_in_burnin:
+            return f"partial: node stays in burnin{missing}"
+        if self.missing and self.outcome == Outcome.PASS:
+            where = (f"node stays {self.state_after.value}" if self.state_after is not None
+                     else "no node state kept")
+            return f"partial: the stages that ran passed, {where}{missing}"
+        return self.outcome.value
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": "burnin", "node": self.node, "outcome": self.outcome.value,
                 "exit_code": int(self.exit_code), "burnin_kind": self.kind,
+                "summary": self.summary(),
                 "missing": list(self.missing),
                 "state_before": self.state_before.value if self.state_before else None,
                 "state_after": self.state_after.value if self.state_after else None,
@@ -335,7 +358,8 @@ class FullBurninReport:
                      + (f" ({move})" if move else " (unchanged)"))
         lines.append(f"burn-in: {self.kind}" + (f" (missing: {'; '.join(self.missing)})"
                                                   if self.missing else ""))
-        lines.append(f"overall: {self.outcome.value} (exit {int(self.exit_code)})")
+        lines.append(f"overall: {self.summary()} (exit {int(self.exit_code)}) in "
+                     f"{sum(st.seconds for st in self.stages):.1f} s")
         return "\n".join(lines)
 
 
@@ -460,7 +484,7 @@ def hbm_stage(devices: Sequence[str], plan: BurninPlan, inject: Any = None,
     gib = sum(r.bytes_tested for r in results) / 2**30
     detail = (f"{gib:.2f} GiB on {len(results)} device(s)"
               + (f", {', '.join(f'{r.device}: {r.mismatches} mismatches' for r in bad)}" if bad
-                 else f", {min(r.bandwidth_gbps for r in results):.1f} GB/s"))
+                 else f", {min(r.bandwidth_gbps for r in results):.3g} GB/s"))
     if untested and not bad:
         detail += f", nothing allocatable on {', '.join(r.device for r in untested)}"
     outcome = (Outcome.SUSPECT if bad else Outcome.INCONCLUSIVE if untested else Outcome.PASS)

@@ -344,7 +344,8 @@ def burnin_cmd(app: AppContext, devices: tuple[str, ...], jobs: tuple[str, ...],
     every GPU, the all-reduce check across the GPUs (with its bandwidth), and in a cluster a
     cross-check of the known-answer digests with other nodes of the same platform. At the end the
     node is moved through the lifecycle (healthy, suspect, quarantined or repair).
-    Prints a progress bar (stderr) and a final table; exit 0 pass, 75 a device is suspect,
+    Prints a progress bar (stderr) and a final table; exit 0 pass, 4 partial (every stage
+    passed, but not a full burn-in: the node stays in burnin), 75 a device is suspect,
     3 inconclusive (no golden), 2 bad input, 1 the screener failed.
     """
     from screener.agent.burnin import DEFAULT_ITERATIONS, run_burnin

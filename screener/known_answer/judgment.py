@@ -580,10 +580,13 @@ def _evidence(run: DeviceRun, issues: Sequence[Issue],
         "status": run.status,
         "platform": run.platform.get("name") if run.platform else None,
         "iterations": run.iterations,
-        # per job: its digest and, when compared with one, the golden (and whether a sibling's)
+        # per job: its digest and, when compared with one, the golden (and whether a sibling's);
+        # "seconds" are all its runs together, "seconds_per_run" their mean (what to compare)
         "jobs": {j: {"digest": r.reference.digest, "runs": r.runs,
                      "spec_hash": r.reference.spec_hash, "results": len(r.counts),
-                     "seconds": round(sum(r.seconds), 4), **matched.get(j, {})}
+                     "seconds": round(sum(r.seconds), 4),
+                     "seconds_per_run": round(sum(r.seconds) / max(r.runs, 1), 4),
+                     **matched.get(j, {})}
                  for j, r in run.jobs.items()},
     }
     if issues:

@@ -31,7 +31,7 @@ PALETTE = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F
 STATE_COLORS = {"healthy": "#009E73", "burnin": "#56B4E9", "suspect": "#E69F00",
                 "quarantined": "#D55E00", "repair": "#CC79A7"}
 OUTCOME_COLORS = {"pass": "#009E73", "inconclusive": "#E69F00", "suspect": "#D55E00",
-                  "skipped": "#999999"}
+                  "skipped": "#999999", "partial": "#56B4E9"}
 FAILURE_COLOR = "#B00020"
 WIDTH = 900
 LABEL_W = 190  # left margin for row labels
@@ -302,18 +302,26 @@ def burnin_html(report: Mapping[str, Any], source: str = "") -> str:
     """The HTML page of one burn-in report (the dict `screener burnin --report` writes)."""
     node = str(report.get("node") or "?")
     outcome = str(report.get("outcome") or "?")
+    summary = str(report.get("summary") or "")
+    # A partial burn-in is not a pass, whatever its stages did (the report's summary says so).
+    badge = "partial" if summary.startswith("partial") else outcome
+    stages = [s for s in report.get("stages") or [] if isinstance(s, dict)]
+    # The whole run's time: the report's own "seconds" are its known-answer stage's.
+    seconds = (sum(float(s.get("seconds") or 0.0) for s in stages) if stages
+               else float(report.get("seconds") or 0))
     started, finished = report.get("started"), report.get("finished")
     when = f"{_utc(started)} to {_utc(finished)}" if _num(started) and _num(finished) else ""
-    head = (f"<h1>Burn-in of {_e(node)} {_badge(outcome)}</h1>"
+    head = (f"<h1>Burn-in of {_e(node)} {_badge(badge)}</h1>"
             f'<p class="meta">exit {_e(report.get("exit_code"))} &middot; '
             f'{_e(report.get("burnin_kind") or "")} burn-in &middot; {_e(when)} &middot; '
-            f'{_e(_fmt(float(report.get("seconds") or 0)))} s'
+            f'{_e(_fmt(seconds))} s'
             + (f" &middot; from <code>{_e(source)}</code>" if source else "") + "</p>")
+    if summary:
+        head += f"<p><b>{_e(summary)}</b></p>"
     missing = report.get("missing") or []
-    if missing:
+    if missing and not summary:
         head += ("<p><b>Not a full burn-in:</b> " + "; ".join(_e(m) for m in missing)
                  + ". A partial burn-in never clears a node.</p>")
-    stages = [s for s in report.get("stages") or [] if isinstance(s, dict)]
     return _page(f"screener burn-in: {node}",
                  [head, _stages_section(stages), _jobs_section(report), _hbm_section(report),
                   _verdicts_section(stages), _probes_section(stages), _lifecycle_section(report)])
@@ -436,9 +444,10 @@ def fleet_data(store: Any, *, now: float, days: float = 30.0, min_failures: int 
                 continue
             ev = dv.get("evidence") or {}
             for job, j in (ev.get("jobs") or {}).items():
-                if isinstance(j, dict) and _num(j.get("seconds")):
+                per_run = _per_run_seconds(j)
+                if per_run is not None:
                     job_seconds.append({"node": n, "device": dv.get("device"), "job": job,
-                                        "seconds": float(j["seconds"])})
+                                        "seconds_per_run": per_run, "runs": int(j["runs"])})
             if dv.get("job") == "hbm" and _num(ev.get("bandwidth_gbps")):
                 hbm.append({"node": n, "device": dv.get("device"),
                             "ok": dv.get("outcome") == "pass",
@@ -453,6 +462,20 @@ def fleet_data(store: Any, *, now: float, days: float = 30.0, min_failures: int 
             "states": states, "history": history, "verdicts": verdicts,
             "failures": [t.to_dict() for t in failures], "lemons": lemons, "lemon_gpus": gpus,
             "job_seconds": job_seconds, "hbm": hbm}
+
+
+def _per_run_seconds(job: Any) -> Optional[float]:
+    """The mean seconds of one run of a job in a verdict's evidence, or None when it does not
+    say. Its "seconds" are all runs together (gemm-bf16: 6.872 s for 10 runs is 0.687 s a run):
+    plotted as they are, a node that ran more repeats would look slower and a slow GPU hide."""
+    if not isinstance(job, Mapping):
+        return None
+    runs = job.get("runs")
+    if not (isinstance(runs, int) and not isinstance(runs, bool) and runs >= 1):
+        return None
+    if _num(job.get("seconds_per_run")):
+        return float(job["seconds_per_run"])
+    return float(job["seconds"]) / runs if _num(job.get("seconds")) else None
 
 
 def _lanes(data: Mapping[str, Any]) -> tuple[dict[str, list[Segment]], dict[str, list[float]]]:
@@ -506,7 +529,7 @@ def fleet_html(data: Mapping[str, Any]) -> str:
     by_job: dict[str, list[tuple[float, str, str]]] = {}
     for r in data["job_seconds"]:
         by_job.setdefault(r["job"], []).append(
-            (r["seconds"], STATE_COLORS.get(states.get(r["node"], ""), "#666"),
+            (r["seconds_per_run"], STATE_COLORS.get(states.get(r["node"], ""), "#666"),
              f"{r['node']} {r['device']}"))
     sec_jobs = ("<h2>Known-answer time per job</h2>"
                 + dot_chart("job-seconds", "Last screen: seconds per run, one dot per device "
