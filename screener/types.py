@@ -129,6 +129,7 @@ class Reason(StrValue):
     # evidence against the hardware
     KAT_MISMATCH = "KnownAnswerMismatch"
     RING_REPLAY = "RingReplayMismatch"
+    SPIKE_RERUN = "SpikeRerunMismatch"  # a loss/gradient spike a rerun elsewhere did not reproduce
     WEIGHTS = "WeightFingerprintMismatch"
     NONFINITE = "NonFiniteGradient"
     ROW_REMAP = "RowRemapFailure"
@@ -152,6 +153,7 @@ ALARM_CHECK_REASONS: Mapping[str, Reason] = {
     "nonfinite_local": Reason.NONFINITE,
     "nonfinite_reduced": Reason.NONFINITE,
     "ring_replay": Reason.RING_REPLAY,
+    "spike_rerun": Reason.SPIKE_RERUN,  # screener.audit.sentinel: a spike attributed by a rerun
     "weights": Reason.WEIGHTS,
     "straggler": Reason.STRAGGLER,  # screener.audit.straggler: a rank slower than its peers for w steps
     # screener.audit.run_guarded: a worker ended with 75 on a hardware error (ECC, uncorrectable)

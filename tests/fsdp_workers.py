@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from screener.audit import Auditor, NumericFailure, SDCAlarm
+from screener.audit.sentinel import SentinelConfig
 from screener.known_answer import faults, synthetic
 
 SEED = 7
@@ -29,6 +30,17 @@ def batch_for(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def compute_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     return synthetic.compute_loss(model, batch)
+
+
+def spiky_batch_for(rank: int, step: int) -> tuple:
+    """Batches whose third element scales the loss: x1000 on rank 0 at step 6 (a data spike
+    every replay reproduces)."""
+    return (*batch_for(rank, step), 1000.0 if (rank, step) == (0, 6) else 1.0)
+
+
+def spiky_loss(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
+    tokens, targets, scale = batch
+    return synthetic.compute_loss(model, (tokens, targets)) * scale
 
 
 def dropout_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
@@ -90,14 +102,17 @@ def train(rank: int, world: int, *, steps: int, audit_every: int = 1, weights_ev
           reshard_after_forward: bool = True, bf16: bool = False, checkpointing: bool = False,
           loss_fn: Callable = compute_loss, accumulation: int = 1,
           after_step: Optional[Callable[..., Any]] = None, scaler: bool = False,
-          with_batch_fn: bool = False) -> dict[str, Any]:
+          with_batch_fn: bool = False, batches: Callable = batch_for,
+          sentinel: Optional[dict[str, Any]] = None, fault_in_check: bool = False
+          ) -> dict[str, Any]:
     """Train under the Auditor; report the alarm or numeric failure, counters and steps done."""
     torch.manual_seed(SEED)
     model = build(world, hsdp=hsdp, reshard_after_forward=reshard_after_forward, bf16=bf16,
                   checkpointing=checkpointing)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     amp = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if scaler else None
-    auditor = Auditor(model, loss_fn=loss_fn, audit_every=audit_every, scaler=amp,
+    extra = {"sentinel": SentinelConfig(**sentinel)} if sentinel is not None else {}
+    auditor = Auditor(model, loss_fn=loss_fn, audit_every=audit_every, scaler=amp, **extra,
                       weights_every=weights_every, alarm_dir=alarm_dir, job="t",
                       accumulation_steps=accumulation,
                       batch_fn=(lambda r, s: [batch_for(r, s * 10 + i) for i in range(accumulation)]
@@ -119,10 +134,13 @@ def train(rank: int, world: int, *, steps: int, audit_every: int = 1, weights_ev
                     batch: Any = micro
                     loss = total
                 else:
-                    batch = batch_for(rank, step)
+                    batch = batches(rank, step)
                     loss = loss_fn(model, batch)
                     (amp.scale(loss) if amp else loss).backward()
-            auditor.check_gradients(step, loss, batch=None if with_batch_fn else batch)
+            again = (fault(rank, step) if fault and fault_in_check else None) \
+                or contextlib.nullcontext()
+            with again:  # a persistent fault is still there when the step is rerun
+                auditor.check_gradients(step, loss, batch=None if with_batch_fn else batch)
             if amp:
                 amp.step(opt)
                 amp.update()
@@ -166,6 +184,10 @@ def _files(directory: str) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in sorted(Path(directory).glob("*.json"))]
 
 
+# The top exponent bit of one element of the position embedding's gradient on rank 2 at step 6:
+# a finite value near 1e36 that no non-finite check sees (row 0 is in every batch).
+EXPONENT_FLIP = flip(2, 6, op="embedding_dense_backward", call=0, element=5, bit=30)
+
 SCENARIOS: dict[str, dict[str, Any]] = {
     # healthy: the setups of the issue, each with the audit on every step
     "fsdp_healthy": dict(steps=4, loss_fn=dropout_loss, checkpointing=True,
@@ -176,6 +198,13 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "hsdp_flip_backward": dict(steps=4, hsdp=True, fault=flip(0, 1, op="mm", call=12, bit=22)),
     "fsdp_nan": dict(steps=4, fault=flip(4, 1, op="mm", call=2, bit=None, mode="nan")),
     "hsdp_weights": dict(steps=4, hsdp=True, audit_every=0, after_step=corrupt_shard(5, 1)),
+    # between audits: the sentinel fires on a jump and a rerun attributes it
+    "spike_transient": dict(steps=8, audit_every=0, weights_every=0, sentinel=dict(warmup=3),
+                            fault=EXPONENT_FLIP),
+    "spike_persistent": dict(steps=8, audit_every=0, weights_every=0, sentinel=dict(warmup=3),
+                             fault=EXPONENT_FLIP, fault_in_check=True),
+    "spike_data": dict(steps=8, audit_every=0, weights_every=0, sentinel=dict(warmup=3),
+                       batches=spiky_batch_for, loss_fn=spiky_loss),
 }
 
 

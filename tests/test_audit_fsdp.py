@@ -102,3 +102,29 @@ def test_a_model_that_is_not_sharded_goes_to_the_ddp_auditor_and_is_refused_ther
     assert not is_sharded(nn.Linear(2, 2))
     with pytest.raises((TypeError, AuditUsageError), match="DistributedDataParallel model, or one sharded with fully_shard"):
         Auditor(nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("scenario, verdict", [("spike_transient", "transient"),
+                                               ("spike_persistent", "persistent")])
+def test_a_spike_between_audits_is_attributed_before_the_update(runs, scenario, verdict):
+    """No audit step at all: the sentinel sees the gradient's magnitude jump (an exponent flip
+    on rank 2 at step 6, finite), the rank reruns its step and two other nodes replay it; a
+    rerun that comes out clean is a transient fault, one that reproduces the bad value while
+    the others agree on another is a persistent one. Either way: rank 2, node n2, settled, and
+    the update never ran."""
+    a = one_alarm(runs[scenario])
+    assert (a["check"], a["step"], a["settled"], a["suspect_ranks"]) == ("spike_rerun", 6, True,
+                                                                         [2])
+    assert a["evidence"]["verdict"] == verdict and a["evidence"]["spike"]["what"] == "grad"
+    assert a["evidence"]["spike"]["ratio"] > 5
+    assert [f["node"] for f in runs[scenario][0]["files"]] == ["n2"]
+    assert all(o["steps_done"] == 6 for o in runs[scenario])
+    assert all(o["counters"]["sentinel_fired"] == 1 for o in runs[scenario])
+
+
+def test_a_data_spike_is_the_datas_and_the_step_proceeds(runs):
+    """A batch whose loss is 1000 times the others' (rank 0, step 6): every rerun reproduces
+    it, so it is no hardware verdict: no alarm, no file, training goes on."""
+    for o in runs["spike_data"]:
+        assert (o["alarm"], o["numeric"], o["steps_done"], o["files"]) == (None, None, 8, [])
+        assert o["counters"]["sentinel_fired"] == 1 and o["counters"]["sentinel_data"] == 1

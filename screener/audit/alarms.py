@@ -45,7 +45,7 @@ __all__ = ["SDCAlarm", "NumericFailure", "AuditError", "AuditUsageError", "CHECK
 
 log = logging.getLogger("screener.audit")
 
-CHECKS = ("nonfinite_local", "nonfinite_reduced", "ring_replay", "weights")
+CHECKS = ("nonfinite_local", "nonfinite_reduced", "ring_replay", "weights", "spike_rerun")
 
 
 class SDCAlarm(Exception):

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 import os
 import sys
 from collections import Counter
@@ -65,6 +66,7 @@ from screener.audit import ring
 from screener.audit.alarms import AuditUsageError, NumericFailure, SDCAlarm, alarm_dir, log_json, node_records, \
     write_alarm_file
 from screener.audit.blast import LIKELY_CAUSES, too_wide
+from screener.audit.sentinel import Sentinel, SentinelConfig, Spike
 from screener.audit.capture import StateCodec, StepState, capture, restored, scaler_scale
 from screener.audit.collective import comm_device, gather
 from screener.audit.topology import Topology, gather_topology, job_name
@@ -102,13 +104,28 @@ def is_sharded(model: Any) -> bool:
     return fsdp_root(model) is not None
 
 
-def _finite(t: torch.Tensor) -> bool:
-    """Whether every element is finite: NaN and Inf propagate through min and max, and one pass
-    over the values cannot overflow the way a norm does."""
+def _scan(t: torch.Tensor) -> tuple[bool, float]:
+    """Whether every element is finite, and the largest magnitude: NaN and Inf propagate through
+    min and max, and one pass over the values cannot overflow the way a norm does."""
     if t.numel() == 0:
-        return True
+        return True, 0.0
     lo, hi = torch.aminmax(t.detach().reshape(-1))
-    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+    lo_f, hi_f = float(lo), float(hi)
+    finite = math.isfinite(lo_f) and math.isfinite(hi_f)
+    return finite, max(abs(lo_f), abs(hi_f)) if finite else float("inf")
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """Whether every element is finite (see _scan)."""
+    return _scan(t)[0]
+
+
+def _bits(x: float) -> int:
+    return int(torch.tensor(float(x), dtype=torch.float64).view(torch.int64).item())
+
+
+def _float(bits: Any) -> float:
+    return float(torch.tensor(int(bits), dtype=torch.int64).view(torch.float64).item())
 
 
 @dataclass
@@ -124,10 +141,14 @@ class _Tap:
     recorded: bool = False
     replay_finite: bool = True
     reduced_finite: bool = True
+    local_mag: float = 0.0  # the largest magnitude of this rank's local gradient
+    reduced_mag: float = 0.0  # ... of its reduced shard
+    replay_mag: float = 0.0
 
     def reset(self) -> None:
         self.local_finite = True
         self.reduced_finite = True
+        self.local_mag = self.reduced_mag = 0.0
         self.recorded = False
         self.fps = torch.zeros(self.n, 2, dtype=torch.int64)
 
@@ -150,12 +171,14 @@ class _Recorder:
         tap = self.tap
         if tap.replaying:
             tap.replay_fps[self.index] = fingerprints([input_tensor])[0]
-            if not _finite(input_tensor):
-                tap.replay_finite = False
+            finite, mag = _scan(input_tensor)
+            tap.replay_finite &= finite
+            tap.replay_mag = max(tap.replay_mag, mag)
             output_tensor.zero_()
             return None
-        if not _finite(input_tensor):
-            tap.local_finite = False
+        finite, mag = _scan(input_tensor)
+        tap.local_finite &= finite
+        tap.local_mag = max(tap.local_mag, mag)
         if tap.record:
             tap.fps[self.index] = fingerprints([input_tensor])[0]
             tap.recorded = True
@@ -182,7 +205,8 @@ def _decode_batch(data: torch.Tensor, device: torch.device) -> Any:
                       weights_only=False)
 
 
-_H_LOSS, _H_LOCAL, _H_REDUCED, _H_STATUS, _H_BYTES = range(5)
+_H_LOSS, _H_LOCAL, _H_REDUCED, _H_STATUS, _H_BYTES, _H_LOCAL_MAG, _H_REDUCED_MAG = range(7)
+_HEAD = 7
 _OK, _NO_BATCH, _NOT_RECORDED = 0, 1, 2
 
 
@@ -203,7 +227,7 @@ class ShardedAuditor:
                  accumulation_steps: int = 1, self_check_every: int = 20,
                  confirm_nonfinite: bool = True, start_step: Optional[int] = None,
                  process_group: Any = None, reduce_hook: Any = None, reduce_state: Any = None,
-                 check_reduced: bool = True) -> None:
+                 check_reduced: bool = True, sentinel: Optional[SentinelConfig] = None) -> None:
         if reduce_hook is not None or reduce_state is not None:
             raise AuditUsageError("screener.audit: reduce_hook is DDP's; an FSDP2 model reduces "
                                   "through fully_shard's reduce-scatter, which the audit records")
@@ -239,6 +263,8 @@ class ShardedAuditor:
         self._last_clean_weights: Optional[int] = None
         self._first_step: Optional[int] = None
         self._closed = False
+        self.sentinel = Sentinel(sentinel)
+        self._verified: Optional[tuple[int, Optional[str]]] = None  # last verified save
         self.counters: Counter[str] = Counter()
 
     # ---- set-up -------------------------------------------------------------------------------
@@ -326,8 +352,10 @@ class ShardedAuditor:
         tap = self._tap
 
         def hook(reduced: torch.Tensor) -> None:
-            if not tap.replaying and not _finite(reduced):
-                tap.reduced_finite = False
+            if not tap.replaying:
+                finite, mag = _scan(reduced)
+                tap.reduced_finite &= finite
+                tap.reduced_mag = max(tap.reduced_mag, mag)
             if theirs is not None:
                 theirs(reduced)
 
@@ -386,6 +414,7 @@ class ShardedAuditor:
                                                                        scaler_scale(self.scaler))
         self._state = None
         local_ok, recorded, own_fps = tap.local_finite, tap.recorded, tap.fps.clone()
+        mags = (tap.local_mag, tap.reduced_mag)
         tap.reset()
         tap.record = self.is_audit_step(step + 1)
         self.counters["steps"] += 1
@@ -397,12 +426,15 @@ class ShardedAuditor:
             _NO_BATCH if data is None else _NOT_RECORDED)
         head = torch.tensor([ring.loss_bits(loss_t), int(local_ok and bool(torch.isfinite(
             loss_t.detach().double()).all())), int(reduced_ok), status,
-            0 if data is None else data.numel()], dtype=torch.int64)
+            0 if data is None else data.numel(), _bits(mags[0]), _bits(mags[1])],
+            dtype=torch.int64)
         if audit:
             head = torch.cat([head, self._codec.encode(state)])
         got = gather(head, None, self._comm)
-        states = (self._decode_states(got[:, 5:]) if audit else None)
+        states = (self._decode_states(got[:, _HEAD:]) if audit else None)
         skipped = self._judge_nonfinite(step, got, state, batch, data)
+        if not skipped:
+            skipped = self._sentinel_step(step, got, state, batch, data)
         if audit and not skipped:
             self._audit(step, got, states, loss_t, own_fps, batch, data)  # type: ignore[arg-type]
 
@@ -425,7 +457,9 @@ class ShardedAuditor:
         mine = self._owners_of.get(self.rank, [])
         received = self._ship({o: self._plan[o] for o in self.topology.ranks
                                if self._plan[o] is not None}, data, sizes)
-        own = torch.cat([torch.tensor([[ring.loss_bits(loss), 1]]), own_fps])
+        own = torch.cat([torch.tensor([[ring.loss_bits(loss), 1],
+                                       [int(got[self.topology.index_of(self.rank), _H_LOCAL_MAG]),
+                                        1]]), own_fps])
         records = [own]
         for i in range(self._rounds):
             owner = mine[i] if i < len(mine) else None
@@ -451,14 +485,15 @@ class ShardedAuditor:
         if self.self_check_every and self._audits_since_self_check >= self.self_check_every:
             self._self_check_due = True
 
-    def _ship(self, send_to: dict[int, Optional[int]], data: Optional[torch.Tensor],
+    def _ship(self, send_to: Any, data: Optional[torch.Tensor],
               sizes: dict[int, int]) -> dict[int, Any]:
-        """Point to point: each owner's batch to the rank named in send_to. Returns the batches
-        this rank received, by owner."""
+        """Point to point: each owner's batch to the rank(s) send_to names ({owner: rank} or a
+        list of (owner, rank) pairs). Returns the batches this rank received, by owner."""
         ops: list[dist.P2POp] = []
         inbox: dict[int, torch.Tensor] = {}
-        for owner, dst in sorted(send_to.items()):
-            if dst is None or dst == owner:
+        pairs = sorted(send_to.items()) if isinstance(send_to, dict) else sorted(set(send_to))
+        for owner, dst in pairs:
+            if dst is None or dst == owner or (dst == self.rank and owner in inbox):
                 continue
             if owner == self.rank and data is not None:
                 ops.append(dist.P2POp(dist.isend, data.to(self._comm), dst))
@@ -482,6 +517,7 @@ class ShardedAuditor:
         tap = self._tap
         tap.replaying = True
         tap.replay_finite = True
+        tap.replay_mag = 0.0
         tap.replay_fps.zero_()
         total: Optional[torch.Tensor] = None
         try:
@@ -503,7 +539,8 @@ class ShardedAuditor:
                 for b, saved_b in buffers:
                     b.copy_(saved_b)
         assert total is not None
-        return torch.cat([torch.tensor([[ring.loss_bits(total), 1]]), tap.replay_fps.clone()])
+        return torch.cat([torch.tensor([[ring.loss_bits(total), 1], [_bits(tap.replay_mag), 1]]),
+                          tap.replay_fps.clone()])
 
     def _judge_self_check(self, step: int, digests: torch.Tensor) -> None:
         """Every rank's record of its own step against its own replay of it."""
@@ -572,7 +609,8 @@ class ShardedAuditor:
         differ = ring.differing_rows(a, b)
         case: dict[str, Any] = {
             "owner": o, "replayer": r, "referee": ref,
-            "differs": [("loss" if k == 0 else self.module_names[k - 1]) for k in differ][
+            "differs": [("loss" if k == 0 else "largest gradient magnitude" if k == 1 else
+                         self.module_names[k - 2]) for k in differ][
                 :_MAX_NAMES], "n_differ": len(differ)}
         if c is None:
             case["verdict"] = "unsettled: fewer than three nodes"
@@ -587,6 +625,93 @@ class ShardedAuditor:
             case["verdict"] = "unsettled: three different results"
             unsettled.update((o, r, ref))
         return case
+
+    # ---- between audits: the sentinel ------------------------------------------------------------
+
+    def _sentinel_step(self, step: int, got: torch.Tensor, state: StepState, batch: Any,
+                       data: Optional[torch.Tensor]) -> bool:
+        """The spike test on every step (sentinel.py); when it fires, attribute the step before
+        the update. Returns True when the step's gradients were dropped (a data spike with
+        on_data="skip"); raises SDCAlarm when a rank's hardware did it."""
+        losses = [abs(_float(x)) for x in got[:, _H_LOSS]]
+        reduced = max(_float(x) for x in got[:, _H_REDUCED_MAG])
+        spike = self.sentinel.check(max(losses), reduced)
+        if spike is None:
+            return False
+        self.counters["sentinel_fired"] += 1
+        ranks = self.topology.ranks
+        column = losses if spike.what == "loss" else [_float(x) for x in got[:, _H_LOCAL_MAG]]
+        suspect = ranks[max(range(len(ranks)), key=lambda k: column[k])]
+        outcome = self._attribute(step, spike, suspect, got, state, batch, data)
+        log_json(logging.WARNING, "sentinel", rank=self.rank, hostname=self.hostname,
+                 node=self.node, step=step, spike=spike.to_dict(), suspect=suspect,
+                 outcome=outcome)
+        self.counters[f"sentinel_{outcome}"] += 1
+        self.sentinel.accept("loss", max(losses))
+        self.sentinel.accept("grad", reduced)
+        if outcome == "data" and self.sentinel.config.on_data == "skip":
+            for p in self._params:
+                p.grad = None
+            return True
+        return False
+
+    def _attribute(self, step: int, spike: Spike, suspect: int, got: torch.Tensor,
+                   state: StepState, batch: Any, data: Optional[torch.Tensor]) -> str:
+        """One lockstep round: the suspect reruns its step, a rank on another node and a
+        referee on a third replay it. Returns "data" or "unattributed"; raises on a fault."""
+        if data is None and (batch is not None or self.batch_fn is not None):
+            batch = batch if batch is not None else self.batch_fn(self.rank, step)  # type: ignore[misc]
+            data = _encode_batch(batch)
+        head = torch.cat([torch.tensor([int(data is not None),
+                                        0 if data is None else data.numel()]),
+                          self._codec.encode(state)])
+        hg = gather(head, None, self._comm)
+        if not (self.can_replay and bool(hg[:, 0].all())):
+            return "unattributed"  # nothing to rerun with: a spike alone is no verdict
+        states = self._decode_states(hg[:, 2:])
+        sizes = {r: int(hg[k, 1]) for k, r in enumerate(self.topology.ranks)}
+        confirmer = self._confirmer(suspect, {suspect})
+        referee = ring.referee_of(self.topology, suspect, confirmer)
+        helpers = [r for r in (confirmer, referee) if r is not None]
+        received = self._ship([(suspect, r) for r in helpers], data, sizes)
+        mine = received.get(suspect) if self.rank in helpers else batch
+        rec = self._lockstep(mine, states[suspect if self.rank in helpers else self.rank])
+        full = gather(rec, None, self._comm)
+        index = self.topology.index_of
+        original = torch.tensor([int(got[index(suspect), _H_LOSS]),
+                                 int(got[index(suspect), _H_LOCAL_MAG])])
+        rerun = full[index(suspect)]
+        verdict = _rerun_verdict(original, rerun,
+                                 None if confirmer is None else full[index(confirmer)],
+                                 None if referee is None else full[index(referee)])
+        if verdict == "data":
+            return "data"
+        evidence = {"spike": spike.to_dict(), "suspect": suspect, "confirmer": confirmer,
+                    "referee": referee, "verdict": verdict,
+                    "loss": {"original": _float(original[0]), "rerun": _float(rerun[0, 0])},
+                    "largest_gradient": {"original": _float(original[1]),
+                                         "rerun": _float(rerun[1, 0])},
+                    "rollback_target": self._verified[1] if self._verified else None,
+                    "last_verified_step": self._verified[0] if self._verified else None}
+        named = [suspect] if verdict in ("transient", "persistent") else []
+        settled = bool(named) and referee is not None
+        self._raise(SDCAlarm("spike_rerun", step, named if settled else (),
+                             self.topology.suspect_nodes(named) if settled else (), settled,
+                             evidence, candidate_ranks=named if settled else [suspect] + helpers,
+                             first_suspect_step=step, key=self._key("spike_rerun", step)))
+        return verdict  # not reached
+
+    def verified_save(self, save_fn: Callable[[], Any], step: int) -> Any:
+        """Run the weight check for `step` (forced), then save_fn(); a failing check raises
+        SDCAlarm and nothing is saved. The path save_fn returns is the rollback target a later
+        spike alarm carries."""
+        step = int(step)
+        self.check_weights(step, force=True)
+        result = save_fn()
+        path = os.fspath(result) if isinstance(result, (str, os.PathLike)) else None
+        self._verified = (step, path)
+        self.counters["verified_saves"] += 1
+        return result
 
     # ---- non-finite -----------------------------------------------------------------------------
 
@@ -782,3 +907,28 @@ class ShardedAuditor:
         log_json(logging.ERROR, "sdc_alarm", rank=self.rank, hostname=self.hostname,
                  node=self.node, files=files, alarm=alarm.to_dict())
         raise alarm
+
+
+def _rerun_verdict(original: torch.Tensor, rerun: torch.Tensor, confirm: Optional[torch.Tensor],
+                   referee: Optional[torch.Tensor]) -> str:
+    """What a spike's rerun says. original: the suspect's (loss bits, largest local gradient
+    bits) of the step; rerun: its own replay's record; confirm, referee: the replays on other
+    nodes. "data": everyone reproduces the spike; "persistent": the suspect reproduces it and
+    the others agree on something else; "transient": the suspect's rerun differs from its own
+    step and agrees with the others; else "unsettled"."""
+    def key(rec: torch.Tensor) -> tuple[int, int]:
+        return int(rec[0, 0]), int(rec[1, 0])
+
+    orig = (int(original[0]), int(original[1]))
+    same = key(rerun) == orig
+    others = [r for r in (confirm, referee) if r is not None]
+    if not others:
+        return "data" if same else "unsettled"
+    agree = all(torch.equal(others[0], r) for r in others)
+    if same and all(key(r) == orig for r in others):
+        return "data"
+    if same and agree and key(others[0]) != orig:
+        return "persistent"
+    if not same and agree and torch.equal(rerun, others[0]):
+        return "transient"
+    return "unsettled"
