@@ -76,3 +76,18 @@ def test_off_means_off():
 def test_thresholds_are_validated_in_one_line(kwargs):
     with pytest.raises(ValueError, match="sentinel"):
         SentinelConfig(**kwargs)
+
+
+def test_the_rerun_verdicts():
+    from screener.audit.sentinel import rerun_verdict
+
+    spike, clean, other = (1, 99, 5, 5), (1, 2, 6, 6), (1, 3, 7, 7)
+    assert rerun_verdict((1, 99), spike, [spike, spike]) == "data"
+    assert rerun_verdict((1, 99), spike, [clean, clean]) == "persistent"
+    assert rerun_verdict((1, 99), clean, [clean, clean]) == "transient"
+    assert rerun_verdict((1, 99), clean, [clean, None]) == "transient"  # no referee
+    assert rerun_verdict((1, 99), clean, [other, clean]) == "unsettled"
+    assert rerun_verdict((1, 99), spike, [clean, other]) == "unsettled"
+    assert rerun_verdict((1, 99), clean, [spike, spike]) == "unsettled"
+    assert rerun_verdict((1, 99), spike, []) == "data"
+    assert rerun_verdict((1, 99), clean, []) == "unsettled"

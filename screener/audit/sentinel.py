@@ -25,9 +25,9 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
-__all__ = ["SentinelConfig", "Sentinel", "Spike"]
+__all__ = ["SentinelConfig", "Sentinel", "Spike", "Rerun", "rerun_verdict"]
 
 
 @dataclass(frozen=True)
@@ -115,3 +115,34 @@ class Sentinel:
         if x > self.config.ratio * median and x - median > self.config.z * 1.4826 * mad:
             return Spike(what, x, median, mad)
         return None
+
+
+# A rerun's or a replay's outcome: (loss bits, largest gradient magnitude bits, digest of every
+# gradient fingerprint as two ints). The first two are what the training step recorded too.
+Rerun = tuple[int, int, int, int]
+
+
+def rerun_verdict(original: tuple[int, int], rerun: Rerun,
+                  others: Sequence[Optional[Rerun]]) -> str:
+    """What a spike's attribution says.
+
+    original: the suspect's (loss bits, largest local gradient bits) in the step that fired;
+    rerun: the suspect's own rerun of that step on its device; others: the replays of it on
+    other nodes (a confirmer, a referee; None where there is none). Returns
+    - "data": the rerun and every replay reproduce the spike bit for bit (no hardware verdict);
+    - "persistent": the suspect reproduces its value, the others agree on another one;
+    - "transient": the suspect's rerun differs from its own step and agrees with the others;
+    - "unsettled": anything else (nobody can be named).
+    """
+    same = rerun[:2] == original
+    replays = [r for r in others if r is not None]
+    if not replays:
+        return "data" if same else "unsettled"
+    agree = all(r == replays[0] for r in replays)
+    if same and all(r[:2] == original for r in replays):
+        return "data"
+    if same and agree and replays[0][:2] != original:
+        return "persistent"
+    if not same and agree and rerun == replays[0]:
+        return "transient"
+    return "unsettled"

@@ -66,7 +66,7 @@ from screener.audit import ring
 from screener.audit.alarms import AuditUsageError, NumericFailure, SDCAlarm, alarm_dir, log_json, node_records, \
     write_alarm_file
 from screener.audit.blast import LIKELY_CAUSES, too_wide
-from screener.audit.sentinel import Sentinel, SentinelConfig, Spike
+from screener.audit.sentinel import Rerun, Sentinel, SentinelConfig, Spike, rerun_verdict
 from screener.audit.capture import StateCodec, StepState, capture, restored, scaler_scale
 from screener.audit.collective import comm_device, gather
 from screener.audit.topology import Topology, gather_topology, job_name
@@ -678,12 +678,11 @@ class ShardedAuditor:
         rec = self._lockstep(mine, states[suspect if self.rank in helpers else self.rank])
         full = gather(rec, None, self._comm)
         index = self.topology.index_of
-        original = torch.tensor([int(got[index(suspect), _H_LOSS]),
-                                 int(got[index(suspect), _H_LOCAL_MAG])])
+        original = (int(got[index(suspect), _H_LOSS]), int(got[index(suspect), _H_LOCAL_MAG]))
         rerun = full[index(suspect)]
-        verdict = _rerun_verdict(original, rerun,
-                                 None if confirmer is None else full[index(confirmer)],
-                                 None if referee is None else full[index(referee)])
+        verdict = rerun_verdict(original, _rerun_key(rerun),
+                                [None if r is None else _rerun_key(full[index(r)])
+                                 for r in (confirmer, referee)])
         if verdict == "data":
             return "data"
         evidence = {"spike": spike.to_dict(), "suspect": suspect, "confirmer": confirmer,
@@ -909,26 +908,7 @@ class ShardedAuditor:
         raise alarm
 
 
-def _rerun_verdict(original: torch.Tensor, rerun: torch.Tensor, confirm: Optional[torch.Tensor],
-                   referee: Optional[torch.Tensor]) -> str:
-    """What a spike's rerun says. original: the suspect's (loss bits, largest local gradient
-    bits) of the step; rerun: its own replay's record; confirm, referee: the replays on other
-    nodes. "data": everyone reproduces the spike; "persistent": the suspect reproduces it and
-    the others agree on something else; "transient": the suspect's rerun differs from its own
-    step and agrees with the others; else "unsettled"."""
-    def key(rec: torch.Tensor) -> tuple[int, int]:
-        return int(rec[0, 0]), int(rec[1, 0])
-
-    orig = (int(original[0]), int(original[1]))
-    same = key(rerun) == orig
-    others = [r for r in (confirm, referee) if r is not None]
-    if not others:
-        return "data" if same else "unsettled"
-    agree = all(torch.equal(others[0], r) for r in others)
-    if same and all(key(r) == orig for r in others):
-        return "data"
-    if same and agree and key(others[0]) != orig:
-        return "persistent"
-    if not same and agree and torch.equal(rerun, others[0]):
-        return "transient"
-    return "unsettled"
+def _rerun_key(record: torch.Tensor) -> Rerun:
+    """A replay record (loss row, magnitude row, module fingerprints) as a Rerun."""
+    d = fingerprints([record[2:]])[0]
+    return int(record[0, 0]), int(record[1, 0]), int(d[0]), int(d[1])
