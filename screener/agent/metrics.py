@@ -38,6 +38,7 @@ from screener._optional import require
 
 require("prometheus_client", "the daemon's metrics endpoint")
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from screener.agent.clock import ClockLike, as_clock
@@ -45,6 +46,36 @@ from screener.errors import ConfigError
 from screener.types import AlarmResult, NodeState, Outcome, ScreenStop, Severity
 
 SCREEN_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, float("inf"))
+
+
+class NeverScreened:
+    """The "never screened since" series of the daemon's node: the Unix time since which the
+    daemon has known the node without a passing screen. A collector, not a gauge: it exists
+    exactly while screener_last_successful_screen_timestamp_seconds has no sample for the node
+    (whoever set that gauge), so the node always has one of the two series, and
+    ScreenerNotScreening sees a node that never passed (adopted on a busy fleet, its GPUs never
+    idle for the window) as well as one whose last pass is old."""
+
+    NAME = "screener_never_screened_since_timestamp_seconds"
+    DOC = ("Unix time since which the daemon has known this node without a passing screen "
+           "(its start); absent once the node has passed one (see "
+           "screener_last_successful_screen_timestamp_seconds).")
+
+    def __init__(self, node: str, since: float, last_success: Gauge) -> None:
+        self.node, self.since, self.last_success = node, since, last_success
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return [GaugeMetricFamily(self.NAME, self.DOC, labels=["node"])]
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        family = GaugeMetricFamily(self.NAME, self.DOC, labels=["node"])
+        if not self._passed():
+            family.add_metric([self.node], self.since)
+        yield family
+
+    def _passed(self) -> bool:
+        return any(s.labels.get("node") == self.node
+                   for m in self.last_success.collect() for s in m.samples)
 
 
 class DaemonMetrics:
@@ -60,6 +91,8 @@ class DaemonMetrics:
         self._declare(self.registry)
         self.intake_problem = ""
         self._seed(node)
+        # Every node the daemon knows has a "last screened" or a "never screened since" series.
+        self.registry.register(NeverScreened(node, self.clock.wall(), self.last_success))
         self._beat = self.clock.monotonic()
         self.last_loop.labels(node).set(self.clock.wall())
         self.ready = False
