@@ -190,7 +190,7 @@ def test_wheel_in_a_fresh_venv_runs_kat_list_and_burnin_from_any_folder(fresh, t
 @pytest.mark.parametrize("args,extra", [
     (["node", "status", "--store", "kube"], "kube"),
     (["hyperpod", "reboot", "hyperpod-i-0123456789abcdef0", "--cluster", "c"], "hyperpod"),
-    (["daemon", "--once"], "metrics"),
+    (["daemon", "--once"], "daemon"),
 ])
 def test_a_missing_extra_is_one_line_naming_it(fresh, args, extra):
     r = _run(fresh, *args)

@@ -126,9 +126,17 @@ def daemon_cmd(app: AppContext, config_path: Optional[str], once: bool, node: Op
 
     Without a cluster configured it keeps node states in the local SQLite store.
     """
+    from screener._optional import MissingExtra
+    from screener.errors import ScreenerError
     from screener.settings.daemon import DaemonConfig
-    from screener.agent.daemon import setup_json_logging
-    from screener.agent.metrics import DaemonMetrics, MetricsServer
+
+    try:  # screener.agent.daemon imports the metrics module too
+        from screener.agent.daemon import setup_json_logging
+        from screener.agent.metrics import DaemonMetrics, MetricsServer
+    except MissingExtra as e:
+        # The daemon needs the metrics client and the Kubernetes one: name the extra with both.
+        raise ScreenerError(str(e).replace(f"screener[{e.extra}]", "screener[daemon]")
+                            .replace("the daemon's metrics endpoint", "screener daemon")) from None
 
     setup_json_logging(getattr(logging, log_level.upper()))
     config = DaemonConfig.load(config_path, environ=app.environ, overrides={

@@ -215,12 +215,24 @@ def golden_record(jobs: tuple[str, ...], devices: tuple[str, ...], out: Optional
     sys.exit(int(rec.exit_code))
 
 
+def _one_golden_dir(positional: Optional[str], option: Optional[str]) -> Optional[str]:
+    """The folder a golden command works on: --golden-dir, as every other command takes it, or
+    the positional GOLDEN_DIR older scripts pass; both only when they agree."""
+    if positional and option and Path(positional).resolve() != Path(option).resolve():
+        raise click.UsageError(f"two golden folders: {positional} and --golden-dir {option}")
+    return option or positional
+
+
 @golden_group.command("verify")
 @click.argument("golden_dir", required=False, type=click.Path(file_okay=False))
+@click.option("--golden-dir", "golden_dir_opt", type=click.Path(file_okay=False), default=None,
+              help="Folder of golden records (default: the installed golden/); the positional "
+                   "GOLDEN_DIR works too.")
 @click.option("--jobs-dir", type=click.Path(file_okay=False), default=None,
               help="Folder of job specs to check staleness against (default: jobs/).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout.")
-def golden_verify(golden_dir: Optional[str], jobs_dir: Optional[str], as_json: bool) -> None:
+def golden_verify(golden_dir: Optional[str], golden_dir_opt: Optional[str],
+                  jobs_dir: Optional[str], as_json: bool) -> None:
     """Validate every golden record in GOLDEN_DIR (default: golden/): schema, checksum, content
     (numbered steps, float bit patterns, 64-bit fingerprints), file name, and that its job
     exists, still has the spec hash it was recorded for and implies its number of steps.
@@ -230,6 +242,7 @@ def golden_verify(golden_dir: Optional[str], jobs_dir: Optional[str], as_json: b
     from screener.known_answer.golden import default_golden_dir, load_dir, spec_problem
     from screener.known_answer.workloads import load_jobs
 
+    golden_dir = _one_golden_dir(golden_dir, golden_dir_opt)
     d = Path(golden_dir) if golden_dir else default_golden_dir()
     if not d.is_dir():
         click.echo(f"screener: golden folder {d} does not exist", err=True)
