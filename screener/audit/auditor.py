@@ -96,6 +96,7 @@ from screener.audit.collective import comm_device, gather
 from screener.audit.hooks import GradientRecorder, StepStats, largest_magnitude
 from screener.audit.refusals import COMPILED_AROUND_DDP, refuse_compiled_wrapper, \
     refuse_placement, refuse_unreplayable
+from screener.audit.sentinel import SentinelConfig, Sentinel, Spike, rerun_verdict
 from screener.audit.sharded import ShardedAuditor, is_sharded
 from screener.audit.topology import Topology, gather_topology, job_name
 from screener.audit.vote import vote
@@ -199,7 +200,8 @@ class Auditor:
                  job: Optional[str] = None, alarm_dir: Optional[str | os.PathLike[str]] = None,
                  check_reduced: bool = True, confirm_nonfinite: bool = True,
                  topology: Optional[Topology] = None, scaler: Any = None,
-                 accumulation_steps: int = 1, self_check_every: int = 20) -> None:
+                 accumulation_steps: int = 1, self_check_every: int = 20,
+                 sentinel: Optional[SentinelConfig] = None) -> None:
         refuse_compiled_wrapper(model)
         module = getattr(model, "module", None)
         if not isinstance(module, torch.nn.Module) or not hasattr(model, "register_comm_hook"):
@@ -221,6 +223,7 @@ class Auditor:
             raise AuditUsageError(f"screener.audit: scaler must be a torch.amp.GradScaler, not "
                                   f"{type(scaler).__name__}")
         self.scaler = scaler
+        self.sentinel = Sentinel(sentinel)
         refuse_unreplayable(module)
         self.group = process_group if process_group is not None \
             else getattr(model, "process_group", None)
@@ -243,6 +246,7 @@ class Auditor:
         self._last_clean_audit: Optional[int] = None
         self._last_clean_weights: Optional[int] = None
         self._verified: Optional[tuple[int, str]] = None  # (step, weights digest) of the last pass
+        self._verified_path: Optional[str] = None  # what the last verified save wrote
         self.counters: Counter[str] = Counter()
 
     # ---- set-up, in the order __init__ runs it ---------------------------------------------------
@@ -305,7 +309,8 @@ class Auditor:
             self._grad_params, reduce_hook=reduce_hook,
             reduce_state=self.group if reduce_state is _GROUP else reduce_state,
             check_reduced=check_reduced,
-            grads_are_bucket_views=bool(getattr(model, "gradient_as_bucket_view", False)))
+            grads_are_bucket_views=bool(getattr(model, "gradient_as_bucket_view", False)),
+            measure_local=self.sentinel.config.enabled)
         if start_step is None:
             self._recorder.record_step = _UNKNOWN if self._audits_on() else None
         else:
@@ -413,9 +418,14 @@ class Auditor:
                             reduced.to(self._comm, torch.float64)])
         if not self.is_audit_step(step):
             g = gather(head, self.group, self._comm)  # (world, 3)
-            self._judge_nonfinite(step, g, lambda: self._gather_states(state))
+            if not self._judge_nonfinite(step, g, lambda: self._gather_states(state)):
+                self._sentinel_step(step, g, lambda: self._gather_states(state))
             return
         self._audit(step, loss, stats, state, head)
+        # an audit step that passed: its values join the sentinel's baseline (a spike the ring
+        # replay reproduced is the data's)
+        self.sentinel.accept("loss", abs(float(head[0])))
+        self.sentinel.accept("grad", float(head[1]))
 
     def _audit(self, step: int, loss: Any, stats: StepStats, state: StepState,
                head: torch.Tensor) -> None:
@@ -827,6 +837,82 @@ class Auditor:
             unsettled.update((o, r, ref))
         return case
 
+    # ---- between audits: the sentinel (sentinel.py) ------------------------------------------------
+
+    def _sentinel_step(self, step: int, g: torch.Tensor,
+                       states: Callable[[], dict[int, StepState]]) -> None:
+        """The spike test on a step without an audit; when it fires, attribution before the
+        update: the data (no alarm), or SDCAlarm("spike_rerun") for a rank's fault."""
+        losses = [abs(float(x)) for x in g[:, 0]]
+        local = [float(x) for x in g[:, 1]]
+        spike = self.sentinel.check(max(losses), max(local))
+        if spike is None:
+            return
+        self.counters["sentinel_fired"] += 1
+        column = losses if spike.what == "loss" else local
+        ranks = self.topology.ranks
+        suspect = ranks[max(range(len(ranks)), key=lambda k: column[k])]
+        index = self.topology.index_of(suspect)
+        original = (ring.loss_bits(float(g[index, 0])), ring.loss_bits(float(g[index, 1])))
+        outcome = self._attribute(step, spike, suspect, original, states)
+        log_json(logging.WARNING, "sentinel", rank=self.rank, hostname=self.hostname,
+                 node=self.node, step=step, spike=spike.to_dict(), suspect=suspect,
+                 outcome=outcome)
+        self.counters[f"sentinel_{outcome}"] += 1
+        self.sentinel.accept("loss", max(losses))
+        self.sentinel.accept("grad", max(local))
+        if outcome == "data" and self.sentinel.config.on_data == "skip":
+            for p in self._grad_params:
+                p.grad = None
+
+    def _attribute(self, step: int, spike: Spike, suspect: int, original: tuple[int, int],
+                   states: Callable[[], dict[int, StepState]]) -> str:
+        """The suspect reruns its step, a rank on another node and a referee on a third replay
+        it (replays are local to each rank here); one gather of what each got. Returns "data"
+        or "unattributed"; raises SDCAlarm for a fault."""
+        if not self.can_replay:
+            return "unattributed"  # nothing to rerun with: a spike alone is no verdict
+        owner_states = states()
+        confirmer = self._confirmer(suspect, {suspect})
+        referee = ring.referee_of(self.topology, suspect, confirmer)
+        row = torch.zeros(5, dtype=torch.int64)
+        error: Optional[BaseException] = None
+        if self.rank in (suspect, confirmer, referee):
+            try:
+                rl, rg = self._replay(suspect, step, owner_states[suspect])
+                d = fingerprints([fingerprints(rg)])[0]
+                mag = float(largest_magnitude(rg, torch.device("cpu")))
+                row = torch.tensor([_OK, ring.loss_bits(rl), ring.loss_bits(mag), int(d[0]),
+                                    int(d[1])], dtype=torch.int64)
+            except Exception as e:  # noqa: BLE001 - reported collectively below
+                error = e
+                row[0] = _error_flag(e)
+        got = gather(row, self.group, self._comm)
+        self._check_errors(got[:, 0], error, step, "the spike rerun")
+        index = self.topology.index_of
+
+        def rerun(r: Optional[int]) -> Any:
+            return None if r is None else tuple(int(x) for x in got[index(r), 1:])
+
+        verdict = rerun_verdict(original, rerun(suspect), [rerun(confirmer), rerun(referee)])
+        if verdict == "data":
+            return "data"
+        evidence = {"spike": spike.to_dict(), "suspect": suspect, "confirmer": confirmer,
+                    "referee": referee, "verdict": verdict,
+                    "loss": {"original": ring.bits_to_float(original[0]),
+                             "rerun": ring.bits_to_float(int(got[index(suspect), 1]))},
+                    "largest_gradient": {"original": ring.bits_to_float(original[1]),
+                                         "rerun": ring.bits_to_float(int(got[index(suspect), 2]))},
+                    "rollback_target": self._verified_path,
+                    "last_verified_step": self._verified[0] if self._verified else None}
+        named = [suspect] if verdict in ("transient", "persistent") else []
+        settled = bool(named) and referee is not None
+        helpers = [r for r in (confirmer, referee) if r is not None]
+        self._raise(SDCAlarm("spike_rerun", step, named if settled else (),
+                             self.topology.suspect_nodes(named) if settled else (), settled,
+                             evidence, candidate_ranks=named if settled else [suspect] + helpers,
+                             first_suspect_step=step, key=self._key("spike_rerun", step)))
+
     # ---- check 3 -------------------------------------------------------------------------------
 
     def check_weights(self, step: int, *, force: bool = False) -> None:
@@ -885,6 +971,7 @@ class Auditor:
         result = save_fn()
         if isinstance(result, (str, os.PathLike)):
             write_marker(result, step=step, weights_digest=self._verified[1], job=self.config.job)
+            self._verified_path = os.fspath(result)
         self.counters["verified_saves"] += 1
         return result
 

@@ -140,8 +140,12 @@ class GradientRecorder:
 
     def __init__(self, params: Sequence[torch.nn.Parameter], *,
                  reduce_hook: Optional[ReduceHook] = None, reduce_state: Any = None,
-                 check_reduced: bool = True, grads_are_bucket_views: bool = False) -> None:
+                 check_reduced: bool = True, grads_are_bucket_views: bool = False,
+                 measure_local: bool = False) -> None:
         self.params = list(params)
+        # The spike sentinel (sentinel.py) reads every rank's largest local gradient on every
+        # step: one aminmax pass over each bucket before its all-reduce, on the fused path too.
+        self.measure_local = measure_local
         self._row = {id(p): k for k, p in enumerate(self.params)}
         self._fused = reduce_hook is None and not grads_are_bucket_views
         self.reduce_hook: ReduceHook = reduce_hook if reduce_hook is not None else allreduce_hook
@@ -170,7 +174,7 @@ class GradientRecorder:
                 self._reset()
             if self.record_step is not None:
                 self._record_fingerprints(bucket)  # before anything changes the buffer
-            if not fused:
+            if not fused or self.measure_local:
                 self._local[index] = magnitude(buf)
         if fused:
             return self._sum_then_scale(index, buf, bucket.parameters())
@@ -202,12 +206,14 @@ class GradientRecorder:
             found = torch.zeros(1, dtype=torch.float32)
             # One pass: reduced *= 1/world, found = 1 if any element is NaN/Inf.
             torch._amp_foreach_non_finite_check_and_unscale_([reduced], found, inv)
+            local: Optional[torch.Tensor] = None  # keep what was measured before (sentinel)
             if found.item() == 0.0:
-                local = reduced_norm = _ZERO
+                reduced_norm = _ZERO
             else:  # rare: whose was it? .grad still holds this rank's own gradient
                 local, reduced_norm = _local_magnitude(params, reduced.device), magnitude(reduced)
             with self._lock:
-                self._local[index] = local
+                if local is not None or index not in self._local:
+                    self._local[index] = _ZERO if local is None else local
                 if self.check_reduced:
                     self._reduced[index] = reduced_norm
             return reduced

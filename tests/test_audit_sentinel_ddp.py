@@ -1,0 +1,43 @@
+"""The sentinel between audits on DDP: six gloo ranks on three simulated nodes, no audit step at
+all; an exponent flip in one rank's gradient (transient, or still there when the step is rerun)
+and a data spike (one batch's loss times 1000). Ranks: n1 = {0, 1}, n2 = {2, 3}, n3 = {4, 5}."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddp_util import run_ranks
+import sentinel_workers
+
+NODES = ["n1", "n1", "n2", "n2", "n3", "n3"]
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sentinel-ddp")
+    per_rank = run_ranks(sentinel_workers.everything, NODES, timeout=540, root=str(root))
+    return {name: [r[name] for r in per_rank] for name in per_rank[0]}
+
+
+@pytest.mark.parametrize("scenario, verdict", [("transient", "transient"),
+                                               ("persistent", "persistent"),
+                                               ("bucket_view_transient", "transient")])
+def test_a_fault_between_audits_is_attributed_to_its_rank_before_the_update(runs, scenario,
+                                                                            verdict):
+    alarms = [o["alarm"] for o in runs[scenario]]
+    a = alarms[0]
+    assert a is not None and all(x == a for x in alarms), alarms
+    assert (a["check"], a["step"], a["settled"], a["suspect_ranks"]) == ("spike_rerun", 6, True,
+                                                                         [2])
+    assert [n["node"] for n in a["suspect_nodes"]] == ["n2"]
+    assert a["evidence"]["verdict"] == verdict and a["evidence"]["spike"]["what"] == "grad"
+    assert a["evidence"]["largest_gradient"]["original"] > 1e30
+    assert [f["node"] for f in runs[scenario][0]["files"]] == ["n2"]
+    assert all(o["steps_done"] == 5 for o in runs[scenario])  # steps 1-5; step 6 not applied
+
+
+def test_a_data_spike_is_no_hardware_verdict(runs):
+    for o in runs["data"]:
+        assert (o["alarm"], o["numeric"], o["steps_done"], o["files"]) == (None, None, 8, [])
+        assert o["counters"]["sentinel_fired"] == 1 and o["counters"]["sentinel_data"] == 1
