@@ -89,6 +89,18 @@ def main(verbose: int) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+def usage_line(e: click.exceptions.UsageError) -> str:
+    """A click usage error as one line: `screener: <command>: <problem> (see '<command> --help')`."""
+    names, ctx = [], e.ctx
+    while ctx is not None and ctx.parent is not None:  # the root's name is however it was run
+        names.insert(0, ctx.info_name or "")
+        ctx = ctx.parent
+    sub = " ".join(names)
+    path = f"screener {sub}".strip()
+    message = " ".join(e.format_message().split())
+    return f"screener: {sub + ': ' if sub else ''}{message} (see '{path} --help')"
+
+
 def run(args: Optional[Sequence[str]] = None, obj: Any = None) -> NoReturn:
     """Console entry point: run the group and turn our own errors into one line and an exit code.
 
@@ -106,6 +118,11 @@ def run(args: Optional[Sequence[str]] = None, obj: Any = None) -> NoReturn:
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(1)
+    except click.exceptions.UsageError as e:
+        # One line, as every other bad input (click's own show() prints usage, a hint and the
+        # error on three): where, what, and where the help is.
+        click.echo(usage_line(e), err=True)
+        sys.exit(2)
     except click.exceptions.ClickException as e:
         e.show()
         sys.exit(2)  # every click error is a usage or bad-input error

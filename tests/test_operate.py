@@ -46,3 +46,14 @@ def test_golden_verify_takes_golden_dir_and_the_positional(tmp_path):
     assert r.returncode == 2 and str(empty) in r.stderr  # the option is the folder it reads
     r = screener("golden", "verify", str(ROOT / "golden"), "--golden-dir", str(tmp_path))
     assert r.returncode == 2 and "two golden folders" in r.stderr
+
+
+def test_a_usage_error_is_one_line_naming_the_command_and_its_help():
+    for args, words in ((["golden", "verify", "a", "--golden-dir", "b"], "golden verify: two"),
+                        (["kat", "run", "--bogus"], "kat run: No such option '--bogus'"),
+                        (["nope"], "No such command 'nope'")):
+        r = screener(*args)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1, r.stderr
+        assert lines[0].startswith("screener: ") and words in lines[0], lines[0]
+        assert lines[0].endswith("--help')") and "Traceback" not in r.stderr
