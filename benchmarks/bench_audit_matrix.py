@@ -103,7 +103,24 @@ def _row(setup: str, per_rank: list[dict[str, Any]], steps: int) -> dict[str, An
     return {"setup": setup, "healthy_steps": steps, "audited": audits, "scaler_skipped": skipped,
             "alarms": alarms, "numeric": numeric, "refused_or_failed": refused_or_failed,
             "injected": injected, "caught": caught, "settled": settled,
-            "localised": localised, "detail": detail}
+            "localised": localised, "notes": _notes(healthy), "detail": detail}
+
+
+def _notes(healthy: list[dict[str, Any]]) -> str:
+    """What shows that a healthy run exercised what its setup is about."""
+    notes = []
+    graphs = min(o["compiled_graphs"] for o in healthy)
+    if graphs:
+        notes.append(f"{graphs} compiled graph(s) per rank, replays in DDP's forward context: "
+                     f"{all(all(o['replay_contexts']) and o['replay_contexts'] for o in healthy)}")
+    if any(o["replay_backward"] for o in healthy):
+        notes.append("replayed by a backward pass (reentrant checkpoint) on "
+                     f"{sum(o['replay_backward'] for o in healthy)} of {len(healthy)} ranks")
+    grad_max = min(o["grad_max"] for o in healthy)
+    if grad_max >= 1e19:
+        notes.append(f"largest gradient element {grad_max:.3g}, weights finite: "
+                     f"{all(o['weights_finite'] for o in healthy)}")
+    return "; ".join(notes)
 
 
 def _refusals(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -146,11 +163,12 @@ def _report(rows: list[dict[str, Any]], refusals: list[dict[str, Any]], seconds:
     print(f"| total | {tot['healthy_steps']} | | | {tot['alarms']} | {tot['numeric']} | "
           f"{tot['refused_or_failed']} | {tot['injected']} | {tot['caught']} | "
           f"{tot['settled']} | {tot['localised']} |")
+    print()
     for r in refusals:
-        print(f"\nrefused: {r['setup']}: on {r['refused']} of {r['ranks']} ranks, one line, "
+        print(f"refused: {r['setup']}: on {r['refused']} of {r['ranks']} ranks, one line, "
               f"exit 2")
     for r in rows:
-        for d in r["detail"]:
+        for d in ([r["notes"]] if r["notes"] else []) + r["detail"]:
             print(f"  {r['setup']}: {d}")
     return 0 if ok else 1
 

@@ -195,7 +195,12 @@ def fault_matrix(rank: int, world: int, root: str) -> dict[str, Any]:
     run("uneven_start", steps=6, audit_every=2, weights_every=3,
         start_step=1 if rank == 3 else None)
 
-    # Only two nodes: a sub-group of ranks 0-3; ranks 4 and 5 sit this one out.
+    _two_nodes(rank, root, results)
+    return results
+
+
+def _two_nodes(rank: int, root: str, results: dict[str, Any]) -> None:
+    """Only two nodes: a sub-group of ranks 0-3; ranks 4 and 5 sit this one out."""
     sub = dist.new_group([0, 1, 2, 3])
     if rank < 4:
         run_two = os.path.join(root, "two_nodes")
@@ -205,7 +210,6 @@ def fault_matrix(rank: int, world: int, root: str) -> dict[str, Any]:
     dist.barrier()
     if rank < 4:
         results["two_nodes"]["files"] = read_alarm_dir(os.path.join(root, "two_nodes"))
-    return results
 
 
 def three_nodes_persistent(rank: int, world: int, root: str) -> dict[str, Any]:
@@ -447,30 +451,19 @@ def matrix_run(rank: int, setup: str, *, steps: int, alarm_dir: str, fault_rank:
     try:
         for step in range(steps):
             opt.zero_grad(set_to_none=True)
-            forced = s["forced_overflow"] == step
-            if forced:
-                normal = scaler.get_scale()
-                scaler.update(new_scale=2.0 ** 60)
-            micro = s["batch_fn"](rank, step) if k > 1 else [s["batch_fn"](rank, step)]
-            losses = []
-            for i, mb in enumerate(micro):
-                with ddp.no_sync() if i < k - 1 else contextlib.nullcontext():
-                    result = loss_fn(trained, mb)
-                    loss = result[0] if isinstance(result, tuple) else result
-                    (scaler.scale(loss) if scaler is not None else loss).backward()
-                losses.append(result if k == 1 else loss.detach())
-            out["grad_max"] = max(out["grad_max"], max(float(p.grad.abs().max())
-                                                       for p in model.parameters()
-                                                       if p.grad is not None))
-            norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.5) if s["clip"] else None
-            auditor.check_gradients(step, losses[0] if k == 1 else sum(losses), grad_norm=norm)
-            if scaler is not None:
-                scaler.step(opt)
-                scaler.update()
-                if forced:
-                    scaler.update(new_scale=normal)
-            else:
-                opt.step()
+            with _forced_overflow(scaler, s["forced_overflow"] == step):
+                loss = _forward_backward(s, ddp, trained, loss_fn, rank, step)
+                out["grad_max"] = max(out["grad_max"], max(float(p.grad.abs().max())
+                                                           for p in model.parameters()
+                                                           if p.grad is not None))
+                norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.5) if s["clip"] \
+                    else None
+                auditor.check_gradients(step, loss, grad_norm=norm)
+                if scaler is not None:
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    opt.step()
             if after_step is not None:
                 after_step(rank, step, model)
             auditor.check_weights(step)
@@ -483,16 +476,48 @@ def matrix_run(rank: int, setup: str, *, steps: int, alarm_dir: str, fault_rank:
         out["refused"] = str(e)
     except AuditError as e:  # reported, so that one setup's failure does not hide the others
         out["error"] = f"{type(e).__name__}: {e}"
-    out["counters"] = dict(auditor.counters)
-    out["fired"] = len(fired)
-    out["weights_finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
-    out["compiled_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
-    out["replay_contexts"] = s["replay_contexts"]
-    out["replay_backward"] = auditor._replay_mode.backward  # learnt from a reentrant checkpoint
-    out["weights"] = digest(fingerprints(list(model.parameters())))
-    out["scale"] = scaler.get_scale() if scaler is not None else None
+    out.update(counters=dict(auditor.counters), fired=len(fired),
+               compiled_graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs,
+               replay_contexts=s["replay_contexts"],
+               replay_backward=auditor._replay_mode.backward)  # learnt from a reentrant checkpoint
+    out.update(_state_after(model, scaler))
     auditor.close()
     return out
+
+
+@contextlib.contextmanager
+def _forced_overflow(scaler: Any, on: bool) -> Any:
+    """fp16_scaler's forced overflow: the step runs at a scale of 2**60 (every rank overflows),
+    and the scaler's own scale is put back after its update."""
+    if not on:
+        yield
+        return
+    normal = scaler.get_scale()
+    scaler.update(new_scale=2.0 ** 60)
+    yield
+    scaler.update(new_scale=normal)
+
+
+def _forward_backward(s: dict[str, Any], ddp: DDP, trained: torch.nn.Module, loss_fn: Callable,
+                      rank: int, step: int) -> Any:
+    """One step's forward and backward (k micro-batches, all but the last under no_sync), through
+    `trained` (the DDP model, or a compiled wrapper of it); returns what check_gradients takes."""
+    k, scaler = s["k"], s["scaler"]
+    micro = s["batch_fn"](rank, step) if k > 1 else [s["batch_fn"](rank, step)]
+    losses = []
+    for i, mb in enumerate(micro):
+        with ddp.no_sync() if i < k - 1 else contextlib.nullcontext():
+            result = loss_fn(trained, mb)
+            loss = result[0] if isinstance(result, tuple) else result
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        losses.append(result if k == 1 else loss.detach())
+    return losses[0] if k == 1 else sum(losses)
+
+
+def _state_after(model: torch.nn.Module, scaler: Any) -> dict[str, Any]:
+    return {"weights_finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
+            "weights": digest(fingerprints(list(model.parameters()))),
+            "scale": scaler.get_scale() if scaler is not None else None}
 
 
 def _refusal(rank: int, build: Callable[[], Any]) -> Optional[str]:
