@@ -11,6 +11,9 @@ machine noise hits all of them alike:
                  pass of its own, then the all-reduce)
     auditor      DDP + Auditor on steps without an audit (check 1 only: the hook's sum all-reduce,
                  then one fused pass that divides and checks finiteness; one small all_gather)
+    no-sentinel  the same with the spike sentinel off (Auditor(sentinel=SentinelConfig(
+                 enabled=False))): `auditor` minus the sentinel's largest-magnitude pass over
+                 each bucket before its all-reduce (issue 21)
     auditor-norms the same with Auditor(reduce_hook=allreduce_hook): the generic path a reduce
                  hook of the caller's takes (and the default one took before issue 16): a norm
                  of each bucket before, allreduce_hook's division, a norm after
@@ -68,7 +71,8 @@ SIZES = {
     # ~9 M parameters, a step of a few hundred ms on one core
     "large": dict(vocab=8192, d_model=256, n_heads=8, d_ff=1024, seq=64, n_layers=6, batch=2),
 }
-CONFIGS = ("plain", "hook", "auditor", "auditor-norms", "audit", "plain+clip", "auditor+clip")
+CONFIGS = ("plain", "hook", "auditor", "no-sentinel", "auditor-norms", "audit", "plain+clip",
+           "auditor+clip")
 
 
 def _free_port() -> int:
@@ -102,6 +106,7 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: 
 
     from screener.known_answer import synthetic
     from screener.audit import Auditor
+    from screener.audit.sentinel import SentinelConfig
     from screener.audit.capture import capture
     from screener.fingerprint import fingerprints
 
@@ -124,10 +129,11 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: 
             auditor = None
             if name == "hook":
                 ddp.register_comm_hook(None, allreduce_hook)
-            elif name in ("auditor", "auditor-norms", "audit", "auditor+clip"):
+            elif name in ("auditor", "no-sentinel", "auditor-norms", "audit", "auditor+clip"):
                 auditor = Auditor(ddp, loss_fn=synthetic.compute_loss, batch_fn=batch_fn,
                                   audit_every=1 if name == "audit" else 0, weights_every=0,
                                   check_reduced=name != "auditor+clip",
+                                  sentinel=SentinelConfig(enabled=name != "no-sentinel"),
                                   reduce_hook=allreduce_hook if name == "auditor-norms" else None)
             runs[name] = {"model": model, "ddp": ddp, "auditor": auditor,
                           "opt": torch.optim.SGD(model.parameters(), lr=1e-3), "times": [], "own": [],
