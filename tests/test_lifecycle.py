@@ -449,3 +449,16 @@ def test_lemon_rule_counts_failures_stamped_after_now():
     old = [failure("n1", NOW - 31 * DAY), failure("n1", NOW + DAY)]
     assert decide("n1", S.HEALTHY, alarm(True), now=NOW, history=old,
                   fleet=FleetCounts(100, 0)).state == S.QUARANTINED
+
+
+def test_a_spike_rerun_alarm_moves_the_node_as_any_alarm_does():
+    """The sentinel's attribution (check spike_rerun): settled quarantines with its own
+    reason, unsettled makes the node suspect; an alarm file of it passes AlarmRecord's check."""
+    rec = dataclasses.replace(alarm(True), check="spike_rerun")
+    assert AlarmRecord.from_dict(rec.to_dict()).check == "spike_rerun"
+    d = decide("n1", S.HEALTHY, rec, now=NOW, fleet=FleetCounts(total=100, out_of_service=0))
+    assert [t.to_state for t in d.transitions] == [S.QUARANTINED]
+    assert d.transitions[0].code == "SpikeRerunMismatch"
+    d = decide("n1", S.HEALTHY, dataclasses.replace(alarm(False), check="spike_rerun"), now=NOW,
+               fleet=FleetCounts(total=100, out_of_service=0))
+    assert [t.to_state for t in d.transitions] == [S.SUSPECT]
