@@ -4,10 +4,11 @@ between audits, and a data spike. Runs in the processes tests/ddp_util.py starts
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,20 @@ def batch_fn(rank: int, step: int) -> tuple:
     tokens, targets = synthetic.batch_for(SEED, rank, step, batch=2, seq=SHAPE["seq"],
                                           vocab=SHAPE["vocab"])
     return tokens, targets, 1000.0 if (rank, step) == (0, 6) else 1.0
+
+
+@dataclass(frozen=True)
+class SpikyBatches:
+    """batch_fn with the loss of the listed (rank, step) batches scaled by `factor`: real data
+    spikes, which every replay reproduces (picklable, for spawned ranks)."""
+
+    spikes: tuple[tuple[int, int], ...]
+    factor: float = 1000.0
+
+    def __call__(self, rank: int, step: int) -> tuple:
+        tokens, targets = synthetic.batch_for(SEED, rank, step, batch=2, seq=SHAPE["seq"],
+                                              vocab=SHAPE["vocab"])
+        return tokens, targets, self.factor if (rank, step) in self.spikes else 1.0
 
 
 def loss_fn(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
@@ -47,25 +62,32 @@ def exponent_flip() -> contextlib.AbstractContextManager:
 
 
 def train(rank: int, world: int, *, alarm_dir: str, steps: int = 8, fault: bool = False,
-          persistent: bool = False, data_spike: bool = False, bucket_view: bool = False
-          ) -> dict[str, Any]:
-    """Eight steps, no audit step (audit_every=1000 starting at step 1), the sentinel on."""
+          persistent: bool = False, data_spike: bool = False, bucket_view: bool = False,
+          spec: Optional[dict[str, Any]] = None, sentinel: bool = True, warmup: int = 3,
+          batches: Optional[Callable] = None) -> dict[str, Any]:
+    """Eight steps, no audit step (audit_every=1000 starting at step 1), the sentinel on.
+
+    fault: the exponent flip on rank 2 at step 6 (or `spec`: rank, step, op, call, element, bit,
+    as for faults.FaultSpec); persistent: the fault is still there when the step is rerun."""
+    spec = spec or {"rank": 2, "step": 6}
+    make = exponent_flip if "op" not in spec else (lambda: faults.inject(faults.FaultSpec(
+        spec["op"], call=spec.get("call", 0), element=spec.get("element", 0), bit=spec["bit"])))
     model = synthetic.make_model(SEED, **SHAPE)
     ddp = DDP(model, gradient_as_bucket_view=bucket_view)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    batches: Callable = batch_fn if data_spike else plain_batch_fn
+    batches = batches or (batch_fn if data_spike else plain_batch_fn)
     auditor = Auditor(ddp, loss_fn=loss_fn, batch_fn=batches, audit_every=1000, weights_every=0,
                       alarm_dir=alarm_dir, job="t", start_step=1,
-                      sentinel=SentinelConfig(warmup=3))
+                      sentinel=SentinelConfig(enabled=sentinel, warmup=warmup))
     out: dict[str, Any] = {"rank": rank, "alarm": None, "numeric": None, "steps_done": 0}
     try:
         for step in range(1, steps + 1):
             opt.zero_grad(set_to_none=True)
-            hit = fault and rank == 2 and step == 6
-            with exponent_flip() if hit else contextlib.nullcontext():
+            hit = fault and rank == spec["rank"] and step == spec["step"]
+            with make() if hit else contextlib.nullcontext():
                 loss = loss_fn(ddp, batches(rank, step))
                 loss.backward()
-            with exponent_flip() if hit and persistent else contextlib.nullcontext():
+            with make() if hit and persistent else contextlib.nullcontext():
                 auditor.check_gradients(step, loss)
             opt.step()
             out["steps_done"] += 1

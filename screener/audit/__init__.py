@@ -1,4 +1,4 @@
-"""In-job silent data corruption checks for PyTorch DDP: a few lines in an existing training loop.
+"""In-job silent data corruption checks for PyTorch DDP, FSDP2 and HSDP: a few lines in a loop.
 
     from screener.audit import Auditor, SDCAlarm, rollback_target, run_guarded
 
@@ -16,12 +16,18 @@
     sys.exit(shutdown(run_guarded(main)))  # SDCAlarm -> 75, numeric -> 76, peer lost -> 77,
                                            # a setup it refuses -> 2, its own failure -> 1
 
+The same Auditor takes a model sharded with fully_shard (FSDP2, HSDP); pass the loop's batch
+instead of a batch_fn: `auditor.check_gradients(step, loss, batch=batch)` (screener.audit.sharded).
+
 Modules, one job each: topology (rank -> node, host, instance), hooks (the DDP comm hook recording
-local gradients), ring (replay assignment and recomputation), vote (majority over replicas), alarms
-(SDCAlarm, the exception classes and alarm files), refusals (the setups refused, and why),
-checkpoints (verified-save markers, rollback target), guard (exit codes), auditor (the checks in
-order). Imports only torch, the standard library, screener.types and
-screener.fingerprint.
+local gradients), sharded (the audit of FSDP2 and HSDP models: reduce-scatter recorders, lockstep
+replays), ring (replay assignment and recomputation), sentinel (the spike test between audits and
+the verdict of its rerun), vote (majority over replicas), blast (the blast-radius rule), capture
+(RNG states and loss scale a replay starts from), collective (the gathers), alarms (SDCAlarm, the
+exception classes and alarm files), refusals (the setups refused, and why), checkpoints
+(verified-save markers, rollback target), guard (exit codes), straggler (slow ranks), auditor (the
+DDP checks in order, and the one entry point). Imports only torch, the standard library,
+screener.types and screener.fingerprint.
 """
 
 from __future__ import annotations
