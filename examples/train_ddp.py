@@ -41,6 +41,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -104,11 +105,15 @@ def simulated_node(local_rank: int, nproc: int, nodes: int) -> str:
     return f"hyperpod-i-{local_rank * nodes // nproc + 1:017x}"
 
 
+CREATED: list[str] = []  # temporary directories this run made (rank 0 removes them at the end)
+
+
 def shared_dir(path: Optional[str], what: str) -> Path:
     """A directory every rank agrees on: the given one, or one rank 0 creates and broadcasts."""
     box = [path]
     if path is None and dist.get_rank() == 0:
         box = [tempfile.mkdtemp(prefix=f"screener-{what}-")]
+        CREATED.append(box[0])
     dist.broadcast_object_list(box, src=0)
     Path(box[0]).mkdir(parents=True, exist_ok=True)
     return Path(box[0])
@@ -205,6 +210,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         say(f"alarm directory: {os.environ[ALARM_DIR_ENV]}")
         code = run_guarded(train, args)  # train's models are gone when it returns
         say(f"exit code {code}")
+        for d in CREATED:  # a demo leaves nothing behind in /tmp; pass --alarm-dir to keep them
+            shutil.rmtree(d, ignore_errors=True)
+            say(f"removed {d} (pass --alarm-dir / --ckpt-dir to keep the files)")
     except BaseException:
         shutdown(1)  # a bug of ours: still tear down in order, then show the traceback
         raise

@@ -26,6 +26,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -159,17 +160,22 @@ def main(argv: Optional[list[str]] = None) -> int:
         local, nproc = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
         os.environ[NODE_NAME_ENV] = f"hyperpod-i-{local * args.nodes // nproc + 1:017x}"
     dist.init_process_group("gloo")
+    created: list[str] = []  # a temporary alarm folder of ours, removed at the end
     try:
         if ALARM_DIR_ENV not in os.environ or args.alarm_dir:
             box = [args.alarm_dir]
             if box[0] is None and dist.get_rank() == 0:
                 box = [tempfile.mkdtemp(prefix="screener-alarms-")]
+                created.append(box[0])
             dist.broadcast_object_list(box, src=0)
             Path(box[0]).mkdir(parents=True, exist_ok=True)
             os.environ[ALARM_DIR_ENV] = box[0]
         say(f"alarm directory: {os.environ[ALARM_DIR_ENV]}")
         code = run_guarded(train, args)
         say(f"exit code {code}")
+        for d in created:
+            shutil.rmtree(d, ignore_errors=True)
+            say(f"removed {d} (pass --alarm-dir to keep the alarm files)")
     except BaseException:
         shutdown(1)
         raise

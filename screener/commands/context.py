@@ -89,6 +89,7 @@ class AppContext:
             if choice.context:
                 extra["context"] = choice.context
             opened = open_store("kube", kubeconfig=choice.kubeconfig, spool=choice.spool, **extra)
+        log.debug("store: %s (%s)", kind, choice.db or choice.kubeconfig or "default location")
         self._on_close(opened.close)
         return opened
 

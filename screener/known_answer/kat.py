@@ -20,6 +20,7 @@ any device runs (prevalidate_goldens).
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
@@ -32,6 +33,9 @@ from screener.known_answer.protocol import DEFAULT_THREADS
 from screener.known_answer.recording import RecordResult, write_goldens
 from screener.known_answer.supervise import DEFAULT_TIMEOUT, Progress, execute
 from screener.known_answer.workloads import JobSpec, select_jobs
+
+
+log = logging.getLogger("screener.kat")
 
 
 def quick_jobs(jobs_dir: Optional[str] = None) -> list[JobSpec]:
@@ -85,6 +89,8 @@ def golden_lookup(golden_dir: Optional[str]) -> GoldenLookup:
         key = (spec.name, platform_hash)
         if key not in cache:
             cache[key] = _golden.find(d, spec, platform_hash)
+            log.debug("golden for %s on platform %s: %s", spec.name, platform_hash,
+                      getattr(cache[key], "path", None) or f"none in {d}")
         return cache[key]
 
     def siblings(spec: JobSpec, platform: Mapping[str, Any]) -> list[Any]:

@@ -15,6 +15,7 @@ What each means for the verdict is screener.known_answer.judgment's business.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import queue
 import signal
@@ -34,6 +35,8 @@ from screener.known_answer.results import JobResult
 from screener.known_answer.runs import DeviceRun
 from screener.known_answer.workloads import JobSpec
 from screener.types import RunStatus
+
+log = logging.getLogger("screener.kat")
 
 DEFAULT_TIMEOUT = 300.0
 STARTUP_TIMEOUT = 120.0  # importing torch and creating a CUDA context can be slow on a busy node
@@ -223,10 +226,15 @@ def execute(specs: Sequence[JobSpec], devices: Sequence[str], *, iterations: Opt
                 faults=[f.to_dict() for f in (faults or {}).get(device, ())])
             children.append(_Child(device, request, events, python or sys.executable))
             children[-1].run.faults = list(request["faults"])
+            log.debug("child for %s: pid %d, %d job(s), iterations %s, duration %s, timeout %g s",
+                      device, children[-1].proc.pid, len(specs), iterations, duration, timeout)
         _watch(children, events, timeout, startup, progress)
     finally:
         for child in children:
             if child.proc.poll() is None:  # timed out, or we are unwinding an exception
                 child.kill()
             child.finish()
+    for c in children:
+        log.debug("child for %s ended: %s%s after %.1f s", c.device, c.run.status,
+                  f" ({c.run.detail})" if c.run.detail else "", c.run.seconds)
     return {c.device: c.run for c in children}
