@@ -171,13 +171,34 @@ def test_malformed_files_are_rejected_with_one_log_line_and_the_rest_applied(tmp
     assert store.get_state(NODE) == NodeState.QUARANTINED
 
 
-def test_files_about_other_nodes_are_left_for_their_daemon(tmp_path, store):
+def test_files_about_other_nodes_are_moved_aside_once(tmp_path, store):
+    """Issue 23.2: a file about another node can never apply here (each node's folder is its
+    own): it goes to rejected/ in the first pass and costs nothing after."""
     clock = Clock()
     alarms = tmp_path / "alarms"
     drop(alarms, alarm("other", node="gpu-node-2"))
-    result = make_intake(alarms, store, clock).run()
-    assert result.foreign == ["other.json"] and result.count == 0
+    intake = make_intake(alarms, store, clock)
+    result = intake.run()
+    assert result.foreign == ["other.json"] and result.rejected == ["other.json"]
+    assert (alarms / "rejected" / "other.json").exists() and not (alarms / "other.json").exists()
+    assert store.get_state(NODE) is None
+    again = intake.run()
+    assert again.foreign == [] and again.read_bytes == 0
+
+
+def test_in_a_shared_folder_files_about_other_nodes_are_left_and_not_read_again(tmp_path, store):
+    clock = Clock()
+    alarms = tmp_path / "alarms"
+    drop(alarms, alarm("other", node="gpu-node-2"))
+    intake = AlarmIntake(alarms, NODE, lambda r: apply_event(store, NODE, r, now=clock()),
+                         foreign="leave")
+    first = intake.run()
+    assert first.foreign == ["other.json"] and first.count == 0 and first.read_bytes > 0
     assert (alarms / "other.json").exists()
+    second = intake.run()
+    assert second.foreign == ["other.json"] and second.read_bytes == 0  # remembered, unread
+    drop(alarms, alarm("other", node="gpu-node-2", step=8))  # changed: read once more
+    assert intake.run().read_bytes > 0
     assert store.get_state(NODE) is None
 
 

@@ -52,7 +52,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from screener.agent.burnin import (BurninRequirement, crosscheck_digests_stage, missing_for_full,
                                    probe_report_stage)
 from screener.agent.clock import ClockLike, StampClock, as_clock
-from screener.agent.intake import AlarmIntake, IntakeResult, applied_in_history
+from screener.agent.intake import AlarmIntake, IntakeLimits, IntakeResult, applied_in_history
 from screener.agent.metrics import DaemonMetrics
 from screener.agent.screening import (KIND_FULL, KIND_QUICK, ScreeningWindow, ScreenOutcome,
                                       ScreenRunner, TaintControl)
@@ -159,7 +159,8 @@ class PassReport:
             "alarms": {"applied": [r.alarm_id for r in self.intake.applied],
                        "duplicates": list(self.intake.duplicates),
                        "rejected": list(self.intake.rejected),
-                       "foreign": list(self.intake.foreign), "failed": list(self.intake.failed)},
+                       "foreign": list(self.intake.foreign), "failed": list(self.intake.failed),
+                       "deferred": self.intake.deferred},
             "transitions": self.transitions, "probed": self.probed, "findings": self.findings,
             "conditions": self.conditions,
             "activity": self.activity.to_dict() if self.activity else None, "idle": self.idle,
@@ -197,6 +198,7 @@ class Daemon:
         seconds) or None when unknown, for the adoption rule. commit_kmsg(): saves the kernel-log
         position (DeferredKernelLogReader.commit) once what it read is durable, or None.
         boot_time(): when the host booted (an Xid before it was recovered by the reboot).
+        uid: the uid that must own the alarm folder (default: the daemon's own).
     clock: a clock.Clock (wall and monotonic) or one callable standing for both (a test clock
         that never steps); default the system's. Every interval runs on its monotonic clock and
         every history stamp comes from a StampClock over it, so a stepped wall clock neither
@@ -215,7 +217,8 @@ class Daemon:
                  reap: Optional[Callable[[], Any]] = None,
                  node_created: Optional[Callable[[], Optional[float]]] = None,
                  commit_kmsg: Optional[Callable[[], None]] = None,
-                 boot_time: Callable[[], float] = host.boot_time) -> None:
+                 boot_time: Callable[[], float] = host.boot_time,
+                 uid: Optional[int] = None) -> None:
         self.config = config
         self.node = config.node
         self.store = store
@@ -233,7 +236,12 @@ class Daemon:
         # Both take this pass's report with each call (tick binds it), not at construction.
         self.intake = AlarmIntake(config.alarm_dir, self.node,
                                   already_applied=self._alarm_applied_before,
-                                  processed_keep=config.processed_keep)
+                                  limits=IntakeLimits(pass_s=config.intake_pass_s,
+                                                      pass_bytes=config.intake_pass_bytes,
+                                                      processed_keep=config.processed_keep,
+                                                      rejected_keep=config.rejected_keep,
+                                                      max_age_s=config.aside_max_age_s),
+                                  foreign=config.foreign_alarms, uid=uid, clock=self.clock)
         self.window = ScreeningWindow(self.node, taint, runner,
                                       time_cap_s=config.screen_time_cap_s, poll_s=config.job_poll_s,
                                       clock=self.clock.monotonic, stop=self.stop,
@@ -522,15 +530,24 @@ class Daemon:
                            "settled": record.settled, "job": record.job,
                            "latency_s": round(latency, 3) if latency is not None else None})
 
+    def _between_files(self) -> bool:
+        """Between two alarm files: the loop is alive (/healthz), and a SIGTERM ends the pass."""
+        self.metrics.beat()
+        return not self.stop.is_set()
+
     def _alarm_applied_before(self, record: AlarmRecord) -> bool:
         return applied_in_history(self.store.history(self.node), record.alarm_id)
 
     def _intake(self, report: PassReport) -> None:
-        result = self.intake.run(apply=lambda record: self._apply_alarm(record, report))
+        result = self.intake.run(apply=lambda record: self._apply_alarm(record, report),
+                                 keep_going=self._between_files)
         report.intake = result
         self.metrics.alarm(AlarmResult.DUPLICATE, len(result.duplicates))
         self.metrics.alarm(AlarmResult.REJECTED, len(result.rejected))
-        self.metrics.intake_pass(len(result.stuck), result.stalled)  # /readyz and a gauge
+        self.metrics.intake_pass(len(result.stuck), result.stalled, result.refused,
+                                 result.deferred)  # /readyz and gauges
+        if result.refused:
+            raise ScreenerError(f"alarm intake refused: {result.refused}")
         if result.stalled:
             raise ScreenerError(f"alarm intake stalled: {result.stalled}")
         if result.failed:

@@ -151,8 +151,9 @@ def daemon_passes(nodes: Sequence[str], alarm_dir: Path, store: Any, *, taint: A
 
     reports = {}
     for node in nodes:
+        # The simulated nodes share one alarm folder: each leaves the others' files to them.
         config = DaemonConfig(node=node, alarm_dir=str(alarm_dir), screens=False, metrics_port=-1,
-                              idle_window_s=0.0, probes=probe_cfg)
+                              idle_window_s=0.0, probes=probe_cfg, foreign_alarms="leave")
         daemon = Daemon(config, store=store, probe=probe, runner=no_screens, taint=taint,
                         clock=clock)
         reports[node] = daemon.tick(once=True)

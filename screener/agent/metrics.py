@@ -12,7 +12,8 @@ Health:
   /readyz (readiness) answers 200 once the daemon has started (store opened, stale taint cleared,
     node state known) and until it begins to shut down, else 503; also 503 while the alarm
     intake is stalled (the alarm folder cannot be listed, or alarm files sit in it that can be
-    neither taken nor moved aside), with the reason in the body.
+    neither taken nor moved aside) or refuses the folder (not the daemon's own), with the reason
+    in the body.
 
 Exposure: the server binds the address it is given (the pod IP in the manifests, not 0.0.0.0),
 reads a request within `read_timeout_s` and holds at most `max_connections` connections: a new
@@ -138,6 +139,13 @@ class DaemonMetrics:
         self.intake_stalled = Gauge("screener_alarm_intake_stalled", "1 while the alarm intake "
                                     "cannot list its folder or files sit in it that can be "
                                     "neither taken nor moved aside.", ["node"], registry=r)
+        self.intake_refused = Gauge("screener_alarm_intake_refused", "1 while the alarm intake "
+                                    "refuses its folder: not owned by the daemon's uid, or an "
+                                    "aside folder that cannot be made the daemon's own.",
+                                    ["node"], registry=r)
+        self.alarm_files_deferred = Gauge("screener_alarm_files_deferred", "Alarm files the last "
+                                          "intake pass left for the next one (its time or byte "
+                                          "budget was spent).", ["node"], registry=r)
         self.alarm_files_stuck = Gauge("screener_alarm_files_stuck", "Alarm files skipped "
                                        "because they could not be moved aside.", ["node"],
                                        registry=r)
@@ -147,6 +155,8 @@ class DaemonMetrics:
         only at its first increment misses that increment."""
         self.intake_stalled.labels(node).set(0)
         self.alarm_files_stuck.labels(node).set(0)
+        self.intake_refused.labels(node).set(0)
+        self.alarm_files_deferred.labels(node).set(0)
         for o in Outcome:
             self.screens.labels(node, o.value)
             self.verdicts.labels(node, o.value)
@@ -186,11 +196,15 @@ class DaemonMetrics:
         if outcome == Outcome.PASS and passed_at is not None:
             self.last_success.labels(self.node).set(passed_at)
 
-    def intake_pass(self, stuck: int, stalled: str = "") -> None:
-        """Record how an intake pass ended: files it had to skip, and why it could not run."""
+    def intake_pass(self, stuck: int, stalled: str = "", refused: str = "",
+                    deferred: int = 0) -> None:
+        """Record how an intake pass ended: files it had to skip or left for the next pass, and
+        why it could not run (stalled) or would not (refused)."""
         self.alarm_files_stuck.labels(self.node).set(stuck)
-        problem = stalled or (f"{stuck} alarm file(s) can be neither taken nor moved aside"
-                              if stuck else "")
+        self.alarm_files_deferred.labels(self.node).set(deferred)
+        self.intake_refused.labels(self.node).set(1 if refused else 0)
+        problem = refused or stalled or (f"{stuck} alarm file(s) can be neither taken nor moved "
+                                         f"aside" if stuck else "")
         self.intake_problem = problem
         self.intake_stalled.labels(self.node).set(1 if problem else 0)
 

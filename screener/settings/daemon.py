@@ -42,7 +42,9 @@ ENV_PREFIX = "SCREENER_DAEMON_"
 STORE_CHOICES = ("auto", "local", "kube")
 
 
-_STR_FIELDS = ("node", "alarm_dir", "store", "event_namespace", "own_pod", "metrics_host")
+_STR_FIELDS = ("node", "alarm_dir", "store", "event_namespace", "own_pod", "metrics_host",
+               "foreign_alarms")
+FOREIGN_CHOICES = ("reject", "leave")
 _HOUR, _DAY = 3600.0, 86400.0
 _YEAR = 365 * _DAY
 # Every number's range: (low, high, low excluded, an integer). The upper bounds are far past any
@@ -63,6 +65,10 @@ _NUMBERS: dict[str, tuple[float, float, bool, bool]] = {
     "idle_utilization_pct": (1, 100, False, True),
     "metrics_port": (-1, 65535, False, True),  # 0: any free port, -1: none
     "processed_keep": (0, 1_000_000, False, True),
+    "rejected_keep": (0, 1_000_000, False, True),
+    "aside_max_age_s": (0.0, 10 * _YEAR, True, False),
+    "intake_pass_s": (0.0, _HOUR, True, False),
+    "intake_pass_bytes": (1, 2**40, False, True),
     # a repeat is compared with the first, so at least 2
     "burnin_min_iterations": (2, 10_000, False, True),
 }
@@ -97,7 +103,16 @@ class DaemonConfig:
     metrics_host, metrics_port: the one HTTP port serving /metrics, /healthz and /readyz;
         port 0 picks a free port, -1 serves nothing.
     liveness_s: /healthz fails when the loop has not made progress for this long.
-    processed_keep: how many applied alarm files to keep in processed/ (oldest removed first).
+    processed_keep, rejected_keep: how many alarm files processed/ (applied) and rejected/ (bad or
+        not for this node) keep, the oldest removed first; aside_max_age_s: files moved there
+        longer ago than this go too.
+    intake_pass_s, intake_pass_bytes: one intake pass stops after this much time or after reading
+        this many bytes of alarm files (but always takes one file); the rest wait for the next
+        tick, so a flood of files costs a bounded share of the loop.
+    foreign_alarms: what the intake does with a file about another node, which can never apply
+        here: "reject" moves it to rejected/ once; "leave" leaves it for the daemon of the node it
+        names and never reads it again while it is unchanged (a folder several simulated nodes
+        share, as in the fire drill).
     screens: run idle-time known-answer screens at all (off: intake and probes only, as the fire
         drill and a probe-only deployment want).
     publish_digests: after a passing screen, publish its known-answer digests on the Node (kube)
@@ -136,6 +151,11 @@ class DaemonConfig:
     metrics_port: int = 9500
     liveness_s: float = 300.0
     processed_keep: int = 1000
+    rejected_keep: int = 1000
+    aside_max_age_s: float = 14 * _DAY
+    intake_pass_s: float = 2.0
+    intake_pass_bytes: int = 16 * 2**20
+    foreign_alarms: str = "reject"
     screens: bool = True
     publish_digests: bool = True
     burnin_duration_s: float = 3600.0
@@ -162,6 +182,8 @@ class DaemonConfig:
                 raise bad(name, "must be a path (a non-empty string)")
         if self.store not in STORE_CHOICES:
             raise bad("store", f"must be one of {', '.join(STORE_CHOICES)}")
+        if self.foreign_alarms not in FOREIGN_CHOICES:
+            raise bad("foreign_alarms", f"must be one of {', '.join(FOREIGN_CHOICES)}")
         if self.adopt not in ("auto", "off"):
             raise bad("adopt", "must be auto or off")
         for name, (low, high, low_open, integer) in _NUMBERS.items():
