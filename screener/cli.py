@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "fingerprint": ("screener.commands.basic", "fingerprint_cmd",
                     "Fingerprint the tensors of a checkpoint, or compare two."),
     "probe": ("screener.commands.probe", "probe_cmd", "Run the GPU and host health probes once."),
+    "preflight": ("screener.commands.preflight", "preflight_cmd", "Gate a job at its start: probes, then a quick known-answer subset."),
     "hyperpod": ("screener.commands.remediate", "hyperpod_group", "SageMaker HyperPod: deep health check, reboot, replace."),
     "correlate": ("screener.commands.remediate", "correlate_cmd", "What a node's DCGM telemetry in Prometheus did around an alarm."),
     "plan": ("screener.commands.remediate", "plan_cmd", "Checkpoint interval (Young) and goodput from MTTF and restart time."),

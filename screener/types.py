@@ -137,6 +137,7 @@ class Reason(StrValue):
     HARDWARE_ERROR_IN_JOB = "HardwareErrorInJob"
     REPEATED_FAILURES = "RepeatedFailures"
     RESET_REQUIRED = "ResetRequired"
+    PREFLIGHT = "PreflightFailed"  # screener preflight at a job's start: probes or known answers
     # the lifecycle's own moves
     NEW_NODE = "NewNode"
     KAT_PASSED = "KnownAnswerPassed"
@@ -158,6 +159,9 @@ ALARM_CHECK_REASONS: Mapping[str, Reason] = {
     "straggler": Reason.STRAGGLER,  # screener.audit.straggler: a rank slower than its peers for w steps
     # screener.audit.run_guarded: a worker ended with 75 on a hardware error (ECC, uncorrectable)
     "hardware_error": Reason.HARDWARE_ERROR_IN_JOB,
+    # screener preflight (a job's init container): a suspect probe or known-answer mismatch,
+    # always unsettled (one signal: the daemon confirms with its own screen)
+    "preflight": Reason.PREFLIGHT,
 }
 
 

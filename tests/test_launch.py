@@ -160,7 +160,8 @@ def test_the_training_job_runs_torchrun_under_the_launcher_and_matches_its_codes
     cmd = c["command"]
     assert cmd[:3] == ["screener", "launch", "--"] and is_torchrun(cmd[3:]) is not None
     rules = {r["action"]: r["onExitCodes"]["values"] for r in job["spec"]["podFailurePolicy"]["rules"]
-             if "onExitCodes" in r}
+             if "onExitCodes" in r and r["onExitCodes"]["containerName"] == c["name"]}
     assert 75 in rules["FailJob"] and rules["Ignore"] == [77]
-    assert all(r["onExitCodes"]["containerName"] == c["name"]
+    inits = [i["name"] for i in job["spec"]["template"]["spec"].get("initContainers", [])]
+    assert all(r["onExitCodes"]["containerName"] in [c["name"], *inits]
                for r in job["spec"]["podFailurePolicy"]["rules"] if "onExitCodes" in r)

@@ -447,11 +447,15 @@ def test_training_job_manifest_is_valid_and_gated():
     assert [(e.key, e.operator, e.values) for e in term.match_expressions] == [
         (LABEL_STATE, "In", ["healthy"])]
     assert not spec.tolerations  # never tolerate the screener.io/state taints
-    names = {c.name for c in spec.containers}
-    rules = {(r.action, tuple(r.on_exit_codes.values)) for r in job.spec.pod_failure_policy.rules
-             if r.on_exit_codes}
-    # 75 hardware suspect and 76 numeric failure fail the Job; 77 (a peer failed) is requeued.
-    assert rules == {("FailJob", (75, 76)), ("Ignore", (77,))}
+    names = {c.name for c in spec.containers + (spec.init_containers or [])}
+    rules = {(r.action, r.on_exit_codes.container_name, tuple(r.on_exit_codes.values))
+             for r in job.spec.pod_failure_policy.rules if r.on_exit_codes}
+    # 75 hardware suspect and 76 numeric failure fail the Job; 77 (a peer failed) is requeued;
+    # 75 from the preflight init container fails only its pod (issue 24.1).
+    assert rules == {("FailJob", "trainer", (75, 76)), ("Ignore", "trainer", (77,)),
+                     ("Ignore", "preflight", (75,))}
+    assert [c.name for c in spec.init_containers] == ["preflight"]
+    assert spec.init_containers[0].command[:2] == ["screener", "preflight"]
     for r in job.spec.pod_failure_policy.rules:
         if r.on_exit_codes:
             assert r.on_exit_codes.container_name in names and r.on_exit_codes.operator == "In"
