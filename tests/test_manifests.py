@@ -373,6 +373,76 @@ def test_admission_policy_keeps_a_pod_bound_token_to_its_own_node(objs):
                                "spec": {}}) == []
 
 
+# The ConfigMap policy (issue 23.1): the service account writes only the store's ConfigMaps.
+
+SERVICE_ACCOUNT = "system:serviceaccount:screener-system:screener"
+VERBS = {"create": "CREATE", "update": "UPDATE", "patch": "UPDATE", "delete": "DELETE"}
+
+
+def configmap_policy(objs):
+    pol = by_kind(objs, "ValidatingAdmissionPolicy", "screener-configmaps")
+    binding = by_kind(objs, "ValidatingAdmissionPolicyBinding", "screener-configmaps")
+    assert pol["apiVersion"] == binding["apiVersion"] == "admissionregistration.k8s.io/v1"
+    assert binding["spec"] == {"policyName": "screener-configmaps", "validationActions": ["Deny"]}
+    assert pol["spec"]["failurePolicy"] == "Fail"
+    return pol["spec"]
+
+
+def admit_configmap(spec, operation: str, name: str, *, user: str = SERVICE_ACCOUNT):
+    """The messages of the validations that deny a ConfigMap request ([] = admitted; None = not
+    matched), as the API server evaluates them (cel-python)."""
+    import celpy
+    from celpy import celtypes, json_to_cel
+
+    rules = spec["matchConstraints"]["resourceRules"]
+    assert any(operation in r["operations"] and "configmaps" in r["resources"] for r in rules)
+    env = celpy.Environment()
+    obj = None if operation == "DELETE" else {"metadata": {"name": name}, "data": {}}
+    old = None if operation == "CREATE" else {"metadata": {"name": name}, "data": {}}
+    act = {"object": json_to_cel(obj), "oldObject": json_to_cel(old),
+           "request": json_to_cel({"userInfo": {"username": user}, "operation": operation,
+                                   "name": name, "namespace": "screener-system"})}
+
+    def run(expr):
+        return env.program(env.compile(expr)).evaluate(act)
+
+    if not all(run(m["expression"]) for m in spec["matchConditions"]):
+        return None
+    return [v["message"] for v in spec.get("validations", [])
+            if run(v["expression"]) != celtypes.BoolType(True)]
+
+
+@pytest.mark.parametrize("operation,name,denied", [
+    ("CREATE", "screener-history-gpu-node-1", ""),
+    ("UPDATE", "screener-history-gpu-node-1", ""),
+    ("CREATE", "screener-budget", ""),
+    ("UPDATE", "screener-budget", ""),
+    ("CREATE", "screener-budget-slot-3", ""),
+    ("DELETE", "screener-budget-slot-3", ""),
+    ("CREATE", "screener-fleet-2", ""),
+    ("UPDATE", "screener-fleet-2", ""),
+    # issue 23.1: the trust settings and the trust anchor are read-only to the daemon
+    ("UPDATE", "screener-config", "read-only"),
+    ("DELETE", "screener-config", "read-only"),
+    ("UPDATE", "screener-golden", "read-only"),
+    ("DELETE", "screener-golden", "read-only"),
+    ("CREATE", "screener-goldens", "read-only"),
+    ("CREATE", "kube-root-ca.crt", "read-only"),
+    ("CREATE", "", "read-only"),  # a generated name: the store never asks for one
+    ("DELETE", "screener-history-gpu-node-1", "delete only budget slots"),
+    ("DELETE", "screener-budget", "delete only budget slots"),
+])
+def test_configmap_policy_lets_screener_write_only_the_stores_configmaps(objs, operation, name,
+                                                                          denied):
+    spec = configmap_policy(objs)
+    messages = admit_configmap(spec, operation, name)
+    if denied:
+        assert messages and denied in messages[0], messages
+    else:
+        assert messages == []
+    assert admit_configmap(spec, operation, name, user="kubernetes-admin") is None
+
+
 def test_the_training_job_can_write_alarms_and_only_through_the_writers_group():
     job = load_all(ROOT / "examples" / "training-job.yaml")[0]
     spec = job["spec"]["template"]["spec"]

@@ -1,7 +1,8 @@
 """The roles grant exactly what the code calls: every (verb, resource, subresource) the daemon and
 burn-in code paths send to the recording Kubernetes API test server is granted by
-manifests/clusterrole.yaml (cluster-wide) or manifests/role.yaml (in screener's namespace, for a
-call in that namespace), and the roles grant nothing those paths never use."""
+manifests/clusterrole.yaml (cluster-scoped objects), manifests/role.yaml (in screener's namespace,
+for a call in that namespace) or manifests/rbac-events.yaml (Events, in the event namespace only),
+and the roles grant nothing those paths never use; no call goes to any other namespace."""
 
 from __future__ import annotations
 
@@ -16,12 +17,15 @@ import yaml
 from kubeapi import KubeAPI
 from screener.stores.kube import KubeStore
 from screener.types import ANNOTATION_DIGESTS, TAINT_SCREENING_KEY, Outcome
+from screener.settings.daemon import DaemonConfig
 from test_daemon import NODE, DaemonRig, ScriptedRunner, outcome
+from test_manifests import VERBS, admit_configmap, configmap_policy, rendered
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 NAMESPACE = "screener-system"
+EVENTS_NAMESPACE = "default"  # event_namespace in manifests/configmap.yaml and the default
 
 
 def _rules(file: str, kind: str) -> tuple[dict, set[tuple[str, str, str]]]:
@@ -43,18 +47,29 @@ def granted() -> set[tuple[str, str, str]]:
     return _rules("clusterrole.yaml", "ClusterRole")[1]
 
 
-def granted_in_namespace() -> set[tuple[str, str, str]]:
-    """What the Role grants in screener's namespace (bound to the same service account)."""
-    role, out = _rules("role.yaml", "Role")
-    assert role["metadata"]["namespace"] == NAMESPACE
-    binding = next(d for d in yaml.safe_load_all((ROOT / "manifests" / "role.yaml").read_text())
+def granted_in_namespace(file: str = "role.yaml",
+                         namespace: str = NAMESPACE) -> set[tuple[str, str, str]]:
+    """What the Role in `file` grants in `namespace` (bound to the same service account)."""
+    role, out = _rules(file, "Role")
+    assert role["metadata"]["namespace"] == namespace
+    binding = next(d for d in yaml.safe_load_all((ROOT / "manifests" / file).read_text())
                    if d and d["kind"] == "RoleBinding")
-    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["metadata"]["namespace"] == namespace
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": role["metadata"]["name"]}
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "screener",
                                     "namespace": NAMESPACE}]
     kustomization = yaml.safe_load((ROOT / "manifests" / "kustomization.yaml").read_text())
-    assert "role.yaml" in kustomization["resources"]
+    assert file in kustomization["resources"]
     return out
+
+
+def _configmap_toml() -> dict:
+    import tomllib
+
+    cm = next(d for d in yaml.safe_load_all((ROOT / "manifests" / "configmap.yaml").read_text())
+              if d and d["kind"] == "ConfigMap" and "daemon.toml" in d.get("data", {}))
+    return tomllib.loads(cm["data"]["daemon.toml"])
 
 
 def exercise_daemon(api: KubeAPI, tmp_path: Path) -> None:
@@ -149,12 +164,32 @@ def test_the_cluster_role_grants_exactly_what_the_code_calls(tmp_path):
         exercise_burnin_crosscheck(api)
         exercise_budget_and_lemons(api)
         exercise_cli(api, tmp_path)
-        called = {(c.verb, c.resource, c.subresource) for c in api.calls if c.namespace != NAMESPACE}
-        in_ns = {(c.verb, c.resource, c.subresource) for c in api.calls if c.namespace == NAMESPACE}
-    role, ns_role = granted(), granted_in_namespace()
-    # Events are created in the event namespace (default); only ConfigMaps live in ours.
-    assert {r for _, r, _ in in_ns} == {"configmaps"}, in_ns
-    assert called - role == set(), f"called but not granted: {sorted(called - role)}"
-    assert role - called == set(), f"granted but never called: {sorted(role - called)}"
-    assert in_ns - ns_role == set(), f"called in {NAMESPACE} but not granted: {sorted(in_ns - ns_role)}"
-    assert ns_role - in_ns == set(), f"granted in {NAMESPACE} but never called: {sorted(ns_role - in_ns)}"
+        # A create names its object in the body, not the path the server records: the names
+        # created are those in the namespace at the end and those deleted since.
+        writes = {(c.verb, c.name) for c in api.calls
+                  if c.resource == "configmaps" and c.verb in VERBS and c.name}
+        writes |= {("create", name) for ns, name in api.configmaps if ns == NAMESPACE}
+        writes |= {("create", n) for v, n in set(writes) if v == "delete"}
+        by_ns: dict[str, set[tuple[str, str, str]]] = {}
+        for c in api.calls:
+            by_ns.setdefault(c.namespace, set()).add((c.verb, c.resource, c.subresource))
+    # Pods are listed across namespaces (those on this node); everything else that is
+    # namespaced goes to one namespace of its own.
+    assert set(by_ns) == {"", NAMESPACE, EVENTS_NAMESPACE}, sorted(by_ns)
+    for ns, calls, grant in (("(cluster)", by_ns[""], granted()),
+                             (NAMESPACE, by_ns[NAMESPACE], granted_in_namespace()),
+                             (EVENTS_NAMESPACE, by_ns[EVENTS_NAMESPACE],
+                              granted_in_namespace("rbac-events.yaml", EVENTS_NAMESPACE))):
+        assert calls - grant == set(), f"called in {ns} but not granted: {sorted(calls - grant)}"
+        assert grant - calls == set(), f"granted in {ns} but never called: {sorted(grant - calls)}"
+    assert by_ns[EVENTS_NAMESPACE] == {("create", "events", "")}
+    assert {r for _, r, _ in by_ns[NAMESPACE]} == {"configmaps"}
+    assert DaemonConfig().event_namespace == EVENTS_NAMESPACE
+    assert _configmap_toml()["event_namespace"] == EVENTS_NAMESPACE
+    # Every ConfigMap write the code made is one the admission policy admits (its cel-python
+    # twin), and the policy's read-only ConfigMaps were never written.
+    spec = configmap_policy(rendered())
+    assert {v for v, _ in writes} >= {"create", "update", "delete"}, writes
+    for verb, name in sorted(writes):
+        assert admit_configmap(spec, VERBS[verb], name) == [], (verb, name)
+    assert not {n for _, n in writes} & {"screener-config", "screener-golden"}
