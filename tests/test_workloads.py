@@ -70,6 +70,9 @@ def test_spec_hash_changes_with_numbers_not_with_words(tmp_path):
     (lambda t: t.replace("chain = 2", 'dtype = "float16"\ntf32 = true'), "tf32"),
     (lambda t: t.replace('kind = "gemm"', 'kind = "magic"'), "kind"),
     (lambda t: t.replace("version = 1", "version = 0"), "version"),
+    # issue 23.6: a version has an upper bound too
+    (lambda t: t.replace("version = 1", "version = 9223372036854775807"), "1..1000000"),
+    (lambda t: t.replace("version = 1", "version = 1.5"), "version"),
     (lambda t: t.replace("[[8, 16]]", "[[8]]"), "shape"),
     (lambda t: t.replace('name = "j"', 'name = "k"'), "differs from the file name"),
     (lambda t: t.replace("version = 1\n", ""), "missing required key"),

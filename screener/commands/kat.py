@@ -23,6 +23,11 @@ from screener.settings.durations import YEAR_S
 from screener.settings.stores import StoreChoice
 from screener.types import ExitCode
 
+# Upper bounds of the counts (issue 23.6): far past any sensible run, and each keeps a run finite
+# (`kat run --repeat 1.2e29` ran for ever). A burn-in's iterations match the daemon's
+# burnin_min_iterations bound.
+MAX_REPEAT = 1000
+MAX_ITERATIONS = 10_000
 _DEVICE_HELP = "Device to screen: cpu, cuda:N or all (every GPU, or the CPU without one). Repeatable."
 _INJECT_HELP = ("Inject a fault in a device's child, to prove the screen catches it: "
                 "'device=cuda:1,op=mm,call=2,element=7,bit=30' (keys: device, op, call, element, bit, "
@@ -88,7 +93,8 @@ def kat_group() -> None:
               help="Folder of golden records (default: $SCREENER_GOLDEN_DIR or golden/).")
 @click.option("--jobs-dir", type=click.Path(file_okay=False), default=None,
               help="Folder of job specs (default: $SCREENER_JOBS_DIR or jobs/).")
-@click.option("--repeat", "-r", type=click.IntRange(min=1), default=2, show_default=True,
+@click.option("--repeat", "-r", type=click.IntRange(min=1, max=MAX_REPEAT), default=2,
+              show_default=True,
               help="Runs of each job per device; 2 or more also checks a device against itself.")
 @click.option("--timeout", type=positive(max=7 * 86400.0), default=300.0,
               show_default=True,
@@ -181,7 +187,8 @@ def golden_group() -> None:
               help="Folder to write to (default: $SCREENER_GOLDEN_DIR or golden/).")
 @click.option("--jobs-dir", type=click.Path(file_okay=False), default=None,
               help="Folder of job specs (default: $SCREENER_JOBS_DIR or jobs/).")
-@click.option("--repeat", "-r", type=click.IntRange(min=1), default=3, show_default=True,
+@click.option("--repeat", "-r", type=click.IntRange(min=1, max=MAX_REPEAT), default=3,
+              show_default=True,
               help="Runs of each job per device; all of them must agree bit for bit.")
 @click.option("--timeout", type=positive(max=7 * 86400.0), default=300.0,
               show_default=True, help="Seconds a device may go without progress.")
@@ -313,7 +320,7 @@ def golden_list(golden_dir: Optional[str], as_json: bool) -> None:
 @click.option("--duration", type=Duration(longest=YEAR_S), default=None,
               help="Keep repeating the jobs this long (90s, 10m, 1h30m; at most a year); the "
                    "iteration under way finishes. Default: --iterations 10.")
-@click.option("--iterations", "-n", type=click.IntRange(min=1), default=None,
+@click.option("--iterations", "-n", type=click.IntRange(min=1, max=MAX_ITERATIONS), default=None,
               help="Repeat every job this many times (default 10 without --duration).")
 @click.option("--golden-dir", type=click.Path(file_okay=False), default=None,
               help="Folder of golden records (default: $SCREENER_GOLDEN_DIR or golden/).")

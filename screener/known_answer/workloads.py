@@ -54,6 +54,9 @@ from screener.known_answer.results import JobResult, Step, canonical_json
 # of a screen read specs through this module and must not pay torch's start-up (1-5 s).
 
 JOBS_DIR_ENV = "SCREENER_JOBS_DIR"
+# A spec's version is bumped by hand at each edit; the bound keeps it an ordinary number (it
+# enters the spec hash, the key of its golden records, and every listing).
+MAX_SPEC_VERSION = 1_000_000
 SPEC_FIELDS = ("name", "version", "kind", "description", "quick", "params", "cpu", "cuda")
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -141,8 +144,10 @@ class JobSpec:
         name, version, kind = d["name"], d["version"], d["kind"]
         if not isinstance(name, str) or not name or not all(c.isalnum() or c in "-_" for c in name):
             raise ConfigError(f"{source}: name {name!r} must be letters, digits, '-' or '_'")
-        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-            raise ConfigError(f"{source}: version {version!r} must be a positive integer")
+        if not isinstance(version, int) or isinstance(version, bool) \
+                or not 1 <= version <= MAX_SPEC_VERSION:
+            raise ConfigError(f"{source}: version {str(version)[:40]} must be an integer in "
+                              f"1..{MAX_SPEC_VERSION}")
         if kind not in KINDS:
             raise ConfigError(f"{source}: kind {kind!r} is not one of {', '.join(sorted(KINDS))}")
         if not isinstance(d.get("description", ""), str):
