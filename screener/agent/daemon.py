@@ -66,7 +66,7 @@ from screener.lifecycle import machine as lifecycle
 from screener.lifecycle.apply import apply_event, release_held
 from screener.lifecycle.ports import Store
 from screener.lifecycle.records import ACTOR_HUMAN, Transition
-from screener.settings.daemon import DaemonConfig
+from screener.settings.daemon import MODE_OBSERVE, DaemonConfig
 from screener.types import (ANNOTATION_DIGESTS, NO_WORK_STATES, AlarmRecord, AlarmResult, ExitCode,
                             Finding, NodeState, Outcome, Reason, ScreenStop, Severity)
 
@@ -228,6 +228,12 @@ class Daemon:
         self.publish = publish
         self.on_quarantine = on_quarantine
         self.replay = replay
+        # Observe mode (issue 24.2): the lifecycle runs and is recorded as ever, but nothing acts
+        # on the node's scheduling: the store writes no taint (only the kube store taints) and
+        # no remediation starts.
+        self.observe = config.mode == MODE_OBSERVE
+        if self.observe and hasattr(store, "observe_only"):
+            store.observe_only()
         # Intervals on the monotonic clock, history stamps from the stamp clock (clock.py).
         self.clock = as_clock(clock)
         self.stamps = StampClock(self.clock)
@@ -502,7 +508,11 @@ class Daemon:
                         extra={"event": "transition", "to": t.to_state.value, "code": t.code,
                                "cause": why})
             if t.to_state == S.QUARANTINED and self.on_quarantine is not None:
-                self._deep_check(report)
+                if self.observe:  # says what enforce would have started
+                    report.actions.append({"action": lifecycle.Action.DEEP_HEALTH_CHECK.value,
+                                           "result": "not started: observe mode"})
+                else:
+                    self._deep_check(report)
 
     def _deep_check(self, report: PassReport) -> None:
         assert self.on_quarantine is not None

@@ -40,6 +40,11 @@ else:  # pragma: no cover - python 3.10
 CONFIG_ENV = "SCREENER_CONFIG"
 ENV_PREFIX = "SCREENER_DAEMON_"
 STORE_CHOICES = ("auto", "local", "kube")
+# enforce: taint, cordon and remediate as the lifecycle says; observe: everything else (probes,
+# screens, alarms, the state label, verdicts, events, metrics, history), but no taint and no
+# remediation, for a first rollout (issue 24.2).
+MODE_ENFORCE, MODE_OBSERVE = "enforce", "observe"
+MODE_CHOICES = (MODE_ENFORCE, MODE_OBSERVE)
 
 
 _STR_FIELDS = ("node", "alarm_dir", "store", "event_namespace", "own_pod", "metrics_host",
@@ -113,6 +118,9 @@ class DaemonConfig:
         here: "reject" moves it to rejected/ once; "leave" leaves it for the daemon of the node it
         names and never reads it again while it is unchanged (a folder several simulated nodes
         share, as in the fire drill).
+    mode: "enforce" (the default) or "observe" ($SCREENER_DAEMON_MODE=observe): observe does
+        everything enforce does but writes no taint (neither the state taint nor the screening
+        one), never marks a node unschedulable and starts no remediation.
     screens: run idle-time known-answer screens at all (off: intake and probes only, as the fire
         drill and a probe-only deployment want).
     publish_digests: after a passing screen, publish its known-answer digests on the Node (kube)
@@ -156,6 +164,7 @@ class DaemonConfig:
     intake_pass_s: float = 2.0
     intake_pass_bytes: int = 16 * 2**20
     foreign_alarms: str = "reject"
+    mode: str = MODE_ENFORCE
     screens: bool = True
     publish_digests: bool = True
     burnin_duration_s: float = 3600.0
@@ -184,6 +193,8 @@ class DaemonConfig:
             raise bad("store", f"must be one of {', '.join(STORE_CHOICES)}")
         if self.foreign_alarms not in FOREIGN_CHOICES:
             raise bad("foreign_alarms", f"must be one of {', '.join(FOREIGN_CHOICES)}")
+        if self.mode not in MODE_CHOICES:
+            raise bad("mode", f"must be one of {', '.join(MODE_CHOICES)}")
         if self.adopt not in ("auto", "off"):
             raise bad("adopt", "must be auto or off")
         for name, (low, high, low_open, integer) in _NUMBERS.items():

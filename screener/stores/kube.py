@@ -120,6 +120,8 @@ class KubeStore:
         self.clock, self.sleep, self.rng = clock, sleep, rng
         self.component = component
         self.instance = instance or node_name()
+        # False in the daemon's observe mode (observe_only): no screener taint is ever added.
+        self.write_taints = True
         self._lock = threading.RLock()
         self.calls = ApiCaller(self.api, self.namespace, api_exception=ApiException, retry=retry,
                                timeouts=timeouts, sleep=sleep, rng=rng, page_size=page_size)
@@ -407,8 +409,17 @@ class KubeStore:
         if self._patch_node(node, {"metadata": {"annotations": dict(values)}}) is None:
             raise KubeApiError(f"node {node}: unexpected conflict setting annotations", 409)
 
+    def observe_only(self) -> None:
+        """From now on add no taint of ours (the daemon's observe mode, issue 24.2): transitions
+        still write the label, annotations, history, condition and Event, and a state taint left
+        from an enforcing run is removed, so the taints never disagree with the mode."""
+        self.write_taints = False
+
     def set_screening_taint(self, node: str, on: bool) -> None:
-        """Add or remove `screener.io/screening=true:NoSchedule` (only during an idle-time screen)."""
+        """Add or remove `screener.io/screening=true:NoSchedule` (only during an idle-time screen;
+        in observe mode only ever removed)."""
+        on = on and self.write_taints
+
         def change(obj: dict[str, Any]) -> Optional[dict[str, Any]]:
             taints = list((obj.get("spec") or {}).get("taints") or [])
             others = [t for t in taints if t.get("key") != TAINT_SCREENING_KEY]
@@ -465,7 +476,7 @@ class KubeStore:
                     f"recorded: the node is {_name(stored)} now")
             taints = list((obj.get("spec") or {}).get("taints") or [])
             taints = [x for x in taints if x.get("key") != TAINT_STATE_KEY]
-            if t.to_state != NodeState.HEALTHY:
+            if t.to_state != NodeState.HEALTHY and self.write_taints:
                 taints.append({"key": TAINT_STATE_KEY, "value": t.to_state.value,
                                "effect": "NoSchedule"})
             summary = kf.summary_annotation(kf.merge_entries(on_node, [entry]))
