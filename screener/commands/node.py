@@ -42,20 +42,35 @@ def node_group() -> None:
 @node_group.command("status")
 @click.argument("node", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout.")
+@click.option("--mtbi-days", type=positive(max=MAX_DAYS), default=90.0, show_default=True,
+              help="Window of MTBI: the mean time between a node's incidents (failure "
+                   "transitions) in the last DAYS days; '-' with fewer than two.")
+@click.option("--mtbi", "fleet_mtbi", is_flag=True,
+              help="For the fleet, add the MTBI column (one more paginated read: every node's "
+                   "history; a single NODE always shows it).")
 @with_store
-def status_cmd(node: Optional[str], as_json: bool, store: Any) -> int:
-    """Show the state of NODE, or of every known node, with the last transition.
+@pass_app
+def status_cmd(app: AppContext, node: Optional[str], as_json: bool, mtbi_days: float,
+               fleet_mtbi: bool, store: Any) -> int:
+    """Show the state of NODE, or of every known node, with the last transition and the time
+    between its incidents (MTBI).
 
     A node the store has never seen shows as 'unknown' (it starts in burnin when first screened).
     """
+    from screener.lifecycle.incidents import format_mtbi, mtbi_by_node
+
+    since = app.clock() - mtbi_days * 86400
     if node:
         state = store.get_state(node)
         hist = store.history(node) if state is not None else []
+        mtbi = mtbi_by_node(t for t in hist if t.failure and t.time >= since)
         last = hist[-1] if hist else None
         verdict = store.get_verdict(node)
         result = {"node": node, "state": state.value if state else None,
                   "since": last.time if last else None,
-                  "last_transition": last.to_dict() if last else None, "verdict": verdict}
+                  "last_transition": last.to_dict() if last else None, "verdict": verdict,
+                  "incidents": mtbi.get(node, {}).get("incidents", 0),
+                  "mtbi_s": mtbi.get(node, {}).get("mtbi_s"), "mtbi_days": mtbi_days}
         if as_json:
             _emit(result)
         else:
@@ -67,6 +82,8 @@ def status_cmd(node: Optional[str], as_json: bool, store: Any) -> int:
                     click.echo(f"  rollback to: {_rollback_text(last.rollback)}")
                 if last.actions:
                     click.echo(f"  actions: {', '.join(last.actions)}")
+            click.echo(f"  incidents in {mtbi_days:g} days: {result['incidents']}, "
+                       f"MTBI {format_mtbi(result['mtbi_s'])}")
             if verdict:
                 click.echo(f"  last verdict: {verdict.get('outcome', '?')} "
                            f"{verdict.get('reason', '')}".rstrip())
@@ -75,6 +92,12 @@ def status_cmd(node: Optional[str], as_json: bool, store: Any) -> int:
     # One read of the fleet (SQLite: one query; Kubernetes: one paginated list of Node metadata,
     # whose summary annotation holds the last transition), not one read per node.
     rows = store.summaries()
+    # The fleet's failures in the window, the lemon rule's own read: only when asked, since the
+    # plain fleet view is one paginated list of Node metadata.
+    mtbi = mtbi_by_node(store.failures(since)) if fleet_mtbi else {}
+    for r in rows if fleet_mtbi else ():
+        r["incidents"] = mtbi.get(r["node"], {}).get("incidents", 0)
+        r["mtbi_s"] = mtbi.get(r["node"], {}).get("mtbi_s")
     if as_json:
         counts = {s.value: sum(1 for r in rows if r["state"] == s.value) for s in NodeState}
         _emit({"nodes": rows, "counts": counts})
@@ -82,9 +105,12 @@ def status_cmd(node: Optional[str], as_json: bool, store: Any) -> int:
         click.echo("no nodes known to this store", err=True)
     else:
         width = max(len(r["node"]) for r in rows)
-        click.echo(f"{'NODE':<{width}}  {'STATE':<11}  {'SINCE':<20}  REASON")
+        head = f"{'MTBI':>8}  " if fleet_mtbi else ""
+        click.echo(f"{'NODE':<{width}}  {'STATE':<11}  {'SINCE':<20}  {head}REASON")
         for r in rows:
-            click.echo(f"{r['node']:<{width}}  {r['state']:<11}  {_when(r['since']):<20}  {r['reason']}")
+            column = f"{format_mtbi(r['mtbi_s']):>8}  " if fleet_mtbi else ""
+            click.echo(f"{r['node']:<{width}}  {r['state']:<11}  {_when(r['since']):<20}  "
+                       f"{column}{r['reason']}")
     return int(ExitCode.PASS)
 
 
