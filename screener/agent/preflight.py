@@ -26,11 +26,13 @@ from typing import Any, Mapping, Optional, Sequence
 
 from screener.types import ExitCode, Finding, Outcome, Severity
 
-# The preflight's subset of the quick screen: a float32 GEMM chain (the matrix units) and the
-# micro-batch replay of a small transformer, whose forward and backward run every op of the
-# training jobs (mm, addmm, bmm, softmax, layer norm, GELU, embedding, log-softmax). Measured
-# against the full quick screen by benchmarks/bench_preflight.py.
-DEFAULT_JOBS = ("gemm-fp32", "replay-fp32")
+# The preflight's subset of the quick screen: GEMM chains in float32 and bfloat16 (the matrix
+# units at both precisions), the micro-batch replay of a small transformer in float32 and its
+# training steps under bf16 autocast, whose forward and backward run every op of the training
+# jobs (mm, addmm, bmm, softmax, layer norm, GELU, embedding, log-softmax) at both precisions.
+# Not in it: fp16 GEMMs, TF32 and the convolution. Measured against the full quick screen by
+# benchmarks/bench_preflight.py coverage.
+DEFAULT_JOBS = ("gemm-fp32", "gemm-bf16", "replay-fp32", "train-bf16")
 DEFAULT_TIME_CAP_S = 60.0
 DEFAULT_FAST_WINDOW_S = 6 * 3600.0
 # A verdict stamped further in the future than this is not trusted (clock skew or a forged time).

@@ -131,7 +131,7 @@ def _print_text(result: PreflightResult) -> None:
 
 @click.command("preflight")
 @click.option("--job", "-j", "jobs", multiple=True,
-              help="Known-answer job to run (repeatable); default: gemm-fp32 and replay-fp32.")
+              help="Known-answer job to run (repeatable); default: gemm-fp32, gemm-bf16, replay-fp32, train-bf16.")
 @click.option("--device", "-d", "devices", multiple=True, default=("all",), show_default=True,
               help="Device to screen: cpu, cuda:N or all (the pod's GPUs, or the CPU). Repeatable.")
 @click.option("--golden-dir", type=click.Path(file_okay=False), default=None,
