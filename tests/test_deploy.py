@@ -41,7 +41,12 @@ EXPECTED_BASE = {
     ("NetworkPolicy", "screener-peer-burnin-peers-only"),
     ("ValidatingAdmissionPolicy", "screener-node-fields"),
     ("ValidatingAdmissionPolicyBinding", "screener-node-fields"),
+    # ConfigMaps the daemon may write (issue 23.1), and Events only in the namespace it uses
+    ("ValidatingAdmissionPolicy", "screener-configmaps"),
+    ("ValidatingAdmissionPolicyBinding", "screener-configmaps"),
+    ("Role", "screener-events"), ("RoleBinding", "screener-events"),
 }
+EVENT_NAMESPACE = "default"  # where the Node Events go (the daemon's event_namespace)
 
 
 # --- kubectl's client-side apply ---------------------------------------------------------------
@@ -142,6 +147,8 @@ def test_the_base_creates_only_what_the_screener_needs_in_its_namespace(objs):
         ns: Optional[str] = o["metadata"].get("namespace")
         if o["kind"] in CLUSTER_SCOPED:
             assert ns is None, o["metadata"]["name"]
+        elif o["metadata"]["name"] == "screener-events":  # Events are written there only
+            assert ns == EVENT_NAMESPACE, o["kind"]
         else:  # never the namespace of whoever applies it
             assert ns == NAMESPACE, (o["kind"], o["metadata"]["name"])
     ds = by_kind(objs, "DaemonSet", "screener")["spec"]["template"]["spec"]
