@@ -88,6 +88,16 @@ def loads(data: bytes | str, *, max_bytes: int, max_depth: int = MAX_DEPTH) -> A
     return value
 
 
+STRICT_MAX_BYTES = 64 << 20  # what strict() reads: far above anything we or the API write
+
+
+def strict(data: bytes | str) -> Any:
+    """loads() with a generous size bound: for JSON from outside that has no size of its own to
+    respect (annotations, ConfigMaps, reports, API answers): duplicate keys, NaN and huge
+    integers are refused there too (ValueError, one line)."""
+    return loads(data, max_bytes=STRICT_MAX_BYTES)
+
+
 def read_regular(path: str | os.PathLike[str], limit: int, *, follow_symlinks: bool = True) -> bytes:
     """The bytes of a regular file of at most `limit` bytes; OSError, or ValueError saying why not.
 

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional, Protocol, Sequence
 
+from screener import boundedjson
 from screener.agent import burnin
 from screener.errors import ScreenerError
 from screener.health import host
@@ -407,7 +408,7 @@ class KatProcessRunner:
         if self.work_dir is None:
             return {}
         try:
-            data = json.loads((self.work_dir / KNOWN_DIGESTS).read_text())
+            data = boundedjson.strict((self.work_dir / KNOWN_DIGESTS).read_text())
         except (OSError, ValueError):
             return {}  # none yet, or unreadable: the screen judges without it
         return data if isinstance(data, dict) else {}

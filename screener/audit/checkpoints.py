@@ -25,6 +25,16 @@ _SCHEMA = 1
 PathLike = Union[str, "os.PathLike[str]"]
 
 
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A marker's object; ValueError on a key given twice (a hidden second value)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
 def marker_path(checkpoint: PathLike) -> Path:
     p = Path(checkpoint)
     return p.with_name(p.name + MARKER_SUFFIX)
@@ -46,7 +56,7 @@ def read_marker(checkpoint: PathLike) -> Optional[dict[str, Any]]:
     such as `latest.pt`)."""
     marker = marker_path(checkpoint)
     try:
-        d = json.loads(marker.read_text())
+        d = json.loads(marker.read_text(), object_pairs_hook=_unique)
         if Path(checkpoint).stat().st_mtime_ns > marker.stat().st_mtime_ns:
             return None
     except (OSError, ValueError):

@@ -17,6 +17,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from screener import boundedjson
 from screener.types import ANNOTATION_DIGESTS, KatReason, Outcome, Verdict
 
 # The name the daemon's JSON log lines have always carried (log queries filter on it), not the
@@ -53,7 +54,7 @@ def peer_digests(store: Any, node: str, label_selector: str = "") -> dict[str, d
         if other == node:
             continue
         try:
-            data = json.loads(raw)
+            data = boundedjson.strict(raw)
             if not isinstance(data, dict):
                 raise ValueError("not an object")
             out[other] = {str(p): {str(j): str(d) for j, d in jobs.items()}

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
+from screener import boundedjson
 from screener.errors import BadInputError
 from screener.lifecycle.records import lemon_counts
 
@@ -262,7 +263,7 @@ def load_burnin_report(path: str | Path) -> dict[str, Any]:
     if len(raw) > MAX_REPORT_BYTES:
         raise BadInputError(f"{p}: larger than {MAX_REPORT_BYTES} bytes; not a burn-in report")
     try:
-        data = json.loads(raw)
+        data = boundedjson.strict(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise BadInputError(f"{p}: not JSON ({e})") from None
     if not isinstance(data, dict) or data.get("kind") != "burnin":

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Optional
 
+from screener import boundedjson
 from screener.errors import BadInputError, ExternalServiceError
 from screener.health.xid import XidClass, lookup as xid_lookup
 from screener.types import Finding, Severity
@@ -155,7 +156,7 @@ class PrometheusClient:
             reason = getattr(e, "reason", e)
             raise ExternalServiceError(f"Prometheus at {self.url} is unreachable: {reason}") from e
         try:
-            doc = json.loads(raw)
+            doc = boundedjson.strict(raw)
         except ValueError as e:
             raise ExternalServiceError(f"Prometheus at {self.url} answered something that is not "
                                        "JSON (is this the Prometheus API?)") from e
@@ -167,7 +168,7 @@ class PrometheusClient:
 
 def _error_detail(raw: bytes) -> str:
     try:
-        doc = json.loads(raw)
+        doc = boundedjson.strict(raw)
     except ValueError:
         return ""
     if isinstance(doc, dict) and doc.get("error"):

@@ -41,6 +41,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, TypeVar
 
+from screener import boundedjson
 from screener._optional import require
 
 require("kubernetes", "the Kubernetes store (--store kube, or auto inside a cluster)")
@@ -376,8 +377,8 @@ class KubeStore:
         if not raw:
             return None
         try:
-            data = json.loads(raw)
-        except (ValueError, RecursionError):  # RecursionError: nested past json's limit
+            data = boundedjson.strict(raw)
+        except ValueError:
             data = None
         # Anyone who may edit the Node may write it: what is not an object is unparsable.
         return data if isinstance(data, dict) else {"unparsable": raw[:200]}

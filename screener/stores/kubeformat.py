@@ -91,8 +91,8 @@ def parse_node_history(raw: Optional[str], node: str) -> tuple[list[dict[str, An
     if not raw:
         return [], False
     try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError):  # RecursionError: nested past json's limit
+        data = boundedjson.strict(raw)
+    except ValueError:
         return [], False
     if isinstance(data, list):
         items, legacy = data, True
@@ -129,7 +129,7 @@ def history_entries(cm: Optional[Mapping[str, Any]]) -> list[dict[str, Any]]:
         return []
     raw = (cm.get("data") or {}).get(DATA_HISTORY)
     try:
-        items = json.loads(raw) if raw else []
+        items = boundedjson.strict(raw) if raw else []
     except ValueError:
         return []
     return [i for i in items if isinstance(i, dict) and i.get("id")] if isinstance(items, list) else []
