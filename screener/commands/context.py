@@ -88,6 +88,8 @@ class AppContext:
                 if choice.event_namespace else {}
             if choice.context:
                 extra["context"] = choice.context
+            if choice.timeouts is not None:
+                extra["timeouts"] = choice.timeouts
             opened = open_store("kube", kubeconfig=choice.kubeconfig, spool=choice.spool, **extra)
         log.debug("store: %s (%s)", kind, choice.db or choice.kubeconfig or "default location")
         self._on_close(opened.close)

@@ -36,7 +36,8 @@ def build_daemon(app: AppContext, config: Any, *, stop: threading.Event,
     from screener.stores import default_state_dir
 
     choice = StoreChoice(kind=config.store, db=config.db, kubeconfig=config.kubeconfig,
-                         spool=config.spool, event_namespace=config.event_namespace)
+                         spool=config.spool, event_namespace=config.event_namespace,
+                         timeouts=config.kube_timeouts)
     kind = app.store_kind(choice)
     state_dir = Path(config.db).parent if config.db else default_state_dir()
     kwargs: dict[str, Any] = {}

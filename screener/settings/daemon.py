@@ -29,7 +29,7 @@ from screener.errors import ConfigError
 from screener.settings.health import ProbeConfig
 from screener.settings.hyperpod import HyperPodConfig
 from screener.lifecycle.machine import LifecyclePolicy
-from screener.settings.stores import resolve_store_kind
+from screener.settings.stores import KubeTimeouts, resolve_store_kind
 from screener.types import ALARM_DIR_ENV, DEFAULT_ALARM_DIR, NODE_NAME_ENV, node_name
 
 if sys.version_info >= (3, 11):
@@ -176,6 +176,7 @@ class DaemonConfig:
     probes: ProbeConfig = field(default_factory=ProbeConfig)
     lifecycle: LifecyclePolicy = field(default_factory=LifecyclePolicy)
     hyperpod: HyperPodConfig = field(default_factory=HyperPodConfig)
+    kube_timeouts: KubeTimeouts = field(default_factory=KubeTimeouts)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ConfigError:
@@ -212,6 +213,9 @@ class DaemonConfig:
                 raise bad(name, "must be true or false")
         if not isinstance(self.hyperpod, HyperPodConfig):
             raise bad("hyperpod", "must be a table")
+        if not isinstance(self.kube_timeouts, KubeTimeouts):
+            raise bad("kube_timeouts", "must be a table (connect_s, read_s, call_s, "
+                                       "unreachable_s)")
         if not self.alarm_dir:
             raise bad("alarm_dir", "must be a directory")
         if not self.metrics_host or any(c.isspace() for c in self.metrics_host):
@@ -234,6 +238,8 @@ class DaemonConfig:
                 # Validated now, whether or not the feature is on: a misspelt key is an error.
                 if isinstance(values.get("hyperpod"), Mapping):
                     values["hyperpod"] = HyperPodConfig.from_mapping(values["hyperpod"])
+                if isinstance(values.get("kube_timeouts"), Mapping):
+                    values["kube_timeouts"] = KubeTimeouts.from_mapping(values["kube_timeouts"])
             return configs.from_mapping(cls, values, "daemon")
         except ConfigError as e:
             if source is None:

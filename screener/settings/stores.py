@@ -12,13 +12,42 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 from screener.errors import ConfigError
+from screener.settings import strict as configs
 
 IN_CLUSTER_ENV = "KUBERNETES_SERVICE_HOST"
 # "none": burn-in only, which may move the node's state nowhere.
 STORE_KINDS = ("auto", "local", "kube", "none")
+
+
+@dataclass(frozen=True)
+class KubeTimeouts:
+    """How long a request, and a call with its retries, may take. Unknown keys are an error.
+
+    connect_s: to open a connection. read_s: for each read of an answer (a black-holed server
+    fails here). call_s: one call with all its retries. unreachable_s: after a call ran out of
+    time, how long later calls fail at once (0: never)."""
+
+    connect_s: float = 5.0
+    read_s: float = 20.0
+    call_s: float = 45.0
+    unreachable_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        configs.require_number("kube timeouts", "connect_s", self.connect_s, 0.0, 600.0,
+                               low_open=True, unit="seconds")
+        configs.require_number("kube timeouts", "read_s", self.read_s, 0.0, 3600.0,
+                               low_open=True, unit="seconds")
+        configs.require_number("kube timeouts", "call_s", self.call_s, 0.0, 3600.0,
+                               low_open=True, unit="seconds")
+        configs.require_number("kube timeouts", "unreachable_s", self.unreachable_s, 0.0,
+                               3600.0, unit="seconds")
+
+    @classmethod
+    def from_mapping(cls, d: Mapping[str, Any]) -> "KubeTimeouts":
+        return configs.from_mapping(cls, d, "kube timeouts")
 
 
 def in_pod(environ: Optional[Mapping[str, str]] = None) -> bool:
@@ -82,6 +111,7 @@ class StoreChoice:
     spool: Optional[str] = None
     event_namespace: Optional[str] = None
     create: bool = True
+    timeouts: Optional["KubeTimeouts"] = None  # the kube store's request timeouts (None: default)
 
     def resolved(self, environ: Optional[Mapping[str, str]] = None) -> str:
         """"local", "kube" or "none" (resolve_store_kind)."""

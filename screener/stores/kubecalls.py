@@ -27,6 +27,7 @@ import urllib3
 
 from screener.errors import BadInputError, ConfigError, ExternalServiceError
 from screener.settings import strict as configs
+from screener.settings.stores import KubeTimeouts  # noqa: F401 - the table lives in settings
 
 log = logging.getLogger("screener.stores.kube")
 
@@ -75,34 +76,6 @@ class RetryPolicy:
     def delay(self, attempt: int, rng: Callable[[], float]) -> float:
         d = min(self.max_delay, self.base_delay * (2 ** attempt))
         return d * (1 - self.jitter * rng())
-
-
-@dataclass(frozen=True)
-class KubeTimeouts:
-    """How long a request, and a call with its retries, may take. Unknown keys are an error.
-
-    connect_s: to open a connection. read_s: for each read of an answer (a black-holed server
-    fails here). call_s: one call with all its retries. unreachable_s: after a call ran out of
-    time, how long later calls fail at once (0: never)."""
-
-    connect_s: float = 5.0
-    read_s: float = 20.0
-    call_s: float = 45.0
-    unreachable_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        configs.require_number("kube timeouts", "connect_s", self.connect_s, 0.0, 600.0,
-                               low_open=True, unit="seconds")
-        configs.require_number("kube timeouts", "read_s", self.read_s, 0.0, 3600.0,
-                               low_open=True, unit="seconds")
-        configs.require_number("kube timeouts", "call_s", self.call_s, 0.0, 3600.0,
-                               low_open=True, unit="seconds")
-        configs.require_number("kube timeouts", "unreachable_s", self.unreachable_s, 0.0,
-                               3600.0, unit="seconds")
-
-    @classmethod
-    def from_mapping(cls, d: Mapping[str, Any]) -> "KubeTimeouts":
-        return configs.from_mapping(cls, d, "kube timeouts")
 
 
 class ApiCaller:
