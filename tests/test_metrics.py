@@ -207,3 +207,49 @@ def test_readiness_says_when_the_intake_is_stalled():
         assert get(server.url + "/readyz")[0] == 200
     finally:
         server.stop()
+
+
+def test_time_between_incidents_is_exported_from_the_nodes_history(tmp_path):
+    """MTBI per node (issue 24.4): seeded at start from the node's own history (one read), an
+    incident recorded later counts at once, and one older than mtbi_days leaves the window."""
+    from screener.lifecycle.records import Transition
+    from screener.stores.local import LocalStore
+    from screener.types import NodeState as S
+
+    day = 86400.0
+    t0 = 1_000_000.0 + 100 * day
+    store = LocalStore(tmp_path / "state.db")
+    moves = [(None, S.BURNIN, 30, False), (S.BURNIN, S.HEALTHY, 29, False),
+             (S.HEALTHY, S.QUARANTINED, 20, True), (S.QUARANTINED, S.BURNIN, 19, False),
+             (S.BURNIN, S.HEALTHY, 18.5, False), (S.HEALTHY, S.QUARANTINED, 14, True),
+             (S.QUARANTINED, S.BURNIN, 13, False), (S.BURNIN, S.HEALTHY, 12, False)]
+    for frm, to, ago, failure in moves:
+        store.record(Transition(node=NODE, time=t0 - ago * day, from_state=frm, to_state=to,
+                                reason="test", failure=failure))
+    from test_daemon import FakeClock
+    rig = DaemonRig(tmp_path, ScriptedRunner(), store=store, clock=FakeClock(t0),
+                    mtbi_days=30.0, screens=False)
+    server = MetricsServer(rig.metrics, "127.0.0.1", 0).start()
+    try:
+        assert rig.tick().state == S.HEALTHY
+        s = scrape(server)
+        assert value(s, "screener_node_incidents") == 2.0
+        assert value(s, "screener_node_mtbi_seconds") == 6 * day
+        rig.drop_alarm("lemon-1", settled=True)  # a third failure in 30 days: the lemon rule
+        assert rig.tick(advance=5.0).state == S.REPAIR
+        s = scrape(server)
+        assert value(s, "screener_node_incidents") == 3.0
+        assert value(s, "screener_node_mtbi_seconds") == (20 * day + 5.0) / 2
+        # 11 days on, the incident of 20 days ago is 31 days old: out of the 30-day window.
+        rig.tick(advance=11 * day)
+        s = scrape(server)
+        assert value(s, "screener_node_incidents") == 2.0
+        assert value(s, "screener_node_mtbi_seconds") == 14 * day + 5.0
+        # 15 more days: one incident left, no gap to measure, so no MTBI sample at all.
+        rig.tick(advance=15 * day)
+        s = scrape(server)
+        assert value(s, "screener_node_incidents") == 1.0
+        assert not [k for k in s if k[0] == "screener_node_mtbi_seconds"]
+    finally:
+        server.stop()
+        rig.close()

@@ -233,3 +233,58 @@ def test_burnin_report_of_several_gpus_has_a_bar_per_job_and_device():
     widths = [float(a["width"]) for _, a in p["marks"]]
     # Bars are ordered job by job, device by device: cuda:3 took four times as long as cuda:0.
     assert widths[3] == pytest.approx(4 * widths[0], rel=0.01)
+
+
+class _Rows(HTMLParser):
+    """Every table row's cells, as text."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[list[str]] = []
+        self._cell: list[str] | None = None
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "tr":
+            self.rows.append([])
+        elif tag in ("td", "th"):
+            self._cell = []
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th") and self._cell is not None:
+            self.rows[-1].append("".join(self._cell))
+            self._cell = None
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell.append(data)
+
+
+def test_fleet_report_has_each_nodes_incidents_and_mtbi(tmp_path):
+    """The MTBI column (issue 24.4) over the report's window, through the command: gpu-c failed
+    10, 5 and 4.5 days ago (a mean gap of 2.75 days), gpu-d once (no gap), the others never."""
+    from screener.commands.context import AppContext
+
+    _fleet_store(tmp_path / "f.db").close()
+    ctx = AppContext(clock=lambda: NOW)
+    r = screener("report", "fleet", "--db", str(tmp_path / "f.db"), "--store", "local", "--json",
+                 obj=ctx)
+    assert r.returncode == 0, r.stderr
+    mtbi = json.loads(r.stdout)["mtbi"]
+    assert mtbi == {"gpu-c": {"incidents": 3, "mtbi_s": 2.75 * DAY},
+                    "gpu-d": {"incidents": 1, "mtbi_s": None}}
+    r = screener("report", "fleet", "--db", str(tmp_path / "f.db"), "--store", "local",
+                 "-o", str(tmp_path / "f.html"), obj=ctx)
+    assert r.returncode == 0, r.stderr
+    rows = _Rows()
+    rows.feed((tmp_path / "f.html").read_text())
+    head = next(row for row in rows.rows if row[:2] == ["node", "state"] and "MTBI" in row)
+    nodes = {row[0]: dict(zip(head, row)) for row in rows.rows if row and row[0].startswith("gpu-")
+             and len(row) == len(head)}
+    assert (nodes["gpu-c"]["incidents"], nodes["gpu-c"]["MTBI"]) == ("3", "2.8 d")
+    assert (nodes["gpu-d"]["incidents"], nodes["gpu-d"]["MTBI"]) == ("1", "-")
+    assert (nodes["gpu-a"]["incidents"], nodes["gpu-a"]["MTBI"]) == ("0", "-")
+    # Out of the window, no incident counts: 40 days on, gpu-c's failures are all older than 30.
+    later = json.loads(screener("report", "fleet", "--db", str(tmp_path / "f.db"), "--store",
+                                "local", "--json", obj=AppContext(clock=lambda: NOW + 40 * DAY)
+                                ).stdout)
+    assert later["mtbi"] == {}

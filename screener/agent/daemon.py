@@ -277,6 +277,7 @@ class Daemon:
         self._xids: dict[tuple[str, str, int], tuple[float, Finding]] = {}  # unrecovered critical
         self.conditions: tuple[Finding, ...] = ()
         self.reaped: Any = None
+        self._incidents: list[float] = []  # failure times within mtbi_days (the MTBI metric)
 
     # --- start-up -------------------------------------------------------------------------------
 
@@ -333,12 +334,24 @@ class Daemon:
         """Stamp nothing before the newest transition the node's history holds: a daemon
         restarted after the wall clock stepped back still records in order (clock.StampClock)."""
         try:
-            newest = max((t.time for t in self.store.history(self.node)), default=None)
+            history = self.store.history(self.node)
         except ScreenerError as e:  # start-up goes on; this run's own stamps stay ordered
             log.warning("cannot read the history of %s for its newest stamp: %s", self.node, e)
             return
+        newest = max((t.time for t in history), default=None)
         if newest is not None:
             self.stamps.floor(newest)
+        # The same read seeds the incident times the MTBI metric counts (issue 24.4); later
+        # incidents are added as they are recorded, so no event reads the history for it.
+        self._incidents = sorted(t.time for t in history if t.failure)
+        self._update_mtbi()
+
+    def _update_mtbi(self) -> None:
+        """Set the incident and MTBI metrics from the incidents within `mtbi_days` (in memory:
+        at most the node's own history, whatever the fleet's size)."""
+        since = self.stamps.now() - self.config.mtbi_days * 86400.0
+        self._incidents = [t for t in self._incidents if t >= since]
+        self.metrics.set_incidents(self._incidents)
 
     def _adoption(self) -> str:
         """Why this node, unknown to the store, is adopted as serving ("" when it is not)."""
@@ -447,6 +460,7 @@ class Daemon:
                 self._step(report, "screen", lambda: self._screen(report))
         report.state = self.state
         self.metrics.set_state(self.state)
+        self._update_mtbi()  # the window slides: an old incident leaves it without an event
         self.metrics.beat()
         return report
 
@@ -498,6 +512,9 @@ class Daemon:
                           report: PassReport) -> None:
         """What every recorded move is followed by: a metric, the pass report, a log line, and
         for a quarantine the deep health check when it is configured."""
+        if any(t.failure for t in transitions):
+            self._incidents.extend(t.time for t in transitions if t.failure)
+            self._update_mtbi()
         for t in transitions:
             self.metrics.transitions.labels(self.node, t.to_state.value).inc()
             entry = {"from": t.from_state.value if t.from_state else None, "to": t.to_state.value,

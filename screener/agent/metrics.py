@@ -33,7 +33,7 @@ import sys
 import threading
 from collections import OrderedDict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 from screener._optional import require
 
@@ -44,6 +44,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from screener.agent.clock import ClockLike, as_clock
 from screener.errors import ConfigError
+from screener.lifecycle.incidents import mtbi_seconds
 from screener.types import AlarmResult, NodeState, Outcome, ScreenStop, Severity
 
 SCREEN_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, float("inf"))
@@ -149,6 +150,13 @@ class DaemonMetrics:
         self.alarm_files_stuck = Gauge("screener_alarm_files_stuck", "Alarm files skipped "
                                        "because they could not be moved aside.", ["node"],
                                        registry=r)
+        # Time between incidents (issue 24.4): a lemon is visible before the lemon rule trips.
+        self.incidents = Gauge("screener_node_incidents", "The node's incidents (failure "
+                               "transitions, the ones the lemon rule counts) in the last "
+                               "mtbi_days days.", ["node"], registry=r)
+        self.mtbi = Gauge("screener_node_mtbi_seconds", "Mean time between the node's incidents "
+                          "in the last mtbi_days days (screener.lifecycle.incidents); absent with "
+                          "fewer than two incidents.", ["node"], registry=r)
 
     def _seed(self, node: str) -> None:
         """Make every labelled series exist from the start: a rate() over a counter that appears
@@ -170,6 +178,7 @@ class DaemonMetrics:
             self.state.labels(node, s.value).set(0)
             self.transitions.labels(node, s.value)
         self.idle.labels(node).set(0)
+        self.incidents.labels(node).set(0)
         self.screening.labels(node).set(0)
         self.probes.labels(node)
         self.screen_duration.labels(node)
@@ -195,6 +204,19 @@ class DaemonMetrics:
         self.screen_duration.labels(self.node).observe(max(0.0, seconds))
         if outcome == Outcome.PASS and passed_at is not None:
             self.last_success.labels(self.node).set(passed_at)
+
+    def set_incidents(self, times: Sequence[float]) -> None:
+        """The node's incident times in the window: their count, and their MTBI when there are
+        two or more (the series is removed otherwise: no gap to measure is not a gap of zero)."""
+        self.incidents.labels(self.node).set(len(times))
+        mtbi = mtbi_seconds(times)
+        if mtbi is None:
+            try:
+                self.mtbi.remove(self.node)
+            except KeyError:  # never set: nothing to remove
+                pass
+        else:
+            self.mtbi.labels(self.node).set(mtbi)
 
     def intake_pass(self, stuck: int, stalled: str = "", refused: str = "",
                     deferred: int = 0) -> None:

@@ -7,8 +7,9 @@ the data marks drawn (bars, dots, segments), and a plot without data says so in 
 drawing an empty frame.
 
 What the fleet report shows comes from the store: every node's state, its transitions in the
-window (the timeline), the lemon counts, and the last verdict each node recorded (per-job
-known-answer seconds per device). HBM bandwidth per GPU comes from burn-in reports passed along
+window (the timeline), the lemon counts, each node's incidents and the time between them (MTBI,
+screener.lifecycle.incidents, over the same window), and the last verdict each node recorded
+(per-job known-answer seconds per device). HBM bandwidth per GPU comes from burn-in reports passed along
 (their HBM stage), and from stored verdicts whose HBM evidence carries `bandwidth_gbps`.
 """
 
@@ -25,6 +26,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from screener import boundedjson
 from screener.errors import BadInputError
+from screener.lifecycle.incidents import format_mtbi, mtbi_by_node
 from screener.lifecycle.records import lemon_counts
 
 # Okabe-Ito: told apart with the common colour-vision deficiencies.
@@ -430,6 +432,8 @@ def fleet_data(store: Any, *, now: float, days: float = 30.0, min_failures: int 
         verdicts[n] = store.get_verdict(n)
     failures = store.failures(since)
     by_node, by_serial = lemon_counts(failures)
+    # Time between incidents over the same window (issue 24.4), from the same failures read.
+    mtbi = mtbi_by_node(failures)
     worst_first = sorted(by_node.items(), key=lambda kv: (-kv[1], kv[0]))
     lemons = [{"node": n, "failures": c, "state": states.get(n)}
               for n, c in worst_first if c >= min_failures]
@@ -462,7 +466,9 @@ def fleet_data(store: Any, *, now: float, days: float = 30.0, min_failures: int 
     return {"now": now, "since": since, "days": days, "min_failures": min_failures,
             "states": states, "history": history, "verdicts": verdicts,
             "failures": [t.to_dict() for t in failures], "lemons": lemons, "lemon_gpus": gpus,
-            "job_seconds": job_seconds, "hbm": hbm}
+            "job_seconds": job_seconds, "hbm": hbm,
+            "mtbi": {n: {"incidents": m["incidents"], "mtbi_s": m["mtbi_s"]}
+                     for n, m in sorted(mtbi.items())}}
 
 
 def _per_run_seconds(job: Any) -> Optional[float]:
@@ -550,10 +556,13 @@ def fleet_html(data: Mapping[str, Any]) -> str:
         hist = data["history"].get(n) or []
         last = hist[-1] if hist else {}
         v = data["verdicts"].get(n) or {}
+        m = (data.get("mtbi") or {}).get(n) or {}
         node_rows.append((n, states[n], _utc(last["time"]) if last else "-", last.get("reason", ""),
+                          m.get("incidents", 0), format_mtbi(m.get("mtbi_s")),
                           v.get("outcome", "-"),
                           _utc(v["time"]) if _num(v.get("time")) else "-"))
-    sec_nodes = "<h2>Nodes</h2>" + table(("node", "state", "since", "why", "last screen",
-                                          "screened at"), node_rows)
+    sec_nodes = "<h2>Nodes</h2>" + table(("node", "state", "since", "why", "incidents", "MTBI",
+                                          "last screen", "screened at"), node_rows,
+                                         numeric=(4,))
     return _page("screener fleet", [head, sec_states, sec_timeline, sec_lemons, sec_jobs, sec_hbm,
                                     sec_nodes])

@@ -76,6 +76,7 @@ _NUMBERS: dict[str, tuple[float, float, bool, bool]] = {
     "intake_pass_bytes": (1, 2**40, False, True),
     # a repeat is compared with the first, so at least 2
     "burnin_min_iterations": (2, 10_000, False, True),
+    "mtbi_days": (0.0, 3650.0, True, False),
 }
 _PATH_FIELDS = ("db", "kubeconfig", "spool", "jobs_dir", "golden_dir", "work_dir")  # None or a string
 
@@ -130,6 +131,9 @@ class DaemonConfig:
     adopt: "auto" adopts a node with no state that already runs GPU pods, or whose Node object is
         at least adopt_min_age_s old (or older than adopt_created_before, a unix time, when set),
         as healthy-but-unscreened instead of putting it in burnin; "off" never adopts.
+    mtbi_days: the window of the screener_node_incidents and screener_node_mtbi_seconds metrics
+        (the mean time between the node's incidents in the last mtbi_days days; `node status
+        --mtbi-days` has the same default).
     work_dir: where screen workers keep their folders (default: <state dir>/screens), so a
         restarted daemon can end what a killed one left running.
     probes, lifecycle, hyperpod: the nested tables (see the module docstring).
@@ -173,6 +177,7 @@ class DaemonConfig:
     adopt_min_age_s: float = 3600.0
     adopt_created_before: float = 0.0
     work_dir: Optional[str] = None
+    mtbi_days: float = 90.0
     probes: ProbeConfig = field(default_factory=ProbeConfig)
     lifecycle: LifecyclePolicy = field(default_factory=LifecyclePolicy)
     hyperpod: HyperPodConfig = field(default_factory=HyperPodConfig)
@@ -201,7 +206,8 @@ class DaemonConfig:
         for name, (low, high, low_open, integer) in _NUMBERS.items():
             configs.require_number("daemon", name, getattr(self, name), low, high,
                                    integer=integer, low_open=low_open,
-                                   unit="" if integer or name == "adopt_created_before"
+                                   unit="days" if name == "mtbi_days" else
+                                   "" if integer or name == "adopt_created_before"
                                    else "seconds")
         for name in ("jobs", "devices"):
             v = getattr(self, name)
