@@ -64,7 +64,8 @@ def exponent_flip() -> contextlib.AbstractContextManager:
 def train(rank: int, world: int, *, alarm_dir: str, steps: int = 8, fault: bool = False,
           persistent: bool = False, data_spike: bool = False, bucket_view: bool = False,
           spec: Optional[dict[str, Any]] = None, sentinel: bool = True, warmup: int = 3,
-          batches: Optional[Callable] = None) -> dict[str, Any]:
+          batches: Optional[Callable] = None, reduce_nan_at: Optional[int] = None
+          ) -> dict[str, Any]:
     """Eight steps, no audit step (audit_every=1000 starting at step 1), the sentinel on.
 
     fault: the exponent flip on rank 2 at step 6 (or `spec`: rank, step, op, call, element, bit,
@@ -76,7 +77,12 @@ def train(rank: int, world: int, *, alarm_dir: str, steps: int = 8, fault: bool 
     ddp = DDP(model, gradient_as_bucket_view=bucket_view)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     batches = batches or (batch_fn if data_spike else plain_batch_fn)
+    # NaN written into rank 3's bucket inside the all-reduce at step reduce_nan_at (one bucket
+    # per step, hook calls counted from step 1): every local gradient stays finite.
+    hook = faults.corrupt_allreduce(rank=3, calls={reduce_nan_at - 1}, element=5) \
+        if reduce_nan_at else None
     auditor = Auditor(ddp, loss_fn=loss_fn, batch_fn=batches, audit_every=1000, weights_every=0,
+                      reduce_hook=hook,
                       alarm_dir=alarm_dir, job="t", start_step=1,
                       sentinel=SentinelConfig(enabled=sentinel, warmup=warmup))
     out: dict[str, Any] = {"rank": rank, "alarm": None, "numeric": None, "steps_done": 0}
@@ -103,7 +109,8 @@ def train(rank: int, world: int, *, alarm_dir: str, steps: int = 8, fault: bool 
 
 SCENARIOS = {"transient": dict(fault=True), "persistent": dict(fault=True, persistent=True),
              "data": dict(data_spike=True), "bucket_view_transient": dict(fault=True,
-                                                                         bucket_view=True)}
+                                                                         bucket_view=True),
+             "reduced_nan": dict(reduce_nan_at=5)}
 
 
 def everything(rank: int, world: int, *, root: str) -> dict[str, Any]:

@@ -41,3 +41,21 @@ def test_a_data_spike_is_no_hardware_verdict(runs):
     for o in runs["data"]:
         assert (o["alarm"], o["numeric"], o["steps_done"], o["files"]) == (None, None, 8, [])
         assert o["counters"]["sentinel_fired"] == 1 and o["counters"]["sentinel_data"] == 1
+
+
+def test_a_nan_made_by_the_reduction_is_explained_not_blamed_on_everyone(runs):
+    """NaN written into rank 3's bucket inside the all-reduce at step 5: every local gradient
+    was finite, every rank receives NaN. The alarm redoes the reduction where the NaN is: each
+    rank's recomputed gradient there is finite and so is their sum, so the reduction itself went
+    bad, which the all-reduce cannot pin on a rank; it says so and names nobody."""
+    alarms = [o["alarm"] for o in runs["reduced_nan"]]
+    a = alarms[0]
+    assert a is not None and all(x == a for x in alarms)
+    assert (a["check"], a["step"], a["settled"], a["suspect_ranks"]) == ("nonfinite_reduced", 5,
+                                                                         False, [])
+    redo = a["evidence"]["redo"]
+    assert redo["done"] and redo["senders_finite_and_sum_finite"] is True
+    (place,) = redo["places"]
+    assert place["element"] == 5 and len(place["sent"]) == 6
+    assert all(isinstance(v, float) for v in place["sent"].values())
+    assert "no rank is named" in redo["why"]

@@ -535,9 +535,10 @@ class Auditor:
             self._nonfinite_local(step, flagged, g, states)
             return True  # reached only when the scaler explains it
         seeing = sorted(ranks[k] for k, ok in enumerate(finite[:, 2].tolist()) if not ok)
-        return bool(seeing) and self._nonfinite_reduced(step, g, seeing)
+        return bool(seeing) and self._nonfinite_reduced(step, g, seeing, states)
 
-    def _nonfinite_reduced(self, step: int, g: torch.Tensor, seeing: list[int]) -> bool:
+    def _nonfinite_reduced(self, step: int, g: torch.Tensor, seeing: list[int],
+                           states: Optional[Callable[[], dict[int, StepState]]] = None) -> bool:
         """Every local gradient finite, the reduced one NaN/Inf on the ranks `seeing`: the sum
         overflowed (the loss scaler's business or a numeric failure), else the reduction is
         suspect. Returns True when the scaler owns it; raises otherwise."""
@@ -572,9 +573,67 @@ class Auditor:
                                f"{', '.join(map(str, seeing))} of {self.world_size} hold a "
                                f"non-finite reduced gradient, and an all-reduce gives every rank "
                                f"the same result")
+        if states is not None:
+            evidence["redo"] = self._redo_reduction(step, states)
         self._raise(SDCAlarm("nonfinite_reduced", step, (), (), False, evidence,
                              candidate_ranks=ranks if everywhere else seeing,
                              first_suspect_step=step, key=self._key("nonfinite_reduced", step)))
+
+    def _bad_positions(self, limit: int = 8) -> torch.Tensor:
+        """Up to `limit` (parameter, element) places where this rank's reduced gradient is NaN/Inf,
+        as int64 codes parameter * 2**40 + element, padded with -1."""
+        out = torch.full((limit,), -1, dtype=torch.int64)
+        n = 0
+        for k, p in enumerate(self._grad_params):
+            if p.grad is None or n >= limit:
+                continue
+            bad = (~torch.isfinite(p.grad.detach().reshape(-1))).nonzero().flatten()[:limit - n]
+            out[n:n + bad.numel()] = bad.cpu() + k * 2 ** 40
+            n += bad.numel()
+        return out
+
+    def _redo_reduction(self, step: int, states: Callable[[], dict[int, StepState]]
+                        ) -> dict[str, Any]:
+        """What each rank sent where the reduction gave NaN/Inf, and that sum done again.
+
+        Every rank replays its own step (the gradient it sent, bit for bit), reads it at the
+        places some rank received NaN/Inf, and the values are gathered: finite senders and a
+        finite sum say the reduction itself went bad. The all-reduce does not say on which link
+        or GPU, so this names no rank; it says what happened instead of suspecting everyone."""
+        owner_states = states()  # a collective: every rank is here
+        codes = gather(self._bad_positions(), self.group, self._comm)
+        places = sorted({int(c) for c in codes.flatten().tolist() if c >= 0})[:16]
+        values = torch.full((max(len(places), 1),), float("nan"), dtype=torch.float64)
+        error: Optional[BaseException] = None
+        if self.can_replay and places:
+            try:
+                _, grads = self._replay(self.rank, step, owner_states[self.rank])
+                for i, code in enumerate(places):
+                    g = grads[code >> 40]
+                    values[i] = 0.0 if g is None else float(g.reshape(-1)[code & (2 ** 40 - 1)])
+            except Exception as e:  # noqa: BLE001 - reported collectively below
+                error = e
+        flags = gather(torch.tensor([_error_flag(error)]), self.group, self._comm)
+        self._check_errors(flags[:, 0], error, step, "the replay that redoes the reduction")
+        sent = gather(values, self.group, self._comm)  # (world, places)
+        if not (self.can_replay and places):
+            return {"done": False, "why": "no replay (loss_fn/batch_fn) to recompute what each "
+                                          "rank sent" if places else "no place found"}
+        ranks = self.topology.ranks
+        rows, clean = [], True
+        for i, code in enumerate(places):
+            col = [float(sent[k, i]) for k in range(len(ranks))]
+            total = sum(col) / len(col)
+            clean = clean and all(math.isfinite(v) for v in col + [total])
+            rows.append({"parameter": self.grad_names[code >> 40], "element": code & (2 ** 40 - 1),
+                         "sent": {str(r): _num(v) for r, v in zip(ranks, col)},
+                         "redone": _num(total)})
+        return {"done": True, "places": rows, "senders_finite_and_sum_finite": clean,
+                "why": ("every rank's gradient, recomputed, is finite where the reduction gave "
+                        "NaN/Inf, and their sum there is finite: the reduction itself went bad "
+                        "(a link, a NIC, a rank's reduction arithmetic); the all-reduce does not "
+                        "say which, so no rank is named") if clean else
+                       "a recomputed gradient is not finite there: the data or the model"}
 
     def _confirmer(self, owner: int, flagged: set[int]) -> Optional[int]:
         """Who replays a non-finite owner: its ring replayer, else a clean rank on another node."""
