@@ -66,6 +66,7 @@ from screener.lifecycle import machine as lifecycle
 from screener.lifecycle.apply import apply_event, release_held
 from screener.lifecycle.ports import Store
 from screener.lifecycle.records import ACTOR_HUMAN, Transition
+from screener.remediation.ladder import RepairLadder
 from screener.settings.daemon import MODE_OBSERVE, DaemonConfig
 from screener.types import (ANNOTATION_DIGESTS, NO_WORK_STATES, AlarmRecord, AlarmResult, ExitCode,
                             Finding, NodeState, Outcome, Reason, ScreenStop, Severity)
@@ -199,6 +200,8 @@ class Daemon:
         position (DeferredKernelLogReader.commit) once what it read is durable, or None.
         boot_time(): when the host booted (an Xid before it was recovered by the reboot).
         uid: the uid that must own the alarm folder (default: the daemon's own).
+        tool_env: the environment (PATH) the repair ladder runs nvidia-smi and dcgmi in
+        (default: the daemon's own).
     clock: a clock.Clock (wall and monotonic) or one callable standing for both (a test clock
         that never steps); default the system's. Every interval runs on its monotonic clock and
         every history stamp comes from a StampClock over it, so a stepped wall clock neither
@@ -218,7 +221,8 @@ class Daemon:
                  node_created: Optional[Callable[[], Optional[float]]] = None,
                  commit_kmsg: Optional[Callable[[], None]] = None,
                  boot_time: Callable[[], float] = host.boot_time,
-                 uid: Optional[int] = None) -> None:
+                 uid: Optional[int] = None,
+                 tool_env: Optional[Mapping[str, str]] = None) -> None:
         self.config = config
         self.node = config.node
         self.store = store
@@ -278,6 +282,9 @@ class Daemon:
         self.conditions: tuple[Finding, ...] = ()
         self.reaped: Any = None
         self._incidents: list[float] = []  # failure times within mtbi_days (the MTBI metric)
+        # The repair ladder for an idle quarantined node (issue 24.3), when configured.
+        self.ladder = (RepairLadder(config.ladder, env=tool_env, monotonic=self.clock.monotonic)
+                       if config.ladder.enabled else None)
 
     # --- start-up -------------------------------------------------------------------------------
 
@@ -453,6 +460,8 @@ class Daemon:
         elif self._pending or self._unwritten:
             # Findings whose transition could not be written: retried on every tick.
             self._step(report, "findings", lambda: self._apply_findings(report))
+        if self.ladder is not None and self.state == S.QUARANTINED and report.idle:
+            self._step(report, "ladder", lambda: self._climb(report))
         report.screen_due = self._screen_due(now)
         if report.screen_due and (report.idle or (once and report.activity is not None
                                                   and not report.activity.busy)):
@@ -480,6 +489,21 @@ class Daemon:
                                             min_interval_s=0.0)
         if released is not None:
             self._note_transitions((released,), "a quarantine budget slot freed", report)
+
+    def _climb(self, report: PassReport) -> None:
+        """One look at the repair ladder (screener.remediation.ladder); a rung taken is a
+        Remediation through the lifecycle, so the burn-in that follows re-screens the node."""
+        assert self.ladder is not None
+        if self.observe:  # says what enforce would have started
+            report.actions.append({"action": "repair_ladder", "result": "not started: observe mode"})
+            return
+        gpus = sorted(g.index for g in (self.last_report.gpus if self.last_report else ()))
+        step = self.ladder.step(self.store.history(self.node), gpus, self.stamps.now())
+        report.actions.extend(step.actions)
+        if step.error:
+            self.metrics.error("ladder")
+        if step.event is not None:
+            self._apply(step.event, "repair ladder", report)
 
     def _step(self, report: PassReport, where: str, fn: Callable[[], Any]) -> None:
         try:

@@ -28,6 +28,7 @@ from screener.settings import strict as configs
 from screener.errors import ConfigError
 from screener.settings.health import ProbeConfig
 from screener.settings.hyperpod import HyperPodConfig
+from screener.settings.ladder import LadderConfig
 from screener.lifecycle.machine import LifecyclePolicy
 from screener.settings.stores import KubeTimeouts, resolve_store_kind
 from screener.types import ALARM_DIR_ENV, DEFAULT_ALARM_DIR, NODE_NAME_ENV, node_name
@@ -136,7 +137,8 @@ class DaemonConfig:
         --mtbi-days` has the same default).
     work_dir: where screen workers keep their folders (default: <state dir>/screens), so a
         restarted daemon can end what a killed one left running.
-    probes, lifecycle, hyperpod: the nested tables (see the module docstring).
+    probes, lifecycle, hyperpod: the nested tables (see the module docstring); ladder: the
+        repair ladder for idle quarantined nodes (screener.settings.ladder.LadderConfig).
     """
 
     node: str = ""
@@ -181,6 +183,7 @@ class DaemonConfig:
     probes: ProbeConfig = field(default_factory=ProbeConfig)
     lifecycle: LifecyclePolicy = field(default_factory=LifecyclePolicy)
     hyperpod: HyperPodConfig = field(default_factory=HyperPodConfig)
+    ladder: LadderConfig = field(default_factory=LadderConfig)
     kube_timeouts: KubeTimeouts = field(default_factory=KubeTimeouts)
 
     def __post_init__(self) -> None:
@@ -219,6 +222,8 @@ class DaemonConfig:
                 raise bad(name, "must be true or false")
         if not isinstance(self.hyperpod, HyperPodConfig):
             raise bad("hyperpod", "must be a table")
+        if not isinstance(self.ladder, LadderConfig):
+            raise bad("ladder", "must be a table")
         if not isinstance(self.kube_timeouts, KubeTimeouts):
             raise bad("kube_timeouts", "must be a table (connect_s, read_s, call_s, "
                                        "unreachable_s)")
@@ -244,6 +249,8 @@ class DaemonConfig:
                 # Validated now, whether or not the feature is on: a misspelt key is an error.
                 if isinstance(values.get("hyperpod"), Mapping):
                     values["hyperpod"] = HyperPodConfig.from_mapping(values["hyperpod"])
+                if isinstance(values.get("ladder"), Mapping):
+                    values["ladder"] = LadderConfig.from_mapping(values["ladder"])
                 if isinstance(values.get("kube_timeouts"), Mapping):
                     values["kube_timeouts"] = KubeTimeouts.from_mapping(values["kube_timeouts"])
             return configs.from_mapping(cls, values, "daemon")
@@ -277,6 +284,7 @@ class DaemonConfig:
         d["lifecycle"] = dataclasses.asdict(self.lifecycle)
         d["hyperpod"] = dataclasses.asdict(self.hyperpod)
         d["hyperpod"]["checks"] = list(self.hyperpod.checks)
+        d["ladder"] = dataclasses.asdict(self.ladder)
         d["jobs"], d["devices"] = list(self.jobs), list(self.devices)
         return d
 
@@ -320,7 +328,7 @@ def read_file(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 _SCALAR_FIELDS = {f.name: f for f in fields(DaemonConfig) if f.name not in ("probes", "lifecycle",
-                                                                           "hyperpod")}
+                                                                           "hyperpod", "ladder")}
 
 
 def _parse_env(name: str, text: str, default: Any) -> Any:
