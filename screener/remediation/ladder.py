@@ -22,7 +22,8 @@ node's own history (a rung taken is a RemediationPassed transition carrying `lad
 at most one attempt per `min_interval_s` per node. Fleet-wide, the nodes in the ladder are
 quarantined nodes, and the quarantine budget (one atomic fleet-wide count on both stores) already
 caps how many there are at once; a reset is node-local and takes seconds, so no second fleet-wide
-count is needed for it (a reboot rung would add one: see the README).
+count is needed for it (an automatic reboot rung would need one: N reboot slots claimed as the
+budget's slots are, so that at most N nodes reboot at once whatever the budget allows).
 """
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ def quarantine_entry(history: Sequence[Transition]) -> Optional[Transition]:
 
 
 class RepairLadder:
-    """The ladder for one node. env: the environment the tools run in (their PATH); wall and
-    monotonic: the clocks (history stamps, and the rate limit's interval)."""
+    """The ladder for one node. env: the environment the tools run in (their PATH); monotonic:
+    the clock of the rate limit's interval (history stamps come in with each step)."""
 
     def __init__(self, config: LadderConfig, *, env: Optional[Mapping[str, str]] = None,
                  monotonic: Callable[[], float]) -> None:
