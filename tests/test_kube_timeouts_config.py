@@ -54,3 +54,10 @@ def test_a_black_holed_api_fails_within_the_configured_time(tmp_path):
                 app.close()
         finally:
             proxy.close()
+
+
+def test_the_table_round_trips_through_the_configs_json_form():
+    config = DaemonConfig.from_mapping({"node": "n1", "kube_timeouts": {"call_s": 9.0}})
+    d = json.loads(json.dumps(config.to_dict()))
+    assert d["kube_timeouts"]["call_s"] == 9.0
+    assert DaemonConfig.from_mapping(d).kube_timeouts == config.kube_timeouts
