@@ -389,3 +389,46 @@ def test_the_daemons_runner_keeps_what_earlier_screens_produced(tmp_path):
     assert (v.reason, v.job) == (KatReason.SELF_MISMATCH, "gemm-fp32")
     # the suspect screen did not overwrite what the node knows
     assert json.loads((tmp_path / "work" / KNOWN_DIGESTS).read_text()) == known
+
+
+def test_every_device_flipping_between_the_golden_and_another_result_is_our_bug(tmp_path):
+    """Eight devices, each giving [golden, other, golden]: the job flips, on every device alike;
+    that is our nondeterminism, not eight GPUs failing at once. One device doing it among
+    steady peers is still suspect."""
+    spec = _spec("gemm-fp32")
+    clean = w.run_job(spec, "cpu")
+    other = _bad(spec, "mm", 4, persistent=False)
+    lookup = _golden(spec, clean, tmp_path)
+    runs = {f"cuda:{i}": _device(f"cuda:{i}", [clean, other, clean]) for i in range(8)}
+    with pytest.raises(NondeterminismError, match="all 8 devices"):
+        judgment.judge(runs, [spec], lookup)
+    runs = {f"cuda:{i}": _device(f"cuda:{i}", [clean, clean, clean]) for i in range(8)}
+    runs["cuda:3"] = _device("cuda:3", [clean, other, clean])
+    res = judgment.judge(runs, [spec], lookup)
+    assert res.verdict("cuda:3").outcome == Outcome.SUSPECT
+    assert [v.device for v in res.verdicts if v.outcome == Outcome.SUSPECT] == ["cuda:3"]
+
+
+def test_an_earlier_screens_digest_no_run_reproduces_says_nothing():
+    spec = _spec("gemm-fp32")
+    a, b = _bad(spec, "mm", 1, persistent=False), _bad(spec, "mm", 2, persistent=False)
+    with pytest.raises(NondeterminismError):
+        judgment.judge({"cpu": _device("cpu", [a, b])}, [spec], _no_golden,
+                       known={"p1": {spec.name: "0123456789abcdef"}})
+
+
+@pytest.mark.parametrize("exc, kind", [
+    (IndexError("index out of range in self"), "job"),
+    (RuntimeError("probability tensor contains either inf, nan or element < 0"), "job"),
+    (ValueError("math domain error"), "job"),
+    (KeyError("x"), "screener"), (AssertionError(), "screener"), (OSError("disk"), "screener"),
+    (MemoryError(), "screener"), (RuntimeError("CUDA out of memory. Tried to allocate"), "screener"),
+    (RuntimeError("Deterministic behavior was enabled ... CUBLAS_WORKSPACE_CONFIG"), "screener"),
+])
+def test_which_exceptions_a_corrupted_value_can_cause(exc, kind):
+    from screener.known_answer.child import _job_kind
+
+    try:
+        raise exc
+    except Exception as e:  # noqa: BLE001 - classified as the child does
+        assert _job_kind(e) == kind

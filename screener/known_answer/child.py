@@ -100,20 +100,29 @@ def _after_step(faults: Sequence[tuple[int, DeviceFault]],
     return after_step
 
 
-# Exceptions that are bugs of ours whatever the data: a job that raises one is the screener
-# failing (exit 1), never a verdict. Any other exception inside a job (an IndexError from an
-# index tensor a fault corrupted, a ValueError from a NaN where none can be) may come from the
-# device's wrong arithmetic; the judgment decides with the evidence (peers, golden).
-_OURS = (ImportError, NameError, SyntaxError, AttributeError, TypeError, NotImplementedError,
-         RecursionError, ScreenerError)
+# What a corrupted value can make a job raise: an index out of range (IndexError, or a
+# RuntimeError from an index or NaN check), a ValueError or an arithmetic error. Such an
+# exception may come from the device's wrong arithmetic, and the judgment decides with the
+# evidence (peers, golden). Every other exception is a bug of ours whatever the data (a
+# KeyError, an AssertionError, an OSError, a TypeError...), and so are RuntimeErrors whose
+# message says the setup is at fault; running out of memory is never the device's (another
+# process may hold it) and never a verdict.
+_MAYBE_THE_DATA = (IndexError, ValueError, RuntimeError, ArithmeticError)
+_SETUP_MESSAGES = ("out of memory", "deterministic", "CUBLAS_WORKSPACE_CONFIG",
+                   "not implemented", "expected scalar type", "same device", "dtype")
 
 
 def _job_kind(e: BaseException) -> ErrorKind:
     """Whose fault an exception raised inside a job's run is."""
     kind = _kind(e)
-    if kind == ErrorKind.SCREENER and not isinstance(e, _OURS):
-        return ErrorKind.JOB
-    return kind
+    if kind != ErrorKind.SCREENER:
+        return kind
+    text = str(e)
+    if isinstance(e, (MemoryError, ScreenerError, NotImplementedError)) \
+            or type(e).__name__ == "OutOfMemoryError" \
+            or any(m.lower() in text.lower() for m in _SETUP_MESSAGES):
+        return ErrorKind.SCREENER
+    return ErrorKind.JOB if isinstance(e, _MAYBE_THE_DATA) else ErrorKind.SCREENER
 
 
 def _run_one(spec: JobSpec, it: int, device: str, request: Mapping[str, Any],

@@ -210,8 +210,10 @@ class _JobGroup:
         if consensus is not None:
             return Reference("majority", consensus.steps, consensus.digest)
         if self.known is not None:
+            # Only a result some run reproduces today says which of today's results is right.
             same = next((r for r in self._all_results() if r.digest == self.known), None)
-            return Reference("earlier screens", same.steps if same else None, self.known)
+            if same is not None:
+                return Reference("earlier screens", same.steps, self.known)
         return None
 
     def _consensus(self) -> Optional[JobResult]:
@@ -521,6 +523,8 @@ def _check_nondeterminism(groups: Sequence[_JobGroup]) -> None:
         if g.results:
             by_job.setdefault(g.job, []).append(g)
     for job, gs in by_job.items():
+        for g in gs:
+            _check_flipping(job, g)
         if any(g.reference is not None for g in gs):
             continue
         ran = [(d, runs) for g in gs for d, runs in g.results.items()]
@@ -540,6 +544,28 @@ def _check_nondeterminism(groups: Sequence[_JobGroup]) -> None:
                     f"{len(g.results)} devices of platform {g.phash} "
                     f"({', '.join(g.results)}) and no golden or earlier screen says which is "
                     f"right: a screener bug, not a hardware verdict")
+
+
+def _check_flipping(job: str, g: _JobGroup) -> None:
+    """Two or more devices of a platform that all disagree with themselves, each reproducing
+    the reference in some runs and not in others: the job flips between results, which is our
+    nondeterminism, not every GPU of the node failing at once (silent data corruption is local
+    to one GPU). A device that never reproduces the reference is still judged (suspect)."""
+    if g.reference is None or len(g.results) < 2:
+        return
+    ref = g.reference
+    flipping = [d for d, runs in g.results.items() if not runs.consistent
+                and any(ref.matches(r) for _, r in runs.results())
+                and any(not ref.matches(r) for _, r in runs.results())]
+    if len(flipping) == len(g.results):
+        d = flipping[0]
+        it, other = g.results[d].mismatch  # type: ignore[misc]
+        raise NondeterminismError(
+            f"job {job} is nondeterministic: on all {len(flipping)} devices of platform "
+            f"{g.phash} ({', '.join(flipping)}) some runs reproduce the {ref.source} and "
+            f"others do not; e.g. {d} iteration {it} at "
+            f"{where(first_difference(g.results[d].reference.steps, other.steps))}. This is a "
+            f"screener bug, not a hardware verdict.")
 
 
 def _self_mismatch(runs: JobRuns, reference: Optional[Reference], job: str) -> Issue:
