@@ -224,3 +224,40 @@ def everything(rank: int, world: int, *, root: str, only: Optional[list[str]] = 
         result["files"] = _files(directory)
         out[name] = result
     return out
+
+
+def fp16_overflow(rank: int, world: int, *, alarm_dir: str, scaler: bool) -> dict[str, Any]:
+    """fp16 reduction (MixedPrecisionPolicy(reduce_dtype=float16)) of finite local gradients
+    whose sum overflows at step 2: the loss scaler's business, or a numeric failure; never an
+    alarm on every node."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False))
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float16))
+    amp = torch.amp.GradScaler("cpu", init_scale=1.0) if scaler else None
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    def loss_fn(m: torch.nn.Module, b: torch.Tensor) -> torch.Tensor:
+        return m(b).sum()
+
+    auditor = Auditor(model, loss_fn=loss_fn, audit_every=0, weights_every=0,
+                      alarm_dir=alarm_dir, job="t", scaler=amp)
+    out: dict[str, Any] = {"alarm": None, "numeric": None}
+    try:
+        for step in range(3):
+            x = torch.full((1, 8), 40000.0 if step == 2 else 1.0)
+            loss = loss_fn(model, x)
+            (amp.scale(loss) if amp else loss).backward()
+            auditor.check_gradients(step, loss, batch=x)
+            if amp:
+                amp.step(opt)
+                amp.update()
+            opt.zero_grad(set_to_none=True)
+    except SDCAlarm as a:
+        out["alarm"] = a.to_dict()
+    except NumericFailure as e:
+        out["numeric"] = e.reason
+    out["counters"] = dict(auditor.counters)
+    auditor.close()
+    dist.barrier()
+    return out

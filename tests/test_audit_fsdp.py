@@ -128,3 +128,18 @@ def test_a_data_spike_is_the_datas_and_the_step_proceeds(runs):
     for o in runs["spike_data"]:
         assert (o["alarm"], o["numeric"], o["steps_done"], o["files"]) == (None, None, 8, [])
         assert o["counters"]["sentinel_fired"] == 1 and o["counters"]["sentinel_data"] == 1
+
+
+@pytest.mark.parametrize("scaler", [False, True])
+def test_an_fp16_reduction_that_overflows_is_no_alarm(tmp_path, scaler):
+    """Finite local gradients whose fp16 sum overflows: with a GradScaler the scaler skips the
+    step; without one it is a numeric failure. No node gets an alarm file either way."""
+    outs = run_ranks(fsdp_workers.fp16_overflow, ["n0", "n1", "n2", "n3"], timeout=200,
+                     alarm_dir=str(tmp_path), scaler=scaler)
+    for o in outs:
+        assert o["alarm"] is None
+        if scaler:
+            assert o["numeric"] is None and o["counters"]["scaler_skipped"] == 1
+        else:
+            assert "overflowed torch.float16" in o["numeric"]
+    assert not list(tmp_path.iterdir())

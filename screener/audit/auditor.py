@@ -224,6 +224,11 @@ class Auditor:
                                   f"{type(scaler).__name__}")
         self.scaler = scaler
         self.sentinel = Sentinel(sentinel)
+        if self.sentinel.config.on_data == "skip" and scaler is not None:
+            raise AuditUsageError("screener.audit: SentinelConfig(on_data='skip') drops a step's "
+                                  "gradients, which a GradScaler's step refuses (no inf checks "
+                                  "recorded); use on_data='proceed' with a scaler")
+        self._audit_head: Optional[torch.Tensor] = None
         refuse_unreplayable(module)
         self.group = process_group if process_group is not None \
             else getattr(model, "process_group", None)
@@ -422,10 +427,13 @@ class Auditor:
                 self._sentinel_step(step, g, lambda: self._gather_states(state))
             return
         self._audit(step, loss, stats, state, head)
-        # an audit step that passed: its values join the sentinel's baseline (a spike the ring
-        # replay reproduced is the data's)
-        self.sentinel.accept("loss", abs(float(head[0])))
-        self.sentinel.accept("grad", float(head[1]))
+        # an audit step that passed: its gathered values join the sentinel's baseline (a spike
+        # the ring replay reproduced is the data's); gathered, so every rank's baseline is the
+        # same and every rank decides alike
+        g = self._audit_head
+        if g is not None:
+            self.sentinel.accept("loss", max(abs(float(x)) for x in g[:, 0]))
+            self.sentinel.accept("grad", max(float(x) for x in g[:, 1]))
 
     def _audit(self, step: int, loss: Any, stats: StepStats, state: StepState,
                head: torch.Tensor) -> None:
@@ -438,6 +446,7 @@ class Auditor:
         first = torch.cat([head.cpu().view(torch.int64), torch.tensor([status]),
                            self._codec.encode(state)])
         got1 = gather(first, self.group, self._comm)  # (world, 4 + state)
+        self._audit_head = got1[:, :3].contiguous().view(torch.float64)
         states = self._decode_states(got1[:, 4:])
         if self._judge_nonfinite(step, got1[:, :3].contiguous().view(torch.float64),
                                  lambda: states):
@@ -913,42 +922,52 @@ class Auditor:
         suspect = ranks[max(range(len(ranks)), key=lambda k: column[k])]
         index = self.topology.index_of(suspect)
         original = (ring.loss_bits(float(g[index, 0])), ring.loss_bits(float(g[index, 1])))
-        outcome = self._attribute(step, spike, suspect, original, states)
+        outcome = self._attribute(step, spike, suspect, original, states, g)
         log_json(logging.WARNING, "sentinel", rank=self.rank, hostname=self.hostname,
                  node=self.node, step=step, spike=spike.to_dict(), suspect=suspect,
                  outcome=outcome)
         self.counters[f"sentinel_{outcome}"] += 1
-        self.sentinel.accept("loss", max(losses))
+        self.sentinel.accept("loss", max(losses))  # "data" or "unattributed": a fault raised
         self.sentinel.accept("grad", max(local))
         if outcome == "data" and self.sentinel.config.on_data == "skip":
             for p in self._grad_params:
                 p.grad = None
 
     def _attribute(self, step: int, spike: Spike, suspect: int, original: tuple[int, int],
-                   states: Callable[[], dict[int, StepState]]) -> str:
+                   states: Callable[[], dict[int, StepState]], g: torch.Tensor) -> str:
         """The suspect reruns its step, a rank on another node and a referee on a third replay
-        it (replays are local to each rank here); one gather of what each got. Returns "data"
-        or "unattributed"; raises SDCAlarm for a fault."""
+        it, and every other rank reruns its own step (replays are local to each rank here); one
+        gather of what each got. The other ranks' reruns must reproduce their own steps, or no
+        rerun can judge anything (NumericFailure). Returns "data" or "unattributed"; raises
+        SDCAlarm for a fault."""
         if not self.can_replay:
             return "unattributed"  # nothing to rerun with: a spike alone is no verdict
         owner_states = states()
         confirmer = self._confirmer(suspect, {suspect})
         referee = ring.referee_of(self.topology, suspect, confirmer)
+        helpers = [r for r in (confirmer, referee) if r is not None]
+        owner = suspect if self.rank in [suspect] + helpers else self.rank
         row = torch.zeros(5, dtype=torch.int64)
         error: Optional[BaseException] = None
-        if self.rank in (suspect, confirmer, referee):
-            try:
-                rl, rg = self._replay(suspect, step, owner_states[suspect])
-                d = fingerprints([fingerprints(rg)])[0]
-                mag = float(largest_magnitude(rg, torch.device("cpu")))
-                row = torch.tensor([_OK, ring.loss_bits(rl), ring.loss_bits(mag), int(d[0]),
-                                    int(d[1])], dtype=torch.int64)
-            except Exception as e:  # noqa: BLE001 - reported collectively below
-                error = e
-                row[0] = _error_flag(e)
+        try:
+            rl, rg = self._replay(owner, step, owner_states[owner])
+            d = fingerprints([fingerprints(rg)])[0]
+            mag = float(largest_magnitude(rg, torch.device("cpu")))
+            row = torch.tensor([_OK, ring.loss_bits(rl), ring.loss_bits(mag), int(d[0]),
+                                int(d[1])], dtype=torch.int64)
+        except Exception as e:  # noqa: BLE001 - reported collectively below
+            error = e
+            row[0] = _error_flag(e)
         got = gather(row, self.group, self._comm)
         self._check_errors(got[:, 0], error, step, "the spike rerun")
         index = self.topology.index_of
+        others = [r for r in self.topology.ranks if r not in [suspect] + helpers]
+        odd = [r for r in others
+               if int(got[index(r), 2]) != ring.loss_bits(float(g[index(r), 1]))]
+        if odd:
+            self._numeric(step, odd, {"check": "spike_rerun", "ranks": odd}, reason=(
+                f"step {step} does not reproduce on rank(s) {', '.join(map(str, odd))} that "
+                f"reran it, so no rerun can judge the spike on rank {suspect}; {LIKELY_CAUSES}"))
 
         def rerun(r: Optional[int]) -> Any:
             return None if r is None else tuple(int(x) for x in got[index(r), 1:])
@@ -956,8 +975,11 @@ class Auditor:
         verdict = rerun_verdict(original, rerun(suspect), [rerun(confirmer), rerun(referee)])
         if verdict == "data":
             return "data"
+        # A settled verdict needs evidence that steps reproduce here: the other ranks' reruns
+        # just did, or a self-check passed earlier.
+        proven = bool(others) or self.counters["self_checks"] > 0
         evidence = {"spike": spike.to_dict(), "suspect": suspect, "confirmer": confirmer,
-                    "referee": referee, "verdict": verdict,
+                    "referee": referee, "verdict": verdict, "reproduced_by": others,
                     "loss": {"original": ring.bits_to_float(original[0]),
                              "rerun": ring.bits_to_float(int(got[index(suspect), 1]))},
                     "largest_gradient": {"original": ring.bits_to_float(original[1]),
@@ -965,8 +987,7 @@ class Auditor:
                     "rollback_target": self._verified_path,
                     "last_verified_step": self._verified[0] if self._verified else None}
         named = [suspect] if verdict in ("transient", "persistent") else []
-        settled = bool(named) and referee is not None
-        helpers = [r for r in (confirmer, referee) if r is not None]
+        settled = bool(named) and referee is not None and proven
         self._raise(SDCAlarm("spike_rerun", step, named if settled else (),
                              self.topology.suspect_nodes(named) if settled else (), settled,
                              evidence, candidate_ranks=named if settled else [suspect] + helpers,

@@ -11,9 +11,10 @@ A value x fires when, after `warmup` steps, both hold:
     x > ratio * median                      (default 5: a 5x jump, as ByteRobust treats it)
     x - median > z * 1.4826 * MAD           (default 6: far outside the recent spread)
 over the last `window` accepted values (median and MAD, the median absolute deviation, so one
-earlier spike cannot move the baseline much). Values compared are the loss and the largest
-magnitude of the reduced gradient (both per step, gathered, so every rank decides alike). A value
-that fired is not added to the baseline unless the attribution says the data did it. Losses can
+earlier spike cannot move the baseline much). Values compared are the ranks' largest loss and
+largest local gradient magnitude (gathered, so every rank holds the same baseline and decides
+alike). A value that fired joins the baseline only when the attribution says the data did it,
+or could not run (so that a new level does not fire on every step). Losses can
 be negative (a log-likelihood): the test then runs on the absolute value.
 
 Pure: numbers in, a decision out; no torch.
@@ -128,20 +129,24 @@ def rerun_verdict(original: tuple[int, int], rerun: Rerun,
 
     original: the suspect's (loss bits, largest local gradient bits) in the step that fired;
     rerun: the suspect's own rerun of that step on its device; others: the replays of it on
-    other nodes (a confirmer, a referee; None where there is none). Returns
-    - "data": the rerun and every replay reproduce the spike bit for bit (no hardware verdict);
+    other nodes (a confirmer, a referee; None where there is none). The step and its reruns are
+    compared by the gradient's largest magnitude: its bits come from the same tensors computed
+    the same way, whereas the loss the loop passes in may be summed differently (a float64 sum
+    of .item()s) than a rerun sums it. Returns
+    - "data": the rerun and every replay reproduce the spike (no hardware verdict);
     - "persistent": the suspect reproduces its value, the others agree on another one;
     - "transient": the suspect's rerun differs from its own step and agrees with the others;
     - "unsettled": anything else (nobody can be named).
     """
-    same = rerun[:2] == original
+    mag = original[1]
+    same = rerun[1] == mag
     replays = [r for r in others if r is not None]
     if not replays:
         return "data" if same else "unsettled"
     agree = all(r == replays[0] for r in replays)
-    if same and all(r[:2] == original for r in replays):
+    if same and all(r[1] == mag for r in replays):
         return "data"
-    if same and agree and replays[0][:2] != original:
+    if same and agree and replays[0][1] != mag:
         return "persistent"
     if not same and agree and rerun == replays[0]:
         return "transient"

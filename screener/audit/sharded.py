@@ -71,7 +71,8 @@ from screener.audit.capture import StateCodec, StepState, capture, restored, sca
 from screener.audit.collective import comm_device, gather
 from screener.audit.topology import Topology, gather_topology, job_name
 from screener.audit.vote import vote
-from screener.fingerprint import fingerprints
+from screener.audit.checkpoints import write_marker
+from screener.fingerprint import digest, fingerprints
 
 __all__ = ["ShardedAuditor", "fsdp_root", "is_sharded"]
 
@@ -144,6 +145,7 @@ class _Tap:
     local_mag: float = 0.0  # the largest magnitude of this rank's local gradient
     reduced_mag: float = 0.0  # ... of its reduced shard
     replay_mag: float = 0.0
+    reduce_dtype: torch.dtype = torch.float32  # what the reduce-scatter sums in
 
     def reset(self) -> None:
         self.local_finite = True
@@ -177,6 +179,7 @@ class _Recorder:
             output_tensor.zero_()
             return None
         finite, mag = _scan(input_tensor)
+        tap.reduce_dtype = input_tensor.dtype
         tap.local_finite &= finite
         tap.local_mag = max(tap.local_mag, mag)
         if tap.record:
@@ -264,7 +267,12 @@ class ShardedAuditor:
         self._first_step: Optional[int] = None
         self._closed = False
         self.sentinel = Sentinel(sentinel)
+        if self.sentinel.config.on_data == "skip" and scaler is not None:
+            raise AuditUsageError("screener.audit: SentinelConfig(on_data='skip') drops a step's "
+                                  "gradients, which a GradScaler's step refuses; use "
+                                  "on_data='proceed' with a scaler")
         self._verified: Optional[tuple[int, Optional[str]]] = None  # last verified save
+        self._weights_digest: Optional[tuple[int, str]] = None  # (step, digest) of the last pass
         self.counters: Counter[str] = Counter()
 
     # ---- set-up -------------------------------------------------------------------------------
@@ -280,6 +288,11 @@ class ShardedAuditor:
             raise AuditUsageError("the model has no parameters to audit")
         self.weight_names = [n for n, _ in named]
         self._params = [p for _, p in named]
+        hooked = [n for n, p in named if getattr(p, "_post_accumulate_grad_hooks", None)]
+        if hooked:  # FSDP runs them after every backward, a replay's too (an extra step)
+            raise AuditUsageError(f"screener.audit: parameter {hooked[0]} has a post-accumulate-"
+                                  f"grad hook (an optimizer in backward?); a replay's backward "
+                                  f"would run it too: step the optimizer after check_gradients")
         first = self._params[0]
         mesh = getattr(first, "device_mesh", None)
         if mesh is None:
@@ -287,6 +300,10 @@ class ShardedAuditor:
                              "with torch.distributed.fsdp.fully_shard before the Auditor")
         self.mesh = mesh
         self.hsdp = mesh.ndim == 2
+        if mesh.size(mesh.ndim - 1) < 2:
+            raise AuditUsageError("screener.audit: the mesh shards over a single rank, so FSDP "
+                                  "never reduce-scatters and the audit would see nothing; shard "
+                                  "over two or more ranks (or use DDP for pure replication)")
         if mesh.ndim not in (1, 2):
             raise AuditUsageError(f"screener.audit: a {mesh.ndim}-D device mesh is not supported "
                              f"(FSDP2 on a 1-D mesh, or HSDP on a 2-D replicate x shard mesh)")
@@ -680,6 +697,14 @@ class ShardedAuditor:
         index = self.topology.index_of
         original = (int(got[index(suspect), _H_LOSS]), int(got[index(suspect), _H_LOCAL_MAG]))
         rerun = full[index(suspect)]
+        # The other ranks reran their own steps in the same round: they must reproduce them, or
+        # no rerun can judge anything.
+        others = [r for r in self.topology.ranks if r not in [suspect] + helpers]
+        odd = [r for r in others if int(full[index(r), 1, 0]) != int(got[index(r), _H_LOCAL_MAG])]
+        if odd:
+            self._numeric(step, odd, {"check": "spike_rerun", "ranks": odd}, reason=(
+                f"step {step} does not reproduce on rank(s) {', '.join(map(str, odd))} that "
+                f"reran it, so no rerun can judge the spike on rank {suspect}; {LIKELY_CAUSES}"))
         verdict = rerun_verdict(original, _rerun_key(rerun),
                                 [None if r is None else _rerun_key(full[index(r)])
                                  for r in (confirmer, referee)])
@@ -693,7 +718,9 @@ class ShardedAuditor:
                     "rollback_target": self._verified[1] if self._verified else None,
                     "last_verified_step": self._verified[0] if self._verified else None}
         named = [suspect] if verdict in ("transient", "persistent") else []
-        settled = bool(named) and referee is not None
+        proven = bool(others) or self.counters["self_checks"] > 0  # steps reproduce here
+        evidence["reproduced_by"] = others
+        settled = bool(named) and referee is not None and proven
         self._raise(SDCAlarm("spike_rerun", step, named if settled else (),
                              self.topology.suspect_nodes(named) if settled else (), settled,
                              evidence, candidate_ranks=named if settled else [suspect] + helpers,
@@ -706,8 +733,11 @@ class ShardedAuditor:
         spike alarm carries."""
         step = int(step)
         self.check_weights(step, force=True)
+        assert self._weights_digest is not None and self._weights_digest[0] == step
         result = save_fn()
         path = os.fspath(result) if isinstance(result, (str, os.PathLike)) else None
+        if path is not None:  # a marker next to it, so rollback_target trusts it (as for DDP)
+            write_marker(path, step=step, weights_digest=self._weights_digest[1], job=self.job)
         self._verified = (step, path)
         self.counters["verified_saves"] += 1
         return result
@@ -728,12 +758,37 @@ class ShardedAuditor:
             self.counters["scaler_skipped"] += 1
             return True
         if not bad_local:
-            self._raise(SDCAlarm("nonfinite_reduced", step, (), (), False, {
-                "ranks_seeing_nonfinite": bad_reduced,
-                "why": "every local gradient was finite; the reduce-scatter produced NaN/Inf"},
-                candidate_ranks=sorted(ranks), key=self._key("nonfinite_reduced", step)))
+            return self._nonfinite_reduced(step, got, bad_reduced, scaling)
         self._nonfinite_local(step, bad_local, state, batch, data, scaling)
         return True
+
+    def _nonfinite_reduced(self, step: int, got: torch.Tensor, seeing: list[int],
+                           scaling: bool) -> bool:
+        """Every local gradient finite, a reduced one NaN/Inf. No element of a sum exceeds the
+        sum of the addends' largest magnitudes (taken after FSDP's pre-division): past the
+        reduce dtype's largest value the sum overflowed, which is the loss scaler's business (it
+        skips the step: True) or a numeric failure; below it the reduction made the NaN/Inf."""
+        ranks = sorted(self.topology.ranks)
+        bound = sum(_float(x) for x in got[:, _H_LOCAL_MAG])
+        top = float(torch.finfo(self._tap.reduce_dtype).max)
+        evidence: dict[str, Any] = {"ranks_seeing_nonfinite": seeing, "local_magnitude_sum": bound,
+                                    "reduce_dtype": str(self._tap.reduce_dtype)}
+        if bound >= top:
+            evidence["why"] = (f"every local gradient was finite, but their largest magnitudes "
+                               f"add up to {bound:.3g}, past the largest "
+                               f"{self._tap.reduce_dtype}: the sum overflowed")
+            if scaling:
+                self.counters["scaler_skipped"] += 1
+                return True
+            self._numeric(step, ranks, evidence, reason=(
+                f"the gradients' sum overflowed {self._tap.reduce_dtype} at step {step}: the "
+                f"gradients are too large for the reduce dtype, not corrupted"))
+        evidence["why"] = ("every local gradient was finite and their sum cannot overflow; the "
+                           "reduce-scatter produced NaN/Inf, which does not say on which link or "
+                           "GPU, so no rank is named")
+        self._raise(SDCAlarm("nonfinite_reduced", step, (), (), False, evidence,
+                             candidate_ranks=ranks, key=self._key("nonfinite_reduced", step)))
+        return False  # not reached
 
     def _nonfinite_local(self, step: int, flagged: list[int], state: StepState, batch: Any,
                          data: Optional[torch.Tensor], scaling: bool) -> None:
@@ -820,8 +875,8 @@ class ShardedAuditor:
             rows = fingerprints([p.to_local() for p in self._params])
             groups = self._shard_groups()
         else:
-            with torch.no_grad():
-                rows = fingerprints([p.full_tensor() for p in self._params])
+            with torch.no_grad():  # one full parameter at a time: never the whole model at once
+                rows = torch.cat([fingerprints([p.full_tensor()]) for p in self._params])
             groups = [list(self.topology.ranks)]
         full = gather(rows, None, self._comm)  # (world, P, 2)
         index, ranks = self.topology.index_of, self.topology.ranks
@@ -844,6 +899,11 @@ class ShardedAuditor:
                 outliers.append(r)
         if not outliers and not unsettled:
             self._last_clean_weights = step
+            # the same on every rank: the gathered fingerprints of the weights just checked
+            flat = full.reshape(-1, 2).tolist()
+            self._weights_digest = (step, digest({f"{k // len(self._params)}/"
+                                                  f"{self.weight_names[k % len(self._params)]}":
+                                                  (a, b) for k, (a, b) in enumerate(flat)}))
             return
         evidence = {"differing": differing, "unsettled_groups": unsettled,
                     "compared": "shard replicas (HSDP)" if self.hsdp else
