@@ -15,9 +15,11 @@ the runs reproduces, the result a strict majority (two or more) of the devices g
 run, or what this node's earlier screens gave (`known`). A device that does not reproduce the
 reference is suspect, whatever its repeats did among themselves (wrong in every run the same
 way, in some runs, or differently in each): a unit that is wrong again and again is the
-commonest silent data corruption, not a nondeterministic job. Only where no reference exists
-and the job disagrees with itself on every device (or three or more devices of a platform all
-differ) is it our bug (NondeterminismError, exit 1, with the evidence).
+commonest silent data corruption, not a nondeterministic job. It is our bug
+(NondeterminismError, exit 1, with the evidence) where no reference exists and the job disagrees
+with itself on every device (or three or more devices of a platform all differ), and where every
+device of a platform (two or more) flips between the reference and another result: silent data
+corruption is local to one GPU, not all of a node's at once.
 
 How a child ended counts too, and only evidence about the device makes it suspect: a crash or a
 device error is suspect; a job that raised (an IndexError from an index tensor the device
