@@ -92,7 +92,8 @@ def main(verbose: int) -> None:
 
 def usage_line(e: click.exceptions.UsageError) -> str:
     """A click usage error as one line: `screener: <command>: <problem> (see '<command> --help')`."""
-    names, ctx = [], e.ctx
+    names: list[str] = []
+    ctx = e.ctx
     while ctx is not None and ctx.parent is not None:  # the root's name is however it was run
         names.insert(0, ctx.info_name or "")
         ctx = ctx.parent

@@ -50,7 +50,7 @@ def _set_deterministic_algorithms(mode: bool, warn_only: bool = False) -> None:
     if setter is None:  # a torch without the private setter: take the slow public path
         torch.use_deterministic_algorithms(mode, warn_only=warn_only)
         return
-    inductor_config = sys.modules.get("torch._inductor.config")
+    inductor_config: Any = sys.modules.get("torch._inductor.config")  # a module: its flags are Any
     if inductor_config is not None:
         inductor_config.deterministic = mode
     setter(mode, warn_only=warn_only)

@@ -346,7 +346,7 @@ def _torch_fingerprints(tensors: Sequence[Optional[torch.Tensor]]) -> torch.Tens
     per_device: dict[torch.device, torch.Tensor] = {}
     small: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
     for k, (t, size) in enumerate(zip(tensors, sizes)):
-        if t is None:
+        if t is None or size is None:  # size is None exactly when t is
             continue
         dev = t.device
         if dev not in per_device:

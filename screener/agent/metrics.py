@@ -33,7 +33,7 @@ import sys
 import threading
 from collections import OrderedDict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence, cast
 
 from screener._optional import require
 
@@ -174,9 +174,9 @@ class DaemonMetrics:
             self.alarms.labels(node, res.value)
         for s in Severity:
             self.findings.labels(node, s.label)
-        for s in NodeState:
-            self.state.labels(node, s.value).set(0)
-            self.transitions.labels(node, s.value)
+        for st in NodeState:
+            self.state.labels(node, st.value).set(0)
+            self.transitions.labels(node, st.value)
         self.idle.labels(node).set(0)
         self.incidents.labels(node).set(0)
         self.screening.labels(node).set(0)
@@ -368,7 +368,8 @@ class MetricsServer:
             raise ConfigError(f"cannot serve metrics on {host}:{port} (metrics_host, "
                               f"metrics_port): {getattr(e, 'strerror', None) or e}") from e
         self._server.daemon_threads = True
-        self.host, self.port = self._server.server_address[:2]
+        bound_host, self.port = self._server.server_address[:2]
+        self.host = cast(str, bound_host)  # an AF_INET server's address is (str, int)
         self._thread: Optional[threading.Thread] = None
 
     def start(self) -> "MetricsServer":

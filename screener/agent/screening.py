@@ -283,10 +283,11 @@ class ScreeningWindow:
                     log.error("the screen runner did not stop within %g s", self.cancel_grace_s)
                 return ScreenOutcome.inconclusive(stopped, detail)
         if "error" in box:
-            e = box["error"]
-            log.error("the screen failed: %s: %s", type(e).__name__, e)
-            code = getattr(e, "exit_code", ExitCode.SCREENER_ERROR)
-            return ScreenOutcome.inconclusive(ScreenStop.ERROR, f"{type(e).__name__}: {e}", code=ExitCode(code))
+            err = box["error"]
+            log.error("the screen failed: %s: %s", type(err).__name__, err)
+            code = getattr(err, "exit_code", ExitCode.SCREENER_ERROR)
+            return ScreenOutcome.inconclusive(ScreenStop.ERROR, f"{type(err).__name__}: {err}",
+                                              code=ExitCode(code))
         return box["outcome"]
 
 

@@ -307,7 +307,7 @@ class Auditor:
                         "needs loss_fn and batch_fn" if self.loss_fn is None or self.batch_fn is None
                         else "a single rank has nobody to replay")
 
-    def _install_hook(self, model: torch.nn.Module, reduce_hook: Optional[Callable[[Any, Any], Any]],
+    def _install_hook(self, model: Any, reduce_hook: Optional[Callable[[Any, Any], Any]],
                       reduce_state: Any, check_reduced: bool, start_step: Optional[int]) -> None:
         """Register the gradient recorder as DDP's comm hook (DDP takes exactly one)."""
         self._recorder = GradientRecorder(
@@ -430,10 +430,10 @@ class Auditor:
         # an audit step that passed: its gathered values join the sentinel's baseline (a spike
         # the ring replay reproduced is the data's); gathered, so every rank's baseline is the
         # same and every rank decides alike
-        g = self._audit_head
-        if g is not None:
-            self.sentinel.accept("loss", max(abs(float(x)) for x in g[:, 0]))
-            self.sentinel.accept("grad", max(float(x) for x in g[:, 1]))
+        audited = self._audit_head
+        if audited is not None:
+            self.sentinel.accept("loss", max(abs(float(x)) for x in audited[:, 0]))
+            self.sentinel.accept("grad", max(float(x) for x in audited[:, 1]))
 
     def _audit(self, step: int, loss: Any, stats: StepStats, state: StepState,
                head: torch.Tensor) -> None:
@@ -710,7 +710,9 @@ class Auditor:
         owner_states = states()
         plan = {o: self._confirmer(o, set(flagged)) for o in flagged}
         got = self._confirm_round(step, flagged, plan, owner_states)
-        confirmed, reproduced, unconfirmed = [], [], []
+        confirmed: list[int] = []
+        reproduced: list[int] = []
+        unconfirmed: list[int] = []
         replays: dict[str, Any] = {}
         for i, owner in enumerate(flagged):
             who = plan[owner]
@@ -888,7 +890,7 @@ class Auditor:
             "differs": self._row_names(differ),
             "n_differ": len(differ),
         }
-        if c is None:
+        if ref is None or c is None:  # c is None exactly when ref is
             case["verdict"] = "unsettled: fewer than three nodes"
             unsettled.update((o, r))
             return case

@@ -81,9 +81,10 @@ def rollback_target(checkpoints: Union[PathLike, Iterable[PathLike]],
     """
     if isinstance(checkpoints, (str, os.PathLike)):
         d = Path(checkpoints)
-        candidates: list[PathLike] = sorted(
+        entries: list[Path] = sorted(
             (p for p in d.iterdir() if not p.name.endswith(MARKER_SUFFIX)
              and not p.name.startswith(".")), key=lambda p: p.name) if d.is_dir() else []
+        candidates: list[PathLike] = list(entries)
     else:
         candidates = list(checkpoints)
     best: Optional[tuple[int, PathLike]] = None

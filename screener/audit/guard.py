@@ -179,10 +179,9 @@ def run_guarded(main: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
             raise
         record_exit_code(int(code))
         return int(code)
-    code = int(ExitCode.PASS) if isinstance(result, bool) or not isinstance(result, int) \
-        else result
-    record_exit_code(code)
-    return code
+    rc = int(ExitCode.PASS) if isinstance(result, bool) or not isinstance(result, int) else result
+    record_exit_code(rc)
+    return rc
 
 
 def shutdown(code: int) -> int:

@@ -287,7 +287,8 @@ class ShardedAuditor:
         if not named:
             raise AuditUsageError("the model has no parameters to audit")
         self.weight_names = [n for n, _ in named]
-        self._params = [p for _, p in named]
+        # FSDP2's parameters are DTensors (to_local, full_tensor); Any spares importing DTensor
+        self._params: list[Any] = [p for _, p in named]
         hooked = [n for n, p in named if getattr(p, "_post_accumulate_grad_hooks", None)]
         if hooked:  # FSDP runs them after every backward, a replay's too (an extra step)
             raise AuditUsageError(f"screener.audit: parameter {hooked[0]} has a post-accumulate-"
@@ -343,7 +344,9 @@ class ShardedAuditor:
     def _install(self) -> None:
         """Our recorder as every FSDP module's reduce-scatter, one index per module."""
         cls = _fsdp_module_class()
-        modules = [(n, m) for n, m in self.model.named_modules() if isinstance(m, cls)]  # type: ignore[arg-type]
+        # FSDPModule's methods are torch internals the audit reaches into: typed Any
+        modules: list[tuple[str, Any]] = [
+            (n, m) for n, m in self.model.named_modules() if isinstance(m, cls)]  # type: ignore[arg-type]
         self.module_names: list[str] = []
         self._tap = _Tap(0)
         for name, m in modules:
@@ -629,7 +632,7 @@ class ShardedAuditor:
             "differs": [("loss" if k == 0 else "largest gradient magnitude" if k == 1 else
                          self.module_names[k - 2]) for k in differ][
                 :_MAX_NAMES], "n_differ": len(differ)}
-        if c is None:
+        if ref is None or c is None:  # c is None exactly when ref is
             case["verdict"] = "unsettled: fewer than three nodes"
             unsettled.update((o, r))
         elif torch.equal(c, a):

@@ -293,7 +293,7 @@ def golden_list(golden_dir: Optional[str], as_json: bool) -> None:
     records, errors = load_dir(d) if d.is_dir() else ([], [])
     local = {local_platform(dev).numeric_hash for dev in resolve_devices(["all"])}
     local.add(local_platform("cpu").numeric_hash)
-    rows = [{"job": r.job, "platform_hash": r.platform_hash,
+    rows: list[dict[str, Any]] = [{"job": r.job, "platform_hash": r.platform_hash,
              "platform": r.platform.get("name"), "devices": r.recorded.get("devices"),
              "repeats": r.recorded.get("repeats"), "time": r.recorded.get("time"),
              "digest": r.digest, "local": bool(local & set(r.platform_hashes)),
@@ -406,6 +406,7 @@ def burnin_cmd(app: AppContext, devices: tuple[str, ...], jobs: tuple[str, ...],
                                progress=stage, step=prog.step)
     finally:
         prog.close()
+    assert full.kat is not None  # run_full_burnin always runs the known-answer stage
     rep = replace(full.kat, extra=full.extra())
     d = rep.to_dict()
     if report:

@@ -166,8 +166,9 @@ def _record_remediation(app: AppContext, results: Sequence[Any],
         decision = decide(name, state, event, now=now, history=store.history(name))
         for t in decision.transitions:
             store.record(t)
-        done[name] = (f"{decision.transition.from_state.value if decision.transition.from_state else '(new)'}"
-                      f" -> {decision.state.value}" if decision.changed else decision.note)
+        last, after = decision.transition, decision.state
+        done[name] = (f"{last.from_state.value if last.from_state else '(new)'} -> {after.value}"
+                      if last is not None and after is not None else decision.note)
     return done
 
 

@@ -151,15 +151,15 @@ def run_probes(config: Optional[ProbeConfig] = None, *,
                              kmsg_status=kmsg_status, kmsg_reason=kmsg_reason)
     prev = previous.snapshot if isinstance(previous, ProbeReport) else previous
     findings = evaluate(snapshot, prev, config)
-    for e in errors:
-        log.warning("%s", e)
+    for err in errors:
+        log.warning("%s", err)
     return ProbeReport(snapshot=snapshot, findings=tuple(findings), errors=tuple(errors))
 
 
 def _read_nvml(nvml: Union[NvmlAdapter, Any, None], errors: list[str]) -> NvmlSnapshot:
     """One NVML snapshot (a failed one when NVML cannot be read); its errors go to `errors`."""
-    own_nvml = not isinstance(nvml, NvmlAdapter)
-    adapter = NvmlAdapter(nvml, events=False) if own_nvml else nvml
+    adapter = nvml if isinstance(nvml, NvmlAdapter) else NvmlAdapter(nvml, events=False)
+    own_nvml = adapter is not nvml
     try:
         nv = adapter.snapshot()
     except NvmlError as e:

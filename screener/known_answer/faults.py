@@ -247,7 +247,7 @@ def inject(*specs: FaultSpec) -> FaultInjector:
 
 
 def _lookup(module: torch.nn.Module, name: str) -> Tensor:
-    params = dict(module.named_parameters())
+    params: dict[str, Tensor] = dict(module.named_parameters())
     params.update(dict(module.named_buffers()))
     for candidate in (name, f"module.{name}", name.removeprefix("module.")):
         if candidate in params:
@@ -291,7 +291,7 @@ def corrupt_allreduce(*, rank: int, calls: Optional[Container[int]] = None, elem
 
     # No annotations on purpose: DDP checks that a hook's bucket annotation, if any, is the
     # GradBucket class itself, and under postponed evaluation it would be a string.
-    def hook(state, bucket):  # type: ignore[no-untyped-def]
+    def hook(state, bucket):
         n = counter["n"]
         counter["n"] += 1
         if dist.get_rank() == rank and (calls is None or n in calls):

@@ -532,7 +532,7 @@ def _check_nondeterminism(groups: Sequence[_JobGroup]) -> None:
         ran = [(d, runs) for g in gs for d, runs in g.results.items()]
         if all(not runs.consistent for _, runs in ran):
             d, runs = ran[0]
-            it, other = runs.mismatch  # type: ignore[misc]
+            it, other = runs.first_mismatch()
             raise NondeterminismError(
                 f"job {job} is nondeterministic: it gave different bits across repeats on "
                 f"every device ({', '.join(d for d, _ in ran)}) and no golden, majority or "
@@ -561,7 +561,7 @@ def _check_flipping(job: str, g: _JobGroup) -> None:
                 and any(not ref.matches(r) for _, r in runs.results())]
     if len(flipping) == len(g.results):
         d = flipping[0]
-        it, other = g.results[d].mismatch  # type: ignore[misc]
+        it, other = g.results[d].first_mismatch()
         raise NondeterminismError(
             f"job {job} is nondeterministic: on all {len(flipping)} devices of platform "
             f"{g.phash} ({', '.join(flipping)}) some runs reproduce the {ref.source} and "
@@ -576,7 +576,7 @@ def _self_mismatch(runs: JobRuns, reference: Optional[Reference], job: str) -> I
     fault in the first repeat must not make the corrupted value 'expected'."""
     results = runs.results()
     if reference is None or reference.steps is None:
-        it, other = runs.mismatch  # type: ignore[misc]
+        it, other = runs.first_mismatch()
         why = ("no golden or majority says which is right" if reference is None else
                f"{reference.source} gave digest {reference.digest}, which "
                f"{'iteration 0 reproduces' if reference.matches(runs.reference) else 'no run reproduces'}")
@@ -585,7 +585,7 @@ def _self_mismatch(runs: JobRuns, reference: Optional[Reference], job: str) -> I
                      detail=f"iteration {it} differs from iteration 0 ({why}; expected is "
                             f"iteration 0's value); {len(runs.counts)} different results in "
                             f"{runs.runs} runs")
-    wrong = [(it, r) for it, r in results if not reference.matches(r)] or [runs.mismatch]
+    wrong = [(it, r) for it, r in results if not reference.matches(r)] or [runs.first_mismatch()]
     right = sum(c for dg, c in runs.counts.items()
                 if any(r.digest == dg and reference.matches(r) for _, r in results))
     it, bad = wrong[0]
@@ -634,8 +634,8 @@ def _verdict(device: str, run: DeviceRun, issues: Sequence[Issue], golden_dir: O
     evidence = _evidence(run, issues, matched)
     suspects = [i for i in issues if i.outcome == Outcome.SUSPECT]
     inconclusive = [i for i in issues if i.outcome == Outcome.INCONCLUSIVE]
-    chosen = min(suspects or inconclusive or [None],
-                 key=lambda i: _REASON_RANK.get(i.reason, 9) if i else 0)
+    candidates = suspects or inconclusive
+    chosen = min(candidates, key=lambda i: _REASON_RANK.get(i.reason, 9)) if candidates else None
     if chosen is None:
         return Verdict(device=device, outcome=Outcome.PASS, reason="",
                        platform_hash=run.platform_hash, evidence=evidence)

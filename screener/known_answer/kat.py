@@ -113,7 +113,8 @@ def prevalidate_goldens(golden_dir: str, specs: Sequence[JobSpec]) -> int:
     return n
 
 
-def run_screen(jobs: Optional[Sequence[str | JobSpec]] = None, devices: Sequence[str] = ("cpu",), *,
+def run_screen(jobs: Optional[Sequence[str | JobSpec]] = None,
+               devices: Optional[Sequence[str]] = ("cpu",), *,
                golden_dir: Optional[str] = None, jobs_dir: Optional[str] = None, repeat: int = 1,
                duration: Optional[float] = None, timeout: float = DEFAULT_TIMEOUT,
                faults: Optional[Mapping[str, Sequence[DeviceFault]]] = None,

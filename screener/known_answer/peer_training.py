@@ -214,7 +214,7 @@ def judge(results: Sequence[Mapping[str, Any]], under_test: str) -> PeerResult:
                    "algbw_gbps": round(algbw, 3),
                    "busbw_gbps": round(algbw * 2 * (n - 1) / n, 3) if n > 1 else 0.0,
                    "mismatched_nodes": bad}
-    base = dict(under_test=under_test, nodes=nodes, ranks=tuple(results), collective=summary)
+    base: dict[str, Any] = dict(under_test=under_test, nodes=nodes, ranks=tuple(results), collective=summary)
     if alarm is not None:
         named = tuple(n["node"] for n in alarm.get("suspect_nodes") or ())
         if alarm.get("settled") and under_test in named:

@@ -55,6 +55,13 @@ class JobRuns:
         if self.mismatch is None and digest != self.reference.digest:
             self.mismatch = (iteration, result)
 
+    def first_mismatch(self) -> tuple[int, JobResult]:
+        """(iteration, result) of the first run that differed from iteration 0; only for runs
+        that are not consistent."""
+        if self.mismatch is None:
+            raise ValueError("every run gave iteration 0's bits: there is no mismatch")
+        return self.mismatch
+
     @property
     def consistent(self) -> bool:
         """Whether every run gave the same bits."""

@@ -45,7 +45,7 @@ POLL = 0.25  # seconds between timeout checks while no event arrives
 
 Progress = Callable[[Mapping[str, Any]], None]
 
-_STATUS_OF_ERROR = {ErrorKind.DEVICE: RunStatus.DEVICE_ERROR, ErrorKind.USAGE: RunStatus.BAD_INPUT,
+_STATUS_OF_ERROR: dict[str, RunStatus] = {ErrorKind.DEVICE: RunStatus.DEVICE_ERROR, ErrorKind.USAGE: RunStatus.BAD_INPUT,
                     ErrorKind.JOB: RunStatus.JOB_ERROR}
 
 

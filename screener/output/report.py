@@ -22,7 +22,7 @@ import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence, TypeGuard
 
 from screener import boundedjson
 from screener.errors import BadInputError
@@ -290,7 +290,7 @@ def _job_seconds(report: Mapping[str, Any]) -> dict[str, dict[str, float]]:
     return out
 
 
-def _num(v: Any) -> bool:
+def _num(v: Any) -> TypeGuard[float]:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 

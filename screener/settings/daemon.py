@@ -332,6 +332,15 @@ _SCALAR_FIELDS = {f.name: f for f in fields(DaemonConfig) if f.name not in ("pro
                                                                            "hyperpod", "ladder")}
 
 
+def _default_of(f: "dataclasses.Field[Any]") -> Any:
+    """A dataclass field's default value (its default, or a fresh one from its factory)."""
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    raise TypeError(f"DaemonConfig.{f.name} has no default")
+
+
 def _parse_env(name: str, text: str, default: Any) -> Any:
     if isinstance(default, bool):
         low = text.strip().lower()
@@ -376,6 +385,5 @@ def env_values(env: Mapping[str, str]) -> dict[str, Any]:
             raise ConfigError(f"${name}: unknown setting {key!r}; known: "
                               f"{', '.join(sorted(_SCALAR_FIELDS))}")
         f = defaults[key]
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        out[key] = _parse_env(name, text, default)
+        out[key] = _parse_env(name, text, _default_of(f))
     return out

@@ -645,7 +645,8 @@ def _refuse_superseded(t: Transition, stored: Optional[NodeState],
     if not latest or latest.get("actor") != ACTOR_HUMAN:
         return
     try:
-        when = float(latest.get("time"))
+        time_raw: Any = latest.get("time")  # unchecked JSON: float() refuses what is no time
+        when = float(time_raw)
     except (TypeError, ValueError):
         return
     if when >= t.time:

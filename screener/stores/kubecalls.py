@@ -81,7 +81,7 @@ class RetryPolicy:
 class ApiCaller:
     """One store's way to the API: a call with timeouts and retries, lists by page, ConfigMaps."""
 
-    def __init__(self, api: Any, namespace: str, *, api_exception: type[Exception],
+    def __init__(self, api: Any, namespace: str, *, api_exception: type[Any],
                  retry: RetryPolicy, timeouts: KubeTimeouts, sleep: Callable[[float], None],
                  rng: Callable[[], float], page_size: int) -> None:
         """api: a kubernetes CoreV1Api; api_exception: the client's ApiException class."""

@@ -389,7 +389,8 @@ def _ledger_out(text: Any) -> dict[str, dict[str, Any]]:
             raise ValueError(f"outOfService[{node!r}] is not an object")
         try:
             state = NodeState(claim.get("state"))
-            since = float(claim.get("since"))
+            since_raw: Any = claim.get("since")  # unchecked JSON: float() refuses what is no time
+            since = float(since_raw)
         except (TypeError, ValueError):
             raise ValueError(f"outOfService[{node!r}] is not a claim") from None
         if state not in BUDGET_STATES or not math.isfinite(since):
