@@ -96,7 +96,8 @@ class SDCAlarm(Exception):
                 "first_suspect_step": self.first_suspect_step, "key": self.key,
                 "evidence": self.evidence}
 
-    def __reduce__(self):  # picklable across processes despite the keyword-only arguments
+    # picklable across processes despite the keyword-only arguments
+    def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild_alarm, (self.to_dict(),))
 
     def __eq__(self, other: object) -> bool:
@@ -131,7 +132,7 @@ class NumericFailure(FloatingPointError):
             msg = f"numeric failure at step {step} (ranks {ranks_text}), not blamed on hardware: {reason}"
         super().__init__(msg)
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (NumericFailure, (self.step, self.ranks, self.evidence, self.reason))
 
 

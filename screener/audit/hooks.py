@@ -164,7 +164,8 @@ class GradientRecorder:
         self._fp_step: Optional[int] = None
         self._unknown = 0
 
-    def hook(self, state, bucket):  # no annotations: DDP checks them against GradBucket/Future
+    # no annotations: DDP checks them against GradBucket/Future (hence the ignore in strict mode)
+    def hook(self, state, bucket):  # type: ignore[no-untyped-def]
         """The DDP comm hook: record, reduce, then note what the reduction gave."""
         index = bucket.index()
         buf = bucket.buffer()
@@ -202,7 +203,7 @@ class GradientRecorder:
         work = dist.all_reduce(buf, group=self.reduce_state, async_op=True)
 
         def scale(f: "torch.futures.Future[Any]") -> torch.Tensor:
-            reduced = f.value()[0]
+            reduced: torch.Tensor = f.value()[0]
             found = torch.zeros(1, dtype=torch.float32)
             # One pass: reduced *= 1/world, found = 1 if any element is NaN/Inf.
             torch._amp_foreach_non_finite_check_and_unscale_([reduced], found, inv)
@@ -218,7 +219,8 @@ class GradientRecorder:
                     self._reduced[index] = reduced_norm
             return reduced
 
-        return work.get_future().then(scale)
+        fut: "torch.futures.Future[Any]" = work.get_future().then(scale)
+        return fut
 
     def _record_fingerprints(self, bucket: Any) -> None:
         if self._fp is None:

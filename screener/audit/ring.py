@@ -193,7 +193,7 @@ def _scaled(loss: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
     return out.reshape(())
 
 
-def _by_grad(module: torch.nn.Module, params: Sequence[torch.nn.Parameter], loss_fn: Callable,
+def _by_grad(module: torch.nn.Module, params: Sequence[torch.nn.Parameter], loss_fn: Callable[..., Any],
              micro: list[Any], scale: Optional[torch.Tensor]
              ) -> tuple[torch.Tensor, list[Optional[torch.Tensor]]]:
     """The usual replay: torch.autograd.grad per micro-batch, added up as .grad adds them."""
@@ -214,7 +214,7 @@ def _by_grad(module: torch.nn.Module, params: Sequence[torch.nn.Parameter], loss
 
 
 def _by_backward(module: torch.nn.Module, params: Sequence[torch.nn.Parameter],
-                 loss_fn: Callable, micro: list[Any], scale: Optional[torch.Tensor]
+                 loss_fn: Callable[..., Any], micro: list[Any], scale: Optional[torch.Tensor]
                  ) -> tuple[torch.Tensor, list[Optional[torch.Tensor]]]:
     """The replay reentrant checkpointing accepts: a backward pass per micro-batch into the
     parameters' aliases, whose .grad accumulates over the micro-batches as the real .grad does."""

@@ -74,7 +74,7 @@ class Spike:
 @dataclass
 class _Series:
     window: int
-    values: deque = field(default_factory=deque)
+    values: "deque[float]" = field(default_factory=deque)
 
     def __post_init__(self) -> None:
         self.values = deque(maxlen=self.window)

@@ -192,7 +192,7 @@ class StragglerMonitor:
     last: Optional[StepResult] = None
     alarm_dir: Optional[str] = None  # where this rank drops a straggler alarm for its own node
     job: str = ""
-    alarms: list = field(default_factory=list)  # paths of the alarm files this rank wrote
+    alarms: list[Any] = field(default_factory=list)  # paths of the alarm files this rank wrote
 
     def _device(self) -> Any:
         import torch
