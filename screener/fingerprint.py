@@ -45,7 +45,7 @@ import struct
 import threading
 import warnings
 from array import array
-from typing import Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -248,10 +248,10 @@ def native_unavailable_reason() -> Optional[str]:
     return None if kernel is not None else why
 
 
-_TRITON_STATE: list = []  # [module or None], filled on first use
+_TRITON_STATE: list[Any] = []  # [module or None], filled on first use
 
 
-def _triton():
+def _triton() -> Any:
     """screener.kernels.triton_fp if Triton imports, else None (checked once per process)."""
     if not _TRITON_STATE:
         try:
@@ -277,12 +277,13 @@ def fingerprints(tensors: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
     return _fingerprints(tensors, _cpu.load()[0], use_triton=True)
 
 
-def _fingerprints(tensors: list, kernel: Optional[_cpu.CpuKernel], use_triton: bool) -> torch.Tensor:
+def _fingerprints(tensors: list[Optional[torch.Tensor]], kernel: Optional[_cpu.CpuKernel],
+                  use_triton: bool) -> torch.Tensor:
     """Dispatch: CPU tensors to the C kernel (when loaded), CUDA ones to Triton (when installed;
     imported only once a CUDA tensor comes), the rest to the torch reference path."""
     out = torch.zeros(len(tensors), 2, dtype=torch.int64)
     desc = array("q")
-    keep = []  # contiguous copies must outlive the kernel call
+    keep: list[torch.Tensor] = []  # contiguous copies must outlive the kernel call
     others: list[int] = []
     sizes = _ELEMENT_SIZE
     strided = torch.strided
@@ -307,13 +308,13 @@ def _fingerprints(tensors: list, kernel: Optional[_cpu.CpuKernel], use_triton: b
     if kernel is not None and len(others) < len(tensors):
         kernel.run(desc, out.data_ptr(), torch.get_num_threads())
     if others:
-        rest = [tensors[k] for k in others]
+        rest = [t for t in (tensors[k] for k in others) if t is not None]  # others are never None
         triton_mod = _triton() if use_triton and any(t.is_cuda for t in rest) else None
         out[others] = _device_fingerprints(rest, triton_mod)
     return out
 
 
-def _device_fingerprints(tensors: list, triton_mod) -> torch.Tensor:
+def _device_fingerprints(tensors: list[torch.Tensor], triton_mod: Any) -> torch.Tensor:
     """Fingerprints of tensors the C kernel does not take: CUDA ones by Triton when given, the rest
     by the torch reference path."""
     if triton_mod is None:

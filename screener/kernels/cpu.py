@@ -52,7 +52,7 @@ class CpuKernel:
             raise RuntimeError(f"fingerprint kernel: failed with code {rc}")
         return out[0], out[1]
 
-    def run(self, desc: array, out_address: int, threads: int,
+    def run(self, desc: "array[int]", out_address: int, threads: int,
             piece_bytes: int = PIECE_BYTES, parallel_min_bytes: int = PARALLEL_MIN_BYTES) -> None:
         """Fingerprint the tensors in `desc` into the zeroed int64 (n, 2) buffer at out_address.
 
