@@ -890,21 +890,10 @@ class Auditor:
             "differs": self._row_names(differ),
             "n_differ": len(differ),
         }
-        if ref is None or c is None:  # c is None exactly when ref is
-            case["verdict"] = "unsettled: fewer than three nodes"
-            unsettled.update((o, r))
-            return case
-        case["loss"]["referee"] = ring.bits_to_float(int(c[0, 0]))
-        case["loss_bits"]["referee"] = _hex64(int(c[0, 0]))
-        if torch.equal(c, a):
-            case["verdict"] = "replayer"
-            suspects.add(r)
-        elif torch.equal(c, b):
-            case["verdict"] = "owner"
-            suspects.add(o)
-        else:
-            case["verdict"] = "unsettled: three different results"
-            unsettled.update((o, r, ref))
+        if c is not None:
+            case["loss"]["referee"] = ring.bits_to_float(int(c[0, 0]))
+            case["loss_bits"]["referee"] = _hex64(int(c[0, 0]))
+        case["verdict"] = ring.settle(o, r, ref, a, b, c, suspects, unsettled)
         return case
 
     # ---- between audits: the sentinel (sentinel.py) ------------------------------------------------

@@ -47,7 +47,7 @@ from screener.audit.topology import Topology
 from screener.fingerprint import fingerprints
 
 __all__ = ["replayer_of", "referee_of", "replay_plan", "replay", "ReplayMode", "loss_of",
-           "make_record", "loss_bits", "record_digest", "differing_rows",
+           "settle", "make_record", "loss_bits", "record_digest", "differing_rows",
            "has_reentrant_checkpoint"]
 
 
@@ -287,6 +287,25 @@ def record_digest(records: torch.Tensor) -> torch.Tensor:
     digests = fingerprints([r[1:] for r in flat])
     out = torch.cat([flat[:, 0, :], digests], dim=1)
     return out.reshape(*records.shape[:-2], 4)
+
+
+def settle(owner: int, replayer: int, referee: Optional[int], a: torch.Tensor, b: torch.Tensor,
+           c: Optional[torch.Tensor], suspects: set[int], unsettled: set[int]) -> str:
+    """Who a referee's record `c` agrees with, between the owner's `a` and the replayer's `b`
+    (the one rule both auditors settle a mismatch by): the one it does not agree with is added to
+    `suspects`; with no referee, or three different records, the ranks go to `unsettled`.
+    Returns the case's verdict for the alarm's evidence."""
+    if referee is None or c is None:  # c is None exactly when the referee is
+        unsettled.update((owner, replayer))
+        return "unsettled: fewer than three nodes"
+    if torch.equal(c, a):
+        suspects.add(replayer)
+        return "replayer"
+    if torch.equal(c, b):
+        suspects.add(owner)
+        return "owner"
+    unsettled.update((owner, replayer, referee))
+    return "unsettled: three different results"
 
 
 def differing_rows(a: torch.Tensor, b: torch.Tensor) -> list[int]:

@@ -632,18 +632,7 @@ class ShardedAuditor:
             "differs": [("loss" if k == 0 else "largest gradient magnitude" if k == 1 else
                          self.module_names[k - 2]) for k in differ][
                 :_MAX_NAMES], "n_differ": len(differ)}
-        if ref is None or c is None:  # c is None exactly when ref is
-            case["verdict"] = "unsettled: fewer than three nodes"
-            unsettled.update((o, r))
-        elif torch.equal(c, a):
-            case["verdict"] = "replayer"
-            suspects.add(r)
-        elif torch.equal(c, b):
-            case["verdict"] = "owner"
-            suspects.add(o)
-        else:
-            case["verdict"] = "unsettled: three different results"
-            unsettled.update((o, r, ref))
+        case["verdict"] = ring.settle(o, r, ref, a, b, c, suspects, unsettled)
         return case
 
     # ---- between audits: the sentinel ------------------------------------------------------------
