@@ -40,8 +40,8 @@ from typing import Any, Mapping, Optional, Sequence
 from screener import __version__, boundedjson
 from screener.errors import GoldenError
 from screener.known_answer.packagedata import data_dir
-from screener.known_answer.results import (Difference, JobResult, Step, first_difference,
-                                          steps_digest)
+from screener.known_answer.results import (Difference, JobResult, Step, canonical_json,
+                                          first_difference, steps_digest)
 from screener.known_answer.workloads import JobSpec, expected_steps
 
 SCHEMA = 1
@@ -81,13 +81,10 @@ def golden_path(golden_dir: str | os.PathLike[str], job: str, platform_hash: str
     return Path(golden_dir) / f"{job}.{platform_hash}.json"
 
 
-def _canonical(obj: Any) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
-
-
 def checksum(content: Mapping[str, Any]) -> str:
     """sha256 over the canonical JSON of every field but sha256 itself."""
-    return hashlib.sha256(_canonical({k: v for k, v in content.items() if k != "sha256"})).hexdigest()
+    body = {k: v for k, v in content.items() if k != "sha256"}
+    return hashlib.sha256(canonical_json(body).encode()).hexdigest()
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,6 @@ equal bits pass, different bits are inconclusive (screener.known_answer.judgment
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import platform as _stdlib_platform  # the standard library's (imports are absolute), not this module
 import re
@@ -34,6 +33,7 @@ from typing import Any, Optional
 import torch
 
 from screener.errors import BadInputError
+from screener.known_answer.results import canonical_json
 
 # CPU feature flags shown for information (never hashed: torch dispatches on cpu_capability).
 _SHOWN_CPU_FLAGS = re.compile(r"^(fma|f16c|avx|avx2|avx512.*|amx.*|avx_vnni.*|sve.*|asimd.*)$")
@@ -87,7 +87,7 @@ class Platform:
     @property
     def numeric_hash(self) -> str:
         """16 hex digits over the fields that can change numeric results (stable across runs)."""
-        blob = json.dumps(self.numeric_fields, sort_keys=True, separators=(",", ":"))
+        blob = canonical_json(self.numeric_fields)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:

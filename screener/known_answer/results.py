@@ -14,7 +14,10 @@ from typing import Any, Mapping, Optional, Sequence
 
 
 def canonical_json(obj: Any) -> str:
-    """The one JSON text of a value that content hashes (spec hashes, result digests) are taken of."""
+    """The one JSON text of a value that content hashes are taken of: spec hashes, result
+    digests, golden checksums (screener.known_answer.golden) and platform hashes
+    (screener.known_answer.platform). Sorted keys, no spaces, ASCII only, so equal values hash
+    equal on every machine."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
 
 
