@@ -8,7 +8,7 @@ file, or an unknown SCREENER_DAEMON_* variable, is an error: a typo must not sil
 default in force.
 
 Nested tables are handed to their owners' own strict parsers: [probes] to
-screener.settings.health.ProbeConfig, [lifecycle] to screener.lifecycle.machine.LifecyclePolicy, [hyperpod]
+screener.settings.health.ProbeConfig, [lifecycle] to screener.settings.lifecycle.LifecyclePolicy, [hyperpod]
 to screener.settings.hyperpod.HyperPodConfig (a module without boto3, so every table is validated at
 load whether or not its feature is on; boto3 is imported only when a deep health check is on).
 """
@@ -29,7 +29,7 @@ from screener.errors import ConfigError
 from screener.settings.health import ProbeConfig
 from screener.settings.hyperpod import HyperPodConfig
 from screener.settings.ladder import LadderConfig
-from screener.lifecycle.machine import LifecyclePolicy
+from screener.settings.lifecycle import LifecyclePolicy
 from screener.settings.stores import KubeTimeouts, resolve_store_kind
 from screener.types import ALARM_DIR_ENV, DEFAULT_ALARM_DIR, NODE_NAME_ENV, node_name
 

@@ -1,0 +1,87 @@
+"""The lifecycle's transition table: which moves exist, who may make them, what each entry asks for.
+
+Every decision of screener.lifecycle.machine, and every person's command, is checked against it.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Mapping, Optional
+
+from screener.types import NodeState
+
+S = NodeState
+
+
+class Action(str, enum.Enum):
+    """What the caller (the daemon, burn-in, the CLI) should do after a decision."""
+
+    REQUEST_CONFIRMING_SCREEN = "request_confirming_screen"  # re-run known-answer jobs soon
+    ALERT_BUDGET_EXHAUSTED = "alert_budget_exhausted"  # tell a person: the breaker tripped
+    DEEP_HEALTH_CHECK = "deep_health_check"  # diagnostics, row-remap check, GPU reset
+    START_BURNIN = "start_burnin"  # run the burn-in sequence
+    REQUEST_REPAIR = "request_repair"  # out of service; ticket / replacement for a person
+
+
+class Trigger(str, enum.Enum):
+    """Who may make a move in the transition table."""
+
+    AUTO = "auto"
+    HUMAN = "human"
+
+
+A, H = Trigger.AUTO, Trigger.HUMAN
+
+# The transition table: (from, to) -> who may make the move. Anything not listed is refused.
+TRANSITIONS: Mapping[tuple[Optional[NodeState], NodeState], frozenset[Trigger]] = {
+    (None, S.BURNIN): frozenset({A, H}),
+    (None, S.SUSPECT): frozenset({H}),
+    (None, S.QUARANTINED): frozenset({H}),
+    (None, S.REPAIR): frozenset({H}),
+    (None, S.HEALTHY): frozenset({A}),  # adoption of a node already serving (Adopted)
+    (S.BURNIN, S.HEALTHY): frozenset({A}),
+    (S.BURNIN, S.SUSPECT): frozenset({A, H}),
+    (S.BURNIN, S.QUARANTINED): frozenset({A, H}),
+    (S.BURNIN, S.REPAIR): frozenset({A, H}),
+    (S.HEALTHY, S.SUSPECT): frozenset({A, H}),
+    (S.HEALTHY, S.QUARANTINED): frozenset({A, H}),
+    (S.HEALTHY, S.REPAIR): frozenset({A, H}),
+    (S.HEALTHY, S.BURNIN): frozenset({H}),
+    (S.SUSPECT, S.HEALTHY): frozenset({A}),
+    (S.SUSPECT, S.QUARANTINED): frozenset({A, H}),
+    (S.SUSPECT, S.REPAIR): frozenset({A, H}),
+    (S.SUSPECT, S.BURNIN): frozenset({H}),
+    # A suspect node's confirmed failure that the budget holds is recorded (it counts, and marks
+    # the node held: no pass clears it, and reconsider_held gives it the next free slot).
+    (S.SUSPECT, S.SUSPECT): frozenset({A}),
+    (S.QUARANTINED, S.BURNIN): frozenset({A, H}),
+    (S.QUARANTINED, S.REPAIR): frozenset({A, H}),
+    (S.REPAIR, S.BURNIN): frozenset({H}),
+}
+
+_ENTRY_ACTIONS: Mapping[NodeState, tuple[Action, ...]] = {
+    S.BURNIN: (Action.START_BURNIN,),
+    S.HEALTHY: (),
+    S.SUSPECT: (Action.REQUEST_CONFIRMING_SCREEN,),
+    S.QUARANTINED: (Action.DEEP_HEALTH_CHECK,),
+    S.REPAIR: (Action.REQUEST_REPAIR,),
+}
+
+
+def refusal(from_state: Optional[NodeState], to_state: NodeState, trigger: Trigger) -> Optional[str]:
+    """Why the table refuses this move for this trigger, or None when it is allowed."""
+    name = from_state.value if from_state else "(new node)"
+    if from_state == to_state:
+        return f"the node is already {to_state.value}"
+    allowed = TRANSITIONS.get((from_state, to_state))
+    if allowed and trigger in allowed:
+        return None
+    if to_state == S.HEALTHY:
+        return ("only a passing known-answer screen makes a node healthy; set it to burnin to "
+                "screen it")
+    if from_state == S.REPAIR:
+        return "a node in repair goes back into service only through burnin"
+    if allowed:
+        return f"{name} -> {to_state.value} is made only by the screener, not by a person"
+    return f"{name} -> {to_state.value} is not a move the lifecycle allows"
+
