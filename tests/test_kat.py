@@ -304,11 +304,11 @@ def test_parse_fault():
 
 
 def test_the_judgment_and_its_inputs_import_no_process_or_device_code():
-    """judgment, runs and results sit in the pure layer: a process, signal, thread or torch
-    import there would make the judgment depend on how the children run."""
+    """The judgment, its parts, runs and results sit in the pure layer: a process, signal,
+    thread or torch import there would make the judgment depend on how the children run."""
     banned = {"subprocess", "multiprocessing", "signal", "threading", "queue", "tempfile", "os",
               "torch", "screener.known_answer.supervise", "screener.known_answer.child"}
-    for name in ("judgment", "runs", "results"):
+    for name in ("judgment", "reference", "endings", "screen_result", "runs", "results"):
         tree = ast.parse((ROOT / "screener" / "known_answer" / f"{name}.py").read_text())
         imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
