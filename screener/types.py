@@ -144,6 +144,7 @@ class Reason(StrValue):
     BUDGET = "QuarantineBudgetExhausted"
     REMEDIATED = "RemediationPassed"
     REMEDIATION_FAILED = "RemediationFailed"
+    REPAIR_STEP = "RepairStep"  # a quarantined node's repair in progress (a reboot requested)
     MANUAL = "ManualDecision"
     ADOPTED = "AdoptedUnscreened"
     REPLACED = "NodeReplaced"

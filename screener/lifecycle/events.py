@@ -91,10 +91,20 @@ class Adopted:
 
 @dataclass(frozen=True)
 class Remediation:
-    """The outcome of remediating a quarantined node (deep health check, GPU reset)."""
+    """The outcome of remediating a quarantined node (deep health check, GPU reset, reboot)."""
 
     passed: bool
     detail: str = ""
+    evidence: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RepairStep:
+    """A step of a quarantined node's repair that leaves it quarantined, recorded so it is durable
+    before it is acted on (a reboot requested: the daemon that asks for it does not survive it) or
+    so its end is on file (a reboot that never happened). Ignored unless the node is quarantined."""
+
+    detail: str
     evidence: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -107,8 +117,8 @@ class HumanCommand:
     user: str = ""  # who, if known; the actor is always "human"
 
 
-Event = Union[NodeSeen, Adopted, KatScreen, Findings, Remediation, HumanCommand, AlarmRecord, Verdict,
-              Sequence[Verdict], Sequence[Finding]]
+Event = Union[NodeSeen, Adopted, KatScreen, Findings, Remediation, RepairStep, HumanCommand,
+              AlarmRecord, Verdict, Sequence[Verdict], Sequence[Finding]]
 
 
 @dataclass(frozen=True)

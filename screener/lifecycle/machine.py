@@ -44,7 +44,8 @@ from screener.lifecycle.events import (EVIDENCE_CONFIRMED, EVIDENCE_GPU_SERIAL, 
                                        EVIDENCE_SERIAL, KIND_FULL, KIND_PARTIAL, KIND_QUICK,
                                        REPAIR_CODES, RESET_CODES, SCREEN_KINDS, STRAGGLER_CHECK,
                                        Adopted, Decision, Event, FleetCounts, Findings,
-                                       HumanCommand, KatScreen, NodeSeen, Remediation)
+                                       HumanCommand, KatScreen, NodeSeen, Remediation,
+                                       RepairStep)
 from screener.lifecycle.records import ACTOR_HUMAN, ACTOR_SCREENER, Transition
 from screener.lifecycle.signals import (SignalKind, _classify, _held_by_budget,  # noqa: F401
                                         _rollback, _Signal, camel, earned_healthy,
@@ -61,6 +62,7 @@ __all__ = [
     "EVIDENCE_SERIAL", "KIND_FULL", "KIND_PARTIAL", "KIND_QUICK", "REPAIR_CODES", "RESET_CODES",
     "SCREEN_KINDS", "STRAGGLER_CHECK", "DEFAULT_POLICY", "TRANSITIONS", "Action", "Adopted", "Decision", "Event", "FleetCounts",
     "Findings", "HumanCommand", "KatScreen", "LifecyclePolicy", "NodeSeen", "Remediation",
+    "RepairStep",
     "Trigger", "camel", "decide", "earned_healthy", "local_serials", "refusal",
 ]
 
@@ -92,6 +94,8 @@ def decide(node: str, current: Optional[NodeState], event: Any, *, now: float,
         return d.stay("known node")
     if isinstance(event, Remediation):
         return _on_remediation(d, event)
+    if isinstance(event, RepairStep):
+        return _on_repair_step(d, event)
     sig = _classify(event, d.current)
     if sig.kind == SignalKind.NONE:
         return d.stay(sig.reason)
@@ -191,6 +195,17 @@ def _on_remediation(d: _Deciding, event: Remediation) -> Decision:
                   failure=True)
 
 
+def _on_repair_step(d: _Deciding, event: RepairStep) -> Decision:
+    """A repair step of a quarantined node: recorded, the node stays quarantined."""
+    assert d.current is not None
+    if d.current != S.QUARANTINED:
+        return d.stay(f"repair step ignored: the node is {d.current.value}, not quarantined")
+    ev = {"remediation": {"detail": event.detail, **dict(event.evidence)}}
+    # Not `move`: a self-move, which `refusal` reads as "already there"; the table lists it.
+    return d.record(S.QUARANTINED, event.detail, Reason.REPAIR_STEP, ev, failure=False,
+                    serials=(), rollback=None, actions=())
+
+
 def _on_pass(d: _Deciding, sig: _Signal, event: Any) -> Decision:
     """A passing screen clears a node only when it is allowed to (see the module docstring)."""
     assert d.current is not None
@@ -261,8 +276,8 @@ def _on_failure(d: _Deciding, sig: _Signal, event: Any, failures: Sequence[Trans
                       rollback=rollback, actions=alert)
     if _held_by_budget(d.history):
         return d.stay(held, alert)
-    # Not `move`: the table's only self-move. Unrecorded, the failure would be lost: a later pass
-    # would clear the node and a freed slot would never find it.
+    # Not `move`: a self-move (the table's suspect -> suspect). Unrecorded, the failure would be
+    # lost: a later pass would clear the node and a freed slot would never find it.
     return d.record(S.SUSPECT, held, Reason.BUDGET, evidence, failure=True, serials=sig.serials,
                     rollback=rollback, actions=alert)
 

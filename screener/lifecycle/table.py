@@ -56,6 +56,8 @@ TRANSITIONS: Mapping[tuple[Optional[NodeState], NodeState], frozenset[Trigger]] 
     (S.SUSPECT, S.SUSPECT): frozenset({A}),
     (S.QUARANTINED, S.BURNIN): frozenset({A, H}),
     (S.QUARANTINED, S.REPAIR): frozenset({A, H}),
+    # A repair step that keeps the node out (the repair ladder's reboot request and its end).
+    (S.QUARANTINED, S.QUARANTINED): frozenset({A}),
     (S.REPAIR, S.BURNIN): frozenset({H}),
 }
 

@@ -280,6 +280,17 @@ class HealthCheckStart:
                 "configurations": [dict(c) for c in self.configurations]}
 
 
+def one_cluster(nodes: Sequence[ClusterNode]) -> str:
+    """The one cluster every node belongs to: a request to HyperPod names a single cluster, so
+    nodes of several (or none) are refused before any call."""
+    if not nodes:
+        raise BadInputError("no node given")
+    clusters = {n.cluster for n in nodes}
+    if len(clusters) != 1:
+        raise BadInputError(f"nodes span several clusters: {', '.join(sorted(clusters))}")
+    return nodes[0].cluster
+
+
 def health_check_configurations(nodes: Sequence[ClusterNode],
                                 checks: Sequence[str]) -> list[dict[str, Any]]:
     """DeepHealthCheckConfigurations: one entry per instance group (chunked at the API's limit)."""
@@ -305,12 +316,7 @@ def start_health_check(client: Any, nodes: Sequence[ClusterNode],
     While it runs, HyperPod takes the nodes out of scheduling; nodes that fail it are rebooted or
     replaced by HyperPod's own automatic node recovery if the cluster has it enabled.
     """
-    if not nodes:
-        raise BadInputError("no node given")
-    clusters = {n.cluster for n in nodes}
-    if len(clusters) != 1:
-        raise BadInputError(f"nodes span several clusters: {', '.join(sorted(clusters))}")
-    cluster = nodes[0].cluster
+    cluster = one_cluster(nodes)
     configs = health_check_configurations(nodes, checks)
     if dry_run:
         return HealthCheckStart(cluster, tuple(configs), dry_run=True)
@@ -432,12 +438,7 @@ class BatchResult:
 
 def _batch(client: Any, operation: str, action: str, nodes: Sequence[ClusterNode],
            dry_run: bool) -> BatchResult:
-    if not nodes:
-        raise BadInputError("no node given")
-    clusters = {n.cluster for n in nodes}
-    if len(clusters) != 1:
-        raise BadInputError(f"nodes span several clusters: {', '.join(sorted(clusters))}")
-    cluster = nodes[0].cluster
+    cluster = one_cluster(nodes)
     ids = list(dict.fromkeys(n.instance_id for n in nodes))
     if dry_run:
         return BatchResult(action, cluster, tuple(nodes), dry_run=True)

@@ -285,6 +285,7 @@ class DaemonConfig:
         d["hyperpod"] = dataclasses.asdict(self.hyperpod)
         d["hyperpod"]["checks"] = list(self.hyperpod.checks)
         d["ladder"] = dataclasses.asdict(self.ladder)
+        d["ladder"]["reboot_command"] = list(self.ladder.reboot_command)
         d["kube_timeouts"] = dataclasses.asdict(self.kube_timeouts)
         d["jobs"], d["devices"] = list(self.jobs), list(self.devices)
         return d

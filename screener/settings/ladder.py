@@ -10,6 +10,10 @@ from screener.errors import ConfigError
 from screener.settings import strict as configs
 
 
+REBOOT_METHODS = ("off", "hyperpod", "command")
+FINAL_RUNGS = ("none", "repair", "replace")
+
+
 @dataclass(frozen=True)
 class LadderConfig:
     """How the daemon tries to heal an idle quarantined node, cheapest rung first.
@@ -23,6 +27,18 @@ class LadderConfig:
         (counted from the node's own history); past it the node waits for a person.
     min_interval_s: the rate limit, a node tries a rung at most this often (a failed attempt
         included), so a reset that keeps failing is not retried on every tick.
+    reboot: rung 2, taken when a reset did not heal the node: "off" (the node waits for a
+        person), "hyperpod" (SageMaker BatchRebootClusterNodes for the node's instance; needs
+        [hyperpod] cluster) or "command" (reboot_command, run on the node).
+    reboot_command: the argv of the "command" reboot, e.g. ["systemctl", "reboot"] in a pod
+        with the host's PID namespace; it must return once the reboot is under way.
+    max_rebooting: at most this many nodes of the fleet rebooting at once (slots claimed in the
+        store before a reboot is asked for, freed when the node is back).
+    reboot_timeout_s: a node not back (booted after its request) within this is taken as not
+        rebooted: its slot is freed (another node may then take it) and a person decides.
+    final: when a reset and the reboot did not heal the node: "none" (it stays quarantined for
+        a person), "repair" (out of service, the request_repair action: a ticket), or "replace"
+        (repair, and HyperPod BatchReplaceClusterNodes for its instance; needs [hyperpod]).
     """
 
     enabled: bool = False
@@ -33,6 +49,11 @@ class LadderConfig:
     max_rungs: int = 2
     window_days: float = 30.0
     min_interval_s: float = 600.0
+    reboot: str = "off"
+    reboot_command: tuple[str, ...] = ()
+    max_rebooting: int = 1
+    reboot_timeout_s: float = 3600.0
+    final: str = "none"
 
     def __post_init__(self) -> None:
         for name in ("enabled", "dry_run"):
@@ -48,6 +69,24 @@ class LadderConfig:
                                low_open=True, unit="days")
         configs.require_number("ladder", "min_interval_s", self.min_interval_s, 0.0, 30 * 86400.0,
                                unit="seconds")
+        if self.reboot not in REBOOT_METHODS:
+            raise ConfigError(f"ladder reboot must be one of {', '.join(REBOOT_METHODS)}, "
+                              f"not {self.reboot!r}")
+        if self.final not in FINAL_RUNGS:
+            raise ConfigError(f"ladder final must be one of {', '.join(FINAL_RUNGS)}, "
+                              f"not {self.final!r}")
+        argv = self.reboot_command
+        if isinstance(argv, str) or not isinstance(argv, (list, tuple)) or not all(
+                isinstance(a, str) and a and "\x00" not in a for a in argv):
+            raise ConfigError("ladder reboot_command must be a list of arguments, e.g. "
+                              '["systemctl", "reboot"]')
+        object.__setattr__(self, "reboot_command", tuple(argv))
+        if self.reboot == "command" and not argv:
+            raise ConfigError('ladder reboot = "command" needs reboot_command')
+        configs.require_number("ladder", "max_rebooting", self.max_rebooting, 1, 100_000,
+                               integer=True)
+        configs.require_number("ladder", "reboot_timeout_s", self.reboot_timeout_s, 60.0,
+                               7 * 86400.0, unit="seconds")
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any]) -> "LadderConfig":
