@@ -4,7 +4,7 @@ Run as `python -m screener.known_answer.child child` by screener.known_answer.su
 device, so that a device that hangs or crashes cannot take the screener down, and so that
 determinism is set before CUDA is first touched. It reads one request (protocol.request) on
 stdin and writes protocol events on stdout. Before a job allocates anything the child compares
-the job's estimated memory and arithmetic with the device (workloads.check_fits): a job that
+the job's estimated memory and arithmetic with the device (specs.check_fits): a job that
 cannot fit is bad input, not a crash or a timeout.
 
 Every failure, ours included, must reach the parent as an error event: a child that merely died
@@ -25,7 +25,7 @@ from screener.known_answer import protocol
 from screener.known_answer.fault_spec import DeviceFault
 from screener.known_answer.memory import available_bytes
 from screener.known_answer.protocol import ErrorKind, Event
-from screener.known_answer.workloads import JobSpec
+from screener.known_answer.specs import JobSpec
 
 
 def emit(event: Mapping[str, Any]) -> None:
@@ -129,7 +129,8 @@ def _run_one(spec: JobSpec, it: int, device: str, request: Mapping[str, Any],
              faults: Sequence[DeviceFault]) -> bool:
     """Run one job once and emit its result; False (after an error event) when it failed."""
     from screener.known_answer.faults import inject  # imports torch
-    from screener.known_answer.workloads import check_fits, gemm_shapes, run_job
+    from screener.known_answer.specs import check_fits
+    from screener.known_answer.workloads import gemm_shapes, run_job
 
     threads = int(request.get("threads", protocol.DEFAULT_THREADS))
     emit({"event": Event.START, "job": spec.name, "iteration": it})

@@ -42,7 +42,7 @@ from screener.errors import GoldenError
 from screener.known_answer.packagedata import data_dir
 from screener.known_answer.results import (Difference, JobResult, Step, canonical_json,
                                           first_difference, steps_digest)
-from screener.known_answer.workloads import JobSpec, expected_steps
+from screener.known_answer.specs import JobSpec, expected_steps
 
 SCHEMA = 1
 SCHEMA_ALSO = 2  # a record that lists other platforms with the same bits (field "also")

@@ -32,7 +32,7 @@ from screener.known_answer.judgment import GoldenLookup, Known, ScreenResult, ju
 from screener.known_answer.protocol import DEFAULT_THREADS
 from screener.known_answer.recording import RecordResult, write_goldens
 from screener.known_answer.supervise import DEFAULT_TIMEOUT, Progress, execute
-from screener.known_answer.workloads import JobSpec, select_jobs
+from screener.known_answer.specs import JobSpec, select_jobs
 
 
 log = logging.getLogger("screener.kat")

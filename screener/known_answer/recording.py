@@ -17,7 +17,7 @@ from screener.known_answer.judgment import ScreenResult, judge
 from screener.known_answer.results import JobResult, where
 from screener.known_answer.runs import DeviceRun
 from screener.known_answer.text import format_verdicts
-from screener.known_answer.workloads import JobSpec
+from screener.known_answer.specs import JobSpec
 from screener.types import ExitCode, Outcome
 
 

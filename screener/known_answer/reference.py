@@ -1,4 +1,4 @@
-"""What a job's results on one platform are judged against (pure): the job groups and their reference.
+"""What the results of a job on one platform are judged against (pure): job groups, references.
 
 The judgment (screener.known_answer.judgment) compares, job by job and platform by platform, the
 results of a screen's devices: a JobGroup holds one job on the devices of one platform, with the
@@ -20,7 +20,7 @@ from screener.known_answer.runs import DeviceRun, JobRuns
 
 
 class NamedJob(Protocol):
-    """What the judgment needs of a job spec (screener.known_answer.workloads.JobSpec): its name."""
+    """What the judgment needs of a job spec (screener.known_answer.specs.JobSpec): its name."""
 
     @property
     def name(self) -> str: ...

@@ -33,7 +33,7 @@ from screener.known_answer.memory import oom_kills
 from screener.known_answer.protocol import ErrorKind, Event
 from screener.known_answer.results import JobResult
 from screener.known_answer.runs import DeviceRun
-from screener.known_answer.workloads import JobSpec
+from screener.known_answer.specs import JobSpec
 from screener.types import RunStatus
 
 log = logging.getLogger("screener.kat")
