@@ -74,7 +74,7 @@ def _serve(conn: Any, n: int, stale: bool) -> None:
                                       ANNOTATION_HISTORY: kf.summary_annotation(hist)})
             cm = kf.history_configmap(name, hist, namespace=NS)
             api._store_configmap(NS, cm["metadata"]["name"], cm, None)
-        rec = kf.Ledger(fleet=n, out={}, counted=now - (7200 if stale else 0))
+        rec = kf.BudgetRecord(fleet=n, out={}, counted=now - (7200 if stale else 0))
         api._store_configmap(NS, kf.BUDGET_CONFIGMAP, rec.configmap(NS), None)
     conn.send(api.url)
     while True:
@@ -125,6 +125,8 @@ def baseline_store_class() -> type:
                             "import screener_baseline.kubeformat as kf")
         text = text.replace("from screener.stores.kubeformat import",
                             "from screener_baseline.kubeformat import")
+        # stores/base.py is stores/common.py since (issue 26.3).
+        text = text.replace("from screener.stores.base import", "from screener.stores.common import")
         mod = types.ModuleType(f"screener_baseline.{name}")
         mod.__file__ = f"<{BASELINE}:{name}.py>"
         sys.modules[mod.__name__] = mod

@@ -99,8 +99,8 @@ def load_fleet(api: KubeAPI, n: int) -> list[str]:
                          "sizeBytes": 1_000_000_000 + i} for i in range(25)])
             cm = kf.history_configmap(name, hist, namespace=NS)
             api._store_configmap(NS, cm["metadata"]["name"], cm, None)
-        ledger = kf.Ledger(fleet=n, out={}, counted=NOW)
-        api._store_configmap(NS, kf.BUDGET_CONFIGMAP, ledger.configmap(NS), None)
+        record = kf.BudgetRecord(fleet=n, out={}, counted=NOW)
+        api._store_configmap(NS, kf.BUDGET_CONFIGMAP, record.configmap(NS), None)
     return names
 
 

@@ -49,7 +49,7 @@ def healthy_fleet(api: KubeAPI, n: int, *, counted: float) -> list[str]:
     names = [f"gpu-{k:04d}" for k in range(n)]
     for name in names:
         api.add_node(name, labels={LABEL_STATE: "healthy"})
-    rec = kf.Ledger(fleet=n, counted=counted)
+    rec = kf.BudgetRecord(fleet=n, counted=counted)
     api._store_configmap(NS, kf.BUDGET_CONFIGMAP, rec.configmap(NS), None)
     return names
 
@@ -116,7 +116,7 @@ def test_a_stale_record_is_recounted_by_one_daemon_the_others_use_it():
         counters = {c.agent for c in api.calls if c.verb == "list" and c.resource == "nodes"}
         assert len(counters) == 1, counters  # one daemon paid for the count (3 pages of 25)
         assert sum(1 for c in api.calls if c.verb == "list" and c.resource == "nodes") == 3
-        record = kf.Ledger.from_configmap(api.configmap(NS, kf.BUDGET_CONFIGMAP))
+        record = kf.BudgetRecord.from_configmap(api.configmap(NS, kf.BUDGET_CONFIGMAP))
         assert record.fleet == 60 and time.time() - record.counted < 60 and not record.counter
         for s in stores.values():
             s.close()
@@ -130,7 +130,7 @@ def test_concurrent_registrations_each_count_once_with_condition_and_event():
         for n in names:
             api.add_node(n)
         api._store_configmap(NS, kf.BUDGET_CONFIGMAP,
-                             kf.Ledger(fleet=0, counted=time.time() - 1).configmap(NS), None)
+                             kf.BudgetRecord(fleet=0, counted=time.time() - 1).configmap(NS), None)
         groups = {names[k]: names[k::30] for k in range(30)}
         stores = {g: daemon_store(api.url, g) for g in groups}
 
@@ -140,7 +140,7 @@ def test_concurrent_registrations_each_count_once_with_condition_and_event():
 
         errors = at_once(list(groups), register)
         assert not errors, errors
-        view = stores[names[0]].ledger()
+        view = stores[names[0]].budget_view()
         assert view.fleet == 90 and len(view.registered) == 90
         for n in names:
             node = api.node(n)
@@ -161,7 +161,7 @@ def proxied():
         api.add_node("gpu-1", labels={LABEL_STATE: "healthy"})
         api.add_node("gpu-2", labels={LABEL_STATE: "healthy"})
         api._store_configmap(NS, kf.BUDGET_CONFIGMAP,
-                             kf.Ledger(fleet=2, counted=time.time()).configmap(NS), None)
+                             kf.BudgetRecord(fleet=2, counted=time.time()).configmap(NS), None)
         proxy = TcpProxy(api.port)
         yield api, proxy
         proxy.close()
@@ -257,7 +257,7 @@ def test_writes_whose_answers_are_lost_are_completed_not_doubled(proxied, tmp_pa
     assert [c["status"] for c in node["status"]["conditions"] if c["type"] == CONDITION_TYPE] == ["True"]
     assert [e["reason"] for e in api.events if e["involvedObject"]["name"] == "gpu-3"] == [
         "NewNode", "KnownAnswerMismatch"]
-    view = store.ledger()
+    view = store.budget_view()
     assert view.fleet == 3 and [c.node for c in view.claims.values()] == ["gpu-3"]
     hist = [e["to"] for e in kf.history_entries(api.configmap(NS, "screener-history-gpu-3"))]
     assert hist == ["burnin", "quarantined"]
@@ -283,7 +283,7 @@ def test_a_registration_cut_short_is_completed_by_the_replay(proxied, tmp_path):
     assert store.replay() == 1 and store.pending() == 0
     assert sum(1 for line, _ in proxy.seen if line.startswith(b"PATCH /api/v1/nodes/gpu-4 ")) \
         == patches  # the node was not written twice
-    assert store.ledger().fleet == 3
+    assert store.budget_view().fleet == 3
     assert [e["reason"] for e in api.events] == ["NewNode"]
     node = api.node("gpu-4")
     assert [c["status"] for c in node["status"]["conditions"] if c["type"] == CONDITION_TYPE] == ["False"]

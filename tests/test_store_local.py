@@ -311,7 +311,7 @@ FULL_DISK = textwrap.dedent("""
     import json, os, subprocess, sys
     from screener.stores.local import LocalStore
     from screener.lifecycle.records import Transition
-    from screener.stores.base import DiskFullError
+    from screener.stores.common import DiskFullError
     from screener.types import NodeState as S
     d = sys.argv[1]
     db = os.path.join(d, "state.db")

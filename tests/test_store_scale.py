@@ -63,7 +63,7 @@ def test_one_event_costs_the_same_requests_and_bytes_in_a_small_and_a_large_flee
         with KubeAPI() as api:
             names = fleet(api, size)
             store = make_store(api)
-            store.ledger()  # the budget record exists (its creation, once, lists the fleet)
+            store.budget_view()  # the budget record exists (its creation, once, lists the fleet)
             d, calls, nbytes = per_event(api, store, names[7], event, NOW)
             assert d.state == expected
             assert ("list", "nodes", "") not in calls  # nothing on the per-event path lists Nodes
@@ -170,14 +170,14 @@ def test_the_budget_holds_claims_and_recounts_the_fleet():
         assert node["metadata"]["labels"][LABEL_STATE] == "suspect"
         assert {"key": "screener.io/state", "value": "suspect", "effect": "NoSchedule"} in \
             node["spec"]["taints"]
-        assert store.ledger().fleet == 10 and slots(api) == {names[0]: "screener-budget-slot-0"}
+        assert store.budget_view().fleet == 10 and slots(api) == {names[0]: "screener-budget-slot-0"}
 
         # A person's quarantine is not limited by the budget but counts in it.
         from screener.lifecycle.machine import HumanCommand
         apply_event(store, names[2], HumanCommand(S.QUARANTINED, "smells of smoke"), now=NOW + 2)
         assert sorted(slots(api)) == [names[0], names[2]]  # past the limit: slot 1
         apply_event(store, names[0], Remediation(passed=True), now=NOW + 3)
-        assert sorted(slots(api)) == [names[2]] and sorted(store.ledger().out) == [names[2]]
+        assert sorted(slots(api)) == [names[2]] and sorted(store.budget_view().out) == [names[2]]
         assert reconsider_held(store, names[1], S.SUSPECT, now=NOW + 4) == S.SUSPECT  # still full
         apply_event(store, names[2], HumanCommand(S.BURNIN, "false alarm"), now=NOW + 5)
         assert reconsider_held(store, names[1], S.SUSPECT, now=NOW + 60) == S.QUARANTINED
@@ -188,8 +188,8 @@ def test_the_budget_holds_claims_and_recounts_the_fleet():
         api.add_node("gpu-late")
         clock[0] = NOW + 70
         apply_event(store, "gpu-late", NodeSeen(), now=NOW + 70)
-        assert store.ledger().fleet == 11
-        assert kf.Ledger.from_configmap(api.configmap(NS, kf.BUDGET_CONFIGMAP)).fleet == 10
+        assert store.budget_view().fleet == 11
+        assert kf.BudgetRecord.from_configmap(api.configmap(NS, kf.BUDGET_CONFIGMAP)).fleet == 10
 
         # The hourly recount: a deleted node leaves the count, a lost claim (a writer that died
         # between its claim and its node write) is freed once older than the grace period, and
@@ -202,7 +202,7 @@ def test_the_budget_holds_claims_and_recounts_the_fleet():
             rec = api.configmaps[(NS, kf.BUDGET_CONFIGMAP)]
             rec["data"]["counted"] = repr(NOW + 70 - 4000)
         clock[0] = NOW + 100
-        recounted = store.ledger()
+        recounted = store.budget_view()
         assert recounted.fleet == 10 and recounted.counted == NOW + 100
         assert not recounted.registered and api.configmap(NS, "screener-fleet-5")["data"] == {
             "nodes": "{}"}
@@ -253,9 +253,9 @@ def test_a_tampered_budget_record_is_recounted_not_trusted(field, value):
         assert apply_event(store, names[0], confirmed(), now=NOW).state == S.QUARANTINED
         with api._lock:
             api.configmaps[(NS, kf.BUDGET_CONFIGMAP)]["data"][field] = value
-        ledger = store.ledger()
-        assert ledger.fleet == 10 and sorted(ledger.out) == [names[0]]
-        assert NOW <= ledger.counted < NOW + 60  # recounted now, so recounted again in an hour
+        view = store.budget_view()
+        assert view.fleet == 10 and sorted(view.out) == [names[0]]
+        assert NOW <= view.counted < NOW + 60  # recounted now, so recounted again in an hour
         held = apply_event(store, names[1], confirmed(), now=NOW + 1)
         assert held.state == S.SUSPECT
         assert held.transition.evidence["budget"] == {"limit": 1, "out_of_service": 1, "fleet": 10}

@@ -6,13 +6,16 @@ is the one `--kubeconfig` names, else the files $KUBECONFIG lists (those that ex
 ~/.kube/config when it exists, else the pod's service account inside a pod
 ($KUBERNETES_SERVICE_HOST, set by the kubelet in every container). "auto" is the cluster's Node
 objects when any of these (or a --context) is there, else the local SQLite store.
+
+The kube store's own tables live here too: KubeTimeouts (how long a request and a call may take)
+and RetryPolicy (its backoff and its bound on 409 re-reads).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from screener.errors import ConfigError
 from screener.settings import strict as configs
@@ -48,6 +51,33 @@ class KubeTimeouts:
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any]) -> "KubeTimeouts":
         return configs.from_mapping(cls, d, "kube timeouts")
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """The kube store's backoff for transient errors and its bound on 409 re-reads. Unknown keys
+    are an error."""
+
+    attempts: int = 5  # tries per API call for transient errors (within KubeTimeouts.call_s)
+    base_delay: float = 0.2  # seconds before the first retry; doubles each time
+    max_delay: float = 5.0
+    jitter: float = 0.5  # each delay is scaled by a random factor in [1 - jitter, 1]
+    conflict_attempts: int = 10  # read-modify-write rounds before giving up on 409s
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1 or self.conflict_attempts < 1:
+            raise ConfigError("retry attempts must be >= 1")
+        if self.base_delay < 0 or self.max_delay < 0 or not 0 <= self.jitter <= 1:
+            raise ConfigError("retry delays must be >= 0 and jitter within [0, 1]")
+
+    @classmethod
+    def from_mapping(cls, d: Mapping[str, Any]) -> "RetryPolicy":
+        return configs.from_mapping(cls, d, "kube retry")
+
+    def delay(self, attempt: int, rng: Callable[[], float]) -> float:
+        """Seconds to wait before retry number `attempt` + 1 (0-based), jittered by rng()."""
+        d = min(self.max_delay, self.base_delay * (2.0 ** attempt))
+        return d * (1 - self.jitter * rng())
 
 
 def in_pod(environ: Optional[Mapping[str, str]] = None) -> bool:

@@ -30,9 +30,10 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
-from screener.lifecycle.records import BUDGET_STATES, BudgetConflict
+from screener.lifecycle.records import BUDGET_STATES, BudgetConflict, Transition
 from screener.stores import kubeformat as kf
 from screener.stores.kubecalls import ApiCaller, TransientKubeError
+from screener.stores.kubenode import state_of
 from screener.types import LABEL_STATE, NodeState
 
 log = logging.getLogger("screener.stores.kube")
@@ -45,7 +46,7 @@ MAX_REGISTERED = 256  # registrations since the count that make the record count
 class BudgetView:
     """The budget as one list read it: the record, the slots, the registration shards."""
 
-    record: kf.Ledger
+    record: kf.BudgetRecord
     claims: dict[int, kf.Claim] = field(default_factory=dict)  # slot index -> claim
     shards: dict[int, tuple[dict[str, float], Optional[str]]] = field(default_factory=dict)
 
@@ -103,14 +104,14 @@ class KubeBudget:
         is taken is a 409 on create (we look again), one it shows taken that was just freed
         holds the node in suspect until its next look (release_held, within a minute). Neither
         can put more nodes out than the budget: only creates take slots."""
-        record: Optional[kf.Ledger] = None
+        record: Optional[kf.BudgetRecord] = None
         claims: dict[int, kf.Claim] = {}
         shards: dict[int, tuple[dict[str, float], Optional[str]]] = {}
         for cm in self.calls.cm_list("list the quarantine budget", f"{kf.LABEL_BUDGET}=true",
                                      cached=True):
             name = str((cm.get("metadata") or {}).get("name") or "")
             if name == kf.BUDGET_CONFIGMAP:
-                record = kf.Ledger.from_configmap(cm)
+                record = kf.BudgetRecord.from_configmap(cm)
             elif name.startswith(kf.SLOT_PREFIX):
                 claim = kf.parse_slot(cm)
                 if claim is not None:
@@ -143,7 +144,7 @@ class KubeBudget:
 
     def _create_record(self) -> Optional[BudgetView]:
         """Create the record with our lease on its first count; None when someone else did."""
-        rec = kf.Ledger(fleet=0, counted=0.0, counter=self.instance,
+        rec = kf.BudgetRecord(fleet=0, counted=0.0, counter=self.instance,
                         counting_until=self.clock() + self.lease_s)
         if self.calls.cm_write(rec.configmap(self.calls.namespace)) is None:
             return None
@@ -160,7 +161,7 @@ class KubeBudget:
         written = self.calls.cm_write(leased.configmap(self.calls.namespace))
         if written is None:
             return self.read() or v
-        v.record = kf.Ledger.from_configmap(written)
+        v.record = kf.BudgetRecord.from_configmap(written)
         return self._count(v)
 
     def _count(self, v: BudgetView) -> BudgetView:
@@ -169,12 +170,12 @@ class KubeBudget:
         start = self.clock()
         fleet, out = 0, {}
         for obj in self.calls.node_meta(LABEL_STATE):
-            state = _state(obj)
+            state = state_of(obj, warn=False)
             if state is not None:
                 fleet += 1
                 if state in BUDGET_STATES:
                     out[obj["metadata"]["name"]] = state
-        rec = kf.Ledger(fleet=fleet, out={}, counted=start,
+        rec = kf.BudgetRecord(fleet=fleet, out={}, counted=start,
                         resource_version=v.record.resource_version)
         if self.calls.cm_write(rec.configmap(self.calls.namespace)) is None:
             return self.read() or v  # someone rewrote the record meanwhile: theirs stands
@@ -265,12 +266,34 @@ class KubeBudget:
         if node in v.record.out:
             self._drop_legacy(node)
 
+    def sync(self, t: Transition, view: Optional[BudgetView] = None) -> None:
+        """After t's node write: register a new node, and make the slots agree with t. Every
+        step is idempotent, so a replay after a partial write completes it."""
+        into = t.to_state in BUDGET_STATES
+        if t.from_state is not None and not into and t.from_state not in BUDGET_STATES:
+            return  # healthy/burnin/suspect moves leave the budget alone
+        view = view if view is not None else self.view()
+        if t.from_state is None:
+            self.register(view, t.node, t.time)
+        if into and not view.claims_of(t.node):
+            # Claimed before the node write when decided through begin(); here for a transition
+            # recorded without one (or a claim a count freed meanwhile): it is decided already.
+            self.claim(view, t.node, t.to_state, limit=None)
+        elif not into and t.node in view.out:
+            self.release(view, t.node)
+
+    def release_unless_out(self, node: str, state: Optional[NodeState]) -> None:
+        """Free the node's slot unless `state`, its label as read now, says it is out (after a
+        claim whose node write was refused)."""
+        if state not in BUDGET_STATES:
+            self.release(self.view(), node)
+
     def _drop_legacy(self, node: str) -> None:
         for _ in range(self.conflict_attempts):
             cm = self.calls.cm_get(kf.BUDGET_CONFIGMAP)
             if cm is None:
                 return
-            rec = kf.Ledger.from_configmap(cm)
+            rec = kf.BudgetRecord.from_configmap(cm)
             if node not in rec.out:
                 return
             del rec.out[node]
@@ -305,12 +328,16 @@ class KubeBudget:
                                  f"{self.conflict_attempts * 3} conflicting writes")
 
 
-def _state(obj: dict[str, Any]) -> Optional[NodeState]:
-    value = ((obj.get("metadata") or {}).get("labels") or {}).get(LABEL_STATE)
-    try:
-        return NodeState(value) if value else None
-    except ValueError:
-        return None
+def decided_limit(t: Transition, view: BudgetView) -> int:
+    """The budget limit the lifecycle decided `t` under (its evidence carries it); without it,
+    only the next slot: exact, though claims then queue."""
+    for key in ("budget", "released_by_budget"):
+        figures = t.evidence.get(key)
+        if isinstance(figures, dict):
+            limit = figures.get("limit")
+            if isinstance(limit, int) and not isinstance(limit, bool) and limit >= 0:
+                return limit
+    return view.others_out(t.node) + 1
 
 
-__all__ = ["BudgetView", "KubeBudget", "FLEET_SHARDS"]
+__all__ = ["BudgetView", "KubeBudget", "FLEET_SHARDS", "decided_limit"]

@@ -1,4 +1,5 @@
-"""Calling the Kubernetes API for KubeStore: timeouts, retries, and the errors a caller sees.
+"""Calling the Kubernetes API for KubeStore: timeouts, retries, 409 read-modify-write, and the
+errors a caller sees.
 
 Every request carries a connect and a read timeout, and every logical call (its retries included)
 ends within `KubeTimeouts.call_s`, so an API server that accepts connections and never answers
@@ -9,7 +10,9 @@ waiting its own timeout, so one tick does not spend minutes on a dead server. Re
 connections fail fast by themselves and do not open that window.
 
 Transient answers (5xx, 429, connection failures, timeouts) are retried with exponential backoff
-and jitter (sleep and randomness injectable); 4xx answers are the caller's business. The
+and jitter (RetryPolicy; sleep and randomness injectable); 4xx answers are the caller's business,
+except 409 on a Node write: `update_node` reads the Node again and re-applies its change, so a
+concurrent writer's labels, taints and conditions are never lost. The
 kubernetes client itself is imported by kube.py only (one importer per vendor client): its
 ApiException class is passed in.
 """
@@ -20,20 +23,20 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Optional
 
 import urllib3
 
 from screener.errors import BadInputError, ConfigError, ExternalServiceError
-from screener.settings import strict as configs
-from screener.settings.stores import KubeTimeouts  # noqa: F401 - the table lives in settings
+# The tables live in settings; re-exported, as they were defined here once.
+from screener.settings.stores import KubeTimeouts, RetryPolicy
 
 log = logging.getLogger("screener.stores.kube")
 
 TRANSIENT_STATUS = frozenset({0, 429, 500, 502, 503, 504})
 # Ask for PartialObjectMetadataList: names, labels and annotations, not the Nodes' status.
 META_ACCEPT = "application/json;as=PartialObjectMetadataList;v=v1;g=meta.k8s.io,application/json"
+MERGE_PATCH = "application/merge-patch+json"
 
 
 class KubeApiError(ExternalServiceError):
@@ -51,31 +54,6 @@ class TransientKubeError(KubeApiError):
 
 class NodeNotFound(BadInputError):
     """No Node of that name exists in the cluster."""
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """Backoff for transient errors and the bound on 409 re-reads. Unknown keys are an error."""
-
-    attempts: int = 5  # tries per API call for transient errors (within KubeTimeouts.call_s)
-    base_delay: float = 0.2  # seconds before the first retry; doubles each time
-    max_delay: float = 5.0
-    jitter: float = 0.5  # each delay is scaled by a random factor in [1 - jitter, 1]
-    conflict_attempts: int = 10  # read-modify-write rounds before giving up on 409s
-
-    def __post_init__(self) -> None:
-        if self.attempts < 1 or self.conflict_attempts < 1:
-            raise ConfigError("retry attempts must be >= 1")
-        if self.base_delay < 0 or self.max_delay < 0 or not 0 <= self.jitter <= 1:
-            raise ConfigError("retry delays must be >= 0 and jitter within [0, 1]")
-
-    @classmethod
-    def from_mapping(cls, d: Mapping[str, Any]) -> "RetryPolicy":
-        return configs.from_mapping(cls, d, "kube retry")
-
-    def delay(self, attempt: int, rng: Callable[[], float]) -> float:
-        d = min(self.max_delay, self.base_delay * (2 ** attempt))
-        return d * (1 - self.jitter * rng())
 
 
 class ApiCaller:
@@ -164,6 +142,56 @@ class ApiCaller:
             token = (data.get("metadata") or {}).get("continue")
             if not token:
                 return
+
+    # --- Nodes: read, merge-patch, and read-modify-write on 409 -----------------------------
+
+    def read_node(self, node: str) -> dict[str, Any]:
+        """The Node object as plain JSON; NodeNotFound when there is none."""
+        try:
+            obj: dict[str, Any] = self.call(f"get node {node}", self.api.read_node, node)
+            return obj
+        except KubeApiError as e:
+            if e.status == 404:
+                raise NodeNotFound(f"node {node!r} does not exist in the cluster") from e
+            raise
+
+    def patch_node(self, node: str, body: Mapping[str, Any],
+                   status: bool = False) -> Optional[dict[str, Any]]:
+        """Merge-patch the node (or its status); None on 409 (the caller reads again)."""
+        fn = self.api.patch_node_status if status else self.api.patch_node
+        try:
+            result: Optional[dict[str, Any]] = self.call(
+                f"patch node {node}{'/status' if status else ''}", fn, node, dict(body),
+                _content_type=MERGE_PATCH)
+            return result
+        except KubeApiError as e:
+            if e.status == 409:
+                return None
+            if e.status == 404:
+                raise NodeNotFound(f"node {node!r} does not exist in the cluster") from e
+            raise
+
+    def update_node(self, node: str, change: Callable[[dict[str, Any]], Optional[dict[str, Any]]],
+                    *, status: bool = False, first: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+        """Read-modify-write with the resourceVersion as precondition, re-reading on 409.
+
+        `change(node_obj)` returns the merge patch to send (without resourceVersion), or None when
+        there is nothing to write. `first`: a copy of the node just read, used for the first round.
+        """
+        for _ in range(self.retry.conflict_attempts):
+            obj, first = (first if first is not None else self.read_node(node)), None
+            body = change(obj)
+            if body is None:
+                return obj
+            body = dict(body)
+            body["metadata"] = {**dict(body.get("metadata") or {}),
+                                "resourceVersion": obj["metadata"]["resourceVersion"]}
+            result = self.patch_node(node, body, status=status)
+            if result is not None:
+                return result
+            log.info("node %s changed under us (409); reading it again", node)
+        raise KubeApiError(f"node {node}: still conflicting after {self.retry.conflict_attempts} "
+                           "read-modify-write rounds", 409)
 
     # --- ConfigMaps in the screener namespace ----------------------------------------------
 

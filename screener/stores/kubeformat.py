@@ -1,4 +1,4 @@
-"""What the Kubernetes store keeps where, as plain data: no API calls here (see kube.py for those).
+"""What the Kubernetes store keeps where, as plain data: no API calls here (kubecalls.py makes them).
 
 Node objects are watched by every kubelet, scheduler and controller, so what screener writes on
 them stays small and bounded. A node's full history lives off the Node:
@@ -196,7 +196,7 @@ def bounded_entries(entries: list[dict[str, Any]], keep: int, max_bytes: int) ->
 
 
 @dataclass
-class Ledger:
+class BudgetRecord:
     """The budget record `screener-budget`: the fleet's size as last counted, and the lease of
     whoever is counting it again.
 
@@ -216,7 +216,7 @@ class Ledger:
     counting_until: float = 0.0
 
     @classmethod
-    def from_configmap(cls, cm: Mapping[str, Any]) -> "Ledger":
+    def from_configmap(cls, cm: Mapping[str, Any]) -> "BudgetRecord":
         """Parse the record. Anyone with write access to the namespace can edit it, so every field
         is checked; a record with any field out of shape reads with `counted` = 0, which makes the
         next read recount it from the Nodes' labels (the truth) instead of trusting it."""
@@ -224,17 +224,17 @@ class Ledger:
         rv = (cm.get("metadata") or {}).get("resourceVersion")
         counter = str(data.get("counter") or "")[:253]
         try:
-            until = _ledger_counted(data.get("countingUntil") or "0")
+            until = _unix_time(data.get("countingUntil") or "0")
         except ValueError:
             until = 0.0
         try:
-            out = _ledger_out(data.get("outOfService"))
+            out = _record_out(data.get("outOfService"))
         except ValueError:
             return cls(fleet=0, out={}, counted=0.0, resource_version=rv, counter=counter,
                        counting_until=until)
         try:
-            return cls(fleet=_ledger_fleet(data.get("fleet")), out=out,
-                       counted=_ledger_counted(data.get("counted")), resource_version=rv,
+            return cls(fleet=_record_fleet(data.get("fleet")), out=out,
+                       counted=_unix_time(data.get("counted")), resource_version=rv,
                        counter=counter, counting_until=until)
         except ValueError:
             return cls(fleet=0, out=out, counted=0.0, resource_version=rv, counter=counter,
@@ -298,7 +298,7 @@ def parse_slot(cm: Mapping[str, Any]) -> Optional[Claim]:
         return None
     node, state = data.get("node"), data.get("state")
     try:
-        since = _ledger_counted(data.get("since"))
+        since = _unix_time(data.get("since"))
         if NodeState(state) not in BUDGET_STATES:
             return None
     except ValueError:
@@ -337,7 +337,7 @@ def parse_shard(cm: Mapping[str, Any]) -> dict[str, float]:
     at most make the fleet look smaller until the next count, which is the safe direction)."""
     raw = (cm.get("data") or {}).get("nodes")
     try:
-        items = boundedjson.loads(raw, max_bytes=LEDGER_MAX_BYTES, max_depth=2) if raw else {}
+        items = boundedjson.loads(raw, max_bytes=RECORD_MAX_BYTES, max_depth=2) if raw else {}
     except ValueError:
         return {}
     if not isinstance(items, dict):
@@ -352,20 +352,20 @@ def parse_shard(cm: Mapping[str, Any]) -> dict[str, float]:
 
 # Bounds of a budget record written by screener: no fleet is larger, and the out-of-service set
 # holds at most every node of it.
-LEDGER_MAX_FLEET = 1_000_000
-LEDGER_MAX_BYTES = 16 * 1024 * 1024
+RECORD_MAX_FLEET = 1_000_000
+RECORD_MAX_BYTES = 16 * 1024 * 1024
 
 
-def _ledger_fleet(text: Any) -> int:
+def _record_fleet(text: Any) -> int:
     if not isinstance(text, str) or not re.fullmatch(r"[0-9]{1,7}", text.strip()):
         raise ValueError(f"fleet {str(text)[:40]!r} is not a node count")
     fleet = int(text)
-    if fleet > LEDGER_MAX_FLEET:
-        raise ValueError(f"fleet {fleet} is more than {LEDGER_MAX_FLEET} nodes")
+    if fleet > RECORD_MAX_FLEET:
+        raise ValueError(f"fleet {fleet} is more than {RECORD_MAX_FLEET} nodes")
     return fleet
 
 
-def _ledger_counted(text: Any) -> float:
+def _unix_time(text: Any) -> float:
     try:
         counted = float(text)
     except (TypeError, ValueError):
@@ -375,12 +375,12 @@ def _ledger_counted(text: Any) -> float:
     return counted
 
 
-def _ledger_out(text: Any) -> dict[str, dict[str, Any]]:
+def _record_out(text: Any) -> dict[str, dict[str, Any]]:
     if text is None or text == "":
         return {}
     if not isinstance(text, str):
         raise ValueError("outOfService is not a string")
-    out = boundedjson.loads(text, max_bytes=LEDGER_MAX_BYTES, max_depth=4)
+    out = boundedjson.loads(text, max_bytes=RECORD_MAX_BYTES, max_depth=4)
     if not isinstance(out, dict):
         raise ValueError("outOfService is not an object")
     claims: dict[str, dict[str, Any]] = {}

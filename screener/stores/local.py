@@ -31,7 +31,7 @@ from screener import boundedjson
 from screener.errors import BadInputError, ScreenerError
 from screener.lifecycle.records import BUDGET_STATES, StaleTransition, Transition
 from screener.lifecycle.records import json_safe
-from screener.stores.base import DiskFullError, summary_row
+from screener.stores.common import DiskFullError, summary_row
 from screener.types import NodeState
 
 SCHEMA_VERSION = 1
