@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from screener.known_answer import faults
-from screener.known_answer import kat  # noqa: E402
+from screener.known_answer import screen as kat  # noqa: E402
 from screener.known_answer import supervise  # noqa: E402
 from screener.known_answer import workloads as w  # noqa: E402
 

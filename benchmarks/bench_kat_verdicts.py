@@ -44,7 +44,8 @@ import torch  # noqa: E402
 
 from screener.determinism import preserved  # noqa: E402
 from screener.errors import ScreenerError  # noqa: E402
-from screener.known_answer import faults, golden, judgment, kat  # noqa: E402
+from screener.known_answer import faults, golden, judgment  # noqa: E402
+from screener.known_answer import screen as kat  # noqa: E402
 from screener.known_answer import workloads as w  # noqa: E402
 from screener.known_answer.faults import FaultSpec, inject  # noqa: E402
 from screener.known_answer.runs import DeviceRun  # noqa: E402

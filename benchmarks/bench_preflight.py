@@ -58,7 +58,7 @@ def _once(env: dict[str, str], golden: str) -> float:
 
 
 def timing(runs: int) -> dict[str, Any]:
-    from screener.known_answer import kat
+    from screener.known_answer import screen as kat
 
     golden = tempfile.mkdtemp(prefix="bench-preflight-golden-")
     rec = kat.record_goldens(kat.resolve_jobs(list(DEFAULT_JOBS)), ["cpu"], out_dir=golden,
@@ -107,7 +107,8 @@ def coverage(per_cell: int, seed: int) -> dict[str, Any]:
     import bench_kat_verdicts as bkv
 
     from screener.determinism import preserved
-    from screener.known_answer import faults, golden, kat
+    from screener.known_answer import faults, golden
+    from screener.known_answer import screen as kat
     from screener.known_answer import workloads as w
 
     rng = random.Random(seed)

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from screener.known_answer import golden
-from screener.known_answer import judgment, kat, recording, text
+from screener.known_answer import judgment, recording, text
+from screener.known_answer import screen as kat
 from screener.known_answer.results import first_difference
 from screener.known_answer.runs import DeviceRun
 from screener.known_answer import workloads as w

@@ -15,8 +15,9 @@ import torch
 
 from screener.known_answer import faults
 from screener.known_answer import golden
-from screener.known_answer import (child, fault_spec, judgment, kat, protocol, recording,
+from screener.known_answer import (child, fault_spec, judgment, protocol, recording,
                                     supervise, text)
+from screener.known_answer import screen as kat
 from screener.known_answer.results import first_difference
 from screener.known_answer.runs import DeviceRun
 from screener.known_answer import workloads as w

@@ -27,7 +27,8 @@ import pytest
 from screener.agent.screening import KNOWN_DIGESTS, KatOptions, KatProcessRunner, ScreenRequest
 from screener.determinism import preserved
 from screener.errors import NondeterminismError, ScreenerError
-from screener.known_answer import golden, judgment, kat
+from screener.known_answer import golden, judgment
+from screener.known_answer import screen as kat
 from screener.known_answer import workloads as w
 from screener.known_answer.fault_spec import DeviceFault, parse_fault
 from screener.known_answer.faults import FaultSpec, inject

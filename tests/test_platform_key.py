@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from screener.known_answer import golden
-from screener.known_answer import kat, protocol
+from screener.known_answer import protocol
+from screener.known_answer import screen as kat
 from screener.known_answer.platform import Platform, cpu_math_paths, sibling_key, signature
 
 ROOT = Path(__file__).resolve().parents[1]

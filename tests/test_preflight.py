@@ -21,7 +21,7 @@ import pytest
 
 from screener.agent.intake import validate
 from screener.agent.preflight import fast_path, parse_verdict_text
-from screener.known_answer import kat
+from screener.known_answer import screen as kat
 from screener.known_answer import workloads as w
 from screener.known_answer.fault_spec import parse_fault
 from screener.types import ALARM_CHECK_REASONS, ExitCode, Reason

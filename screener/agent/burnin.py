@@ -4,7 +4,7 @@
 
 1. the probes (NVML, kernel log, host): a node that is already visibly broken is reported so;
 2. the known-answer rounds (`run_burnin`): every job on every device for the duration, each
-   device in one child process for the whole burn-in (screener.known_answer.kat.execute); every repeat is
+   device in one child process for the whole burn-in (screener.known_answer.screen.execute); every repeat is
    compared with the first (self-consistency), the first with the golden record of the device's
    platform and with the device's peers. Its BurninReport has a per-device, per-job table;
 3. the HBM pattern test on every GPU (screener.health.hbm);
@@ -42,7 +42,7 @@ from screener.known_answer.allreduce import run_collective
 from screener.known_answer.crosscheck import cross_check, peer_digests, platform_digests
 from screener.known_answer.golden import default_golden_dir
 from screener.known_answer.peer_training import PeerOptions, run_local
-from screener.known_answer.kat import (DEFAULT_TIMEOUT, DeviceFault, Progress, ScreenResult, execute,
+from screener.known_answer.screen import (DEFAULT_TIMEOUT, DeviceFault, Progress, ScreenResult, execute,
                           golden_lookup, judge, prevalidate_goldens, resolve_devices,
                           resolve_jobs)
 from screener.lifecycle import machine as lifecycle

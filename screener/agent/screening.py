@@ -10,7 +10,7 @@ An idle-time screen must never compete with a job for the GPUs, so the daemon op
 3. removes the taint, always: after a pass, a failure, an exception in the runner, a shutdown. At
    start-up the daemon also removes a screening taint a previous run left (`clear_stale`).
 
-The production runner (`KatProcessRunner`) runs screener.known_answer.kat.run_screen (a quick screen) or the
+The production runner (`KatProcessRunner`) runs screener.known_answer.screen.run_screen (a quick screen) or the
 device stages of a full burn-in (screener.agent.burnin: the known-answer rounds for the configured
 duration, the HBM test, the intra-node collective) in a worker process of its own
 (`python -m screener.agent.screening worker`), so stopping it is a kill that takes effect at once, and
@@ -45,7 +45,7 @@ from screener import boundedjson
 from screener.agent import burnin
 from screener.errors import ScreenerError
 from screener.health import host
-from screener.known_answer import kat
+from screener.known_answer import screen as kat
 from screener.types import ExitCode, Outcome, ScreenStop, Verdict
 
 # The name the daemon's JSON log lines have always carried (log queries filter on it), not the
@@ -104,7 +104,7 @@ class ScreenOutcome:
 
     @classmethod
     def from_screen_dict(cls, d: Mapping[str, Any]) -> "ScreenOutcome":
-        """From screener.known_answer.kat.ScreenResult.to_dict()."""
+        """From screener.known_answer.screen.ScreenResult.to_dict()."""
         return cls(outcome=Outcome(d["outcome"]),
                    verdicts=tuple(Verdict.from_dict(v) for v in d.get("verdicts") or ()),
                    exit_code=ExitCode(int(d["exit_code"])),
@@ -295,7 +295,7 @@ def _with(o: ScreenOutcome, **changes: Any) -> ScreenOutcome:
     return replace(o, **changes)
 
 
-# --- the production runner: screener.known_answer.kat in a worker process ------------------------------------
+# --- the production runner: screener.known_answer.screen in a worker process ------------------------------------
 
 SCREEN_ID_ENV = "SCREENER_SCREEN_ID"  # tags every process of one screen (see reap_stale_screens)
 WORKER_RECORD = "worker.json"
@@ -304,7 +304,7 @@ KNOWN_DIGESTS = "known-digests.json"  # in work_dir: what this node's earlier sc
 
 @dataclass(frozen=True)
 class KatOptions:
-    """What the worker passes to screener.known_answer.kat.run_screen, and to the burn-in stages for a full one.
+    """What the worker passes to screener.known_answer.screen.run_screen, and to the burn-in stages for a full one.
 
     burnin_seconds / burnin_min_iterations: how long and how often the known-answer jobs repeat in
     a full burn-in; hbm_fraction / hbm_max_bytes: the HBM pattern test's size.

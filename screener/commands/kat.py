@@ -1,6 +1,6 @@
 """`screener kat`, `screener golden` and `screener burnin`: known-answer screening from the shell.
 
-Thin wrappers: parse options, call screener.known_answer.kat / screener.known_answer.golden / screener.agent.burnin, print a table
+Thin wrappers: parse options, call screener.known_answer.screen / screener.known_answer.golden / screener.agent.burnin, print a table
 (or JSON with --json) on stdout, logs and progress on stderr, and exit with the contract's code.
 """
 
@@ -117,7 +117,7 @@ def kat_run(jobs: tuple[str, ...], devices: tuple[str, ...], golden_dir: Optiona
     file, or an --inject fault that never fired), 1 the screener failed (e.g. a job that is
     nondeterministic on every device with no golden or majority to say which result is right).
     """
-    from screener.known_answer.kat import resolve_devices, resolve_jobs, run_screen
+    from screener.known_answer.screen import resolve_devices, resolve_jobs, run_screen
     from screener.known_answer.text import format_verdicts
 
     specs = resolve_jobs(list(jobs), jobs_dir)
@@ -143,7 +143,7 @@ def kat_list(jobs_dir: Optional[str], golden_dir: Optional[str], as_json: bool) 
     a golden record exists for this machine's CPU platform."""
     from screener.errors import GoldenError
     from screener.known_answer.golden import default_golden_dir, golden_path, job_records
-    from screener.known_answer.kat import local_platform
+    from screener.known_answer.screen import local_platform
     from screener.known_answer.workloads import describe, load_jobs
 
     specs = load_jobs(jobs_dir)
@@ -207,7 +207,7 @@ def golden_record(jobs: tuple[str, ...], devices: tuple[str, ...], out: Optional
     is replaced; one that is valid but differs is kept unless --force (a platform change the
     signature does not capture, or a bad device).
     """
-    from screener.known_answer.kat import record_goldens, resolve_devices, resolve_jobs
+    from screener.known_answer.screen import record_goldens, resolve_devices, resolve_jobs
 
     specs = resolve_jobs(list(jobs), jobs_dir, quick_only=False)
     devs = resolve_devices(list(devices))
@@ -287,7 +287,7 @@ def golden_list(golden_dir: Optional[str], as_json: bool) -> None:
     """List the golden records in GOLDEN_DIR (default: golden/); '*' marks records for a
     platform of this machine. Broken files are listed as problems (exit 2)."""
     from screener.known_answer.golden import default_golden_dir, load_dir
-    from screener.known_answer.kat import local_platform, resolve_devices
+    from screener.known_answer.screen import local_platform, resolve_devices
 
     d = Path(golden_dir) if golden_dir else default_golden_dir()
     records, errors = load_dir(d) if d.is_dir() else ([], [])
@@ -369,7 +369,7 @@ def burnin_cmd(app: AppContext, devices: tuple[str, ...], jobs: tuple[str, ...],
     3 inconclusive (no golden), 2 bad input, 1 the screener failed.
     """
     from screener.agent.burnin import DEFAULT_ITERATIONS, run_burnin
-    from screener.known_answer.kat import resolve_devices, resolve_jobs
+    from screener.known_answer.screen import resolve_devices, resolve_jobs
 
     seconds = duration
     if report and not os.access(Path(report).resolve().parent, os.W_OK):

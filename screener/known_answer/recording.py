@@ -1,6 +1,6 @@
 """Golden writing: turn agreeing runs into golden records, refusing when the runs disagree.
 
-`write_goldens` is the deciding half of `screener golden record` (screener.known_answer.kat.
+`write_goldens` is the deciding half of `screener golden record` (screener.known_answer.screen.
 record_goldens runs the children): nothing is written unless every run on every device of a
 platform agrees bit for bit; results equal to another platform's golden are added to that
 record instead of copied; a valid golden with other results is replaced only when forced.

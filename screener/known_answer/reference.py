@@ -27,7 +27,7 @@ class NamedJob(Protocol):
 
 
 # (spec, platform_hash) -> GoldenRecord | None; it may carry `siblings(spec, platform) -> list`
-# (screener.known_answer.kat.golden_lookup), the goldens of sibling platforms.
+# (screener.known_answer.screen.golden_lookup), the goldens of sibling platforms.
 GoldenLookup = Callable[[Any, str], Any]
 
 

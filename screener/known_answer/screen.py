@@ -5,9 +5,12 @@ is `screener golden record`'s. Each is the same two halves: run a child process 
 (screener.known_answer.supervise.execute) and decide (screener.known_answer.judgment.judge, or
 screener.known_answer.recording.write_goldens). The other parts of the engine:
 
+- specs / workloads: the job specs (jobs/*.toml) and the work each describes;
 - fault_spec: the `--fault` option's DeviceFault, for drills and tests;
 - protocol / child: the request a child reads and the events it streams back;
 - runs: what a child produced (DeviceRun), the judgment's input;
+- reference / endings / screen_result: the judgment's parts (what results are judged against,
+  what a child's ending says, how issues become verdicts);
 - results: a job's steps and where two results differ;
 - text: the verdict table.
 
@@ -81,7 +84,7 @@ def resolve_devices(devices: Optional[Sequence[str]]) -> list[str]:
 
 
 def golden_lookup(golden_dir: Optional[str]) -> GoldenLookup:
-    """The golden records of a folder (default: screener.known_answer.golden.default_golden_dir())."""
+    """The golden records of a folder (default: golden.default_golden_dir())."""
     d = golden_dir or str(_golden.default_golden_dir())
     cache: dict[tuple[str, str], Any] = {}
 
@@ -125,8 +128,9 @@ def run_screen(jobs: Optional[Sequence[str | JobSpec]] = None,
     repeat: runs of each job per device (>= 2 adds the self-consistency check); duration: keep
     repeating for that many seconds instead. known: what this node's earlier screens produced
     (platform hash -> job -> digest): where no golden or majority exists it says which of a
-    device's disagreeing repeats is right (screener.known_answer.judgment). Raises GoldenError (bad golden, exit 2),
-    NondeterminismError or ScreenerError (exit 1); a bad device is a Verdict, never an exception.
+    device's disagreeing repeats is right (screener.known_answer.judgment). Raises GoldenError
+    (bad golden, exit 2), NondeterminismError or ScreenerError (exit 1); a bad device is a
+    Verdict, never an exception.
     """
     if repeat < 1:
         raise BadInputError(f"repeat {repeat} must be >= 1")
