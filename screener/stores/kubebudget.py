@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from screener.lifecycle.records import BUDGET_STATES, BudgetConflict, Transition
 from screener.stores import kubeformat as kf
@@ -81,7 +81,8 @@ class BudgetView:
 class KubeBudget:
     """Reads, claims, releases and counts the budget through one store's ApiCaller."""
 
-    def __init__(self, calls: ApiCaller, *, instance: str, clock: Any, sleep: Any, rng: Any,
+    def __init__(self, calls: ApiCaller, *, instance: str, clock: Callable[[], float],
+                 sleep: Callable[[float], None], rng: Callable[[], float],
                  conflict_attempts: int, recount_s: float, claim_grace_s: float,
                  lease_s: float = 120.0, shards: int = FLEET_SHARDS,
                  max_registered: int = MAX_REGISTERED) -> None:

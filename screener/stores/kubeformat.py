@@ -240,9 +240,6 @@ class BudgetRecord:
             return cls(fleet=0, out=out, counted=0.0, resource_version=rv, counter=counter,
                        counting_until=until)
 
-    def others_out(self, node: str) -> int:
-        return sum(1 for n in self.out if n != node)
-
     def configmap(self, namespace: str) -> dict[str, Any]:
         meta: dict[str, Any] = {"name": BUDGET_CONFIGMAP, "namespace": namespace,
                                 "labels": budget_labels("record")}
