@@ -1,6 +1,8 @@
 """In-job silent data corruption checks for PyTorch DDP, FSDP2 and HSDP: a few lines in a loop.
 
-    from screener.audit import Auditor, SDCAlarm, rollback_target, run_guarded
+    import sys
+
+    from screener.audit import Auditor, SDCAlarm, rollback_target, run_guarded, shutdown
 
     def main():
         auditor = Auditor(ddp_model, loss_fn=compute_loss, batch_fn=batch_for,
@@ -12,6 +14,7 @@
             auditor.check_weights(step)           # check 3 every weights_every steps
             if step % ckpt_every == 0:
                 auditor.verified_save(lambda: save(step), step)
+        auditor.close()
 
     sys.exit(shutdown(run_guarded(main)))  # SDCAlarm -> 75, numeric -> 76, peer lost -> 77,
                                            # a setup it refuses -> 2, its own failure -> 1
@@ -19,15 +22,22 @@
 The same Auditor takes a model sharded with fully_shard (FSDP2, HSDP); pass the loop's batch
 instead of a batch_fn: `auditor.check_gradients(step, loss, batch=batch)` (screener.audit.sharded).
 
-Modules, one job each: topology (rank -> node, host, instance), hooks (the DDP comm hook recording
-local gradients), sharded (the audit of FSDP2 and HSDP models: reduce-scatter recorders, lockstep
-replays), ring (replay assignment and recomputation), sentinel (the spike test between audits and
-the verdict of its rerun), vote (majority over replicas), blast (the blast-radius rule), capture
-(RNG states and loss scale a replay starts from), collective (the gathers), alarms (SDCAlarm, the
-exception classes and alarm files), refusals (the setups refused, and why), checkpoints
-(verified-save markers, rollback target), guard (exit codes), straggler (slow ranks), auditor (the
-DDP checks in order, and the one entry point). Imports only torch, the standard library,
-screener.types and screener.fingerprint.
+Modules, one job each. The entry points: auditor (the DDP Auditor, and the one entry point that
+hands a sharded model on), sharded (the FSDP2/HSDP auditor), config (AuditConfig). The checks, each
+for both auditors: nonfinite (check 1, NaN/Inf in a rank's or the reduced gradient), ring_audit
+(check 2, the ring replay with its self-check and referee rounds), weight_check (check 3, the
+weight vote and verified saves), attribution (the spike sentinel's attribution between audits).
+How they run: protocol (the round protocol: the collectives of each entry point in one order, as
+code), cadence (which step runs which check), reporting (how a verdict ends: alarm file, log line,
+History), ddp_replay (DDP's local replays), fsdp_tap (the reduce-scatter recorders inside FSDP),
+sharded_rounds (FSDP's lockstep replays and the batches they ship). The parts below them: topology
+(rank -> node, host, instance), hooks (the DDP comm hook recording local gradients), ring (replay
+assignment and recomputation), sentinel (the spike test and the verdict of its rerun), vote
+(majority over replicas), blast (the blast-radius rule), capture (RNG states and loss scale a
+replay starts from), collective (the gathers), alarms (SDCAlarm, the exception classes and alarm
+files), refusals (the setups refused, and why), checkpoints (verified-save markers, rollback
+target), guard (run_guarded, shutdown and the exit codes), straggler (slow ranks). Imports only
+torch, the standard library, screener.types and screener.fingerprint.
 """
 
 from __future__ import annotations

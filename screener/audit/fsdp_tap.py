@@ -1,0 +1,168 @@
+"""What the FSDP2/HSDP audit learns inside FSDP's own backward: the reduce-scatter recorders.
+
+Every FSDP module's reduce-scatter goes through a recorder of ours
+(`FSDPModule.set_custom_reduce_scatter`): before the reduction it learns whether this rank's local
+gradient is finite (one min/max pass over the reduce-scatter input: non-finite means NaN or Inf,
+never a norm that overflowed), its largest magnitude and, on audit steps, the input's fingerprint;
+then it reduces as FSDP would. While a lockstep replay runs, it records and skips the reduction.
+FSDP's all-reduce hook (the reduce-scatter output, or HSDP's replicate all-reduce output) tells
+whether the reduced gradient is finite; a hook of the caller's still runs. All of it lands in one
+`Tap`, which the auditor reads and resets once per step.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from screener.audit.alarms import AuditUsageError
+from screener.fingerprint import fingerprints
+
+__all__ = ["Tap", "fsdp_module_class", "install_recorders", "scan", "finite"]
+
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def fsdp_module_class() -> Optional[type]:
+    """FSDPModule when torch.distributed.fsdp is loaded (it is, if the model was sharded):
+    importing it costs seconds and pulls in sympy, which `import screener.audit` must not."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return getattr(fsdp, "FSDPModule", None)
+
+
+def scan(t: torch.Tensor) -> tuple[bool, float]:
+    """Whether every element is finite, and the largest magnitude: NaN and Inf propagate through
+    min and max, and one pass over the values cannot overflow the way a norm does."""
+    if t.numel() == 0:
+        return True, 0.0
+    lo, hi = torch.aminmax(t.detach().reshape(-1))
+    lo_f, hi_f = float(lo), float(hi)
+    ok = math.isfinite(lo_f) and math.isfinite(hi_f)
+    return ok, max(abs(lo_f), abs(hi_f)) if ok else float("inf")
+
+
+def finite(t: torch.Tensor) -> bool:
+    """Whether every element is finite (see scan)."""
+    return scan(t)[0]
+
+
+@dataclass
+class Tap:
+    """What the reduce-scatter recorders learn during one backward (or one replay)."""
+
+    n: int
+    replaying: bool = False
+    record: bool = True
+    local_finite: bool = True
+    fps: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 2, dtype=torch.int64))
+    replay_fps: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 2, dtype=torch.int64))
+    recorded: bool = False
+    replay_finite: bool = True
+    reduced_finite: bool = True
+    local_mag: float = 0.0  # the largest magnitude of this rank's local gradient
+    reduced_mag: float = 0.0  # ... of its reduced shard
+    replay_mag: float = 0.0
+    reduce_dtype: torch.dtype = torch.float32  # what the reduce-scatter sums in
+
+    def reset(self) -> None:
+        self.local_finite = True
+        self.reduced_finite = True
+        self.local_mag = self.reduced_mag = 0.0
+        self.recorded = False
+        self.fps = torch.zeros(self.n, 2, dtype=torch.int64)
+
+    def start_replay(self) -> None:
+        self.replaying = True
+        self.replay_finite = True
+        self.replay_mag = 0.0
+        self.replay_fps.zero_()
+
+
+class _Recorder:
+    """One FSDP module's reduce-scatter: learns the input's finiteness (and fingerprint), then
+    reduces as FSDP would; while replaying, records and skips the reduction. (Made a subclass
+    of FSDP's ReduceScatter interface by _recorder, once FSDP is loaded.)"""
+
+    def __init__(self, index: int, tap: Tap) -> None:
+        self.index = index
+        self.tap = tap
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, op: Any, async_op: bool = False) -> Any:
+        tap = self.tap
+        if tap.replaying:
+            tap.replay_fps[self.index] = fingerprints([input_tensor])[0]
+            ok, mag = scan(input_tensor)
+            tap.replay_finite &= ok
+            tap.replay_mag = max(tap.replay_mag, mag)
+            output_tensor.zero_()
+            return None
+        ok, mag = scan(input_tensor)
+        tap.reduce_dtype = input_tensor.dtype
+        tap.local_finite &= ok
+        tap.local_mag = max(tap.local_mag, mag)
+        if tap.record:
+            tap.fps[self.index] = fingerprints([input_tensor])[0]
+            tap.recorded = True
+        return _REDUCE_SCATTER(output_tensor, input_tensor, group=group, op=op,
+                               async_op=async_op)
+
+
+def _recorder(index: int, tap: Tap) -> Any:
+    """A _Recorder that is also FSDP's ReduceScatter (set_custom_reduce_scatter takes one)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+    cls = type("ScreenerReduceScatter", (_Recorder, ReduceScatter), {})
+    return cls(index, tap)
+
+
+def _reduced_hook(tap: Tap, theirs: Optional[Callable[[torch.Tensor], None]]
+                  ) -> Callable[[torch.Tensor], None]:
+    """FSDP's hook on the reduced gradient (the reduce-scatter output, or for HSDP the
+    replicate all-reduce's): learns whether it is finite; a hook of the caller's still runs."""
+
+    def hook(reduced: torch.Tensor) -> None:
+        if not tap.replaying:
+            ok, mag = scan(reduced)
+            tap.reduced_finite &= ok
+            tap.reduced_mag = max(tap.reduced_mag, mag)
+        if theirs is not None:
+            theirs(reduced)
+
+    return hook
+
+
+def install_recorders(model: torch.nn.Module) -> tuple[Tap, list[str]]:
+    """Our recorder as every FSDP module's reduce-scatter, one index per module. Returns the tap
+    they share and the names of the modules, in index order."""
+    cls = fsdp_module_class()
+    # FSDPModule's methods are torch internals the audit reaches into: typed Any
+    modules: list[tuple[str, Any]] = [
+        (n, m) for n, m in model.named_modules() if isinstance(m, cls)]  # type: ignore[arg-type]
+    names: list[str] = []
+    tap = Tap(0)
+    for name, m in modules:
+        state = m._get_fsdp_state()  # noqa: SLF001 - only to skip modules without parameters
+        groups = getattr(state, "_fsdp_param_groups", None) or []
+        if not groups:
+            continue
+        if len(groups) > 1:
+            raise AuditUsageError(f"screener.audit: FSDP module {name or 'root'} has several "
+                                  f"parameter groups (a shard_placement_fn with per-parameter "
+                                  f"meshes); the audit needs one reduce-scatter per module")
+        m.set_custom_reduce_scatter(_recorder(len(names), tap))
+        m.set_all_reduce_hook(_reduced_hook(tap, getattr(groups[0], "_all_reduce_hook", None)))
+        names.append(name or "root")
+    tap.n = len(names)
+    tap.reset()
+    tap.replay_fps = torch.zeros(tap.n, 2, dtype=torch.int64)
+    return tap, names

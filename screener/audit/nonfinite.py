@@ -1,0 +1,387 @@
+"""Check 1: NaN/Inf in a rank's loss or local gradient, or in the reduced gradient.
+
+Every step, one all_gather of (loss, local gradient's largest magnitude, reduced gradient's) per
+rank (the round protocol's "head"); this check reads it. Finiteness is always a property of the
+values, never of a norm that could overflow.
+
+- Some ranks' loss or local gradient not finite: each is replayed on another node (its ring
+  replayer, else a clean rank on the nearest node before; one "confirm" round). A finite replay
+  names the rank (settled "nonfinite_local"); a non-finite one is the model's or the data's doing
+  (NumericFailure, exit 76). With a GradScaler, every rank overflowing, or a replay overflowing at
+  the same scale, is the scaler's business (it skips the step; counted, no alarm).
+- Every local gradient finite, the reduced one not: past the gradient dtype's largest value the
+  sum overflowed (the scaler's, or a numeric failure); below it the reduction made the NaN/Inf.
+  Every rank replays its own step and the values it sent at the places some rank received
+  NaN/Inf are gathered and summed again ("redo_*" rounds): the alarm says what happened and
+  names nobody ("nonfinite_reduced"), since an all-reduce does not say on which link or GPU.
+
+`NonFiniteCheck` is DDP's (replays local to each rank). `ShardedNonFinite` is the FSDP2/HSDP
+auditor's: the same rules on its head (finite flags from the reduce-scatter recorders, magnitudes
+after FSDP's pre-division, the reduce dtype's range as the bound), its confirmations in lockstep
+rounds (sharded_rounds.py); it does not redo the reduction: its "nonfinite_reduced" alarm names
+nobody and says the reduce-scatter produced the NaN/Inf.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from screener.audit.alarms import SDCAlarm
+from screener.audit.capture import StepState, scaler_scale
+from screener.audit.ddp_replay import LocalReplayer
+from screener.audit.hooks import largest_magnitude
+from screener.audit.protocol import Walk, error_flag, raise_if_failed
+from screener.audit.reporting import History, Reporter
+from screener.audit.sharded_rounds import H_LOCAL, H_LOCAL_MAG, H_REDUCED, Lockstep, from_bits
+
+__all__ = ["NonFiniteCheck", "ShardedNonFinite", "as_json_number"]
+
+States = Callable[[], dict[int, StepState]]  # every rank's step state (maybe a collective)
+
+
+def as_json_number(x: float) -> Any:
+    """A float for JSON evidence: non-finite values as strings ("nan", "inf")."""
+    return x if math.isfinite(x) else str(x)
+
+
+class NonFiniteCheck:
+    """Check 1 on the gathered (loss, local magnitude, reduced magnitude) of every rank (DDP)."""
+
+    def __init__(self, replayer: LocalReplayer, reporter: Reporter, history: History,
+                 counters: Counter[str], *, scaler: Any, confirm: bool, audits_on: bool) -> None:
+        self.replayer, self.reporter, self.history = replayer, reporter, history
+        self.counters = counters
+        self.scaler = scaler
+        self.confirm = confirm
+        self.audits_on = audits_on
+        self.topology = reporter.topology
+        self.world_size = reporter.world_size
+
+    def scaling(self) -> bool:
+        """Whether an enabled GradScaler owns overflowing steps."""
+        return self.scaler is not None and bool(self.scaler.is_enabled())
+
+    def judge(self, walk: Walk, step: int, g: torch.Tensor, states: States) -> bool:
+        """Check 1 on the gathered (world, 3) head. Returns True when the step is the loss
+        scaler's to skip (no alarm); raises on a verdict."""
+        finite = torch.isfinite(g)
+        if bool(finite.all()):
+            return False
+        ranks = self.topology.ranks
+        local_ok = (finite[:, 0] & finite[:, 1]).tolist()
+        flagged = sorted(ranks[k] for k, ok in enumerate(local_ok) if not ok)
+        if flagged:
+            if self.scaling() and len(flagged) == self.world_size:
+                self._scaler_skip(step, flagged, "every rank's gradient is non-finite at this "
+                                                 "scale: an overflow, the scaler skips the step")
+                return True
+            self._nonfinite_local(walk, step, flagged, g, states)
+            return True  # reached only when the scaler explains it
+        seeing = sorted(ranks[k] for k, ok in enumerate(finite[:, 2].tolist()) if not ok)
+        return bool(seeing) and self._nonfinite_reduced(walk, step, g, seeing, states)
+
+    def _per_rank(self, column: torch.Tensor, ranks: Sequence[int]) -> dict[str, Any]:
+        index = self.topology.index_of
+        return {str(r): as_json_number(float(column[index(r)])) for r in ranks}
+
+    def _scaler_skip(self, step: int, ranks: list[int], why: str) -> None:
+        self.counters["scaler_skipped"] += 1
+        self.reporter.log(logging.INFO, "scaler_skipped_step", step=step, ranks=ranks, why=why,
+                          scale=scaler_scale(self.scaler))
+
+    # ---- the reduced gradient ---------------------------------------------------------------
+
+    def _nonfinite_reduced(self, walk: Walk, step: int, g: torch.Tensor, seeing: list[int],
+                           states: States) -> bool:
+        """Every local gradient finite, the reduced one NaN/Inf on the ranks `seeing`: the sum
+        overflowed (the loss scaler's business or a numeric failure), else the reduction is
+        suspect. Returns True when the scaler owns it; raises otherwise."""
+        ranks = sorted(self.topology.ranks)
+        params = self.replayer.params
+        everywhere = len(seeing) == self.world_size
+        evidence: dict[str, Any] = {
+            "ranks_seeing_nonfinite": seeing,
+            "reduced_norm": self._per_rank(g[:, 2], seeing),
+            "local_norm_max": as_json_number(float(g[:, 1].max())),
+            "why": "every local gradient was finite; the all-reduce produced NaN/Inf"}
+        # No element of a sum exceeds the sum of the addends' largest magnitudes: below the
+        # gradient dtype's largest value the sum cannot have overflowed, so the reduction made
+        # the NaN/Inf. At or past it, an overflow explains it (the default hook sums before it
+        # divides; hooks.py), but only when every rank sees it: the sum is the same everywhere.
+        bound = float(g[:, 1].sum())
+        if everywhere and bound >= params.grad_max:
+            evidence["why"] = (f"every local gradient was finite, but their largest magnitudes "
+                               f"add up to {bound:.3g}, past the largest {params.grad_dtype}: "
+                               f"the sum overflowed")
+            evidence["local_norm_sum"] = bound
+            if self.scaling():
+                self._scaler_skip(step, ranks, evidence["why"])
+                return True
+            self.reporter.numeric(step, ranks, evidence, reason=(
+                f"the gradients' sum overflowed {params.grad_dtype} at step {step} (local "
+                f"magnitudes add up to {bound:.3g}): the gradients are too large, not corrupted"))
+        if not everywhere:
+            # An all-reduce leaves the same result on every rank: a NaN/Inf only some ranks hold
+            # was made where it is seen (after the sum arrived). The candidates narrow to those
+            # ranks; which GPU did it stays unsettled.
+            evidence["why"] = (f"every local gradient was finite; only rank(s) "
+                               f"{', '.join(map(str, seeing))} of {self.world_size} hold a "
+                               f"non-finite reduced gradient, and an all-reduce gives every rank "
+                               f"the same result")
+        evidence["redo"] = self._redo_reduction(walk, step, states)
+        self.reporter.alarm(SDCAlarm("nonfinite_reduced", step, (), (), False, evidence,
+                                     candidate_ranks=ranks if everywhere else seeing,
+                                     first_suspect_step=step,
+                                     key=self.reporter.key("nonfinite_reduced", step)))
+
+    def _bad_positions(self, limit: int = 8) -> torch.Tensor:
+        """Up to `limit` (parameter, element) places where this rank's reduced gradient is NaN/Inf,
+        as int64 codes parameter * 2**40 + element, padded with -1."""
+        out = torch.full((limit,), -1, dtype=torch.int64)
+        n = 0
+        for k, p in enumerate(self.replayer.params.grad_params):
+            if p.grad is None or n >= limit:
+                continue
+            bad = (~torch.isfinite(p.grad.detach().reshape(-1))).nonzero().flatten()[:limit - n]
+            out[n:n + bad.numel()] = bad.cpu() + k * 2 ** 40
+            n += bad.numel()
+        return out
+
+    def _redo_reduction(self, walk: Walk, step: int, states: States) -> dict[str, Any]:
+        """What each rank sent where the reduction gave NaN/Inf, and that sum done again.
+
+        Every rank replays its own step (the gradient it sent, bit for bit), reads it at the
+        places some rank received NaN/Inf, and the values are gathered: finite senders and a
+        finite sum say the reduction itself went bad. The all-reduce does not say on which link
+        or GPU, so this names no rank; it says what happened instead of suspecting everyone."""
+        replayer = self.replayer
+        owner_states = states()  # maybe a collective: every rank is here
+        codes = walk.gather("redo_places", self._bad_positions())
+        places = sorted({int(c) for c in codes.flatten().tolist() if c >= 0})[:16]
+        values = torch.full((max(len(places), 1),), float("nan"), dtype=torch.float64)
+        error: Optional[BaseException] = None
+        if replayer.can_replay and places:
+            try:
+                _, grads = replayer.replay(replayer.rank, step, owner_states[replayer.rank])
+                for i, code in enumerate(places):
+                    g = grads[code >> 40]
+                    values[i] = 0.0 if g is None else float(g.reshape(-1)[code & (2 ** 40 - 1)])
+            except Exception as e:  # noqa: BLE001 - reported collectively below
+                error = e
+        flags = walk.gather("redo_flags", torch.tensor([error_flag(error)]))
+        raise_if_failed(flags[:, 0], self.topology.ranks, error, step,
+                        "the replay that redoes the reduction")
+        sent = walk.gather("redo_values", values)  # (world, places)
+        if not (replayer.can_replay and places):
+            return {"done": False, "why": "no replay (loss_fn/batch_fn) to recompute what each "
+                                          "rank sent" if places else "no place found"}
+        ranks = self.topology.ranks
+        names = replayer.params.grad_names
+        rows, clean = [], True
+        for i, code in enumerate(places):
+            col = [float(sent[k, i]) for k in range(len(ranks))]
+            total = sum(col) / len(col)
+            clean = clean and all(math.isfinite(v) for v in col + [total])
+            rows.append({"parameter": names[code >> 40], "element": code & (2 ** 40 - 1),
+                         "sent": {str(r): as_json_number(v) for r, v in zip(ranks, col)},
+                         "redone": as_json_number(total)})
+        return {"done": True, "places": rows, "senders_finite_and_sum_finite": clean,
+                "why": ("every rank's gradient, recomputed, is finite where the reduction gave "
+                        "NaN/Inf, and their sum there is finite: the reduction itself went bad "
+                        "(a link, a NIC, a rank's reduction arithmetic); the all-reduce does not "
+                        "say which, so no rank is named") if clean else
+                       "a recomputed gradient is not finite there: the data or the model"}
+
+    # ---- a rank's own gradient --------------------------------------------------------------
+
+    def _nonfinite_local(self, walk: Walk, step: int, flagged: list[int], g: torch.Tensor,
+                         states: States) -> None:
+        """Settle a NaN/Inf in some ranks' local gradients; returns only when the scaler owns it."""
+        reporter = self.reporter
+        evidence: dict[str, Any] = {"flagged_ranks": flagged,
+                                    "loss": self._per_rank(g[:, 0], flagged),
+                                    "local_norm": self._per_rank(g[:, 1], flagged)}
+        window = self.history.window_start(self.history.last_clean_audit, step) \
+            if self.audits_on else step
+        key = reporter.key("nonfinite_local", step)
+        scaling = self.scaling()
+        if not (self.replayer.can_replay and self.confirm):
+            if scaling:
+                self._scaler_skip(step, flagged, "non-finite on some ranks, no replay to confirm")
+                return
+            if len(flagged) == self.world_size:
+                reporter.numeric(step, flagged, evidence)
+            evidence["why"] = "no replay to confirm: loss_fn/batch_fn not given or turned off"
+            reporter.alarm(SDCAlarm("nonfinite_local", step, (), (), False, evidence,
+                                    candidate_ranks=flagged, first_suspect_step=window, key=key))
+        owner_states = states()
+        plan = {o: self.replayer.confirmer(o, set(flagged)) for o in flagged}
+        got = self._confirm_round(walk, step, flagged, plan, owner_states)
+        confirmed: list[int] = []
+        reproduced: list[int] = []
+        unconfirmed: list[int] = []
+        replays: dict[str, Any] = {}
+        for i, owner in enumerate(flagged):
+            who = plan[owner]
+            if who is None:
+                unconfirmed.append(owner)
+                continue
+            finite = float(got[self.topology.index_of(who), i]) == 1.0
+            replays[str(owner)] = {"replayer": who, "replay_finite": finite,
+                                   "scale": owner_states[owner].scale}
+            (confirmed if finite else reproduced).append(owner)
+        evidence["replays"] = replays
+        evidence["reproduced_ranks"] = reproduced
+        if confirmed:
+            evidence["why"] = ("non-finite here, finite when replayed on another node"
+                               + (" at the same loss scale" if scaling else ""))
+            reporter.alarm(SDCAlarm("nonfinite_local", step, confirmed,
+                                    self.topology.suspect_nodes(confirmed), True, evidence,
+                                    candidate_ranks=confirmed, first_suspect_step=window, key=key))
+        if scaling:
+            self._scaler_skip(step, flagged, "the replay at the same scale overflows too: the "
+                                             "data did it")
+            return
+        if unconfirmed:
+            evidence["why"] = "no other rank could replay the micro-batch"
+            reporter.alarm(SDCAlarm("nonfinite_local", step, (), (), False, evidence,
+                                    candidate_ranks=unconfirmed, first_suspect_step=window,
+                                    key=key))
+        reporter.numeric(step, flagged, evidence)
+
+    def _confirm_round(self, walk: Walk, step: int, flagged: list[int],
+                       plan: dict[int, Optional[int]], owner_states: dict[int, StepState]
+                       ) -> torch.Tensor:
+        """Each confirmer replays the flagged owners given to it; one gather of whether each
+        replay came out finite (1.0), not finite (0.0) or was not this rank's (-1.0)."""
+        replayer = self.replayer
+        results = torch.full((len(flagged) + 1,), -1.0, dtype=torch.float64)
+        error: Optional[BaseException] = None
+        for i, owner in enumerate(flagged):
+            if plan[owner] != replayer.rank:
+                continue
+            try:
+                loss, grads = replayer.replay(owner, step, owner_states[owner])
+                # the values themselves, not a norm whose squares could overflow (issue 28)
+                ok = bool(torch.isfinite(loss).all()) and bool(
+                    torch.isfinite(largest_magnitude(grads, replayer.params.device)))
+                results[i] = 1.0 if ok else 0.0
+            except Exception as e:  # noqa: BLE001 - reported collectively below
+                error = e
+        results[-1] = error_flag(error)
+        got = walk.gather("confirm", results)  # (world, len(flagged) + 1)
+        raise_if_failed(got[:, -1], self.topology.ranks, error, step,
+                        "the non-finite confirmation replay")
+        return got
+
+
+class ShardedNonFinite:
+    """Check 1 for FSDP2/HSDP on the gathered head (sharded_rounds.H_*): local gradients from the
+    reduce-scatter inputs, the reduced one from FSDP's all-reduce hook; confirmations replay in
+    lockstep rounds."""
+
+    def __init__(self, lockstep: Lockstep, reporter: Reporter, counters: Counter[str], *,
+                 scaler: Any, confirm: bool) -> None:
+        self.lockstep, self.reporter, self.counters = lockstep, reporter, counters
+        self.scaler = scaler
+        self.confirm = confirm
+        self.topology = reporter.topology
+        self.world_size = reporter.world_size
+
+    def judge(self, walk: Walk, step: int, got: torch.Tensor, state: StepState, batch: Any,
+              data: Optional[torch.Tensor]) -> bool:
+        """Check 1 on the gathered flags; raises on a verdict. Returns True when the loss scaler
+        owns the step (it skips it; so does the audit), False when all is finite."""
+        ranks = self.topology.ranks
+        bad_local = [ranks[k] for k in range(self.world_size) if int(got[k, H_LOCAL]) == 0]
+        bad_reduced = [ranks[k] for k in range(self.world_size) if int(got[k, H_REDUCED]) == 0]
+        if not bad_local and not bad_reduced:
+            return False
+        scaling = self.scaler is not None and bool(self.scaler.is_enabled())
+        if bad_local and scaling and len(bad_local) == self.world_size:
+            self.counters["scaler_skipped"] += 1
+            return True
+        if not bad_local:
+            return self._nonfinite_reduced(step, got, bad_reduced, scaling)
+        self._nonfinite_local(walk, step, bad_local, state, batch, data, scaling)
+        return True
+
+    def _nonfinite_reduced(self, step: int, got: torch.Tensor, seeing: list[int],
+                           scaling: bool) -> bool:
+        """Every local gradient finite, a reduced one NaN/Inf. No element of a sum exceeds the
+        sum of the addends' largest magnitudes (taken after FSDP's pre-division): past the
+        reduce dtype's largest value the sum overflowed, which is the loss scaler's business (it
+        skips the step: True) or a numeric failure; below it the reduction made the NaN/Inf."""
+        ranks = sorted(self.topology.ranks)
+        dtype = self.lockstep.tap.reduce_dtype
+        bound = sum(from_bits(x) for x in got[:, H_LOCAL_MAG])
+        top = float(torch.finfo(dtype).max)
+        evidence: dict[str, Any] = {"ranks_seeing_nonfinite": seeing, "local_magnitude_sum": bound,
+                                    "reduce_dtype": str(dtype)}
+        if bound >= top:
+            evidence["why"] = (f"every local gradient was finite, but their largest magnitudes "
+                               f"add up to {bound:.3g}, past the largest {dtype}: the sum "
+                               f"overflowed")
+            if scaling:
+                self.counters["scaler_skipped"] += 1
+                return True
+            self.reporter.numeric(step, ranks, evidence, reason=(
+                f"the gradients' sum overflowed {dtype} at step {step}: the gradients are too "
+                f"large for the reduce dtype, not corrupted"))
+        evidence["why"] = ("every local gradient was finite and their sum cannot overflow; the "
+                           "reduce-scatter produced NaN/Inf, which does not say on which link or "
+                           "GPU, so no rank is named")
+        self.reporter.alarm(SDCAlarm("nonfinite_reduced", step, (), (), False, evidence,
+                                     candidate_ranks=ranks,
+                                     key=self.reporter.key("nonfinite_reduced", step)))
+
+    def _nonfinite_local(self, walk: Walk, step: int, flagged: list[int], state: StepState,
+                         batch: Any, data: Optional[torch.Tensor], scaling: bool) -> None:
+        """Replay each flagged owner on another node (lockstep rounds): finite there names it."""
+        key = self.reporter.key("nonfinite_local", step)
+        evidence: dict[str, Any] = {"flagged_ranks": flagged}
+        lockstep = self.lockstep
+        offer = lockstep.offer(walk, "confirm_offer", step, batch, data, state)
+        if not (lockstep.can_replay and self.confirm and offer.ready):
+            if scaling:
+                self.counters["scaler_skipped"] += 1
+                return
+            if len(flagged) == self.world_size:
+                self.reporter.numeric(step, flagged, evidence)
+            evidence["why"] = "no replay to confirm (no loss_fn, or a rank gave no batch)"
+            self.reporter.alarm(SDCAlarm("nonfinite_local", step, (), (), False, evidence,
+                                         candidate_ranks=flagged, key=key))
+        plan = {o: lockstep.confirmer(o, set(flagged)) for o in flagged}
+        received = lockstep.ship(walk, "confirm_ship", plan, offer.data, offer.sizes)
+        owners_here = [o for o in flagged if plan[o] == lockstep.rank]
+        rounds = max(Counter(r for r in plan.values() if r is not None).values(), default=0)
+        results = torch.full((len(flagged),), -1, dtype=torch.int64)
+        for i in range(rounds):
+            owner = owners_here[i] if i < len(owners_here) else None
+            rec = lockstep.replay(walk, "confirm_replay",
+                                  received.get(owner) if owner is not None else offer.batch,
+                                  offer.states[owner if owner is not None else lockstep.rank])
+            loss = from_bits(int(rec[0, 0]))
+            ok = math.isfinite(loss) and lockstep.tap.replay_finite
+            if owner is not None:
+                results[flagged.index(owner)] = int(ok)
+        got = walk.gather("confirm", results).max(dim=0).values
+        confirmed = [o for i, o in enumerate(flagged) if int(got[i]) == 1]
+        reproduced = [o for i, o in enumerate(flagged) if int(got[i]) == 0]
+        evidence.update(confirmed_by_replay=confirmed, reproduced_ranks=reproduced,
+                        confirmers={str(o): plan[o] for o in flagged})
+        if confirmed:
+            evidence["why"] = "non-finite here, finite when replayed on another node"
+            self.reporter.alarm(SDCAlarm("nonfinite_local", step, confirmed,
+                                         self.topology.suspect_nodes(confirmed), True, evidence,
+                                         candidate_ranks=confirmed, key=key))
+        if scaling:
+            self.counters["scaler_skipped"] += 1
+            return
+        evidence["why"] = "the replay on another node is non-finite too: the data or the model"
+        self.reporter.numeric(step, reproduced or flagged, evidence)

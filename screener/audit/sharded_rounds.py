@@ -1,0 +1,194 @@
+"""FSDP2/HSDP replays: lockstep rounds through the sharded model, and the batches they need.
+
+Under FSDP no rank holds the whole model, so a replay cannot be local: it runs through the same
+sharded model on every rank at once. In a lockstep round every rank runs exactly one forward and
+backward (its all-gathers and, for HSDP, the replicate all-reduce line up across ranks), with the
+reduce-scatter recorders (fsdp_tap.py) taking the reduce-scatter input's fingerprint and skipping
+the reduction; the sharded gradients and buffers are put back afterwards, bit for bit. A rank with
+nothing to replay in a round reruns its own step, so that every rank is in the round.
+
+The owner's micro-batch travels to its replayer point to point (`ship`): the `batch=` of
+check_gradients, or `batch_fn(rank, step)`, serialised with torch.save. `offer` is the gather that
+comes first: who has a batch, how many bytes, and every rank's step state.
+
+The step's first gather (the head, one int64 row per rank) is laid out by the H_* columns below.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from screener.audit import ring
+from screener.audit.capture import StateCodec, StepState, restored
+from screener.audit.fsdp_tap import Tap
+from screener.audit.protocol import Walk
+from screener.audit.topology import Topology
+
+__all__ = ["Lockstep", "Offer", "to_bits", "from_bits", "encode_batch", "H_LOSS", "H_LOCAL",
+           "H_REDUCED", "H_STATUS", "H_BYTES", "H_LOCAL_MAG", "H_REDUCED_MAG", "HEAD", "OK",
+           "NO_BATCH", "NOT_RECORDED"]
+
+log = logging.getLogger("screener.audit")
+
+# The head's columns: loss bits, local finite, reduced finite, audit status, batch bytes, local
+# and reduced magnitude bits; on audit steps every rank's step state follows.
+H_LOSS, H_LOCAL, H_REDUCED, H_STATUS, H_BYTES, H_LOCAL_MAG, H_REDUCED_MAG = range(7)
+HEAD = 7
+OK, NO_BATCH, NOT_RECORDED = 0, 1, 2  # a rank's status on an audit step
+
+
+def to_bits(x: float) -> int:
+    """A float's float64 bits, as an int (what travels in the int64 head)."""
+    return int(torch.tensor(float(x), dtype=torch.float64).view(torch.int64).item())
+
+
+def from_bits(bits: Any) -> float:
+    return float(torch.tensor(int(bits), dtype=torch.int64).view(torch.float64).item())
+
+
+def encode_batch(batch: Any) -> torch.Tensor:
+    buf = io.BytesIO()
+    torch.save(batch, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def _decode_batch(data: torch.Tensor, device: torch.device) -> Any:
+    return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), map_location=device,
+                      weights_only=False)
+
+
+@dataclass
+class Offer:
+    """What every rank offered for a replay round: this rank's batch (and its bytes), whether
+    every rank has one, the byte counts and every rank's step state."""
+
+    batch: Any
+    data: Optional[torch.Tensor]
+    ready: bool
+    sizes: dict[int, int]
+    states: dict[int, StepState]
+
+
+class Lockstep:
+    """Replays through the sharded model on every rank at once; who replays whom."""
+
+    def __init__(self, model: torch.nn.Module, root: Any, params: list[Any], tap: Tap,
+                 topology: Topology, rank: int, *, device: torch.device, codec: StateCodec,
+                 counters: Counter[str], loss_fn: Optional[Callable[[torch.nn.Module, Any], Any]],
+                 batch_fn: Optional[Callable[[int, int], Any]], accumulation_steps: int,
+                 audit_every: int) -> None:
+        self.model, self.root, self.params, self.tap = model, root, params, tap
+        self.topology, self.rank, self.device = topology, rank, device
+        self.codec, self.counters = codec, counters
+        self.loss_fn, self.batch_fn = loss_fn, batch_fn
+        self.accumulation_steps = accumulation_steps
+        self.plan = ring.replay_plan(topology)
+        self.owners_of: dict[int, list[int]] = {}
+        for owner, replayer in sorted(self.plan.items()):
+            if replayer is not None:
+                self.owners_of.setdefault(replayer, []).append(owner)
+        self.rounds = max((len(v) for v in self.owners_of.values()), default=0)
+        self.can_replay = loss_fn is not None and self.rounds > 0
+        if audit_every and not self.can_replay:
+            log.warning("screener.audit: ring replay is off (%s)", "needs loss_fn"
+                        if loss_fn is None else "a single rank has nobody to replay")
+
+    def decode_states(self, rows: torch.Tensor) -> dict[int, StepState]:
+        return {r: self.codec.decode(rows[k]) for k, r in enumerate(self.topology.ranks)}
+
+    def offer(self, walk: Walk, round_: str, step: int, batch: Any,
+              data: Optional[torch.Tensor], state: StepState) -> Offer:
+        """One gather before a replay round off an audit step: whether each rank has its batch
+        (this rank's from batch_fn when the loop passed none), its size, and its step state."""
+        if data is None and (batch is not None or self.batch_fn is not None):
+            if batch is None:
+                assert self.batch_fn is not None
+                batch = self.batch_fn(self.rank, step)
+            data = encode_batch(batch)
+        head = torch.cat([torch.tensor([int(data is not None),
+                                        0 if data is None else data.numel()]),
+                          self.codec.encode(state)])
+        got = walk.gather(round_, head)
+        return Offer(batch, data, bool(got[:, 0].all()),
+                     {r: int(got[k, 1]) for k, r in enumerate(self.topology.ranks)},
+                     self.decode_states(got[:, 2:]))
+
+    def ship(self, walk: Walk, round_: str, send_to: Any, data: Optional[torch.Tensor],
+             sizes: dict[int, int]) -> dict[int, Any]:
+        """Point to point: each owner's batch to the rank(s) send_to names ({owner: rank} or a
+        list of (owner, rank) pairs). Returns the batches this rank received, by owner."""
+        walk.enter(round_)
+        ops: list[dist.P2POp] = []
+        inbox: dict[int, torch.Tensor] = {}
+        pairs = sorted(send_to.items()) if isinstance(send_to, dict) else sorted(set(send_to))
+        for owner, dst in pairs:
+            if dst is None or dst == owner or (dst == self.rank and owner in inbox):
+                continue
+            if owner == self.rank and data is not None:
+                ops.append(dist.P2POp(dist.isend, data.to(walk.comm), dst))
+            if dst == self.rank:
+                inbox[owner] = torch.empty(sizes[owner], dtype=torch.uint8, device=walk.comm)
+                ops.append(dist.P2POp(dist.irecv, inbox[owner], owner))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        self.counters["batch_bytes_received"] += sum(t.numel() for t in inbox.values())
+        return {o: _decode_batch(t, self.device) for o, t in inbox.items()}
+
+    def replay(self, walk: Walk, round_: str, batch: Any, state: StepState) -> torch.Tensor:
+        """One lockstep replay: forward and backward of `batch` through the model from `state`,
+        on every rank at once; the reduce-scatter inputs are recorded and not reduced, and the
+        sharded gradients and buffers are put back. Returns the record (1 + modules, 2): loss
+        bits, largest magnitude bits, one fingerprint per FSDP module."""
+        assert self.loss_fn is not None
+        walk.enter(round_)
+        grads = [(p, None if p.grad is None else p.grad.detach().clone()) for p in self.params]
+        buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
+        micro = list(batch) if self.accumulation_steps > 1 else [batch]
+        tap = self.tap
+        tap.start_replay()
+        total: Optional[torch.Tensor] = None
+        try:
+            with restored(state, self.device), torch.enable_grad():
+                for i, mb in enumerate(micro):
+                    if self.accumulation_steps > 1:
+                        self.root.set_requires_gradient_sync(i == len(micro) - 1)
+                    loss = ring.loss_of(self.loss_fn(self.model, mb))
+                    total = loss.detach() if total is None else total + loss.detach()
+                    out = loss if state.scale is None else loss * torch.full(
+                        (1,), state.scale, dtype=torch.float32, device=loss.device)
+                    out.reshape(()).backward()
+        finally:
+            tap.replaying = False
+            self.root.set_requires_gradient_sync(True)
+            with torch.no_grad():
+                for p, saved in grads:
+                    p.grad = saved
+                for b, saved_b in buffers:
+                    b.copy_(saved_b)
+        assert total is not None
+        return torch.cat([torch.tensor([[ring.loss_bits(total), 1], [to_bits(tap.replay_mag), 1]]),
+                          tap.replay_fps.clone()])
+
+    def confirmer(self, owner: int, flagged: set[int]) -> Optional[int]:
+        """Who replays a non-finite owner: its ring replayer, else a clean rank on another node
+        (the first in node order)."""
+        first = self.plan.get(owner)
+        topo = self.topology
+        if first is not None and first not in flagged and topo.node_of(first) != \
+                topo.node_of(owner):
+            return first
+        for node in topo.nodes:
+            if node == topo.node_of(owner):
+                continue
+            for r in topo.ranks_on(node):
+                if r not in flagged:
+                    return r
+        return first
