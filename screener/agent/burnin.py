@@ -46,6 +46,7 @@ from screener.known_answer.screen import (DEFAULT_TIMEOUT, DeviceFault, Progress
                           golden_lookup, judge, prevalidate_goldens, resolve_devices,
                           resolve_jobs)
 from screener.lifecycle import machine as lifecycle
+from screener.lifecycle.events import EVIDENCE_CONFIRMED
 from screener.lifecycle.apply import apply_event
 from screener.types import NO_WORK_STATES, ExitCode, NodeState, Outcome, Severity, Verdict
 
@@ -461,7 +462,7 @@ def mark_confirmed(v: Verdict, iterations: int) -> Verdict:
     if v.outcome != Outcome.SUSPECT:
         return v
     if v.reason == "self_mismatch" or (v.reason in CONFIRMING_REASONS and iterations >= 2):
-        return replace(v, evidence={**dict(v.evidence), "confirmed": True})
+        return replace(v, evidence={**dict(v.evidence), EVIDENCE_CONFIRMED: True})
     return v
 
 

@@ -46,16 +46,12 @@ from screener.agent import burnin
 from screener.errors import ScreenerError
 from screener.health import host
 from screener.known_answer import screen as kat
+from screener.lifecycle.events import KIND_FULL, KIND_QUICK
 from screener.types import ExitCode, Outcome, ScreenStop, Verdict
 
 # The name the daemon's JSON log lines have always carried (log queries filter on it), not the
 # module's path since the move into subpackages.
 log = logging.getLogger("screener.screening")
-
-
-
-KIND_QUICK = "quick"  # the known-answer screen: re-verifies a node that earned healthy
-KIND_FULL = "full"  # a full burn-in's device stages (see screener.agent.burnin)
 
 
 @dataclass(frozen=True)
@@ -74,7 +70,9 @@ class ScreenRequest:
 
 @dataclass(frozen=True)
 class ScreenOutcome:
-    """The result of one screening window.
+    """What became of one idle-time screening window, as the daemon records it: the known-answer
+    screen's result as its worker reported it (screener.known_answer.screen_result.ScreenResult,
+    through to_dict), or why the window stopped without one, with its timing and the taint.
 
     outcome/verdicts/exit_code: the known-answer screen's (inconclusive with no verdicts when it
     was stopped). stopped: a ScreenStop (why it was stopped), or "" when it ran to the end. digests: device -> job -> result digest, for publishing and cross-checks.

@@ -23,12 +23,12 @@ import torch
 
 from screener.errors import BadInputError
 from screener.health import host
+from screener.lifecycle.events import EVIDENCE_CONFIRMED
 from screener.types import Outcome, Verdict
 
 PATTERNS = ("zeros", "ones", "checker_a", "checker_5", "walking_one", "address")
 CHUNK_BYTES = 256 * 1024 * 1024
 CPU_MAX_BYTES = 64 * 1024 * 1024
-EVIDENCE_CONFIRMED = "confirmed"  # the lifecycle's key (screener.lifecycle.machine.EVIDENCE_CONFIRMED)
 
 # (chunks, pattern name) -> None: fault injection between writing and reading (tests, drills).
 Inject = Callable[[Sequence[torch.Tensor], str], None]

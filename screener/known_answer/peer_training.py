@@ -39,6 +39,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from screener.errors import BadInputError
 from screener.known_answer.allreduce import known_sum_rank, run_group
+from screener.lifecycle.events import EVIDENCE_CONFIRMED
 from screener.types import ExitCode, KatReason, Outcome, Verdict
 
 # torch, and the modules that import it at their top (faults, synthetic, screener.audit,
@@ -185,7 +186,8 @@ class PeerResult:
         return Verdict(device=f"node:{self.under_test}", outcome=outcome, reason=reason,
                        job="peer-burnin", step=(self.alarm or {}).get("step"),
                        evidence={"named_nodes": list(self.named_nodes), "detail": self.detail,
-                                 "confirmed": bool(self.alarm and self.alarm.get("settled"))})
+                                 EVIDENCE_CONFIRMED: bool(self.alarm
+                                                          and self.alarm.get("settled"))})
 
     def to_dict(self) -> dict[str, Any]:
         return {"under_test": self.under_test, "nodes": list(self.nodes),
