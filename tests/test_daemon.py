@@ -1,8 +1,8 @@
 """The daemon loop with a fake clock: real lifecycle, real LocalStore, real probes over a scripted
 NVML, a scripted screen runner standing in for the known-answer child processes.
 
-Helpers here (FakeClock, ScriptedRunner, DaemonRig) are shared with the other test_daemon* files,
-test_screening, test_metrics and test_rbac.
+The rig and the scripted stand-ins live in tests/fakes/daemon.py, shared with every test that
+runs the daemon loop.
 """
 
 from __future__ import annotations
@@ -12,159 +12,18 @@ import os
 import subprocess
 import sys
 import threading
-from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import pytest
 
-from fakes.fake_nvml import FakeNvml, h100
-from screener.agent.daemon import Daemon
-from screener.agent.metrics import DaemonMetrics
-from screener.agent.screening import LocalTaint, ScreenOutcome, ScreenRequest
+from fakes.daemon import NODE, DaemonRig, ScriptedRunner, outcome
+from screener.agent.screening import ScreenOutcome, ScreenRequest
 from screener.audit.alarms import write_alarm_file
 from screener.errors import ConfigError
-from screener.health.nvml import NvmlAdapter
-from screener.health.probes import run_probes
 from screener.settings.daemon import DaemonConfig
-from screener.settings.health import ProbeConfig
 from screener.settings.hyperpod import HyperPodConfig
-from screener.stores.local import LocalStore
-from screener.types import AlarmRecord, ExitCode, NodeState, Outcome, SuspectNode, Verdict
-
-NODE = "gpu-node-1"
-
-
-class FakeClock:
-    def __init__(self, t: float = 1_000_000.0) -> None:
-        self.t = t
-        self._lock = threading.Lock()
-
-    def __call__(self) -> float:
-        with self._lock:
-            return self.t
-
-    def advance(self, s: float) -> None:
-        with self._lock:
-            self.t += s
-
-
-def verdicts(outcome: Outcome, devices=("cuda:0", "cuda:1"), reason: str = "") -> tuple[Verdict, ...]:
-    return tuple(Verdict(device=d, outcome=outcome, reason=reason, job="gemm-fp32",
-                         platform_hash="p1") for d in devices)
-
-
-def outcome(kind: Outcome, **kw: Any) -> ScreenOutcome:
-    code = {Outcome.PASS: ExitCode.PASS, Outcome.SUSPECT: ExitCode.HARDWARE_SUSPECT,
-            Outcome.INCONCLUSIVE: ExitCode.INCONCLUSIVE}[kind]
-    vs = kw.pop("verdicts", None)
-    if vs is None:
-        vs = verdicts(kind, reason="golden_mismatch" if kind == Outcome.SUSPECT else "")
-    return ScreenOutcome(outcome=kind, verdicts=vs, exit_code=code,
-                         digests={v.device: {"gemm-fp32": "d1"} for v in vs}, **kw)
-
-
-def as_full_burnin(o: ScreenOutcome, *, iterations: int = 2, seconds: float = 5.0,
-                   hbm: str = "pass") -> ScreenOutcome:
-    """What the burn-in worker returns for `o`'s verdicts: its device stages (the known-answer
-    rounds with their repeats and time, the HBM test, the collective across the devices)."""
-    devices = [v.device for v in o.verdicts]
-    stages = (
-        {"name": "known-answer", "outcome": o.outcome.value, "seconds": seconds,
-         "data": {"iterations": {d: iterations for d in devices}, "devices": devices,
-                  "jobs": ["gemm-fp32"], "seconds": seconds}},
-        {"name": "hbm", "outcome": hbm, "seconds": 0.1, "data": {}},
-        {"name": "collective", "outcome": "pass", "seconds": 0.1, "data": {}},
-    )
-    return replace(o, kind="full", stages=stages)
-
-
-class ScriptedRunner:
-    """Returns the scripted outcomes in turn; `during(request)` runs inside the screen first
-    (to land a job, raise, or wait for the cancel). Asked for a full burn-in, it answers as the
-    burn-in worker does (the outcome with its device stages) unless the script gave stages."""
-
-    def __init__(self, *outcomes: ScreenOutcome,
-                 during: Optional[Callable[[ScreenRequest], Optional[ScreenOutcome]]] = None) -> None:
-        self.outcomes = list(outcomes)
-        self.during = during
-        self.calls: list[ScreenRequest] = []
-
-    def __call__(self, request: ScreenRequest) -> ScreenOutcome:
-        self.calls.append(request)
-        if self.during is not None:
-            early = self.during(request)
-            if early is not None:
-                return early
-        if not self.outcomes:
-            raise AssertionError("the daemon screened more often than the test expected")
-        out = self.outcomes.pop(0)
-        if request.kind == "full" and not out.stages and not out.stopped:
-            out = as_full_burnin(out)
-        return out
-
-
-def wait_for_cancel(limit: float = 20.0) -> Callable[[ScreenRequest], Optional[ScreenOutcome]]:
-    def during(request: ScreenRequest) -> Optional[ScreenOutcome]:
-        if not request.cancel.wait(limit):
-            raise AssertionError("the screen was never cancelled")
-        return ScreenOutcome.inconclusive("cancelled", "runner saw the cancel")
-
-    return during
-
-
-class DaemonRig:
-    """A daemon on the fake clock with a scripted NVML (two healthy H100s)."""
-
-    def __init__(self, tmp_path: Path, runner: Any, *, store: Any = None, taint: Any = None,
-                 gpu_pods: Any = None, nvml: Optional[FakeNvml] = None, own_pids=None,
-                 daemon_kw: Optional[dict[str, Any]] = None, clock: Any = None,
-                 **config: Any) -> None:
-        self.tmp = tmp_path
-        self.clock = clock if clock is not None else FakeClock()
-        self.nvml = nvml or FakeNvml([h100(0), h100(1)])
-        self.adapter = NvmlAdapter(self.nvml, events=False)
-        self.adapter.open()
-        self.probe_calls = 0
-        probe_cfg = ProbeConfig(kmsg_path=None, disk_paths=(str(tmp_path),),
-                                min_free_disk_fraction=0.0, min_free_memory_fraction=0.0)
-
-        def probe(previous: Any) -> Any:
-            self.probe_calls += 1
-            return run_probes(probe_cfg, nvml=self.adapter, previous=previous, clock=self.clock)
-
-        settings = dict(node=NODE, alarm_dir=str(tmp_path / "alarms"), store="local",
-                        tick_s=5.0, probe_interval_s=60.0, idle_window_s=300.0,
-                        screen_interval_s=86400.0, retry_inconclusive_s=600.0,
-                        screen_time_cap_s=900.0, job_poll_s=0.02, metrics_port=-1,
-                        burnin_duration_s=1.0)
-        settings.update(config)
-        self.config = DaemonConfig.from_mapping(settings)
-        self.store = store if store is not None else LocalStore(tmp_path / "state.db")
-        self.taint = taint if taint is not None else LocalTaint(tmp_path / "taint")
-        self.runner = runner
-        self.metrics = DaemonMetrics(NODE, clock=self.clock)
-        self.stop = threading.Event()
-        self.daemon = Daemon(self.config, store=self.store, probe=probe, runner=runner,
-                             taint=self.taint, gpu_pods=gpu_pods,
-                             own_pids=own_pids or (lambda: set()), metrics=self.metrics,
-                             clock=self.clock, stop=self.stop, untaint_delay_s=0.01,
-                             **(daemon_kw or {}))
-
-    def tick(self, advance: float = 0.0, **kw: Any):
-        self.clock.advance(advance)
-        return self.daemon.tick(**kw)
-
-    def drop_alarm(self, alarm_id: str, *, settled: bool = True, node: str = NODE) -> None:
-        record = AlarmRecord(alarm_id=alarm_id, check="weights", step=12, settled=settled,
-                             suspect_ranks=(1,) if settled else (),
-                             suspect_nodes=(SuspectNode(node, node),), node=node, job="llm",
-                             created=self.clock() - 2.0)
-        write_alarm_file(record, self.config.alarm_dir)
-
-    def close(self) -> None:
-        self.adapter.close()
-        self.store.close()
+from screener.types import AlarmRecord, ExitCode, NodeState, Outcome, SuspectNode
 
 
 @pytest.fixture

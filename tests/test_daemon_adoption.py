@@ -14,7 +14,7 @@ from kubeapi import KubeAPI
 from screener.commands.daemon import _created
 from screener.stores.kube import KubeStore
 from screener.types import ANNOTATION_VERDICT, LABEL_STATE, TAINT_STATE_KEY, NodeState, Outcome
-from test_daemon import DaemonRig, ScriptedRunner, outcome
+from fakes.daemon import DaemonRig, ScriptedRunner, outcome
 
 NOW = dt.datetime(2026, 11, 30, 12, 0, tzinfo=dt.timezone.utc).timestamp()
 

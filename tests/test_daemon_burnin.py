@@ -21,7 +21,7 @@ from screener.settings.health import ProbeConfig
 from screener.stores.kube import KubeStore
 from screener.stores.local import LocalStore
 from screener.types import ANNOTATION_DIGESTS, ExitCode, NodeState, Outcome, Verdict
-from test_daemon import DaemonRig, ScriptedRunner, as_full_burnin, outcome
+from fakes.daemon import DaemonRig, ScriptedRunner, as_full_burnin, outcome
 
 JOB = """name = "tiny-gemm"
 version = 1

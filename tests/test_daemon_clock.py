@@ -4,45 +4,23 @@ only advances (the real lifecycle, LocalStore, probes over a scripted NVML; Daem
 
 from __future__ import annotations
 
-import threading
-
 from screener.agent.clock import StampClock, as_clock
 from screener.agent.daemon import Daemon
 from screener.agent.metrics import DaemonMetrics
 from screener.lifecycle import machine as lifecycle
 from screener.lifecycle.apply import apply_event
 from screener.types import ExitCode, NodeState, Outcome
-from test_daemon import NODE, DaemonRig, ScriptedRunner, outcome
+from fakes.clock import FakeClock
+from fakes.daemon import NODE, DaemonRig, ScriptedRunner, outcome
 
 DAY = 86400.0
 
 
-class SteppingClock:
+def stepping_clock() -> FakeClock:
     """Wall and monotonic time that advance together; `step` moves the wall clock alone, as NTP
-    stepping it or an RTC reset would. Called, it answers the wall time (what the probes stamp)."""
-
-    def __init__(self, wall: float = 1_800_000_000.0) -> None:
-        self._wall, self._mono = wall, 5_000.0
-        self._lock = threading.Lock()
-
-    def wall(self) -> float:
-        with self._lock:
-            return self._wall
-
-    def monotonic(self) -> float:
-        with self._lock:
-            return self._mono
-
-    __call__ = wall
-
-    def advance(self, s: float) -> None:
-        with self._lock:
-            self._wall += s
-            self._mono += s
-
-    def step(self, s: float) -> None:
-        with self._lock:
-            self._wall += s
+    stepping it or an RTC reset would (the shared FakeClock, at a wall time far from its
+    monotonic one so a test mixing the two up fails)."""
+    return FakeClock(1_800_000_000.0, monotonic=5_000.0)
 
 
 def _ordered(times: list[float]) -> bool:
@@ -50,7 +28,7 @@ def _ordered(times: list[float]) -> bool:
 
 
 def test_a_backward_step_keeps_the_probes_and_screens_on_schedule_and_the_history_ordered(tmp_path):
-    clock = SteppingClock()
+    clock = stepping_clock()
     runner = ScriptedRunner(outcome(Outcome.PASS), outcome(Outcome.PASS))
     rig = DaemonRig(tmp_path, runner, clock=clock, idle_window_s=0.0, screen_interval_s=3600.0)
     try:
@@ -78,7 +56,7 @@ def test_a_backward_step_keeps_the_probes_and_screens_on_schedule_and_the_histor
 
 
 def test_a_forward_step_neither_ends_the_idle_window_nor_brings_the_next_screen_early(tmp_path):
-    clock = SteppingClock()
+    clock = stepping_clock()
     runner = ScriptedRunner(outcome(Outcome.PASS), outcome(Outcome.PASS))
     rig = DaemonRig(tmp_path, runner, clock=clock, idle_window_s=300.0, screen_interval_s=3600.0)
     try:
@@ -107,7 +85,7 @@ def test_the_lemon_rule_gives_repair_after_a_backward_step_across_a_restart(tmp_
     steps back ten days and the daemon restarts: the third failure still makes three in the
     window, so the node goes to repair, not quarantined (before: the earlier failures were
     stamped after "now" and stopped counting)."""
-    clock = SteppingClock()
+    clock = stepping_clock()
     rig = DaemonRig(tmp_path, ScriptedRunner(), clock=clock, screens=False)
     try:
         rig.tick()
@@ -130,7 +108,7 @@ def test_the_lemon_rule_gives_repair_after_a_backward_step_across_a_restart(tmp_
 
 
 def test_liveness_is_measured_on_the_monotonic_clock():
-    clock = SteppingClock()
+    clock = stepping_clock()
     metrics = DaemonMetrics(NODE, clock=clock)
     metrics.beat()
     clock.step(DAY)  # before: 86,400 s without progress, /healthz 503, the kubelet restarts it
@@ -142,7 +120,7 @@ def test_liveness_is_measured_on_the_monotonic_clock():
 
 
 def test_stamp_clock_floor_and_a_plain_callable():
-    clock = SteppingClock()
+    clock = stepping_clock()
     stamps = StampClock(clock)
     stamps.floor(clock.wall() + 50.0)  # the history's newest stamp is ahead of the wall clock
     assert stamps.now() == clock.wall() + 50.0

@@ -27,7 +27,8 @@ from screener.health.probes import DeferredKernelLogReader, run_probes
 from screener.agent.screening import LocalTaint
 from screener.stores.local import LocalStore
 from screener.types import NodeState
-from test_daemon import FakeClock, ScriptedRunner
+from fakes.clock import FakeClock
+from fakes.daemon import ScriptedRunner
 
 NODE = "gpu-node-1"
 XID_79 = ("[ 4242.000001] NVRM: Xid (PCI:0000:18:00): 79, pid=1234, name=python3, "

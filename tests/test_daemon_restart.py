@@ -19,7 +19,8 @@ from screener.settings.daemon import DaemonConfig
 from screener.agent.daemon import Daemon
 from screener.agent.screening import LocalTaint, reap_stale_screens
 from screener.stores.local import LocalStore
-from test_daemon import FakeClock, ScriptedRunner
+from fakes.clock import FakeClock
+from fakes.daemon import ScriptedRunner
 
 ROOT = Path(__file__).resolve().parents[1]
 NODE = "restart-node"

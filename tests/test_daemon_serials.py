@@ -13,7 +13,7 @@ from screener.lifecycle.machine import HumanCommand
 from screener.lifecycle.records import lemon_counts
 from screener.stores.local import LocalStore
 from screener.types import AlarmRecord, NodeState, Outcome, SuspectNode
-from test_daemon import DaemonRig, ScriptedRunner, outcome
+from fakes.daemon import DaemonRig, ScriptedRunner, outcome
 
 MOVED = "1650923077777"  # the GPU that moves from node A to node B
 

@@ -4,6 +4,10 @@ pure-torch reference path."""
 
 from __future__ import annotations
 
+import hashlib
+import re
+import struct
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -154,7 +158,17 @@ def test_module_fingerprints_and_digest():
                         "1.running_var", "1.num_batches_tracked"}
     assert fps["0.weight"] == reference(m[0].weight)
     d = digest(fps)
-    assert len(d) == 16 and int(d, 16) >= 0
+    # The definition, computed here independently: sha256 over the rows in sorted-name order,
+    # each its name, a NUL and the two sums as little-endian int64, truncated to 16 hex digits.
+    tensors = m.state_dict()
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode() + b"\0" + struct.pack("<qq", *reference(tensors[name])))
+    assert re.fullmatch(r"[0-9a-f]{16}", d) and d == h.hexdigest()[:16]
+    assert digest(fps, length=64) == h.hexdigest()
+    assert re.fullmatch(r"[0-9a-f]{32}", digest(fps, 32))
+    one_bit = {**fps, "0.bias": (fps["0.bias"][0] ^ 1, fps["0.bias"][1])}
+    assert digest(one_bit) != d  # one bit of one row flipped
     assert digest(dict(reversed(list(fps.items())))) == d  # order-independent for a mapping
     with torch.no_grad():
         m[0].weight[0, 0] += 1.0

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from fakes.clock import FakeClock
 from kubeapi import KubeAPI
 from screener.agent.intake import AlarmIntake, applied_in_history
 from screener.agent.metrics import DaemonMetrics
@@ -37,14 +38,6 @@ def drop(directory, record: AlarmRecord) -> None:
     write_alarm_file(record, directory)
 
 
-class Clock:
-    def __init__(self, t: float = 2000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def make_intake(directory, store, clock):
     def apply(record):
         apply_event(store, NODE, record, now=clock())
@@ -63,7 +56,7 @@ def store(tmp_path):
 
 
 def test_applied_once_then_moved_aside(tmp_path, store):
-    clock = Clock()
+    clock = FakeClock(2000.0)
     alarms = tmp_path / "alarms"
     apply_event(store, NODE, lifecycle.NodeSeen(), now=clock())
     drop(alarms, alarm("a1", settled=False))
@@ -81,7 +74,7 @@ def test_applied_once_then_moved_aside(tmp_path, store):
 def test_exactly_once_across_a_restart_between_store_and_move(tmp_path, store):
     """A daemon killed after storing the transition and before moving the file leaves the file in
     the folder; the next daemon must not apply it again even when the node moved on meanwhile."""
-    clock = Clock()
+    clock = FakeClock(2000.0)
     alarms = tmp_path / "alarms"
     apply_event(store, NODE, lifecycle.NodeSeen(), now=clock())
     drop(alarms, alarm("a-crash", settled=False))
@@ -104,7 +97,7 @@ def test_exactly_once_across_a_restart_between_store_and_move(tmp_path, store):
 
 
 def test_a_failed_apply_leaves_the_file_for_the_next_pass(tmp_path, store):
-    clock = Clock()
+    clock = FakeClock(2000.0)
     alarms = tmp_path / "alarms"
     drop(alarms, alarm("a2"))
     calls = []
@@ -124,7 +117,7 @@ def test_a_failed_apply_leaves_the_file_for_the_next_pass(tmp_path, store):
 def test_a_store_outage_during_the_duplicate_check_does_not_shelve_the_alarm(tmp_path, store):
     # The same intake object across the outage: a file must not be remembered as "stuck" because
     # the store could not be read (that memory lasts until the file changes, so it would be lost).
-    clock = Clock()
+    clock = FakeClock(2000.0)
     alarms = tmp_path / "alarms"
     drop(alarms, alarm("a3"))
     down = {"on": True}
@@ -149,7 +142,7 @@ def test_a_store_outage_during_the_duplicate_check_does_not_shelve_the_alarm(tmp
 
 def test_malformed_files_are_rejected_with_one_log_line_and_the_rest_applied(tmp_path, store,
                                                                               caplog):
-    clock = Clock()
+    clock = FakeClock(2000.0)
     alarms = tmp_path / "alarms"
     alarms.mkdir()
     (alarms / "garbage.json").write_text("{not json")
@@ -174,7 +167,7 @@ def test_malformed_files_are_rejected_with_one_log_line_and_the_rest_applied(tmp
 def test_files_about_other_nodes_are_moved_aside_once(tmp_path, store):
     """Issue 23.2: a file about another node can never apply here (each node's folder is its
     own): it goes to rejected/ in the first pass and costs nothing after."""
-    clock = Clock()
+    clock = FakeClock(2000.0)
     alarms = tmp_path / "alarms"
     drop(alarms, alarm("other", node="gpu-node-2"))
     intake = make_intake(alarms, store, clock)
@@ -187,7 +180,7 @@ def test_files_about_other_nodes_are_moved_aside_once(tmp_path, store):
 
 
 def test_in_a_shared_folder_files_about_other_nodes_are_left_and_not_read_again(tmp_path, store):
-    clock = Clock()
+    clock = FakeClock(2000.0)
     alarms = tmp_path / "alarms"
     drop(alarms, alarm("other", node="gpu-node-2"))
     intake = AlarmIntake(alarms, NODE, lambda r: apply_event(store, NODE, r, now=clock()),
@@ -203,7 +196,7 @@ def test_in_a_shared_folder_files_about_other_nodes_are_left_and_not_read_again(
 
 
 def test_a_redelivered_file_already_processed_is_a_duplicate(tmp_path, store):
-    clock = Clock()
+    clock = FakeClock(2000.0)
     alarms = tmp_path / "alarms"
     drop(alarms, alarm("dup"))
     make_intake(alarms, store, clock).run()
@@ -214,7 +207,7 @@ def test_a_redelivered_file_already_processed_is_a_duplicate(tmp_path, store):
 
 
 def test_processed_folder_is_bounded(tmp_path, store):
-    clock = Clock()
+    clock = FakeClock(2000.0)
     alarms = tmp_path / "alarms"
     intake = make_intake(alarms, store, clock)
     intake.processed_keep = 2
@@ -226,7 +219,7 @@ def test_processed_folder_is_bounded(tmp_path, store):
 
 def test_exactly_once_on_the_kube_store_with_bulky_evidence(tmp_path):
     """The Node's history annotation keeps a shrunk evidence; the alarm id must survive it."""
-    clock = Clock()
+    clock = FakeClock(2000.0)
     alarms = tmp_path / "alarms"
     big = AlarmRecord(alarm_id="bulky", check="ring_replay", step=9, settled=False,
                       suspect_ranks=(), suspect_nodes=(SuspectNode(NODE, NODE),), node=NODE,
@@ -286,7 +279,7 @@ def _valid(aid: str, **over) -> dict:
 ])
 def test_hostile_files_are_rejected_and_the_pass_goes_on(tmp_path, store, caplog, name, content,
                                                          why):
-    clock = Clock()
+    clock = FakeClock(2000.0)
     alarms = tmp_path / "alarms"
     apply_event(store, NODE, lifecycle.NodeSeen(), now=clock())
     _raw(alarms, name, content)
@@ -301,7 +294,7 @@ def test_hostile_files_are_rejected_and_the_pass_goes_on(tmp_path, store, caplog
 
 
 def test_a_symlink_or_fifo_swapped_in_is_refused_without_blocking(tmp_path, store):
-    clock = Clock()
+    clock = FakeClock(2000.0)
     alarms = tmp_path / "alarms"
     alarms.mkdir()
     os.mkfifo(alarms / "fifo.json")  # a reader that blocked in open() would hang here forever
@@ -319,7 +312,7 @@ def test_a_symlink_or_fifo_swapped_in_is_refused_without_blocking(tmp_path, stor
 
 
 def test_regular_files_squatting_on_the_aside_folders_do_not_block_intake(tmp_path, store):
-    clock = Clock()
+    clock = FakeClock(2000.0)
     alarms = tmp_path / "alarms"
     alarms.mkdir()
     (alarms / "processed").write_text("squatter")
@@ -336,7 +329,7 @@ def test_regular_files_squatting_on_the_aside_folders_do_not_block_intake(tmp_pa
 
 def test_a_file_that_cannot_be_moved_is_skipped_remembered_and_shows_in_readiness(tmp_path,
                                                                                  store, caplog):
-    clock = Clock()
+    clock = FakeClock(2000.0)
     alarms = tmp_path / "alarms"
     alarms.mkdir()
     (alarms / "rejected").mkdir()
@@ -365,7 +358,7 @@ def test_a_file_that_cannot_be_moved_is_skipped_remembered_and_shows_in_readines
 
 
 def test_an_unlistable_folder_stalls_the_intake_without_raising(tmp_path, store):
-    clock = Clock()
+    clock = FakeClock(2000.0)
     alarms = tmp_path / "alarms"
     alarms.write_text("a file where the folder should be")
     result = make_intake(alarms, store, clock).run()
@@ -391,7 +384,7 @@ def test_alarms_our_writers_make_for_long_job_and_node_names_are_taken(tmp_path,
     alarms = tmp_path / "alarms"
     for r in records:
         write_alarm_file(r, alarms)
-    clock = Clock()
+    clock = FakeClock(2000.0)
     intake = AlarmIntake(alarms, node, lambda r: apply_event(store, node, r, now=clock()),
                          lambda r: applied_in_history(store.history(node), r.alarm_id))
     result = intake.run()

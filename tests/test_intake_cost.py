@@ -18,7 +18,8 @@ from screener.agent.intake import MAX_ALARM_BYTES, AlarmIntake, IntakeLimits
 from screener.agent.metrics import DaemonMetrics, MetricsServer
 from screener.audit.alarms import write_alarm_file
 from screener.types import NodeState
-from test_daemon import NODE, DaemonRig, ScriptedRunner
+from fakes.clock import FakeClock
+from fakes.daemon import NODE, DaemonRig, ScriptedRunner
 from test_intake import alarm
 
 OTHER = "gpu-node-2"
@@ -196,19 +197,6 @@ def test_an_aside_folder_a_writer_made_is_renamed_and_made_again(tmp_path, how):
         ["not-ours", "not-ours"]
 
 
-class SetClock:
-    """Wall and monotonic time the test sets."""
-
-    def __init__(self) -> None:
-        self.at, self.mono = time.time(), 100.0
-
-    def wall(self) -> float:
-        return self.at
-
-    def monotonic(self) -> float:
-        return self.mono
-
-
 def test_rejected_and_processed_are_pruned_by_count_and_by_age_since_moved(tmp_path):
     alarms = tmp_path / "alarms"
     for folder in ("processed", "rejected"):
@@ -217,7 +205,7 @@ def test_rejected_and_processed_are_pruned_by_count_and_by_age_since_moved(tmp_p
             (alarms / folder / f"{folder}-{i}.json").write_text("{}")
             time.sleep(0.002)  # distinct ctimes, in this order
     bulky_foreign(alarms, 1, ranks=10)  # its mtime says 1970: a writer chose it; it stays
-    clock = SetClock()
+    clock = FakeClock(time.time(), monotonic=100.0)
     intake = AlarmIntake(alarms, NODE, lambda r: None, clock=clock,
                          limits=IntakeLimits(processed_keep=3, rejected_keep=2,
                                              max_age_s=14 * 86400.0))
@@ -226,11 +214,11 @@ def test_rejected_and_processed_are_pruned_by_count_and_by_age_since_moved(tmp_p
         ["processed-3.json", "processed-4.json", "processed-5.json"]
     assert sorted(p.name for p in (alarms / "rejected").iterdir()) == \
         ["foreign-0000.json", "rejected-5.json"]
-    clock.at += 13 * 86400.0
+    clock.step(13 * 86400.0)  # the wall clock alone: the hourly prune runs on the monotonic one
     intake.run()  # nothing moved and the hourly prune not due: nothing goes
     assert len(list((alarms / "processed").iterdir())) == 3
-    clock.at += 2 * 86400.0
-    clock.mono += 3600.0  # the hourly prune is due
+    clock.step(2 * 86400.0)
+    clock.advance(3600.0)  # the hourly prune is due
     intake.run()
     assert not list((alarms / "processed").iterdir()) and not list((alarms / "rejected").iterdir())
 

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from screener.agent.metrics import DaemonMetrics, MetricsServer
 from screener.errors import ConfigError
 from screener.types import Outcome
-from test_daemon import NODE, DaemonRig, ScriptedRunner, outcome
+from fakes.daemon import NODE, DaemonRig, ScriptedRunner, outcome
 
 
 def get(url: str) -> tuple[int, str, str]:
@@ -226,7 +226,7 @@ def test_time_between_incidents_is_exported_from_the_nodes_history(tmp_path):
     for frm, to, ago, failure in moves:
         store.record(Transition(node=NODE, time=t0 - ago * day, from_state=frm, to_state=to,
                                 reason="test", failure=failure))
-    from test_daemon import FakeClock
+    from fakes.clock import FakeClock
     rig = DaemonRig(tmp_path, ScriptedRunner(), store=store, clock=FakeClock(t0),
                     mtbi_days=30.0, screens=False)
     server = MetricsServer(rig.metrics, "127.0.0.1", 0).start()

@@ -20,7 +20,7 @@ from screener.errors import ConfigError
 from screener.stores.kube import KubeStore
 from screener.types import (ANNOTATION_VERDICT, CONDITION_TYPE, LABEL_STATE, TAINT_SCREENING_KEY,
                             TAINT_STATE_KEY, NodeState, Outcome)
-from test_daemon import NODE, DaemonRig, ScriptedRunner, outcome
+from fakes.daemon import NODE, DaemonRig, ScriptedRunner, outcome
 
 
 def _ours(api: KubeAPI) -> list[dict[str, Any]]:

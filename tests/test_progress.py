@@ -7,16 +7,9 @@ import io
 import json
 import threading
 
+from fakes.clock import FakeClock
 from screener.health.hbm import hbm_test
 from screener.output.progress import BAR_WIDTH, JobEvents, Progress
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def _lines(stream: io.StringIO) -> list[str]:
@@ -24,7 +17,7 @@ def _lines(stream: io.StringIO) -> list[str]:
 
 
 def test_not_a_terminal_one_line_per_stage_and_item_with_elapsed_time():
-    out, clock = io.StringIO(), Clock()
+    out, clock = io.StringIO(), FakeClock(100.0)
     p = Progress(out, tty=False, clock=clock, prefix="burn-in")
     p.begin("known-answer", 2, unit="job runs")
     clock.t += 1.5
@@ -48,7 +41,7 @@ def test_not_a_terminal_one_line_per_stage_and_item_with_elapsed_time():
 
 
 def test_json_lines_are_machine_readable():
-    out, clock = io.StringIO(), Clock()
+    out, clock = io.StringIO(), FakeClock(100.0)
     p = Progress(out, tty=False, json_lines=True, clock=clock)
     p.begin("drill stage")
     clock.t += 4.0
@@ -60,7 +53,7 @@ def test_json_lines_are_machine_readable():
 
 
 def test_a_terminal_gets_one_bar_redrawn_in_place():
-    out, clock = io.StringIO(), Clock()
+    out, clock = io.StringIO(), FakeClock(100.0)
     p = Progress(out, tty=True, clock=clock)
     p.begin("known-answer", 4, unit="job runs")
     p.step("cpu a #0")
@@ -87,7 +80,7 @@ def test_disabled_writes_nothing():
 
 def test_job_events_count_results_and_note_timeouts():
     # the events screener.known_answer.screen.execute hands its progress callback (a child's, with "device")
-    out, clock = io.StringIO(), Clock()
+    out, clock = io.StringIO(), FakeClock(100.0)
     p = Progress(out, tty=False, clock=clock)
     feed = JobEvents(p, "known-answer", total=2)
     feed({"event": "platform", "device": "cpu", "platform_hash": "x"})

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from screener.types import NodeState, Reason
-from test_daemon import NODE, DaemonRig, ScriptedRunner, outcome
+from fakes.daemon import NODE, DaemonRig, ScriptedRunner, outcome
 from screener.types import Outcome
 
 NVIDIA_SMI = r'''#!{python}

@@ -22,7 +22,7 @@ from screener.agent.screening import (KatOptions, KatProcessRunner, LocalTaint, 
 from screener.stores.kube import KubeStore
 from screener.types import (ANNOTATION_DIGESTS, ANNOTATION_VERDICT, LABEL_STATE,
                             TAINT_SCREENING_KEY, ExitCode, NodeState, Outcome)
-from test_daemon import NODE, DaemonRig, ScriptedRunner, outcome, wait_for_cancel
+from fakes.daemon import NODE, DaemonRig, ScriptedRunner, outcome, wait_for_cancel
 
 ROOT = Path(__file__).resolve().parents[1]
 FOREIGN_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}

@@ -202,7 +202,7 @@ def test_a_black_holed_api_fails_within_the_timeout_and_the_transition_is_spoole
 
 
 def test_the_daemons_tick_goes_on_while_the_api_is_black_holed(proxied, tmp_path):
-    from test_daemon import NODE, DaemonRig, ScriptedRunner, outcome
+    from fakes.daemon import NODE, DaemonRig, ScriptedRunner, outcome
 
     api, proxy = proxied
     api.add_node(NODE, labels={LABEL_STATE: "healthy"})

@@ -206,7 +206,7 @@ def test_monitor_reports_stragglers_with_their_nodes_over_gloo(tmp_path):
     assert alarm["evidence"]["slowdown"] == pytest.approx(0.25) and alarm["evidence"]["window"] == 3
 
     # The DaemonSet on that node takes it in: suspect, the figures as evidence, a screen due.
-    from test_daemon import DaemonRig, ScriptedRunner, outcome
+    from fakes.daemon import DaemonRig, ScriptedRunner, outcome
     from screener.types import NodeState, Outcome
 
     rig = DaemonRig(tmp_path / "daemon", ScriptedRunner(outcome(Outcome.PASS), outcome(Outcome.PASS)),
