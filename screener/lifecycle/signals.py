@@ -129,7 +129,7 @@ def _classify_screen(event: KatScreen, current: Optional[NodeState]) -> _Signal:
         first = bad[0]
         where = f" (job {first.job}, step {first.step}, tensor {first.tensor})" if first.job else ""
         confirmed = event.confirmed or any(v.evidence.get(EVIDENCE_CONFIRMED) for v in bad)
-        evidence = {"verdicts": verdicts, "confirmed": bool(confirmed)}
+        evidence = {"verdicts": verdicts, EVIDENCE_CONFIRMED: bool(confirmed)}
         if confirmed:
             return _Signal(SignalKind.FAILURE, Reason.KAT_MISMATCH,
                            f"known-answer mismatch confirmed by a re-run on {devices}{where}",
