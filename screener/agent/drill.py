@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from screener.agent.daemon import Daemon, PassReport
+from screener.agent.daemon import Daemon, DaemonPorts, PassReport
 from screener.agent.screening import ScreenOutcome, ScreenRequest
 from screener.errors import BadInputError
 from screener.lifecycle.ports import Store
@@ -154,8 +154,8 @@ def daemon_passes(nodes: Sequence[str], alarm_dir: Path, store: Any, *, taint: A
         # The simulated nodes share one alarm folder: each leaves the others' files to them.
         config = DaemonConfig(node=node, alarm_dir=str(alarm_dir), screens=False, metrics_port=-1,
                               idle_window_s=0.0, probes=probe_cfg, foreign_alarms="leave")
-        daemon = Daemon(config, store=store, probe=probe, runner=no_screens, taint=taint,
-                        clock=clock)
+        daemon = Daemon(config, DaemonPorts(store=store, probe=probe, runner=no_screens,
+                                            taint=taint, clock=clock))
         reports[node] = daemon.tick(once=True)
     return reports
 

@@ -29,7 +29,7 @@ def build_daemon(app: AppContext, config: Any, *, stop: threading.Event,
                  metrics: Any = None) -> Any:
     """The real Daemon for a config, wired from the AppContext (store, NVML, SageMaker client);
     what it opens is closed when the command ends."""
-    from screener.agent.daemon import Daemon
+    from screener.agent.daemon import Daemon, DaemonPorts
     from screener.health.probes import DeferredKernelLogReader, run_probes
     from screener.health.host import own_pids
     from screener.agent.screening import KatOptions, KatProcessRunner, LocalTaint, reap_stale_screens
@@ -81,8 +81,9 @@ def build_daemon(app: AppContext, config: Any, *, stop: threading.Event,
         client = app.sagemaker(hp.region, endpoint_url=hp.endpoint_url,
                                max_attempts=hp.max_attempts)
         kwargs["on_quarantine"] = lambda node: hyperpod.on_quarantine(client, hp, node)
-    return Daemon(config, store=store, probe=probe, runner=runner, taint=taint,
-                  gpu_pods=gpu_pods, own_pids=own_pids, stop=stop, metrics=metrics, **kwargs)
+    return Daemon(config, DaemonPorts(store=store, probe=probe, runner=runner, taint=taint,
+                                      gpu_pods=gpu_pods, own_pids=own_pids, stop=stop,
+                                      metrics=metrics, **kwargs))
 
 
 def _created(node_obj: Any) -> Optional[float]:

@@ -1,0 +1,74 @@
+"""What the daemon touches outside itself, as one value: `DaemonPorts`.
+
+The daemon (screener.agent.daemon) reads, writes and runs nothing directly: every store, probe,
+runner, clock and callback it uses is a field here. `screener.commands.daemon` wires the real ones
+(the kube or local store, NVML, the screen worker, the SageMaker deep check), the fire drill wires
+simulated ones, and tests pass fakes at the same boundary. A field left None is a capability this
+node does not have (outside a cluster: no GPU pods, no annotations, no spool).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+from screener.agent.clock import ClockLike
+from screener.agent.metrics import DaemonMetrics
+from screener.agent.screening import ScreenRunner, TaintControl
+from screener.health import host
+from screener.health.probes import ProbeReport
+from screener.lifecycle.ports import Store
+
+ProbeFn = Callable[[Optional[ProbeReport]], ProbeReport]
+PodsFn = Callable[[], list]  # the node's GPU pods (KubeStore.gpu_pods(node))
+PublishFn = Callable[[str, Mapping[str, Optional[str]]], None]
+
+
+def _no_pids() -> set[int]:
+    return set()
+
+
+@dataclass
+class DaemonPorts:
+    """Everything a Daemon uses outside itself (see the module docstring).
+
+    store: where states live (LocalStore or KubeStore). probe(previous) -> ProbeReport. runner:
+        the screen runner (screening.KatProcessRunner, or a test's function). taint: adds and
+        removes the screening taint (KubeStore, or screening.LocalTaint).
+    gpu_pods(): the node's GPU pods (KubeStore.gpu_pods bound to the node), or None outside a
+        cluster. own_pids(): our PIDs (host.own_pids). publish(node, annotations): sets
+        annotations on the Node (KubeStore.set_annotations) or None. on_quarantine(node): the
+        optional deep health check. replay(): writes spooled transitions (KubeStore.replay) or
+        None. reap(): ends screen workers a killed predecessor left (screening.reap_stale_screens
+        bound to the runner's work_dir) or None. node_created(): the Node object's creation time
+        (unix seconds, None when unknown) for the adoption rule, or None. commit_kmsg(): saves
+        the kernel-log position (DeferredKernelLogReader.commit) once what it read is durable, or
+        None. boot_time(): when the host booted (an Xid before it was recovered by the reboot).
+    metrics: the daemon's metrics (default: fresh ones for the node). clock: a clock.Clock (wall
+        and monotonic) or one callable standing for both (a test clock that never steps); default
+        the system's. stop: set to end the loop (SIGTERM); default a fresh event.
+    untaint_delay_s: the screening window's wait before it retries removing the taint. uid: the
+        uid that must own the alarm folder (default: the daemon's own). tool_env: the environment
+        (PATH) the repair ladder runs nvidia-smi and dcgmi in (default: the daemon's own).
+    """
+
+    store: Store
+    probe: ProbeFn
+    runner: ScreenRunner
+    taint: TaintControl
+    gpu_pods: Optional[PodsFn] = None
+    own_pids: Callable[[], set[int]] = _no_pids
+    publish: Optional[PublishFn] = None
+    on_quarantine: Optional[Callable[[str], Any]] = None
+    replay: Optional[Callable[[], int]] = None
+    reap: Optional[Callable[[], Any]] = None
+    node_created: Optional[Callable[[], Optional[float]]] = None
+    commit_kmsg: Optional[Callable[[], None]] = None
+    boot_time: Callable[[], float] = host.boot_time
+    metrics: Optional[DaemonMetrics] = None
+    clock: Optional[ClockLike] = None
+    stop: Optional[threading.Event] = None
+    untaint_delay_s: float = 1.0
+    uid: Optional[int] = None
+    tool_env: Optional[Mapping[str, str]] = None
