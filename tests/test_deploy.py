@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from kubeapi import KubeAPI
-from test_manifests import by_kind, load_all, rendered
+from manifests_util import by_kind, load_all, rendered
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMESPACE = "screener-system"

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from fakes.clock import FakeClock
+from fakes.daemon import NODE, alarm
 from kubeapi import KubeAPI
 from screener.agent.intake import AlarmIntake, applied_in_history
 from screener.agent.metrics import DaemonMetrics
@@ -23,15 +24,6 @@ from screener.lifecycle.apply import apply_event
 from screener.stores.kube import KubeStore
 from screener.stores.local import LocalStore
 from screener.types import AlarmRecord, NodeState, SuspectNode
-
-NODE = "gpu-node-1"
-
-
-def alarm(alarm_id: str, *, settled: bool = True, node: str = NODE, step: int = 7) -> AlarmRecord:
-    return AlarmRecord(alarm_id=alarm_id, check="ring_replay", step=step, settled=settled,
-                       suspect_ranks=(3,) if settled else (),
-                       suspect_nodes=(SuspectNode(node=node, hostname=node),), node=node,
-                       job="train-llm", created=1000.0, evidence={"rows": [1, 2]})
 
 
 def drop(directory, record: AlarmRecord) -> None:

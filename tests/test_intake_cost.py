@@ -19,8 +19,7 @@ from screener.agent.metrics import DaemonMetrics, MetricsServer
 from screener.audit.alarms import write_alarm_file
 from screener.types import NodeState
 from fakes.clock import FakeClock
-from fakes.daemon import NODE, DaemonRig, ScriptedRunner
-from test_intake import alarm
+from fakes.daemon import NODE, DaemonRig, ScriptedRunner, alarm
 
 OTHER = "gpu-node-2"
 

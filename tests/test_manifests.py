@@ -5,15 +5,13 @@ GPU, a narrow securityContext, suspended Jobs)."""
 from __future__ import annotations
 
 import importlib.util
-import shutil
-import subprocess
 import sys
-from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
 
+from manifests_util import (KUBECTL, MANIFESTS, ROOT, admit_configmap, by_kind, configmap_policy,
+                            load_all, rendered, resolve_kustomization)
 from screener.settings.daemon import DaemonConfig
 from screener.types import (DEFAULT_ALARM_DIR, LABEL_STATE, TAINT_SCREENING_KEY, TAINT_STATE_KEY)
 
@@ -21,14 +19,6 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
-
-ROOT = Path(__file__).resolve().parents[1]
-MANIFESTS = ROOT / "manifests"
-KUBECTL = shutil.which("kubectl")
-
-
-def load_all(path: Path) -> list[dict[str, Any]]:
-    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
 
 
 def test_every_manifest_parses_and_names_itself():
@@ -45,30 +35,6 @@ def test_every_manifest_parses_and_names_itself():
             assert d["metadata"].get("name"), f.name
 
 
-def resolve_kustomization() -> list[dict[str, Any]]:
-    """The second-best renderer, used only where kubectl is missing: the resources listed in
-    kustomization.yaml, its JSON6902 patches and image tags, nothing else of kustomize."""
-    from kubeapi import json_patch
-
-    k = load_all(MANIFESTS / "kustomization.yaml")[0]
-    objs = [d for r in k["resources"] for d in load_all(MANIFESTS / r)]
-    for p in k.get("patches", []):
-        t = p["target"]
-        ops = yaml.safe_load(p["patch"])
-        objs = [json_patch(o, ops) if o["kind"] == t["kind"] and o["metadata"]["name"] == t["name"]
-                else o for o in objs]
-    return objs
-
-
-def rendered() -> list[dict[str, Any]]:
-    if KUBECTL is None:
-        return resolve_kustomization()
-    out = subprocess.run([KUBECTL, "kustomize", str(MANIFESTS)], capture_output=True, text=True,
-                         timeout=60)
-    assert out.returncode == 0, out.stderr
-    return [d for d in yaml.safe_load_all(out.stdout) if d is not None]
-
-
 @pytest.mark.skipif(KUBECTL is None, reason="kubectl not installed (the twin below still checks "
                                             "every resource listed in the kustomization)")
 def test_kubectl_kustomize_renders_every_resource():
@@ -79,10 +45,6 @@ def test_kubectl_kustomize_renders_every_resource():
     assert ("DaemonSet", "screener") in kinds and ("ClusterRole", "screener") in kinds
     assert all(o["metadata"].get("labels", {}).get("app.kubernetes.io/part-of") == "screener"
                for o in objs)
-
-
-def by_kind(objs, kind: str, name: str) -> dict[str, Any]:
-    return next(o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name)
 
 
 @pytest.fixture(scope="module")
@@ -374,43 +336,6 @@ def test_admission_policy_keeps_a_pod_bound_token_to_its_own_node(objs):
 
 
 # The ConfigMap policy (issue 23.1): the service account writes only the store's ConfigMaps.
-
-SERVICE_ACCOUNT = "system:serviceaccount:screener-system:screener"
-VERBS = {"create": "CREATE", "update": "UPDATE", "patch": "UPDATE", "delete": "DELETE"}
-
-
-def configmap_policy(objs):
-    pol = by_kind(objs, "ValidatingAdmissionPolicy", "screener-configmaps")
-    binding = by_kind(objs, "ValidatingAdmissionPolicyBinding", "screener-configmaps")
-    assert pol["apiVersion"] == binding["apiVersion"] == "admissionregistration.k8s.io/v1"
-    assert binding["spec"] == {"policyName": "screener-configmaps", "validationActions": ["Deny"]}
-    assert pol["spec"]["failurePolicy"] == "Fail"
-    return pol["spec"]
-
-
-def admit_configmap(spec, operation: str, name: str, *, user: str = SERVICE_ACCOUNT):
-    """The messages of the validations that deny a ConfigMap request ([] = admitted; None = not
-    matched), as the API server evaluates them (cel-python)."""
-    import celpy
-    from celpy import celtypes, json_to_cel
-
-    rules = spec["matchConstraints"]["resourceRules"]
-    assert any(operation in r["operations"] and "configmaps" in r["resources"] for r in rules)
-    env = celpy.Environment()
-    obj = None if operation == "DELETE" else {"metadata": {"name": name}, "data": {}}
-    old = None if operation == "CREATE" else {"metadata": {"name": name}, "data": {}}
-    act = {"object": json_to_cel(obj), "oldObject": json_to_cel(old),
-           "request": json_to_cel({"userInfo": {"username": user}, "operation": operation,
-                                   "name": name, "namespace": "screener-system"})}
-
-    def run(expr):
-        return env.program(env.compile(expr)).evaluate(act)
-
-    if not all(run(m["expression"]) for m in spec["matchConditions"]):
-        return None
-    return [v["message"] for v in spec.get("validations", [])
-            if run(v["expression"]) != celtypes.BoolType(True)]
-
 
 @pytest.mark.parametrize("operation,name,denied", [
     ("CREATE", "screener-history-gpu-node-1", ""),

@@ -18,9 +18,9 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from observability_util import load_rule_groups, rules_file, state_series
 from screener.agent.metrics import DaemonMetrics, MetricsServer, NeverScreened
 from screener.types import NodeState, Outcome
-from test_observability import _rules_file, _state_series, load_rule_groups
 
 PROMTOOL = shutil.which("promtool")
 LAST = "screener_last_successful_screen_timestamp_seconds"
@@ -35,7 +35,7 @@ def test_promtool_not_screening_fires_for_never_and_long_unscreened_nodes(tmp_pa
     for node, state in (("never", "healthy"), ("old", "healthy"), ("fresh", "healthy"),
                         ("restarted", "healthy"), ("passed", "healthy"),
                         ("burning", "burnin")):
-        series += _state_series(node, state, f"Vx{minutes}")
+        series += state_series(node, state, f"Vx{minutes}")
     series += [
         # Adopted healthy at t=0 and never screened: only "never screened since".
         {"series": f'{NEVER}{{node="never"}}', "values": f"0x{minutes}"},
@@ -53,7 +53,7 @@ def test_promtool_not_screening_fires_for_never_and_long_unscreened_nodes(tmp_pa
     ]
     fired = [{"exp_labels": {"node": n, "severity": "warning"}}
              for n in ("never", "old", "restarted")]
-    tests = {"rule_files": [_rules_file(tmp_path, annotations=False).name],
+    tests = {"rule_files": [rules_file(tmp_path, annotations=False).name],
              "evaluation_interval": "1m", "tests": [
                  {"interval": "1m", "input_series": series, "alert_rule_test": [
                      {"eval_time": "50h", "alertname": "ScreenerNotScreening",

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from observability_util import OBS, load_rule_groups, rules_file, state_series
 from screener.agent.metrics import DaemonMetrics
 from screener.types import NodeState, Outcome
 
 ROOT = Path(__file__).resolve().parents[1]
-OBS = ROOT / "manifests" / "observability"
 PROMTOOL = shutil.which("promtool")
 need_promtool = pytest.mark.skipif(PROMTOOL is None,
                                    reason="no promtool binary (apt-get install prometheus)")
@@ -59,12 +59,6 @@ EXPORTED = exported()
 def recording_rules() -> dict[str, set[str]]:
     rules = load_rule_groups()
     return {r["record"]: set() for g in rules for r in g["rules"] if "record" in r}
-
-
-def load_rule_groups() -> list[dict]:
-    doc = yaml.safe_load((OBS / "prometheusrule.yaml").read_text())
-    assert doc["apiVersion"] == "monitoring.coreos.com/v1" and doc["kind"] == "PrometheusRule"
-    return doc["spec"]["groups"]
 
 
 def check_expr(expr: str, where: str) -> set[str]:
@@ -170,20 +164,9 @@ def test_rules_twin_names_labels_and_annotations():
                 check_expr(r["expr"], r["record"])
 
 
-def _rules_file(tmp_path: Path, annotations: bool = True) -> Path:
-    groups = load_rule_groups()
-    if not annotations:  # promtool test compares rendered annotations too; `check` covers them
-        for g in groups:
-            for r in g["rules"]:
-                r.pop("annotations", None)
-    f = tmp_path / "rules.yaml"
-    f.write_text(yaml.safe_dump({"groups": groups}, sort_keys=False))
-    return f
-
-
 @need_promtool
 def test_promtool_check_rules(tmp_path):
-    r = subprocess.run([PROMTOOL, "check", "rules", str(_rules_file(tmp_path))],
+    r = subprocess.run([PROMTOOL, "check", "rules", str(rules_file(tmp_path))],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"SUCCESS: {sum(len(g['rules']) for g in load_rule_groups())} rules found" in r.stdout
@@ -204,20 +187,14 @@ def test_promtool_parses_every_dashboard_query(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def _state_series(node: str, current: str, samples: str) -> list[dict]:
-    return [{"series": f'screener_node_state{{node="{node}",state="{s.value}"}}',
-             "values": samples.replace("V", "1" if s.value == current else "0")}
-            for s in NodeState]
-
-
 @need_promtool
 def test_promtool_fires_every_alert_on_made_up_series(tmp_path):
-    rules = _rules_file(tmp_path, annotations=False)
+    rules = rules_file(tmp_path, annotations=False)
     # Ten nodes (budget: one node); node-3 quarantined; node-5's loop stuck; node-7's intake stalled.
     series = []
     for i in range(10):
         node = f"node-{i}"
-        series += _state_series(node, "quarantined" if i == 3 else "healthy", "Vx40")
+        series += state_series(node, "quarantined" if i == 3 else "healthy", "Vx40")
         # The loop beats every minute (the value is the scrape's unix time) except on node-5.
         series.append({"series": f'screener_last_loop_timestamp_seconds{{node="{node}"}}',
                        "values": "0x40" if i == 5 else "0+60x40"})
@@ -250,8 +227,8 @@ def test_promtool_fires_every_alert_on_made_up_series(tmp_path):
     ]
     # A healthy node whose last pass was at t=0, evaluated after two days: not screening. Its
     # neighbour passed an hour ago.
-    slow = (_state_series("node-s", "healthy", "Vx3000")
-            + _state_series("node-t", "healthy", "Vx3000"))
+    slow = (state_series("node-s", "healthy", "Vx3000")
+            + state_series("node-t", "healthy", "Vx3000"))
     slow += [{"series": 'screener_last_successful_screen_timestamp_seconds{node="node-s"}',
               "values": "0x3000"},
              {"series": 'screener_last_successful_screen_timestamp_seconds{node="node-t"}',

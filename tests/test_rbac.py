@@ -19,7 +19,7 @@ from screener.stores.kube import KubeStore
 from screener.types import ANNOTATION_DIGESTS, TAINT_SCREENING_KEY, Outcome
 from screener.settings.daemon import DaemonConfig
 from fakes.daemon import NODE, DaemonRig, ScriptedRunner, outcome
-from test_manifests import VERBS, admit_configmap, configmap_policy, rendered
+from manifests_util import VERBS, admit_configmap, configmap_policy, rendered
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,21 +9,15 @@ import re
 import subprocess
 import sys
 from html.parser import HTMLParser
-from pathlib import Path
 
 import pytest
 
 from cli_util import screener
+from fakes.fleet import BURNIN, DAY, NOW, fleet_store
 from screener.output.report import burnin_html, fleet_data, fleet_html, load_burnin_report
 from screener.lifecycle.records import Transition
 from screener.stores.local import LocalStore
 from screener.types import NodeState
-
-ROOT = Path(__file__).resolve().parents[1]
-# Written by `screener burnin --iterations 1 --store none --report` on the development machine.
-BURNIN = ROOT / "tests" / "data" / "burnin-report-cpu.json"
-DAY = 86400.0
-NOW = 1_796_000_000.0
 
 
 class Plots(HTMLParser):
@@ -99,37 +93,8 @@ def test_burnin_report_without_hbm_says_so():
     assert "no data" in plots["hbm-bandwidth"]["text"]
 
 
-def _fleet_store(path: Path) -> LocalStore:
-    """Five nodes with real transitions through the store's API over three weeks: one lemon."""
-    s = LocalStore(path)
-
-    def go(node, t, frm, to, failure=False, serials=()):
-        s.record(Transition(node=node, time=NOW - t * DAY, from_state=frm, to_state=to,
-                            reason=f"test {to.value}", failure=failure, gpu_serials=serials))
-
-    B, H, S, Q, R = (NodeState.BURNIN, NodeState.HEALTHY, NodeState.SUSPECT,
-                     NodeState.QUARANTINED, NodeState.REPAIR)
-    for i, n in enumerate(["gpu-a", "gpu-b", "gpu-c", "gpu-d", "gpu-e"]):
-        go(n, 20 - i, None, B)
-        go(n, 19.5 - i, B, H)
-    go("gpu-c", 10, H, S, failure=True, serials=("S1",))
-    go("gpu-c", 9, S, H)
-    go("gpu-c", 5, H, S, failure=True, serials=("S1",))
-    go("gpu-c", 4.5, S, Q, failure=True, serials=("S1",))
-    go("gpu-c", 2, Q, R)
-    go("gpu-d", 1, H, S, failure=True, serials=("S7",))
-    for i, n in enumerate(["gpu-a", "gpu-b", "gpu-d", "gpu-e"]):
-        jobs = {"gemm-fp32": {"seconds": 0.30 + 0.01 * i, "runs": 2},
-                "train-bf16": {"seconds": 0.9 + 0.05 * i, "runs": 2}}
-        s.set_verdict(n, {"time": NOW - DAY, "outcome": "pass", "kind": "full", "verdicts": [
-            {"device": f"cuda:{g}", "outcome": "pass", "job": "", "evidence": {"jobs": jobs}}
-            for g in range(2)] + [{"device": "cuda:0", "outcome": "pass", "job": "hbm",
-                                   "evidence": {"bandwidth_gbps": 3100.0 + i}}]})
-    return s
-
-
 def test_fleet_report_reads_the_store(tmp_path):
-    store = _fleet_store(tmp_path / "s.db")
+    store = fleet_store(tmp_path / "s.db")
     data = fleet_data(store, now=NOW, days=30, min_failures=3,
                       burnin_reports=[load_burnin_report(BURNIN)])
     assert data["states"] == {"gpu-a": "healthy", "gpu-b": "healthy", "gpu-c": "repair",
@@ -211,7 +176,7 @@ def test_report_commands_write_files_and_refuse_bad_input(tmp_path):
     assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "y.json" in r.stderr, r.stderr
     assert not (tmp_path / "z.html").exists()
-    _fleet_store(tmp_path / "f.db").close()
+    fleet_store(tmp_path / "f.db").close()
     r = screener("report", "fleet", "--db", str(tmp_path / "f.db"), "--store", "local", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["states"]["gpu-c"] == "repair"
@@ -264,7 +229,7 @@ def test_fleet_report_has_each_nodes_incidents_and_mtbi(tmp_path):
     10, 5 and 4.5 days ago (a mean gap of 2.75 days), gpu-d once (no gap), the others never."""
     from screener.commands.context import AppContext
 
-    _fleet_store(tmp_path / "f.db").close()
+    fleet_store(tmp_path / "f.db").close()
     ctx = AppContext(clock=lambda: NOW)
     r = screener("report", "fleet", "--db", str(tmp_path / "f.db"), "--store", "local", "--json",
                  obj=ctx)

@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from fakes.fleet import BURNIN, NOW, fleet_store
 from screener.output.report import burnin_html, fleet_data, fleet_html, load_burnin_report
 from screener.stores.local import LocalStore
-
-from test_report import BURNIN, NOW, _fleet_store
 
 CHROMIUM = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")
                  if shutil.which(n)), None)
@@ -69,7 +68,7 @@ def coloured_pixels(img, r: dict) -> int:
 
 def test_burnin_and_fleet_reports_show_their_plots(tmp_path):
     burnin = burnin_html(load_burnin_report(BURNIN))
-    store = _fleet_store(tmp_path / "f.db")
+    store = fleet_store(tmp_path / "f.db")
     fleet = fleet_html(fleet_data(store, now=NOW, burnin_reports=[load_burnin_report(BURNIN)]))
     empty = fleet_html(fleet_data(LocalStore(tmp_path / "e.db"), now=NOW))
     seen = {}

@@ -4,7 +4,8 @@
   NVML (two healthy H100s); `tick(advance)` moves the clock and runs one pass.
 - `ScriptedRunner`: the screen runner, answering scripted outcomes in turn (in place of the
   known-answer child processes); `wait_for_cancel` makes a screen wait for the daemon's cancel.
-- `outcome`, `verdicts`, `as_full_burnin`: build what a quick screen or a full burn-in returns.
+- `outcome`, `verdicts`, `as_full_burnin`: build what a quick screen or a full burn-in returns;
+  `alarm`, the alarm record a job's auditor drops for the daemon to take in.
 """
 
 from __future__ import annotations
@@ -27,10 +28,18 @@ from screener.settings.health import ProbeConfig
 from screener.stores.local import LocalStore
 from screener.types import AlarmRecord, ExitCode, Outcome, SuspectNode, Verdict
 
-__all__ = ["NODE", "DaemonRig", "FakeClock", "ScriptedRunner", "as_full_burnin", "outcome",
-           "verdicts", "wait_for_cancel"]
+__all__ = ["NODE", "DaemonRig", "FakeClock", "ScriptedRunner", "alarm", "as_full_burnin",
+           "outcome", "verdicts", "wait_for_cancel"]
 
 NODE = "gpu-node-1"
+
+
+def alarm(alarm_id: str, *, settled: bool = True, node: str = NODE, step: int = 7) -> AlarmRecord:
+    """A ring-replay alarm about `node` (settled: rank 3 named), as a job's auditor writes it."""
+    return AlarmRecord(alarm_id=alarm_id, check="ring_replay", step=step, settled=settled,
+                       suspect_ranks=(3,) if settled else (),
+                       suspect_nodes=(SuspectNode(node=node, hostname=node),), node=node,
+                       job="train-llm", created=1000.0, evidence={"rows": [1, 2]})
 
 
 def verdicts(outcome: Outcome, devices=("cuda:0", "cuda:1"), reason: str = "") -> tuple[Verdict, ...]:
