@@ -22,10 +22,10 @@ from screener import __version__
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "kat": ("screener.commands.kat", "kat_group", "Known-answer screen: run jobs, compare bits."),
     "golden": ("screener.commands.kat", "golden_group", "Record, verify and list golden records."),
-    "burnin": ("screener.commands.kat", "burnin_cmd", "Burn in this node: every job, repeated."),
-    "platform": ("screener.commands.basic", "platform_cmd",
+    "burnin": ("screener.commands.burnin", "burnin_cmd", "Burn in this node: every job, repeated."),
+    "platform": ("screener.commands.platform_fingerprint", "platform_cmd",
                  "Show the platform signature of a device and its hash."),
-    "fingerprint": ("screener.commands.basic", "fingerprint_cmd",
+    "fingerprint": ("screener.commands.platform_fingerprint", "fingerprint_cmd",
                     "Fingerprint the tensors of a checkpoint, or compare two."),
     "probe": ("screener.commands.probe", "probe_cmd", "Run the GPU and host health probes once."),
     "preflight": ("screener.commands.preflight", "preflight_cmd", "Gate a job at its start: probes, then a quick known-answer subset."),

@@ -3,6 +3,8 @@
 A bad node is a verdict (screener.types.Verdict, Finding), never an exception. An exception here
 means the screener could not do its job, and its exit code says whose fault that is: 2 for bad input
 or usage, 1 for our own failure. None of them may ever be reported as a hardware verdict.
+
+Vocabulary: of ours it imports only screener.types (the exit codes).
 """
 
 from __future__ import annotations

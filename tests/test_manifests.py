@@ -147,7 +147,7 @@ def test_commands_in_the_manifests_and_the_dockerfile_exist():
 
 
 def test_the_burnin_job_arguments_parse_with_the_burnin_command():
-    from screener.commands.kat import burnin_cmd
+    from screener.commands.burnin import burnin_cmd
 
     job = next(o for o in resolve_kustomization() if o["metadata"]["name"] == "screener-burnin")
     args = job["spec"]["template"]["spec"]["containers"][0]["args"]

@@ -43,7 +43,7 @@ from screener.known_answer.allreduce import run_collective
 from screener.known_answer.crosscheck import cross_check, peer_digests, platform_digests
 from screener.known_answer.screen import ScreenResult
 from screener.known_answer.peer_training import PeerOptions, run_local
-from screener.lifecycle import machine as lifecycle
+from screener.lifecycle import machine
 from screener.lifecycle.events import EVIDENCE_CONFIRMED
 from screener.lifecycle.apply import apply_event
 from screener.types import NO_WORK_STATES, ExitCode, NodeState, Outcome, Severity, Verdict
@@ -380,7 +380,7 @@ def run_full_burnin(node: str, devices: Sequence[str], kat: Callable[[], BurninR
                                       devices=len(dict.fromkeys(devices)),
                                       peers_available=peers_available)
     if store is not None and plan.lifecycle:
-        _record(report, node, store, before, after, policy=policy or lifecycle.DEFAULT_POLICY,
+        _record(report, node, store, before, after, policy=policy or machine.DEFAULT_POLICY,
                 clock=clock)
     return report
 
@@ -429,17 +429,17 @@ def _record(report: FullBurninReport, node: str, store: Any, before: Any, after:
     findings = [f for r in (before, after) if r is not None for f in r.findings
                 if f.severity >= Severity.WARNING]
     report.state_before = store.get_state(node)
-    events: list[Any] = [lifecycle.NodeSeen()]
+    events: list[Any] = [machine.NodeSeen()]
     # A finding's GPU serial counts for the lemon rule when this node's NVML reports it.
     known = sorted({str(g.serial) for r in (before, after) if r is not None
                     for g in r.gpus if g.serial})
-    findings = [replace(f, evidence=lifecycle.local_serials(f.evidence, known)) for f in findings]
+    findings = [replace(f, evidence=machine.local_serials(f.evidence, known)) for f in findings]
     if findings:
-        events.append(lifecycle.Findings(tuple(findings)))
+        events.append(machine.Findings(tuple(findings)))
     verdicts = tuple(v for s in report.stages for v in s.verdicts)
     # Conditions seen after the load (a pending remap, a GPU gone) keep the node out.
     conditions = tuple(f for f in (after.findings if after is not None else ()) if is_condition(f))
-    events.append(lifecycle.KatScreen(verdicts, kind=report.kind, conditions=conditions))
+    events.append(machine.KatScreen(verdicts, kind=report.kind, conditions=conditions))
     for event in events:
         decision = apply_event(store, node, event, now=clock(), policy=policy)
         for t in decision.transitions:

@@ -120,7 +120,7 @@ class AppContext:
         adapter all the same: the probes report NVML trouble as findings on every run."""
         if self._nvml is not None:
             return self._nvml
-        from screener.health.nvml import NvmlAdapter  # pynvml: only the daemon reads GPUs so
+        from screener.health.nvml import NvmlAdapter  # pynvml: only commands that read GPUs load it
 
         adapter = NvmlAdapter(events=events)
         try:

@@ -68,15 +68,16 @@ def _read_verdict(app: AppContext, node: str, verdict_file: Optional[str], store
         return None
 
 
-def _probe(result: PreflightResult, expected_gpus: Optional[int]) -> None:
+def _probe(result: PreflightResult, expected_gpus: Optional[int], app: AppContext) -> None:
     """The health probes once, without the kernel log: the daemon reads that continuously, and
-    a reader without its saved position would report every Xid since boot again."""
+    a reader without its saved position would report every Xid since boot again. NVML is the
+    command's (AppContext.nvml), with no event set."""
     from screener.health.probes import run_probes
     from screener.settings.health import ProbeConfig
 
     t0 = time.monotonic()
     report = run_probes(ProbeConfig(expected_gpus=expected_gpus, kmsg_path=None,
-                                    nvml_events=False))
+                                    nvml_events=False), nvml=app.nvml(events=False))
     result.seconds["probes"] = time.monotonic() - t0
     result.probe = report.to_dict()
     result.probe_findings = tuple(report.findings)
@@ -199,7 +200,7 @@ def preflight_cmd(ctx: click.Context, jobs: tuple[str, ...], devices: tuple[str,
     for p in problems:
         _warn(result, f"node verdict unreadable, full preflight: {p}")
     t0 = time.monotonic()
-    _probe(result, expected_gpus)
+    _probe(result, expected_gpus, app)
     if not fast.taken and not result.probe_suspect:
         _screen(result, devices, golden_dir, jobs_dir, repeat, time_cap)
     result.seconds["total"] = time.monotonic() - t0

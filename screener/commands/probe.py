@@ -8,6 +8,7 @@ from typing import Optional
 
 import click
 
+from screener.commands.context import AppContext, pass_app
 from screener.settings.health import MAX_PER_NODE
 from screener.types import Severity
 
@@ -38,8 +39,9 @@ def _gpu_column(f: object) -> str:
               help="A mount point that must be mounted (repeatable).")
 @click.option("--disk", "disks", multiple=True, metavar="PATH",
               help="A path whose filesystem needs free space (repeatable; default /).")
-def probe_cmd(as_json: bool, kmsg_file: Optional[str], kmsg_state: Optional[str], no_kmsg: bool,
-              expected_gpus: Optional[int], expected_nvlinks: Optional[int],
+@pass_app
+def probe_cmd(app: AppContext, as_json: bool, kmsg_file: Optional[str], kmsg_state: Optional[str],
+              no_kmsg: bool, expected_gpus: Optional[int], expected_nvlinks: Optional[int],
               mounts: tuple[str, ...], disks: tuple[str, ...]) -> None:
     """Run the GPU and host health probes once and print what they found.
 
@@ -68,8 +70,11 @@ def probe_cmd(as_json: bool, kmsg_file: Optional[str], kmsg_state: Optional[str]
     reader = None
     if kmsg_file and not no_kmsg:
         reader = KernelLogReader(kmsg_file, state_file=kmsg_state, user_input=True)
+    # NVML through the command's context (opened once, closed when the command ends; tests hand
+    # in a fake there). No event set: one read has no time for events to arrive.
+    nvml = app.nvml(events=False)
     try:
-        report = run_probes(config, kmsg=reader)
+        report = run_probes(config, nvml=nvml, kmsg=reader)
     finally:
         if reader is not None:
             reader.close()

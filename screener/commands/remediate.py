@@ -322,9 +322,9 @@ def correlate_cmd(app: AppContext, node: str, url: str, around: str, window: flo
 # --- screener plan --------------------------------------------------------------------------------
 
 @click.command("plan")
-@click.option("--checkpoint-minutes", "c", type=positive(max=7 * 1440.0), required=True,
+@click.option("--checkpoint-minutes", type=positive(max=7 * 1440.0), required=True,
               help="Time to write one checkpoint, in minutes (the time training is blocked).")
-@click.option("--mttf-hours", "m", type=positive(max=1e6), default=None,
+@click.option("--mttf-hours", "job_mttf_hours", type=positive(max=1e6), default=None,
               help="The job's mean time between interruptions, in hours.")
 @click.option("--node-mttf-hours", type=positive(max=1e8), default=None,
               help="Mean time between failures of one node, in hours (with --nodes).")
@@ -335,7 +335,7 @@ def correlate_cmd(app: AppContext, node: str, url: str, around: str, window: flo
               help="Measure the per-node failure rate from the store's own records.")
 @click.option("--days", type=FiniteFloat(0.001, MAX_DAYS), default=30.0, show_default=True,
               help="How much history --history reads.")
-@click.option("--restart-minutes", "r", type=FiniteFloat(0.0, 7 * 1440.0), default=0.0,
+@click.option("--restart-minutes", type=FiniteFloat(0.0, 7 * 1440.0), default=0.0,
               show_default=True, help="Time to detect, exclude, reschedule and reload after an "
                                       "interruption.")
 @click.option("--interval-minutes", type=positive(max=1e6), default=None,
@@ -343,9 +343,10 @@ def correlate_cmd(app: AppContext, node: str, url: str, around: str, window: flo
 @store_options()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON results on stdout.")
 @pass_app
-def plan_cmd(app: AppContext, c: float, m: Optional[float], node_mttf_hours: Optional[float],
-             nodes: Optional[int], history: bool, days: float, r: float,
-             interval_minutes: Optional[float], store_choice: StoreChoice, as_json: bool) -> None:
+def plan_cmd(app: AppContext, checkpoint_minutes: float, job_mttf_hours: Optional[float],
+             node_mttf_hours: Optional[float], nodes: Optional[int], history: bool, days: float,
+             restart_minutes: float, interval_minutes: Optional[float], store_choice: StoreChoice,
+             as_json: bool) -> None:
     """Plan checkpoints: Young's interval sqrt(2*C*M) and the goodput it gives.
 
     Each interruption loses on average half an interval of work plus the restart time; each
@@ -355,16 +356,16 @@ def plan_cmd(app: AppContext, c: float, m: Optional[float], node_mttf_hours: Opt
     """
     from screener.remediation import plan as recovery
 
-    sources = sum(x for x in (m is not None, node_mttf_hours is not None, history))
+    sources = sum(x for x in (job_mttf_hours is not None, node_mttf_hours is not None, history))
     if sources != 1:
         raise BadInputError("give exactly one of --mttf-hours, --node-mttf-hours (with --nodes) "
                             "or --history")
     source: dict[str, Any]
-    if m is not None:
-        mttf_hours = m
+    if job_mttf_hours is not None:
+        mttf_hours = job_mttf_hours
         source = {"kind": "given"}
         if mttf_hours <= 0:
-            raise BadInputError(f"--mttf-hours {m} must be > 0")
+            raise BadInputError(f"--mttf-hours {job_mttf_hours} must be > 0")
     elif node_mttf_hours is not None:
         if nodes is None:
             raise BadInputError("--node-mttf-hours needs --nodes")
@@ -386,10 +387,11 @@ def plan_cmd(app: AppContext, c: float, m: Optional[float], node_mttf_hours: Opt
         n = nodes if nodes is not None else max(rate.nodes, 1)
         mttf_hours = recovery.job_mttf_hours(n, rate.per_node_hour)
         source = {"kind": "history", "nodes": n, **rate.to_dict()}
-    p = recovery.plan(c, mttf_hours * 60.0, r)
+    p = recovery.plan(checkpoint_minutes, mttf_hours * 60.0, restart_minutes)
     out: dict[str, Any] = {**p.to_dict(), "mttf_hours": mttf_hours, "mttf_source": source}
     if interval_minutes is not None:
-        out["given_interval"] = recovery.plan(c, mttf_hours * 60.0, r, interval_minutes).to_dict()
+        out["given_interval"] = recovery.plan(checkpoint_minutes, mttf_hours * 60.0,
+                                              restart_minutes, interval_minutes).to_dict()
     if as_json:
         _emit(out)
         sys.exit(int(ExitCode.PASS))
@@ -398,16 +400,17 @@ def plan_cmd(app: AppContext, c: float, m: Optional[float], node_mttf_hours: Opt
         click.echo(f"measured: {source['failures']} failure(s) in {source['node_hours']:.0f} "
                    f"node-hours over {source['nodes']} node(s), {source['per_node_hour']:.3g} per "
                    f"node-hour{bound}; job of {source['nodes'] if nodes is None else nodes} node(s)")
-    click.echo(f"job MTTF {mttf_hours:.3g} h; checkpoint {c:g} min; restart {r:g} min"
-               + ("" if r else " (not given: assumed 0)"))
-    click.echo(f"checkpoint every {p.interval_minutes:.1f} min (Young: sqrt(2 x {c:g} x "
-               f"{p.mttf_minutes:.4g}))")
+    click.echo(f"job MTTF {mttf_hours:.3g} h; checkpoint {checkpoint_minutes:g} min; "
+               f"restart {restart_minutes:g} min"
+               + ("" if restart_minutes else " (not given: assumed 0)"))
+    click.echo(f"checkpoint every {p.interval_minutes:.1f} min (Young: sqrt(2 x "
+               f"{checkpoint_minutes:g} x {p.mttf_minutes:.4g}))")
     click.echo(f"  each interruption loses {p.lost_per_interruption_minutes:.1f} min "
                f"({p.interruption_share:.1%} of wall time); checkpoints cost "
                f"{p.checkpoint_share:.1%}; goodput {p.goodput:.1%}")
     if interval_minutes is not None:
         g = out["given_interval"]
         click.echo(f"at your interval of {interval_minutes:g} min: goodput {g['goodput']:.1%}")
-    if c > 1.0:
+    if checkpoint_minutes > 1.0:
         click.echo("  checkpoints take over a minute: asynchronous saves cut C and the interval")
     sys.exit(int(ExitCode.PASS))

@@ -1,4 +1,8 @@
-"""`screener platform` and `screener fingerprint`: the foundation's two commands."""
+"""`screener platform` and `screener fingerprint`: the identity of bits, from the shell.
+
+`platform` shows a device's platform signature (the key golden records are filed under);
+`fingerprint` fingerprints the tensors of a checkpoint, or compares two.
+"""
 
 from __future__ import annotations
 
