@@ -164,8 +164,9 @@ class Daemon:
         self.started = False
         self.reaped: Any = None
         # The repair ladder for an idle quarantined node (issue 24.3), when configured.
-        self.ladder = (RepairLadder(config.ladder, env=ports.tool_env,
-                                    monotonic=self.clock.monotonic)
+        self.ladder = (RepairLadder(config.ladder, node=self.node, env=ports.tool_env,
+                                    monotonic=self.clock.monotonic, boot_time=ports.boot_time,
+                                    slots=ports.repair_slots, repairs=ports.repairs)
                        if config.ladder.enabled else None)
 
     @property
@@ -306,19 +307,19 @@ class Daemon:
         return report
 
     def _climb(self, report: PassReport) -> None:
-        """One look at the repair ladder (screener.remediation.ladder); a rung taken is a
-        Remediation through the lifecycle, so the burn-in that follows re-screens the node."""
+        """One look at the repair ladder (screener.remediation.ladder); a rung taken goes through
+        the lifecycle (a Remediation to burnin, so the burn-in that follows re-screens the node, or
+        a RepairStep recorded before a reboot is asked for)."""
         assert self.ladder is not None
         if self.observe:  # says what enforce would have started
             report.actions.append({"action": "repair_ladder", "result": "not started: observe mode"})
             return
         gpus = sorted(g.index for g in (self.last_report.gpus if self.last_report else ()))
-        step = self.ladder.step(self.store.history(self.node), gpus, self.stamps.now())
+        step = self.ladder.step(self.store.history(self.node), gpus, self.stamps.now(),
+                                lambda event: self.feed.apply(event, "repair ladder", report))
         report.actions.extend(step.actions)
         if step.error:
             self.metrics.error("ladder")
-        if step.event is not None:
-            self.feed.apply(step.event, "repair ladder", report)
 
     def _step(self, report: PassReport, where: str, fn: Callable[[], Any]) -> None:
         try:

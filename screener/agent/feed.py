@@ -89,7 +89,9 @@ class LifecycleFeed:
                         t.to_state.value, t.reason,
                         extra={"event": "transition", "to": t.to_state.value, "code": t.code,
                                "cause": why})
-            if t.to_state == NodeState.QUARANTINED and self.ports.on_quarantine is not None:
+            # On entry only: a repair step (quarantined -> quarantined) is not a new quarantine.
+            if (t.to_state == NodeState.QUARANTINED and t.from_state != NodeState.QUARANTINED
+                    and self.ports.on_quarantine is not None):
                 if self.observe:  # says what enforce would have started
                     report.actions.append({"action": machine.Action.DEEP_HEALTH_CHECK.value,
                                            "result": "not started: observe mode"})

@@ -19,6 +19,7 @@ from screener.agent.screening import ScreenRunner, TaintControl
 from screener.health import host
 from screener.health.probes import ProbeReport
 from screener.lifecycle.ports import Store
+from screener.remediation.ladder import Repairs, Slots
 
 ProbeFn = Callable[[Optional[ProbeReport]], ProbeReport]
 PodsFn = Callable[[], list]  # the node's GPU pods (KubeStore.gpu_pods(node))
@@ -51,6 +52,8 @@ class DaemonPorts:
     untaint_delay_s: the screening window's wait before it retries removing the taint. uid: the
         uid that must own the alarm folder (default: the daemon's own). tool_env: the environment
         (PATH) the repair ladder runs nvidia-smi and dcgmi in (default: the daemon's own).
+    repair_slots: the fleet-wide reboot slots (screener.stores.slots) and repairs: the reboot and
+        replace calls (screener.remediation.repairs), for a ladder that reboots or replaces.
     """
 
     store: Store
@@ -72,3 +75,5 @@ class DaemonPorts:
     untaint_delay_s: float = 1.0
     uid: Optional[int] = None
     tool_env: Optional[Mapping[str, str]] = None
+    repair_slots: Optional[Slots] = None
+    repairs: Optional[Repairs] = None
