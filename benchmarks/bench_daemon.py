@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional
 import psutil
 
 from screener.audit.alarms import write_alarm_file
-from screener.lifecycle import machine as lifecycle
+from screener.lifecycle import machine
 from screener.lifecycle.apply import apply_event
 from screener.stores.local import LocalStore
 from screener.types import LABEL_STATE, AlarmRecord, NodeState, Outcome, SuspectNode, Verdict
@@ -79,7 +79,7 @@ def idle_footprint(seconds: float, kind: str = "local") -> dict[str, Any]:
         work = Path(tmp)
         now = time.time()
         # A node that passed its full burn-in a moment ago: healthy, no screen due.
-        seed = lifecycle.KatScreen((Verdict("cuda:0", Outcome.PASS),), kind=lifecycle.KIND_FULL)
+        seed = machine.KatScreen((Verdict("cuda:0", Outcome.PASS),), kind=machine.KIND_FULL)
         extra: tuple[str, ...] = ()
         if kind == "kube":
             # Here: the kubernetes client is an optional install, and only the kube mode needs it.
@@ -163,7 +163,7 @@ def latency_local(samples: int, tick_s: float) -> list[float]:
 
             def reset() -> None:
                 if store.get_state(NODE) in (NodeState.QUARANTINED, NodeState.REPAIR):
-                    apply_event(store, NODE, lifecycle.HumanCommand(NodeState.BURNIN, "bench reset"),
+                    apply_event(store, NODE, machine.HumanCommand(NodeState.BURNIN, "bench reset"),
                                 now=time.time())
                 time.sleep(PHASE.uniform(0.05, tick_s))  # a random phase against the tick
 
@@ -192,7 +192,7 @@ def latency_kube(samples: int, tick_s: float) -> list[float]:
                     from screener.stores.kube import KubeStore
 
                     s = KubeStore(api.api_client(), instance="bench")
-                    apply_event(s, NODE, lifecycle.HumanCommand(NodeState.BURNIN, "bench reset"),
+                    apply_event(s, NODE, machine.HumanCommand(NodeState.BURNIN, "bench reset"),
                                 now=time.time())
                     s.close()
                 time.sleep(PHASE.uniform(0.05, tick_s))

@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 from kubeapi import KubeAPI  # noqa: E402
-from screener.lifecycle import machine as lifecycle  # noqa: E402
+from screener.lifecycle import machine  # noqa: E402
 from screener.known_answer.crosscheck import peer_digests  # noqa: E402
 from screener.lifecycle.apply import apply_event
 from screener.lifecycle.records import lemon_counts  # noqa: E402
@@ -128,7 +128,7 @@ def kube_figures(n: int) -> dict[str, dict[str, Any]]:
         seen, suspect, failure = [], [], []
         for k in range(9):  # nine different nodes, median of each
             node = names[(k * 37 + 11) % n]
-            seen.append(measure(api, lambda: apply_event(store, node, lifecycle.NodeSeen(),
+            seen.append(measure(api, lambda: apply_event(store, node, machine.NodeSeen(),
                                                          now=NOW + k)))
             suspect.append(measure(api, lambda: apply_event(
                 store, node, Verdict(device="cuda:3", outcome=Outcome.SUSPECT, reason="mismatch",

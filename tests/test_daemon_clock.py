@@ -7,7 +7,7 @@ from __future__ import annotations
 from screener.agent.clock import StampClock, as_clock
 from screener.agent.daemon import Daemon
 from screener.agent.metrics import DaemonMetrics
-from screener.lifecycle import machine as lifecycle
+from screener.lifecycle import machine
 from screener.lifecycle.apply import apply_event
 from screener.types import ExitCode, NodeState, Outcome
 from fakes.clock import FakeClock
@@ -92,7 +92,7 @@ def test_the_lemon_rule_gives_repair_after_a_backward_step_across_a_restart(tmp_
         for n in (1, 2):
             rig.drop_alarm(f"lemon-{n}")
             assert rig.tick(advance=5.0).state == NodeState.QUARANTINED
-            apply_event(rig.store, NODE, lifecycle.Remediation(passed=True), now=clock.wall() + 1)
+            apply_event(rig.store, NODE, machine.Remediation(passed=True), now=clock.wall() + 1)
             clock.advance(DAY)
         clock.step(-10 * DAY)
         rig.daemon = Daemon(rig.config, store=rig.store, probe=rig.daemon.probe, runner=rig.runner,

@@ -19,7 +19,7 @@ from screener.agent.metrics import DaemonMetrics
 from screener.audit.alarms import SDCAlarm, node_records, write_alarm_file
 from screener.audit.guard import hardware_error_alarm
 from screener.audit.straggler import StepResult, Straggler, straggler_alarm
-from screener.lifecycle import machine as lifecycle
+from screener.lifecycle import machine
 from screener.lifecycle.apply import apply_event
 from screener.stores.kube import KubeStore
 from screener.stores.local import LocalStore
@@ -50,7 +50,7 @@ def store(tmp_path):
 def test_applied_once_then_moved_aside(tmp_path, store):
     clock = FakeClock(2000.0)
     alarms = tmp_path / "alarms"
-    apply_event(store, NODE, lifecycle.NodeSeen(), now=clock())
+    apply_event(store, NODE, machine.NodeSeen(), now=clock())
     drop(alarms, alarm("a1", settled=False))
     result = make_intake(alarms, store, clock).run()
     assert [r.alarm_id for r in result.applied] == ["a1"]
@@ -68,7 +68,7 @@ def test_exactly_once_across_a_restart_between_store_and_move(tmp_path, store):
     the folder; the next daemon must not apply it again even when the node moved on meanwhile."""
     clock = FakeClock(2000.0)
     alarms = tmp_path / "alarms"
-    apply_event(store, NODE, lifecycle.NodeSeen(), now=clock())
+    apply_event(store, NODE, machine.NodeSeen(), now=clock())
     drop(alarms, alarm("a-crash", settled=False))
     saved = tmp_path / "saved.json"
     shutil.copy(next(alarms.glob("*.json")), saved)
@@ -79,7 +79,7 @@ def test_exactly_once_across_a_restart_between_store_and_move(tmp_path, store):
     shutil.copy(saved, alarms / "a-crash.json")
     # Meanwhile a person sent the node back to burnin; re-applying the alarm would make it suspect.
     clock.t += 60
-    apply_event(store, NODE, lifecycle.HumanCommand(NodeState.BURNIN, "checked by hand"), now=clock())
+    apply_event(store, NODE, machine.HumanCommand(NodeState.BURNIN, "checked by hand"), now=clock())
     clock.t += 60
     result = make_intake(alarms, store, clock).run()  # a new intake: the restarted daemon
     assert result.applied == [] and result.duplicates == ["a-crash"]
@@ -221,14 +221,14 @@ def test_exactly_once_on_the_kube_store_with_bulky_evidence(tmp_path):
         api.add_node(NODE)
         store = KubeStore(api.api_client(), sleep=lambda s: None, instance="t")
         try:
-            apply_event(store, NODE, lifecycle.NodeSeen(), now=clock())
+            apply_event(store, NODE, machine.NodeSeen(), now=clock())
             drop(alarms, big)
             saved = json.loads(next(alarms.glob("*.json")).read_text())
             make_intake(alarms, store, clock).run()
             (alarms / "processed" / "bulky.json").unlink()
             (alarms / "bulky.json").write_text(json.dumps(saved))  # the crash left it behind
             clock.t += 60
-            apply_event(store, NODE, lifecycle.HumanCommand(NodeState.BURNIN, "by hand"), now=clock())
+            apply_event(store, NODE, machine.HumanCommand(NodeState.BURNIN, "by hand"), now=clock())
             result = make_intake(alarms, store, clock).run()
             assert result.duplicates == ["bulky"] and store.get_state(NODE) == NodeState.BURNIN
         finally:
@@ -273,7 +273,7 @@ def test_hostile_files_are_rejected_and_the_pass_goes_on(tmp_path, store, caplog
                                                          why):
     clock = FakeClock(2000.0)
     alarms = tmp_path / "alarms"
-    apply_event(store, NODE, lifecycle.NodeSeen(), now=clock())
+    apply_event(store, NODE, machine.NodeSeen(), now=clock())
     _raw(alarms, name, content)
     drop(alarms, alarm("good", settled=False))
     with caplog.at_level(logging.WARNING, logger="screener.intake"):

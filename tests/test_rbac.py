@@ -117,7 +117,7 @@ def exercise_burnin_crosscheck(api: KubeAPI) -> None:
 def exercise_budget_and_lemons(api: KubeAPI) -> None:
     """A confirmed failure naming a GPU serial (the per-GPU lemon rule looks the serial up), a
     node held by the budget and released when a slot frees, and the hourly recount."""
-    from screener.lifecycle import machine as lifecycle
+    from screener.lifecycle import machine
     from screener.lifecycle.apply import apply_event, reconsider_held
     from screener.types import NodeState, Verdict
 
@@ -126,11 +126,11 @@ def exercise_budget_and_lemons(api: KubeAPI) -> None:
                   evidence={"gpu_serial": "SN-RBAC", "confirmed": True})
     try:
         now = 1_900_000_000.0
-        apply_event(store, "gpu-node-2", lifecycle.NodeSeen(), now=now)
+        apply_event(store, "gpu-node-2", machine.NodeSeen(), now=now)
         held = apply_event(store, "gpu-node-2", bad, now=now + 1)
         assert held.state == NodeState.SUSPECT  # the daemon's node took the only slot
         assert store.get_state(NODE) == NodeState.QUARANTINED
-        apply_event(store, NODE, lifecycle.Remediation(passed=True), now=now + 2)
+        apply_event(store, NODE, machine.Remediation(passed=True), now=now + 2)
         assert reconsider_held(store, "gpu-node-2", NodeState.SUSPECT, now=now + 3) == \
             NodeState.QUARANTINED
     finally:

@@ -11,7 +11,7 @@ import random
 import time
 from typing import Any, Callable, Optional
 
-from screener.lifecycle import machine as lifecycle
+from screener.lifecycle import machine
 from screener.lifecycle.ports import NodeTxn, Store
 from screener.lifecycle.records import (ACTOR_SCREENER, BUDGET_STATES, BudgetConflict, StaleTransition,
                                         Transition)
@@ -37,7 +37,7 @@ def apply_event(store: Store, node: str, event: Any, *, now: float, policy: Any 
     Per event the work is O(1) in the fleet size: the node's own state and history, the budget's
     counts, and, only when a failure blames GPU serials, the failures that name those serials.
     """
-    policy = policy or lifecycle.DEFAULT_POLICY
+    policy = policy or machine.DEFAULT_POLICY
     for attempt in range(attempts):
         try:
             with store.begin(node) as txn:
@@ -52,8 +52,8 @@ def apply_event(store: Store, node: str, event: Any, *, now: float, policy: Any 
 
 
 def _decide(txn: NodeTxn, node: str, event: Any, now: float, policy: Any) -> Any:
-    fleet = lifecycle.FleetCounts(total=max(1, txn.fleet_total), out_of_service=txn.out_of_service)
-    decision = lifecycle.decide(node, txn.state, event, now=now, history=txn.history, fleet=fleet,
+    fleet = machine.FleetCounts(total=max(1, txn.fleet_total), out_of_service=txn.out_of_service)
+    decision = machine.decide(node, txn.state, event, now=now, history=txn.history, fleet=fleet,
                                 policy=policy)
     # The per-GPU lemon rule needs other nodes' failures, but only those naming the serials this
     # failure blames: fetch exactly those (an indexed lookup) and decide again with them.
@@ -61,7 +61,7 @@ def _decide(txn: NodeTxn, node: str, event: Any, now: float, policy: Any) -> Any
     if serials:
         failures = txn.failures_for(serials, now - policy.window_seconds)
         if failures:
-            decision = lifecycle.decide(node, txn.state, event, now=now, history=txn.history,
+            decision = machine.decide(node, txn.state, event, now=now, history=txn.history,
                                         failures=failures, fleet=fleet, policy=policy)
     return decision
 
@@ -98,14 +98,14 @@ def release_held(store: Store, node: str, state: Optional[NodeState] = None, *, 
     if last_look is not None and 0 <= now - last_look < min_interval_s:
         return state, None
     _LAST_LOOK[(id(store), node)] = now
-    policy = policy or lifecycle.DEFAULT_POLICY
+    policy = policy or machine.DEFAULT_POLICY
     for attempt in range(10):
         try:
             with store.begin(node) as txn:
                 held = txn.history[-1] if txn.history else None
                 if (txn.state != NodeState.SUSPECT or held is None
                         or held.to_state != NodeState.SUSPECT
-                        or not held.evidence.get(lifecycle.EVIDENCE_HELD_BY_BUDGET)):
+                        or not held.evidence.get(machine.EVIDENCE_HELD_BY_BUDGET)):
                     return txn.state, None
                 try:
                     wanted = NodeState(held.evidence.get("wanted") or NodeState.QUARANTINED.value)
@@ -114,8 +114,8 @@ def release_held(store: Store, node: str, state: Optional[NodeState] = None, *, 
                 limit = policy.budget_limit(max(1, txn.fleet_total))
                 if wanted not in BUDGET_STATES or txn.out_of_service + 1 > limit:
                     return txn.state, None
-                actions = ((lifecycle.Action.DEEP_HEALTH_CHECK.value,) if wanted == NodeState.QUARANTINED
-                           else (lifecycle.Action.REQUEST_REPAIR.value,))
+                actions = ((machine.Action.DEEP_HEALTH_CHECK.value,) if wanted == NodeState.QUARANTINED
+                           else (machine.Action.REQUEST_REPAIR.value,))
                 t = Transition(
                     node=node, time=now, from_state=NodeState.SUSPECT, to_state=wanted,
                     reason=f"a quarantine budget slot is free ({txn.out_of_service + 1} of {limit}); "

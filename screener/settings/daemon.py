@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from screener import boundedjson
-from screener.settings import strict as configs
+from screener.settings import strict
 from screener.errors import ConfigError
 from screener.settings.health import ProbeConfig
 from screener.settings.hyperpod import HyperPodConfig
@@ -207,7 +207,7 @@ class DaemonConfig:
         if self.adopt not in ("auto", "off"):
             raise bad("adopt", "must be auto or off")
         for name, (low, high, low_open, integer) in _NUMBERS.items():
-            configs.require_number("daemon", name, getattr(self, name), low, high,
+            strict.require_number("daemon", name, getattr(self, name), low, high,
                                    integer=integer, low_open=low_open,
                                    unit="days" if name == "mtbi_days" else
                                    "" if integer or name == "adopt_created_before"
@@ -253,7 +253,7 @@ class DaemonConfig:
                     values["ladder"] = LadderConfig.from_mapping(values["ladder"])
                 if isinstance(values.get("kube_timeouts"), Mapping):
                     values["kube_timeouts"] = KubeTimeouts.from_mapping(values["kube_timeouts"])
-            return configs.from_mapping(cls, values, "daemon")
+            return strict.from_mapping(cls, values, "daemon")
         except ConfigError as e:
             if source is None:
                 raise

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from screener.settings import strict as configs
+from screener.settings import strict
 from screener.errors import ConfigError
 
 # Where the kernel log and the boot id are on a Linux node (the kernel-log reader's defaults too).
@@ -64,10 +64,10 @@ class ProbeConfig:
         for name in ("expected_gpus", "expected_nvlinks"):
             v = getattr(self, name)
             if v is not None:  # null: not checked. A node has far fewer than MAX_PER_NODE.
-                configs.require_number("probe", name, v, 0, MAX_PER_NODE, integer=True)
+                strict.require_number("probe", name, v, 0, MAX_PER_NODE, integer=True)
         for name in ("min_free_memory_fraction", "min_free_disk_fraction"):
-            configs.require_number("probe", name, getattr(self, name), 0.0, 1.0)
-        configs.require_number("probe", "busy_utilization", self.busy_utilization, 0, 100,
+            strict.require_number("probe", name, getattr(self, name), 0.0, 1.0)
+        strict.require_number("probe", "busy_utilization", self.busy_utilization, 0, 100,
                                integer=True, unit="percent")
         if self.kmsg_first_read not in ("all", "end"):
             raise bad("kmsg_first_read", "must be 'all' or 'end'")
@@ -89,7 +89,7 @@ class ProbeConfig:
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> "ProbeConfig":
         """Build from a parsed config file section; unknown keys raise ConfigError."""
-        return configs.from_mapping(cls, data, "probes")
+        return strict.from_mapping(cls, data, "probes")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

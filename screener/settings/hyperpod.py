@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from screener.settings import strict as configs
+from screener.settings import strict
 from screener.errors import BadInputError, ConfigError
 
 DEEP_HEALTH_CHECKS = ("InstanceStress", "InstanceConnectivity", "MultiNodeTrainingValidation")
@@ -61,9 +61,9 @@ class HyperPodConfig:
         except BadInputError as e:
             raise ConfigError(f"hyperpod checks: {e}") from None
         # botocore's standard mode retries with backoff: 100 attempts is hours already.
-        configs.require_number("hyperpod", "max_attempts", self.max_attempts, 1, 100, integer=True)
+        strict.require_number("hyperpod", "max_attempts", self.max_attempts, 1, 100, integer=True)
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any]) -> "HyperPodConfig":
         """Build from a config table; unknown keys are an error, not silently dropped."""
-        return configs.from_mapping(cls, d, "hyperpod")
+        return strict.from_mapping(cls, d, "hyperpod")

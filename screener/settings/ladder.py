@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from screener.errors import ConfigError
-from screener.settings import strict as configs
+from screener.settings import strict
 
 
 REBOOT_METHODS = ("off", "hyperpod", "command")
@@ -63,11 +63,11 @@ class LadderConfig:
             v = getattr(self, name)
             if not isinstance(v, str) or not v or "\x00" in v:
                 raise ConfigError(f"ladder {name} must be a command name or path")
-        configs.require_number("ladder", "dcgm_level", self.dcgm_level, 0, 4, integer=True)
-        configs.require_number("ladder", "max_rungs", self.max_rungs, 0, 100, integer=True)
-        configs.require_number("ladder", "window_days", self.window_days, 0.0, 3650.0,
+        strict.require_number("ladder", "dcgm_level", self.dcgm_level, 0, 4, integer=True)
+        strict.require_number("ladder", "max_rungs", self.max_rungs, 0, 100, integer=True)
+        strict.require_number("ladder", "window_days", self.window_days, 0.0, 3650.0,
                                low_open=True, unit="days")
-        configs.require_number("ladder", "min_interval_s", self.min_interval_s, 0.0, 30 * 86400.0,
+        strict.require_number("ladder", "min_interval_s", self.min_interval_s, 0.0, 30 * 86400.0,
                                unit="seconds")
         if self.reboot not in REBOOT_METHODS:
             raise ConfigError(f"ladder reboot must be one of {', '.join(REBOOT_METHODS)}, "
@@ -83,12 +83,12 @@ class LadderConfig:
         object.__setattr__(self, "reboot_command", tuple(argv))
         if self.reboot == "command" and not argv:
             raise ConfigError('ladder reboot = "command" needs reboot_command')
-        configs.require_number("ladder", "max_rebooting", self.max_rebooting, 1, 100_000,
+        strict.require_number("ladder", "max_rebooting", self.max_rebooting, 1, 100_000,
                                integer=True)
-        configs.require_number("ladder", "reboot_timeout_s", self.reboot_timeout_s, 60.0,
+        strict.require_number("ladder", "reboot_timeout_s", self.reboot_timeout_s, 60.0,
                                7 * 86400.0, unit="seconds")
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any]) -> "LadderConfig":
         """Build from a config table; unknown keys are an error."""
-        return configs.from_mapping(cls, d, "ladder")
+        return strict.from_mapping(cls, d, "ladder")

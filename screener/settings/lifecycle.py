@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from screener.settings import strict as configs
+from screener.settings import strict
 
 
 @dataclass(frozen=True)
@@ -20,18 +20,18 @@ class LifecyclePolicy:
 
     def __post_init__(self) -> None:
         # Both sides bounded, and a bool is no number: `quarantine_budget = true` was 100%.
-        configs.require_number("lifecycle", "lemon_window_days", self.lemon_window_days, 0.0,
+        strict.require_number("lifecycle", "lemon_window_days", self.lemon_window_days, 0.0,
                                3650.0, low_open=True, unit="days")
-        configs.require_number("lifecycle", "lemon_min_failures", self.lemon_min_failures, 1,
+        strict.require_number("lifecycle", "lemon_min_failures", self.lemon_min_failures, 1,
                                1000, integer=True)
-        configs.require_number("lifecycle", "quarantine_budget", self.quarantine_budget, 0.0, 1.0,
+        strict.require_number("lifecycle", "quarantine_budget", self.quarantine_budget, 0.0, 1.0,
                                unit="a share of the fleet")
-        configs.require_number("lifecycle", "min_budget_nodes", self.min_budget_nodes, 0,
+        strict.require_number("lifecycle", "min_budget_nodes", self.min_budget_nodes, 0,
                                1_000_000, integer=True)
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any]) -> "LifecyclePolicy":
-        return configs.from_mapping(cls, d, "lifecycle")
+        return strict.from_mapping(cls, d, "lifecycle")
 
     @property
     def window_seconds(self) -> float:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
 from screener.errors import ConfigError
-from screener.settings import strict as configs
+from screener.settings import strict
 
 IN_CLUSTER_ENV = "KUBERNETES_SERVICE_HOST"
 # "none": burn-in only, which may move the node's state nowhere.
@@ -39,18 +39,18 @@ class KubeTimeouts:
     unreachable_s: float = 30.0
 
     def __post_init__(self) -> None:
-        configs.require_number("kube timeouts", "connect_s", self.connect_s, 0.0, 600.0,
+        strict.require_number("kube timeouts", "connect_s", self.connect_s, 0.0, 600.0,
                                low_open=True, unit="seconds")
-        configs.require_number("kube timeouts", "read_s", self.read_s, 0.0, 3600.0,
+        strict.require_number("kube timeouts", "read_s", self.read_s, 0.0, 3600.0,
                                low_open=True, unit="seconds")
-        configs.require_number("kube timeouts", "call_s", self.call_s, 0.0, 3600.0,
+        strict.require_number("kube timeouts", "call_s", self.call_s, 0.0, 3600.0,
                                low_open=True, unit="seconds")
-        configs.require_number("kube timeouts", "unreachable_s", self.unreachable_s, 0.0,
+        strict.require_number("kube timeouts", "unreachable_s", self.unreachable_s, 0.0,
                                3600.0, unit="seconds")
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any]) -> "KubeTimeouts":
-        return configs.from_mapping(cls, d, "kube timeouts")
+        return strict.from_mapping(cls, d, "kube timeouts")
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class RetryPolicy:
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any]) -> "RetryPolicy":
-        return configs.from_mapping(cls, d, "kube retry")
+        return strict.from_mapping(cls, d, "kube retry")
 
     def delay(self, attempt: int, rng: Callable[[], float]) -> float:
         """Seconds to wait before retry number `attempt` + 1 (0-based), jittered by rng()."""
