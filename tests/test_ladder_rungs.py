@@ -420,3 +420,32 @@ def test_the_daemon_resets_then_reboots_and_its_restart_on_the_new_boot_rescreen
     assert len([c for c in tool_calls(tools) if c.startswith("reboot")]) == 1
     rig.adapter.close()
     rig2.close()
+
+
+def test_a_repair_step_on_kubernetes_keeps_the_taint_label_and_budget_slot():
+    """The reboot request (quarantined -> quarantined) through KubeStore: appended to the
+    history, the node stays labelled and tainted, and it still holds its one budget slot."""
+    from kubeapi import KubeAPI
+    from screener.stores.kube import KubeStore
+    from screener.types import LABEL_STATE
+
+    with KubeAPI() as server:
+        for i in range(10):
+            server.add_node(f"gpu-{i}")
+        store = KubeStore(server.api_client(), sleep=lambda s: None, clock=lambda: BOOT,
+                          instance="t")
+        apply_event(store, "gpu-0", HumanCommand(NodeState.QUARANTINED, "bad", user="t"), now=BOOT)
+        claims = {c.node for c in store.budget_view().claims.values()}
+        assert claims == {"gpu-0"}
+        d = apply_event(store, "gpu-0", RepairStep("reboot requested (repair ladder, rung 2)",
+                                                   {"ladder": {"rung": "reboot",
+                                                               "phase": "requested"}}),
+                        now=BOOT + 1)
+        assert d.changed and d.state == NodeState.QUARANTINED
+        hist = store.history("gpu-0")
+        assert [t.code for t in hist][-1] == Reason.REPAIR_STEP
+        assert store.get_state("gpu-0") == NodeState.QUARANTINED
+        obj = store.get_node("gpu-0")
+        assert obj["metadata"]["labels"][LABEL_STATE] == "quarantined"
+        assert any(t.get("effect") == "NoSchedule" for t in obj["spec"].get("taints", []))
+        assert [c.node for c in store.budget_view().claims.values()] == ["gpu-0"]
