@@ -15,7 +15,7 @@ from screener.types import AlarmRecord
 
 NODES = ["n0", "n0", "n1", "n1", "n2", "n2"]
 HEALTHY_STEPS = 100
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from screener.types import AlarmRecord
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_example_flip_is_caught_and_the_job_exits_75(tmp_path):
     alarms = tmp_path / "alarms"
@@ -46,6 +47,7 @@ def test_example_flip_is_caught_and_the_job_exits_75(tmp_path):
     assert "terminate called" not in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_fsdp_example_catches_a_flip_without_a_batch_fn_and_the_job_exits_75(tmp_path):
     """examples/train_fsdp.py: FSDP2 with bf16 mixed precision, a plain data loader (no batch_fn),

@@ -37,6 +37,7 @@ def one_alarm(outs):
     return alarms[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", ["fsdp_healthy", "hsdp_healthy"])
 def test_healthy_sharded_training_is_audited_every_step_without_an_alarm(runs, scenario):
     """FSDP with dropout (the owner's RNG state replayed), activation checkpointing and
@@ -51,6 +52,7 @@ def test_healthy_sharded_training_is_audited_every_step_without_an_alarm(runs, s
     assert all(o["counters"]["batch_bytes_received"] > 0 for o in runs["fsdp_healthy"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario, step, rank, node", [
     ("fsdp_flip", 2, 3, "n2"),  # a forward matmul output, exponent bit
     ("hsdp_flip_backward", 1, 0, "n1"),  # a backward matmul output, mantissa bit
@@ -67,6 +69,7 @@ def test_a_flip_at_an_audit_step_is_settled_and_pinned(runs, scenario, step, ran
     assert all(o["steps_done"] == step for o in runs[scenario])  # the step was not applied
 
 
+@pytest.mark.slow
 def test_a_nan_in_one_local_gradient_is_confirmed_elsewhere_and_named(runs):
     a = one_alarm(runs["fsdp_nan"])
     assert (a["check"], a["step"], a["settled"], a["suspect_ranks"]) == ("nonfinite_local", 1,
@@ -76,6 +79,7 @@ def test_a_nan_in_one_local_gradient_is_confirmed_elsewhere_and_named(runs):
     assert [f["node"] for f in runs["fsdp_nan"][0]["files"]] == ["n3"]
 
 
+@pytest.mark.slow
 def test_hsdp_replicas_vote_on_each_shard(runs):
     a = one_alarm(runs["hsdp_weights"])
     assert (a["check"], a["step"], a["settled"], a["suspect_ranks"]) == ("weights", 1, True, [5])
@@ -104,6 +108,7 @@ def test_a_model_that_is_not_sharded_goes_to_the_ddp_auditor_and_is_refused_ther
         Auditor(nn.Linear(2, 2))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario, verdict", [("spike_transient", "transient"),
                                                ("spike_persistent", "persistent")])
 def test_a_spike_between_audits_is_attributed_before_the_update(runs, scenario, verdict):
@@ -122,6 +127,7 @@ def test_a_spike_between_audits_is_attributed_before_the_update(runs, scenario, 
     assert all(o["counters"]["sentinel_fired"] == 1 for o in runs[scenario])
 
 
+@pytest.mark.slow
 def test_a_data_spike_is_the_datas_and_the_step_proceeds(runs):
     """A batch whose loss is 1000 times the others' (rank 0, step 6): every rerun reproduces
     it, so it is no hardware verdict: no alarm, no file, training goes on."""

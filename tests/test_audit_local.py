@@ -279,6 +279,7 @@ def test_auditor_refuses_what_it_cannot_audit(group, tmp_path):
     assert all(classify(r) == 2 and "\n" not in str(r) for r in refusals)
 
 
+@pytest.mark.slow
 def test_torch_compile_around_ddp_is_refused_and_inside_ddp_audited(group, tmp_path):
     """torch.compile(DDP(m)) runs compiled code that replays of DDP's module cannot reproduce:
     refused in one line (exit 2) when the Auditor is given it, and at the first check_gradients,

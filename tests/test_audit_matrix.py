@@ -28,7 +28,7 @@ from screener.types import AlarmRecord
 
 NODES = ["n0", "n0", "n1", "n1", "n2", "n2"]
 HEALTHY_STEPS = 4  # fp16_scaler: all ranks overflow at step 2, rank 2's data at step 3
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 
 @pytest.fixture(scope="module")

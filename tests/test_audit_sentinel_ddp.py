@@ -10,7 +10,7 @@ from ddp_util import run_ranks
 import sentinel_workers
 
 NODES = ["n1", "n1", "n2", "n2", "n3", "n3"]
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")

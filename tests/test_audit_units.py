@@ -320,6 +320,7 @@ def test_rollback_target_takes_the_newest_verified_checkpoint_before_the_suspect
 
 # ---- import contract ---------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_audit_imports_nothing_of_ours_but_types_and_fingerprint():
     code = ("import sys, json; import screener.audit; "
             "print(json.dumps(sorted(m for m in sys.modules if m.startswith('screener'))))")

@@ -172,6 +172,7 @@ def check_round(result: dict[str, Any], racers: Racers) -> str:
     return claimed[0]
 
 
+@pytest.mark.slow
 def test_eight_processes_race_for_one_slot_on_sqlite(racers, tmp_path):
     template = tmp_path / "fleet.db"
     store = LocalStore(template)
@@ -186,6 +187,7 @@ def test_eight_processes_race_for_one_slot_on_sqlite(racers, tmp_path):
     print(f"sqlite: {ROUNDS} rounds of {RACERS} racers, one winner each; winners {winners}")
 
 
+@pytest.mark.slow
 def test_eight_processes_race_for_one_slot_on_kubernetes(racers):
     with KubeAPI() as api:
         for name in fleet_names(racers):

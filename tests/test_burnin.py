@@ -32,6 +32,7 @@ def golden_dir(tmp_path_factory) -> str:
     return str(out)
 
 
+@pytest.mark.slow
 def test_cli_burnin_for_a_duration_passes_with_report(golden_dir, tmp_path):
     report = tmp_path / "r.json"
     args = [sys.executable, "-m", "screener.cli", "burnin", "--device", "cpu", "--duration", "1s",
@@ -53,6 +54,7 @@ def test_cli_burnin_for_a_duration_passes_with_report(golden_dir, tmp_path):
     assert "job runs" in r.stderr  # the progress bar went to stderr
 
 
+@pytest.mark.slow
 def test_a_fault_in_a_later_iteration_is_caught(golden_dir):
     fault = kat.DeviceFault(op="mm", call=2, element=5, bit=4, job="gemm-fp32", iteration=1)
     rep = burnin.run_burnin(["cpu"], JOBS, iterations=2, golden_dir=golden_dir,

@@ -74,6 +74,7 @@ def test_platform_hash_ignores_identity_but_not_numeric_fields():
     assert signature("cpu").numeric_hash == p.numeric_hash  # stable
 
 
+@pytest.mark.slow
 def test_platform_bad_device_is_exit_2_one_line():
     for dev in ("cuda:7" if not torch.cuda.is_available() else "cuda:99", "tpu:0", "banana"):
         r = screener("platform", "--device", dev)

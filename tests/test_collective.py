@@ -9,6 +9,7 @@ from screener.known_answer.allreduce import CorruptReceive, run_collective
 from screener.types import Outcome
 
 
+@pytest.mark.slow
 def test_allreduce_matches_the_known_sum_and_a_corrupted_receive_is_found_on_its_rank():
     # One run of three ranks (process start-up dominates on the CPU): rank 1's result is
     # overwritten after every all-reduce, ranks 0 and 2 must see exactly the known sum.

@@ -236,6 +236,7 @@ def test_bad_input_is_one_line_exit_2():
 
 # --- the real server ----------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.skipif(PROMETHEUS_BIN is None,
                     reason="the prometheus binary is not installed (Debian package: prometheus)")
 def test_real_prometheus_scraping_an_exporter(tmp_path):

@@ -303,6 +303,7 @@ def test_the_hyperpod_table_is_validated_at_load_even_with_the_feature_off(tmp_p
     assert json.loads(json.dumps(cfg.to_dict()))["hyperpod"]["checks"] == ["InstanceStress"]
 
 
+@pytest.mark.slow
 def test_once_from_the_command_line_uses_the_local_store_and_exits_with_the_contract(tmp_path):
     """`screener daemon --once` as a user runs it: no cluster configured -> the local store under
     $XDG_STATE_HOME; a settled alarm -> quarantined -> exit 75; JSON log lines on stderr."""

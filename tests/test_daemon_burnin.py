@@ -68,6 +68,7 @@ def probe_fn(tmp_path):
     return lambda previous: run_probes(cfg, nvml=nvml, previous=previous)
 
 
+@pytest.mark.slow
 def test_a_clean_node_ends_healthy(kat_env, tmp_path):
     _, clean = kat_env
     store = LocalStore(tmp_path / "s.db")
@@ -88,6 +89,7 @@ def test_a_clean_node_ends_healthy(kat_env, tmp_path):
         store.close()
 
 
+@pytest.mark.slow
 def test_a_partial_burnin_never_makes_the_node_healthy(kat_env, tmp_path):
     """The same clean run, but short of the configured duration, or without the HBM test, or
     with a single round: recorded as partial, and the node stays in burnin."""
@@ -130,6 +132,7 @@ def test_a_partial_burnin_never_makes_the_node_healthy(kat_env, tmp_path):
         store.close()
 
 
+@pytest.mark.slow
 def test_a_reproduced_known_answer_mismatch_quarantines(kat_env, tmp_path):
     kat, _ = kat_env
     fault = {"cpu": [DeviceFault(op="mm", call=1, element=5, bit=0)]}  # every iteration
@@ -146,6 +149,7 @@ def test_a_reproduced_known_answer_mismatch_quarantines(kat_env, tmp_path):
         store.close()
 
 
+@pytest.mark.slow
 def test_a_stuck_hbm_bit_quarantines_even_when_the_known_answers_pass(kat_env, tmp_path):
     _, clean = kat_env
     store = LocalStore(tmp_path / "s.db")
@@ -159,6 +163,7 @@ def test_a_stuck_hbm_bit_quarantines_even_when_the_known_answers_pass(kat_env, t
         store.close()
 
 
+@pytest.mark.slow
 def test_digests_that_disagree_with_the_fleet_make_the_node_suspect(kat_env, tmp_path):
     _, clean = kat_env
     v = clean.screen.verdicts[0]
@@ -192,6 +197,7 @@ def test_only_passing_devices_publish_digests_by_platform():
     assert platform_digests(verdicts, digests) == {"p1": {"j": "aa"}, "p2": {"j": "dd"}}
 
 
+@pytest.mark.slow
 def test_the_daemon_runs_the_full_burnin_itself_in_its_worker(kat_env, tmp_path):
     """A new node, idle: the daemon's real worker process runs the burn-in's device stages (the
     known-answer jobs for the configured seconds, at least twice, and the HBM test), the daemon
@@ -222,6 +228,7 @@ def test_the_daemon_runs_the_full_burnin_itself_in_its_worker(kat_env, tmp_path)
         rig.close()
 
 
+@pytest.mark.slow
 def test_a_burnin_shorter_than_configured_is_partial_and_keeps_the_node_in_burnin(kat_env, tmp_path):
     # The worker reports 5 s of known-answer rounds; the node requires an hour.
     runner = ScriptedRunner(as_full_burnin(outcome(Outcome.PASS)))
@@ -236,6 +243,7 @@ def test_a_burnin_shorter_than_configured_is_partial_and_keeps_the_node_in_burni
         rig.close()
 
 
+@pytest.mark.slow
 def test_a_mismatch_in_the_timed_rounds_stands_even_when_too_few_repeats_ran(kat_env):
     """The daemon's worker runs the burn-in's rounds for the configured seconds and, when that was
     too short for the required repeats, runs them again by count. A mismatch in the timed rounds is

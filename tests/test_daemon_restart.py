@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from screener.settings.daemon import DaemonConfig
 from screener.agent.daemon import Daemon
@@ -36,6 +37,7 @@ def wait_for(predicate, limit: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+@pytest.mark.slow
 def test_a_daemon_killed_mid_screen_is_cleaned_up_by_the_next_start(tmp_path):
     state = tmp_path / "state"
     work = tmp_path / "screens"

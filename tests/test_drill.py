@@ -26,6 +26,7 @@ def drill(tmp_path_factory):
     return result, work
 
 
+@pytest.mark.slow
 def test_the_drill_catches_the_fault_and_quarantines_the_faulty_node(drill):
     result, work = drill
     assert result.return_value == 0
@@ -55,6 +56,7 @@ def test_the_drill_catches_the_fault_and_quarantines_the_faulty_node(drill):
     assert len(list((work / "alarms" / "processed").glob("*.json"))) == 1
 
 
+@pytest.mark.slow
 def test_the_same_alarm_files_quarantine_the_node_on_a_cluster(drill, tmp_path):
     _, work = drill
     alarms = tmp_path / "alarms"
@@ -88,6 +90,7 @@ def test_bad_drill_options_are_usage_errors():
     assert r.exit_code != 0 and "faulty node 'z'" in str(r.exception or r.output)
 
 
+@pytest.mark.slow
 def test_a_drill_whose_fault_never_fires_exits_2_not_a_pass_or_a_failure(tmp_path):
     """A fault past the last matmul of the step never fires: the drill tested nothing, which
     is a usage error (2), not a broken pipeline (1) and never a pass."""

@@ -76,7 +76,8 @@ def test_matches_definition_for_any_dtype_shape_and_view(impl, dtype, shape, see
     assert tuple(got[2].tolist()) == reference(base)
 
 
-@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.uint8, *(pytest.param(d, marks=pytest.mark.slow) for d in
+                                                 (torch.bfloat16, torch.float32, torch.float64))])
 def test_larger_than_any_internal_chunk(dtype):
     # Several chunks plus a ragged tail, so chunk offsets and padding are exercised.
     size = torch.empty(0, dtype=dtype).element_size()

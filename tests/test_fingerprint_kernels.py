@@ -222,6 +222,7 @@ def test_concurrent_calls_from_many_threads_agree():
     assert len(results) == 20 and all(r == want for r in results)
 
 
+@pytest.mark.slow
 def test_without_the_built_kernel_the_torch_path_runs(tmp_path):
     # A copy of the package without the compiled library, as after an install without a compiler.
     shutil.copytree(ROOT / "screener", tmp_path / "screener",
@@ -281,6 +282,7 @@ _TRITON_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                     reason="triton is not installed (the [test] extra installs it on Linux x86-64)")
 def test_triton_kernels_match_the_definition_in_the_interpreter():

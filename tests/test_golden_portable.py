@@ -158,6 +158,7 @@ def test_the_committed_goldens_still_load():
     assert records and not errors
 
 
+@pytest.mark.slow
 def test_kat_run_with_a_fault_in_the_first_repeat_reads_right(setup, tmp_path):
     spec, plat, good, bad = setup
     _write(spec, plat, good, tmp_path)

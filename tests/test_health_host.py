@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from screener.health import host
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
@@ -37,6 +39,7 @@ def test_a_process_with_another_start_time_is_not_the_named_one_and_is_left_alon
             child.wait()
 
 
+@pytest.mark.slow
 def test_descendants_and_environment_tags_find_a_family_in_sessions_of_its_own():
     tag = f"screener-test-{os.getpid()}"
     # A child in a session of its own starts a grandchild (its own session too) and prints its

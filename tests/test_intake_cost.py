@@ -113,6 +113,7 @@ def _healthz(port: int) -> int:
         return e.code
 
 
+@pytest.mark.slow
 def test_the_daemon_stays_live_and_stops_within_a_file_under_hundreds_of_bulky_files(tmp_path):
     """200 files of ~240 KB about another node, a pass with no budget to speak of: /healthz
     answers 200 through the pass (the loop beats between files) and a SIGTERM ends the pass

@@ -44,7 +44,8 @@ def _spec(name: str, **cpu) -> w.JobSpec:
 
 # --- detection and location (in process) ----------------------------------------------------------
 
-@pytest.mark.parametrize("job", ["gemm-fp32", "gemm-bf16", "gemm-fp16", "conv-fp32"])
+@pytest.mark.parametrize("job", ["gemm-fp32", *(pytest.param(j, marks=pytest.mark.slow)
+                                               for j in ("gemm-bf16", "gemm-fp16", "conv-fp32"))])
 def test_every_bit_class_in_fingerprinted_outputs_is_detected_and_located(job):
     spec = _spec(job)
     p = spec.params_for("cpu")
@@ -71,6 +72,7 @@ def _calls_per_step(spec: w.JobSpec, op: str) -> list[int]:
     return ends
 
 
+@pytest.mark.slow
 def test_training_step_detects_flips_in_every_op_kind_and_names_the_step():
     # Two steps keep this fast. Elements are taken from the last token of the first sequence:
     # earlier positions of q and of the attention scores are masked by causal attention (a flip
@@ -344,6 +346,7 @@ def golden_dir(tmp_path_factory) -> str:
     return str(out)
 
 
+@pytest.mark.slow
 def test_healthy_cpu_passes_against_the_golden(golden_dir):
     res = kat.run_screen(None, ["cpu"], golden_dir=golden_dir, repeat=2)
     v = res.verdict("cpu")
@@ -358,6 +361,7 @@ def test_healthy_cpu_passes_against_the_golden(golden_dir):
         assert job["seconds_per_run"] == pytest.approx(job["seconds"] / 2, abs=1e-4)
 
 
+@pytest.mark.slow
 def test_injected_fault_in_a_child_is_suspect_with_its_location(golden_dir):
     spec = _spec("gemm-fp32")
     shapes = spec.params_for("cpu")["shapes"]
@@ -385,6 +389,7 @@ def _selftest_dir(tmp_path: Path, **params) -> str:
     return str(tmp_path)
 
 
+@pytest.mark.slow
 def test_a_hang_is_suspect_only_with_evidence_that_the_job_finishes(tmp_path):
     """A lone device past its timeout with nothing to compare against is inconclusive; the
     same timeout is a hang (suspect) when the golden records how long the job takes, or when a
@@ -424,6 +429,7 @@ def test_a_hang_is_suspect_only_with_evidence_that_the_job_finishes(tmp_path):
     assert (v.outcome, v.reason) == (Outcome.SUSPECT, "timeout") and "peer" in v.evidence["detail"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params", [{"signal": 9}])
 def test_a_child_killed_by_sigkill_is_never_suspect(tmp_path, params):
     """SIGKILL comes from outside (the OOM killer, an operator): inconclusive, not a crash."""
@@ -435,6 +441,7 @@ def test_a_child_killed_by_sigkill_is_never_suspect(tmp_path, params):
     assert (v.outcome, v.reason) == (Outcome.INCONCLUSIVE, "killed")
 
 
+@pytest.mark.slow
 def test_a_job_too_big_for_the_device_is_bad_input_before_allocating(tmp_path):
     (tmp_path / "big.toml").write_text(
         'name = "big"\nversion = 1\nkind = "gemm"\n[params]\nchain = 1\n'
@@ -454,6 +461,7 @@ def test_a_job_too_big_for_the_device_is_bad_input_before_allocating(tmp_path):
         w.check_fits(spec, "cpu", free_bytes=0.1 * 2**30)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("request_, kind", [
     ({"device": "cpu", "jobs": [], "faults": [{"op": "mm", "mode": "melt"}]}, "usage"),
     ({"jobs": []}, "screener"),  # no device: a KeyError of ours

@@ -314,6 +314,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                            "--json", *args], capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
+@pytest.mark.slow
 def test_the_issues_two_faults_in_two_runs_exit_75_not_1(goldens):
     r = _cli("--job", "gemm-fp32", "--golden-dir", goldens,
              "--inject", "op=mm,call=3,element=7,bit=0,job=gemm-fp32,iteration=0",
@@ -331,6 +332,7 @@ def test_the_issues_two_faults_in_two_runs_exit_75_not_1(goldens):
     assert out["faults"]["cpu"]["fired"] == [0, 1] and out["warnings"] == []
 
 
+@pytest.mark.slow
 def test_a_persistent_fault_and_a_corrupted_index_through_the_child(goldens):
     r = _cli("--job", "gemm-fp32", "--job", "replay-fp32", "--golden-dir", goldens, "--repeat", "2",
              "--inject", "op=mm,call=4,element=7,bit=1,persistent=true,job=gemm-fp32",
@@ -344,6 +346,7 @@ def test_a_persistent_fault_and_a_corrupted_index_through_the_child(goldens):
     assert "IndexError: index out of range in self" in issues["replay-fp32"]["detail"]
 
 
+@pytest.mark.slow
 def test_an_injected_fault_that_never_fires_is_said_and_exits_2(goldens):
     r = _cli("--job", "gemm-fp32", "--golden-dir", goldens, "--repeat", "1",
              "--inject", "op=mm,call=3000,element=7,bit=0")
@@ -364,6 +367,7 @@ def test_parse_fault_reads_persistent():
         DeviceFault(op="mm", persistent="yes")  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_the_daemons_runner_keeps_what_earlier_screens_produced(tmp_path):
     """The production runner remembers the digests of devices that reproduced themselves, and
     passes them to its next screen; with no golden, a device that then disagrees with itself

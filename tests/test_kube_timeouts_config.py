@@ -28,6 +28,7 @@ def test_the_table_is_read_and_validated():
             DaemonConfig.from_mapping({"node": "n1", "kube_timeouts": bad})
 
 
+@pytest.mark.slow
 def test_a_black_holed_api_fails_within_the_configured_time(tmp_path):
     config = DaemonConfig.from_mapping({"node": "gpu-1", "kube_timeouts": {
         "connect_s": 0.5, "read_s": 0.5, "call_s": 1.5, "unreachable_s": 5.0}})

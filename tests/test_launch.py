@@ -114,6 +114,7 @@ def results(tmp_path_factory):
 pytestmark = pytest.mark.timeout(300)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CASES)
 def test_torchrun_job_exits_with_the_workers_verdict(results, name):
     code, text = results[name]
@@ -122,12 +123,14 @@ def test_torchrun_job_exits_with_the_workers_verdict(results, name):
         assert f"exit {code}" in text
 
 
+@pytest.mark.slow
 def test_a_verdict_recorded_before_a_teardown_abort_survives(results):
     code, text = results["guarded"]
     assert code == 75, text[-3000:]
     assert "worker exit codes [-6," in text, text[-3000:]  # torchrun saw the abort first
 
 
+@pytest.mark.slow
 def test_a_guarded_hardware_error_drops_an_alarm_for_its_own_node(results):
     (f,) = results["alarms"]
     rec = AlarmRecord.from_dict(json.loads(f.read_text()))
@@ -137,6 +140,7 @@ def test_a_guarded_hardware_error_drops_an_alarm_for_its_own_node(results):
     assert "uncorrectable ECC" in rec.evidence["message"] and rec.evidence["rank"] == 1
 
 
+@pytest.mark.slow
 def test_any_command_passes_its_code_through(results):
     code, text = results["child"]
     assert code == 77, text

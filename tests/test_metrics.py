@@ -130,6 +130,7 @@ def test_a_taken_metrics_port_is_a_config_error_naming_it(served):
         MetricsServer(rig.metrics, "127.0.0.1", server.port)
 
 
+@pytest.mark.slow
 def test_idle_connections_cannot_starve_the_server(tmp_path):
     """300 connections that never send a byte: the server holds at most its cap (the oldest are
     closed to make room), so file descriptors stay bounded and /healthz still answers at once."""
@@ -155,6 +156,7 @@ def test_idle_connections_cannot_starve_the_server(tmp_path):
         server.stop()
 
 
+@pytest.mark.slow
 def test_a_silent_client_is_dropped_after_the_read_timeout():
     server = MetricsServer(DaemonMetrics(NODE), "127.0.0.1", 0, read_timeout_s=0.5).start()
     try:

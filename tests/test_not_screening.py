@@ -27,6 +27,7 @@ LAST = "screener_last_successful_screen_timestamp_seconds"
 NEVER = NeverScreened.NAME
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(PROMTOOL is None, reason="no promtool binary (apt-get install prometheus; "
                                              ".ci/run installs it); the twin below still runs")
 def test_promtool_not_screening_fires_for_never_and_long_unscreened_nodes(tmp_path):

@@ -187,6 +187,7 @@ def test_promtool_parses_every_dashboard_query(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+@pytest.mark.slow
 @need_promtool
 def test_promtool_fires_every_alert_on_made_up_series(tmp_path):
     rules = rules_file(tmp_path, annotations=False)

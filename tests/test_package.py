@@ -307,6 +307,7 @@ def _rendered(folder: Path) -> list[dict]:
     return [d for r in k["resources"] for d in yaml.safe_load_all((folder / r).read_text()) if d]
 
 
+@pytest.mark.slow
 def test_manifests_validate_against_the_kubernetes_schemas():
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     import yaml

@@ -10,6 +10,7 @@ from screener.known_answer.peer_training import PeerFault, PeerOptions, judge, r
 from screener.types import ExitCode, Outcome
 
 
+@pytest.mark.slow
 def test_a_fault_on_the_node_under_test_is_caught_and_named(tmp_path):
     # One run (three processes start slowly on a shared CPU): the all-reduce check first, clean,
     # with its bandwidth; then training with a fault on the node under test at step 1.

@@ -9,6 +9,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 import torch
 
 from screener.known_answer import golden
@@ -76,6 +77,7 @@ def test_the_math_paths_come_from_the_libraries_torch_uses():
     assert (p.blas, p.onednn) == (blas, onednn) and p.name and p.cpu_capability
 
 
+@pytest.mark.slow
 def test_screener_platform_shows_the_key_the_goldens_use():
     r = subprocess.run([sys.executable, "-m", "screener.cli", "platform", "--json"],
                        capture_output=True, text=True, timeout=120)

@@ -56,6 +56,15 @@ def wrong_goldens(tmp_path_factory) -> str:
     return str(out)
 
 
+@pytest.fixture
+def no_goldens(tmp_path: Path) -> str:
+    """An empty golden folder: known-answer jobs run against it end inconclusive (exit 3), so a
+    preflight that exits 0 with it ran none (cheaper than recording wrong goldens to show it)."""
+    empty = tmp_path / "no-goldens"
+    empty.mkdir()
+    return str(empty)
+
+
 def _run(tmp_path: Path, *args: str, env: dict[str, str] | None = None
          ) -> subprocess.CompletedProcess:
     full = {k: v for k, v in os.environ.items()
@@ -120,6 +129,7 @@ def test_pass_runs_probes_and_the_subset_and_writes_no_alarm(tmp_path, goldens):
     assert out["alarm_file"] is None and _alarms(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_a_mismatch_exits_75_and_leaves_an_unsettled_alarm_about_its_own_node(tmp_path,
                                                                             wrong_goldens):
     r = _run(tmp_path, "--golden-dir", wrong_goldens, "--json", "--job-name", "llm-train")
@@ -137,6 +147,7 @@ def test_a_mismatch_exits_75_and_leaves_an_unsettled_alarm_about_its_own_node(tm
     assert not list((tmp_path / "alarms").glob(".*.tmp"))  # written whole, then renamed
 
 
+@pytest.mark.slow
 def test_no_golden_is_inconclusive_and_allow_inconclusive_lets_the_pod_start(tmp_path):
     empty = tmp_path / "no-goldens"
     empty.mkdir()
@@ -148,11 +159,11 @@ def test_no_golden_is_inconclusive_and_allow_inconclusive_lets_the_pod_start(tmp
     assert _alarms(tmp_path) == []
 
 
-def test_fast_path_from_the_environment_runs_only_the_probes(tmp_path, wrong_goldens):
+def test_fast_path_from_the_environment_runs_only_the_probes(tmp_path, no_goldens):
     verdict = json.dumps({"time": time.time() - 60, "outcome": "pass", "kind": "quick"})
     t0 = time.monotonic()
-    # wrong goldens: the known-answer jobs would fail, so a pass shows they did not run
-    r = _run(tmp_path, "--golden-dir", wrong_goldens, "--json",
+    # no goldens: the known-answer jobs would end inconclusive (3), so a pass shows they did not run
+    r = _run(tmp_path, "--golden-dir", no_goldens, "--json",
              env={"SCREENER_NODE_VERDICT": verdict})
     seconds = time.monotonic() - t0
     assert r.returncode == 0, r.stderr
@@ -162,6 +173,7 @@ def test_fast_path_from_the_environment_runs_only_the_probes(tmp_path, wrong_gol
     assert seconds < 30  # no child process, no torch: the probes alone
 
 
+@pytest.mark.slow
 def test_an_old_verdict_in_a_downward_api_file_means_the_full_preflight(tmp_path, wrong_goldens):
     f = tmp_path / "verdict"
     f.write_text(json.dumps({"time": time.time() - 3 * 3600, "outcome": "pass"}))
@@ -172,12 +184,12 @@ def test_an_old_verdict_in_a_downward_api_file_means_the_full_preflight(tmp_path
     assert len(_alarms(tmp_path)) == 1
 
 
-def test_fast_path_from_the_node_annotation_in_the_kube_store(tmp_path, wrong_goldens):
+def test_fast_path_from_the_node_annotation_in_the_kube_store(tmp_path, no_goldens):
     verdict = json.dumps({"time": time.time() - 60, "outcome": "pass"})
     with KubeAPI() as api:
         api.add_node("gpu-7", annotations={"screener.io/verdict": verdict})
         cfg = api.write_kubeconfig(tmp_path / "kubeconfig")
-        r = _run(tmp_path, "--golden-dir", wrong_goldens, "--verdict-store", "kube",
+        r = _run(tmp_path, "--golden-dir", no_goldens, "--verdict-store", "kube",
                  "--kubeconfig", str(cfg), "--json")
         gets = [c for c in api.calls if (c.verb, c.resource, c.name) == ("get", "nodes", "gpu-7")]
     assert r.returncode == 0, r.stderr
@@ -185,6 +197,7 @@ def test_fast_path_from_the_node_annotation_in_the_kube_store(tmp_path, wrong_go
     assert gets  # the verdict came from the Node object
 
 
+@pytest.mark.slow
 def test_an_unreadable_verdict_is_a_warning_and_the_full_preflight(tmp_path, goldens):
     r = _run(tmp_path, "--golden-dir", goldens, "--json",
              env={"SCREENER_NODE_VERDICT": "{truncated"})

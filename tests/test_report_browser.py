@@ -66,6 +66,7 @@ def coloured_pixels(img, r: dict) -> int:
     return sum(saturation.point(lambda v: 255 if v > 80 else 0).histogram()[255:])
 
 
+@pytest.mark.slow
 def test_burnin_and_fleet_reports_show_their_plots(tmp_path):
     burnin = burnin_html(load_burnin_report(BURNIN))
     store = fleet_store(tmp_path / "f.db")

@@ -122,6 +122,7 @@ def test_a_stale_record_is_recounted_by_one_daemon_the_others_use_it():
             s.close()
 
 
+@pytest.mark.slow
 def test_concurrent_registrations_each_count_once_with_condition_and_event():
     """30 daemons registering 90 new nodes at once (3 each): the fleet count, the condition and
     the Event of every node, none lost to conflicts, none counted twice."""
@@ -167,6 +168,7 @@ def proxied():
         proxy.close()
 
 
+@pytest.mark.slow
 def test_a_black_holed_api_fails_within_the_timeout_and_the_transition_is_spooled(proxied, tmp_path):
     api, proxy = proxied
     store = daemon_store(proxy.url, "gpu-1", timeouts=QUICK, spool=Spool(tmp_path / "spool.db"),
@@ -201,6 +203,7 @@ def test_a_black_holed_api_fails_within_the_timeout_and_the_transition_is_spoole
     store.close()
 
 
+@pytest.mark.slow
 def test_the_daemons_tick_goes_on_while_the_api_is_black_holed(proxied, tmp_path):
     from fakes.daemon import NODE, DaemonRig, ScriptedRunner, outcome
 

@@ -150,6 +150,7 @@ def check_consistent(path: Path) -> int:
     return total
 
 
+@pytest.mark.slow
 def test_process_killed_mid_write_leaves_a_consistent_db(tmp_path):
     path = tmp_path / "kill.db"
     counts = []

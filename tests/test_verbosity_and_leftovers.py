@@ -29,6 +29,7 @@ def test_vv_says_which_golden_and_which_child(tmp_path):
     assert f"golden for gemm-fp32 on platform" in loud.stderr and str(tmp_path) in loud.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_ddp_example_leaves_no_temporary_folders(tmp_path):
     tmp = tmp_path / "tmp"
