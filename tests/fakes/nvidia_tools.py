@@ -1,7 +1,18 @@
 """Fake NVIDIA tools on a PATH of their own: `nvidia-smi` and `dcgmi` executables that print what
-NVIDIA documents (`nvidia-smi -r`'s sentence, --query-compute-apps' CSV, dcgmi diag's result
-table), log every call, and fail on demand (files in their state folder: `apps`, `reset_fails`,
-`diag_fails`). Also a reboot command that logs its call and can fail the same way."""
+the real tools print (the formats, with their sources, in tests/data/gpu_tools/SOURCES.md), log
+every call, and fail on demand through files in their state folder:
+
+- `apps`: the lines `nvidia-smi --query-compute-apps=gpu_uuid,pid,process_name --format=csv,
+  noheader` prints ("GPU-<uuid>, <pid>, <process name>"); absent or empty: no process.
+- `reset_fails`: `nvidia-smi -r` refuses. Its text picks the refusal: empty or "in_use" (the
+  "The following GPUs could not be reset: ... In use by another client" list, exit 255, as seen on
+  real nodes), "not_supported" (the same list with "Not Supported"; exit 3, the man page's code,
+  not seen in a run), "permissions" ("Unable to reset GPU <bus>: Insufficient Permissions"; exit 4,
+  likewise), or any other text, printed as it is with exit 255 (a refusal we do not know).
+- `diag_fails`: `dcgmi diag` reports GPU 1 failing its memory test (the text: another GPU index).
+- `dcgm_version`: "3" prints DCGM 3.x's table, otherwise 4.x's (DCGM 4.4.2).
+
+Also a reboot command that logs its call and can fail the same way."""
 
 from __future__ import annotations
 
@@ -20,49 +31,98 @@ if args and args[0].startswith("--query-compute-apps="):
     sys.exit(0)
 if args[:1] == ["-r"]:
     bus = "00000000:%02X:00.0" % (7 + int(args[args.index("-i") + 1]))
-    if (d / "reset_fails").exists():
-        print("Unable to reset GPU %s because it's being used by some other process (e.g. CUDA "
-              "application, graphics application like X server, monitoring application like "
-              "other instance of nvidia-smi). Please first kill all processes using the device "
-              "and retry the command or reboot the system to make GPU reset operational." % bus)
+    fails = d / "reset_fails"
+    if fails.exists():
+        kind = fails.read_text().strip() or "in_use"
+        if kind == "in_use":  # NVSentinel issue 1690; nvidia-mig-manager's log: exit status 255
+            print("\nThe following GPUs could not be reset:\n  GPU %s: In use by another client\n\n"
+                  "1 device is currently being used by one or more other processes (e.g., Fabric "
+                  "Manager, CUDA application, graphics application such as an X server, or a "
+                  "monitoring application such as another instance of nvidia-smi). Please first "
+                  "kill all processes using this device and all compute applications running in "
+                  "the system." % bus)
+            sys.exit(255)
+        if kind == "not_supported":  # yandex-cloud/docs ru/compute/operations/enable-mig.md
+            print("The following GPUs could not be reset:\n  GPU %s: Not Supported" % bus)
+            sys.exit(3)
+        if kind == "permissions":
+            print("Unable to reset GPU %s: Insufficient Permissions" % bus)
+            sys.exit(4)
+        print(kind)
         sys.exit(255)
-    print("GPU %s was successfully reset." % bus)
-    print("All done.")
+    print("GPU %s was successfully reset." % bus)  # NVSentinel issue 1690: `-r -i`, exit 0
     sys.exit(0)
-sys.exit(2)
+sys.exit(2)  # nvidia-smi(1): "A supplied argument or flag is invalid"
 '''
 
+# dcgmi diag's table: the layout of NVIDIA/DCGM dcgmi/Diag.cpp (v3.3.9 and v4.6.0), as in the real
+# runs quoted in tests/data/gpu_tools/ (dcgm3_fail_3.3.9.txt, dcgm4_r2_pass_4.4.2.txt). Two GPUs.
+# The failure message is DCGM_FR_FAULTY_MEMORY's (dcgmlib/dcgm_errors.h) and its next step.
 DCGMI = r'''#!{python}
 import os, pathlib, sys
 d = pathlib.Path(os.environ["FAKE_GPU_DIR"])
 with open(d / "calls", "a") as f:
     f.write("dcgmi " + " ".join(sys.argv[1:]) + "\n")
-memory = "Fail - GPU: 1" if (d / "diag_fails").exists() else "Pass - All"
-print("""Successfully ran diagnostic for group.
-+---------------------------+------------------------------------------------+
-| Diagnostic                | Result                                         |
-+===========================+================================================+
-|-----  Deployment  --------+------------------------------------------------|
-| Blacklist                 | Pass                                           |
-| NVML Library              | Pass                                           |
-| CUDA Main Library         | Pass                                           |
-| Permissions and OS Blocks | Pass                                           |
-| Persistence Mode          | Pass                                           |
-| Environment Variables     | Pass                                           |
-| Page Retirement/Row Remap | Pass                                           |
-| Graphics Processes        | Pass                                           |
-| Inforom                   | Pass                                           |
-+-----  Integration  -------+------------------------------------------------+
-| PCIe                      | Pass - All                                     |
-+-----  Hardware  ----------+------------------------------------------------+
-| GPU Memory                | %-47s|
-+-----  Stress  ------------+------------------------------------------------+
-| SM Stress                 | Pass - All                                     |
-| Targeted Stress           | Pass - All                                     |
-| Targeted Power            | Pass - All                                     |
-| Memory Bandwidth          | Pass - All                                     |
-+---------------------------+------------------------------------------------+""" % memory)
-sys.exit(226 if "Fail" in memory else 0)
+fails = d / "diag_fails"
+bad = int(fails.read_text().strip() or 1) if fails.exists() else None
+v3 = (d / "dcgm_version").exists() and (d / "dcgm_version").read_text().strip() == "3"
+gpus = (0, 1)
+rule = "+---------------------------+------------------------------------------------+"
+out = ["Successfully ran diagnostic for group.", rule,
+       "| Diagnostic                | Result                                         |",
+       "+===========================+================================================+",
+       "|-----  Metadata  ----------+------------------------------------------------|"]
+
+def row(name, value):
+    out.append("| %-25s | %-46s |" % (name, value))
+
+def wrapped(name, msg):
+    for i in range(0, len(msg), 45):
+        row(name if i == 0 else "", msg[i:i + 45])
+
+msg = ("Found 1 faulty memory elements on GPU %d Run a field diagnostic on the GPU." % bad
+       if bad is not None else "")
+if v3:
+    row("DCGM Version", "3.3.9")
+    row("Driver Version Detected", "570.195.03")
+    row("GPU Device IDs Detected", ",".join("2330" for _ in gpus))
+    out.append("|-----  Deployment  --------+------------------------------------------------|")
+    for name in ("Denylist", "NVML Library", "CUDA Main Library", "Permissions and OS Blocks",
+                 "Persistence Mode", "Environment Variables", "Page Retirement/Row Remap",
+                 "Graphics Processes", "Inforom"):
+        row(name, "Pass")
+    out.append("+-----  Integration  -------+------------------------------------------------+")
+    row("PCIe", "Pass - All")
+    out.append("+-----  Hardware  ----------+------------------------------------------------+")
+    if bad is None:
+        row("GPU Memory", "Pass - All")
+    else:
+        good = [g for g in gpus if g != bad]
+        row("GPU Memory", "Pass - GPU%s: %s   " % ("s" if len(good) > 1 else "",
+                                                   ", ".join(map(str, good))))
+        row("", "Fail - GPU: %d   " % bad)
+        wrapped("Warning", "GPU %d %s" % (bad, msg))
+else:
+    row("DCGM Version", "4.4.2")
+    row("Driver Version Detected", "580.105.08")
+    row("GPU Device IDs Detected", ", ".join("2330" for _ in gpus))
+    out.append("|-----  Deployment  --------+------------------------------------------------|")
+    row("software", "Pass")
+    for g in gpus:
+        row("", "GPU%d: Pass" % g)
+    out.append("+-----  Hardware  ----------+------------------------------------------------+")
+    row("memory", "Pass" if bad is None else "Fail")
+    for g in gpus:
+        row("", "GPU%d: %s" % (g, "Fail" if g == bad else "Pass"))
+        if g == bad:
+            wrapped("Warning: GPU%d" % g, msg)
+    out.append("+-----  Integration  -------+------------------------------------------------+")
+    row("pcie", "Pass")
+    for g in gpus:
+        row("", "GPU%d: Pass" % g)
+out.append(rule)
+print("\n".join(out))
+sys.exit(226 if bad is not None else 0)  # DCGM_ST_NVVS_ERROR (-30) as an exit status
 '''
 
 
