@@ -30,7 +30,8 @@ weight vote and verified saves), attribution (the spike sentinel's attribution b
 How they run: protocol (the round protocol: the collectives of each entry point in one order, as
 code), cadence (which step runs which check), reporting (how a verdict ends: alarm file, log line,
 History), ddp_replay (DDP's local replays), fsdp_tap (the reduce-scatter recorders inside FSDP),
-sharded_rounds (FSDP's lockstep replays and the batches they ship). The parts below them: topology
+sharded_rounds (FSDP's lockstep replays and the batches they ship), reduction (the rule that says
+whom a reduction that went bad names, for both). The parts below them: topology
 (rank -> node, host, instance), hooks (the DDP comm hook recording local gradients), ring (replay
 assignment and recomputation), sentinel (the spike test and the verdict of its rerun), vote
 (majority over replicas), blast (the blast-radius rule), capture (RNG states and loss scale a

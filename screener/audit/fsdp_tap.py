@@ -6,8 +6,17 @@ gradient is finite (one min/max pass over the reduce-scatter input: non-finite m
 never a norm that overflowed), its largest magnitude and, on audit steps, the input's fingerprint;
 then it reduces as FSDP would. While a lockstep replay runs, it records and skips the reduction.
 FSDP's all-reduce hook (the reduce-scatter output, or HSDP's replicate all-reduce output) tells
-whether the reduced gradient is finite; a hook of the caller's still runs. All of it lands in one
-`Tap`, which the auditor reads and resets once per step.
+whether the reduced gradient is finite (and, when it is not, where: up to MAX_PLACES elements); a
+hook of the caller's still runs. All of it lands in one `Tap`, which the auditor reads and resets
+once per step.
+
+Redoing a reduction (issue 21.5): nothing is kept on a healthy step. When some rank's reduced
+gradient came out NaN/Inf from finite inputs, the auditor replays every rank's own step in
+lockstep with `Tap.redo` naming the bad modules and places; there the recorder, which sees the
+recomputed input, reduce-scatters it once more for real (into a scratch buffer, through the same
+collective, and for HSDP the replicate all-reduce after it) and notes what this rank sent to each
+place, what the redone reduce-scatter and all-reduce gave there, and whether the recomputed input
+is the original one (its largest magnitude, bit for bit).
 """
 
 from __future__ import annotations
@@ -23,7 +32,10 @@ import torch.distributed as dist
 from screener.audit.alarms import AuditUsageError
 from screener.fingerprint import fingerprints
 
-__all__ = ["Tap", "fsdp_module_class", "install_recorders", "scan", "finite"]
+__all__ = ["Tap", "Redone", "fsdp_module_class", "install_recorders", "scan", "finite",
+           "MAX_PLACES"]
+
+MAX_PLACES = 8  # the NaN/Inf elements of a reduced gradient one rank reports
 
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -68,19 +80,48 @@ class Tap:
     reduced_mag: float = 0.0  # ... of its reduced shard
     replay_mag: float = 0.0
     reduce_dtype: torch.dtype = torch.float32  # what the reduce-scatter sums in
+    # where the reduction went bad, and what redoing it needs and finds (see the docstring)
+    shard_pos: int = 0  # this rank's index in its reduce-scatter group
+    replicate_group: Optional[dist.ProcessGroup] = None  # HSDP's all-reduce group, else None
+    module_mag: dict[int, float] = field(default_factory=dict)  # each module's input magnitude
+    bad_places: list[tuple[int, int]] = field(default_factory=list)  # (module, element)
+    redo: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # module: (pos, elem)
+    redone: dict[int, "Redone"] = field(default_factory=dict)
+
+    # the step just finished (reset() keeps them for check 1's redo of its reduction)
+    last_module_mag: dict[int, float] = field(default_factory=dict)
+    last_bad_places: list[tuple[int, int]] = field(default_factory=list)
 
     def reset(self) -> None:
+        self.last_module_mag, self.last_bad_places = self.module_mag, self.bad_places
         self.local_finite = True
         self.reduced_finite = True
         self.local_mag = self.reduced_mag = 0.0
         self.recorded = False
         self.fps = torch.zeros(self.n, 2, dtype=torch.int64)
+        self.module_mag = {}
+        self.bad_places = []
 
     def start_replay(self) -> None:
         self.replaying = True
         self.replay_finite = True
         self.replay_mag = 0.0
         self.replay_fps.zero_()
+        self.redone = {}
+
+
+@dataclass
+class Redone:
+    """One module's reduction done again in a redo replay, at the places of Tap.redo[module]:
+    this rank's recomputed input there (what it sent), the redone reduce-scatter's output and the
+    final output (after HSDP's all-reduce) where this rank holds the place (else NaN, with
+    holder False), and whether the recomputed input is the original one."""
+
+    sent: list[float]
+    reduce_scatter: list[float]
+    final: list[float]
+    holder: list[bool]
+    reproduced: bool
 
 
 class _Recorder:
@@ -104,17 +145,53 @@ class _Recorder:
             ok, mag = scan(input_tensor)
             tap.replay_finite &= ok
             tap.replay_mag = max(tap.replay_mag, mag)
+            if self.index in tap.redo:
+                self._redo(output_tensor, input_tensor, group, op, mag)
             output_tensor.zero_()
             return None
         ok, mag = scan(input_tensor)
         tap.reduce_dtype = input_tensor.dtype
         tap.local_finite &= ok
         tap.local_mag = max(tap.local_mag, mag)
+        tap.module_mag[self.index] = mag
+        tap.shard_pos = dist.get_rank(group)
         if tap.record:
             tap.fps[self.index] = fingerprints([input_tensor])[0]
             tap.recorded = True
         return _REDUCE_SCATTER(output_tensor, input_tensor, group=group, op=op,
                                async_op=async_op)
+
+    def _redo(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+              group: dist.ProcessGroup, op: Any, mag: float) -> None:
+        """The reduction of this module done again, for real, on the recomputed input: every
+        rank is here (a lockstep replay, the same Tap.redo everywhere)."""
+        tap = self.tap
+        places = tap.redo[self.index]
+        rows = input_tensor.detach().reshape(dist.get_world_size(group), -1)
+        sent = [float(rows[pos, element]) for pos, element in places]
+        scratch = torch.empty_like(output_tensor)
+        _REDUCE_SCATTER(scratch, input_tensor, group=group, op=op)  # the module's global, at call
+        me = dist.get_rank(group)
+        holder = [pos == me for pos, _ in places]
+        flat = scratch.reshape(-1)
+
+        def read() -> list[float]:
+            return [float(flat[e]) if h else math.nan for (_, e), h in zip(places, holder)]
+
+        rs = read()
+        if tap.replicate_group is not None:
+            dist.all_reduce(scratch, group=tap.replicate_group, op=_all_reduce_op(op))
+        tap.redone[self.index] = Redone(sent, rs, read(), holder,
+                                        mag == tap.last_module_mag.get(self.index))
+
+
+def _all_reduce_op(op: Any) -> Any:
+    """HSDP's all-reduce op after a reduce-scatter with `op`: averaging when it averaged, else a
+    sum (a pre-multiplied sum already divided). Only finiteness is compared, not the scale."""
+    try:
+        return dist.ReduceOp.AVG if op == dist.ReduceOp.AVG else dist.ReduceOp.SUM
+    except (TypeError, RuntimeError):
+        return dist.ReduceOp.SUM
 
 
 def _recorder(index: int, tap: Tap) -> Any:
@@ -125,16 +202,21 @@ def _recorder(index: int, tap: Tap) -> Any:
     return cls(index, tap)
 
 
-def _reduced_hook(tap: Tap, theirs: Optional[Callable[[torch.Tensor], None]]
+def _reduced_hook(tap: Tap, index: int, theirs: Optional[Callable[[torch.Tensor], None]]
                   ) -> Callable[[torch.Tensor], None]:
     """FSDP's hook on the reduced gradient (the reduce-scatter output, or for HSDP the
-    replicate all-reduce's): learns whether it is finite; a hook of the caller's still runs."""
+    replicate all-reduce's): learns whether it is finite, and where not (the first MAX_PLACES
+    elements of this rank's); a hook of the caller's still runs."""
 
     def hook(reduced: torch.Tensor) -> None:
         if not tap.replaying:
             ok, mag = scan(reduced)
             tap.reduced_finite &= ok
             tap.reduced_mag = max(tap.reduced_mag, mag)
+            room = MAX_PLACES - len(tap.bad_places)
+            if not ok and room > 0:
+                bad = (~torch.isfinite(reduced.detach().reshape(-1))).nonzero().flatten()[:room]
+                tap.bad_places.extend((index, int(e)) for e in bad.tolist())
         if theirs is not None:
             theirs(reduced)
 
@@ -160,7 +242,10 @@ def install_recorders(model: torch.nn.Module) -> tuple[Tap, list[str]]:
                                   f"parameter groups (a shard_placement_fn with per-parameter "
                                   f"meshes); the audit needs one reduce-scatter per module")
         m.set_custom_reduce_scatter(_recorder(len(names), tap))
-        m.set_all_reduce_hook(_reduced_hook(tap, getattr(groups[0], "_all_reduce_hook", None)))
+        m.set_all_reduce_hook(_reduced_hook(tap, len(names),
+                                            getattr(groups[0], "_all_reduce_hook", None)))
+        if tap.replicate_group is None:
+            tap.replicate_group = getattr(groups[0].mesh_info, "replicate_process_group", None)
         names.append(name or "root")
     tap.n = len(names)
     tap.reset()

@@ -18,8 +18,13 @@ values, never of a norm that could overflow.
 `NonFiniteCheck` is DDP's (replays local to each rank). `ShardedNonFinite` is the FSDP2/HSDP
 auditor's: the same rules on its head (finite flags from the reduce-scatter recorders, magnitudes
 after FSDP's pre-division, the reduce dtype's range as the bound), its confirmations in lockstep
-rounds (sharded_rounds.py); it does not redo the reduction: its "nonfinite_reduced" alarm names
-nobody and says the reduce-scatter produced the NaN/Inf.
+rounds (sharded_rounds.py). Its redo goes one further than DDP's: in one lockstep replay of every
+rank's own step the bad modules' reduce-scatter (and HSDP's all-reduce after it) runs again for
+real on the recomputed inputs (fsdp_tap.py), so it also sees whether the fault stays
+("redo_places", "redo_offer", "redo_replay", "redo_values"). Both read their evidence through one
+rule (reduction.py): a fault the redo does not reproduce and every holder of the result saw names
+nobody and suspects nobody; one seen by only some holders of a shared result, or reproduced,
+makes those ranks the candidates; no "nonfinite_reduced" alarm is settled.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
+from dataclasses import replace
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -34,8 +40,10 @@ import torch
 from screener.audit.alarms import SDCAlarm
 from screener.audit.capture import StepState, scaler_scale
 from screener.audit.ddp_replay import LocalReplayer
+from screener.audit.fsdp_tap import MAX_PLACES
 from screener.audit.hooks import largest_magnitude
 from screener.audit.protocol import Walk, error_flag, raise_if_failed
+from screener.audit.reduction import ReductionEvidence, ReductionVerdict, reduction_verdict
 from screener.audit.reporting import History, Reporter
 from screener.audit.sharded_rounds import H_LOCAL, H_LOCAL_MAG, H_REDUCED, Lockstep, from_bits
 
@@ -133,9 +141,9 @@ class NonFiniteCheck:
                                f"{', '.join(map(str, seeing))} of {self.world_size} hold a "
                                f"non-finite reduced gradient, and an all-reduce gives every rank "
                                f"the same result")
-        evidence["redo"] = self._redo_reduction(walk, step, states)
+        evidence["redo"], verdict = self._redo_reduction(walk, step, states, seeing)
         self.reporter.alarm(SDCAlarm("nonfinite_reduced", step, (), (), False, evidence,
-                                     candidate_ranks=ranks if everywhere else seeing,
+                                     candidate_ranks=verdict.candidates,
                                      first_suspect_step=step,
                                      key=self.reporter.key("nonfinite_reduced", step)))
 
@@ -152,7 +160,8 @@ class NonFiniteCheck:
             n += bad.numel()
         return out
 
-    def _redo_reduction(self, walk: Walk, step: int, states: States) -> dict[str, Any]:
+    def _redo_reduction(self, walk: Walk, step: int, states: States, seeing: list[int]
+                        ) -> tuple[dict[str, Any], ReductionVerdict]:
         """What each rank sent where the reduction gave NaN/Inf, and that sum done again.
 
         Every rank replays its own step (the gradient it sent, bit for bit), reads it at the
@@ -177,25 +186,25 @@ class NonFiniteCheck:
         raise_if_failed(flags[:, 0], self.topology.ranks, error, step,
                         "the replay that redoes the reduction")
         sent = walk.gather("redo_values", values)  # (world, places)
+        ranks = self.topology.ranks
+        evidence = ReductionEvidence(seeing, ranks, ranks, "all-reduce")
         if not (replayer.can_replay and places):
             return {"done": False, "why": "no replay (loss_fn/batch_fn) to recompute what each "
-                                          "rank sent" if places else "no place found"}
-        ranks = self.topology.ranks
+                                          "rank sent" if places else "no place found"}, \
+                reduction_verdict(evidence)
         names = replayer.params.grad_names
-        rows, clean = [], True
+        rows, sent_ok, sum_ok = [], True, True
         for i, code in enumerate(places):
             col = [float(sent[k, i]) for k in range(len(ranks))]
             total = sum(col) / len(col)
-            clean = clean and all(math.isfinite(v) for v in col + [total])
+            sent_ok = sent_ok and all(math.isfinite(v) for v in col)
+            sum_ok = sum_ok and math.isfinite(total)
             rows.append({"parameter": names[code >> 40], "element": code & (2 ** 40 - 1),
                          "sent": {str(r): as_json_number(v) for r, v in zip(ranks, col)},
                          "redone": as_json_number(total)})
-        return {"done": True, "places": rows, "senders_finite_and_sum_finite": clean,
-                "why": ("every rank's gradient, recomputed, is finite where the reduction gave "
-                        "NaN/Inf, and their sum there is finite: the reduction itself went bad "
-                        "(a link, a NIC, a rank's reduction arithmetic); the all-reduce does not "
-                        "say which, so no rank is named") if clean else
-                       "a recomputed gradient is not finite there: the data or the model"}
+        verdict = reduction_verdict(replace(evidence, sent_finite=sent_ok, sum_finite=sum_ok))
+        return {"done": True, "places": rows, "senders_finite_and_sum_finite": sent_ok and sum_ok,
+                "why": verdict.why}, verdict
 
     # ---- a rank's own gradient --------------------------------------------------------------
 
@@ -286,8 +295,9 @@ class ShardedNonFinite:
     lockstep rounds."""
 
     def __init__(self, lockstep: Lockstep, reporter: Reporter, counters: Counter[str], *,
-                 scaler: Any, confirm: bool) -> None:
+                 scaler: Any, confirm: bool, module_names: Sequence[str] = ()) -> None:
         self.lockstep, self.reporter, self.counters = lockstep, reporter, counters
+        self.module_names = list(module_names)
         self.scaler = scaler
         self.confirm = confirm
         self.topology = reporter.topology
@@ -307,16 +317,19 @@ class ShardedNonFinite:
             self.counters["scaler_skipped"] += 1
             return True
         if not bad_local:
-            return self._nonfinite_reduced(step, got, bad_reduced, scaling)
+            return self._nonfinite_reduced(walk, step, got, bad_reduced, scaling, state, batch,
+                                           data)
         self._nonfinite_local(walk, step, bad_local, state, batch, data, scaling)
         return True
 
-    def _nonfinite_reduced(self, step: int, got: torch.Tensor, seeing: list[int],
-                           scaling: bool) -> bool:
+    def _nonfinite_reduced(self, walk: Walk, step: int, got: torch.Tensor, seeing: list[int],
+                           scaling: bool, state: StepState, batch: Any,
+                           data: Optional[torch.Tensor]) -> bool:
         """Every local gradient finite, a reduced one NaN/Inf. No element of a sum exceeds the
         sum of the addends' largest magnitudes (taken after FSDP's pre-division): past the
         reduce dtype's largest value the sum overflowed, which is the loss scaler's business (it
-        skips the step: True) or a numeric failure; below it the reduction made the NaN/Inf."""
+        skips the step: True) or a numeric failure; below it the reduction made the NaN/Inf:
+        redone once (`_redo_reduction`), the alarm names only what that supports."""
         ranks = sorted(self.topology.ranks)
         dtype = self.lockstep.tap.reduce_dtype
         bound = sum(from_bits(x) for x in got[:, H_LOCAL_MAG])
@@ -333,12 +346,121 @@ class ShardedNonFinite:
             self.reporter.numeric(step, ranks, evidence, reason=(
                 f"the gradients' sum overflowed {dtype} at step {step}: the gradients are too "
                 f"large for the reduce dtype, not corrupted"))
-        evidence["why"] = ("every local gradient was finite and their sum cannot overflow; the "
-                           "reduce-scatter produced NaN/Inf, which does not say on which link or "
-                           "GPU, so no rank is named")
+        evidence["redo"], verdict = self._redo_reduction(walk, step, seeing, state, batch, data)
+        self.counters[f"reduction_{verdict.verdict}"] += 1
+        evidence["verdict"] = verdict.verdict
+        evidence["why"] = ("every local gradient was finite and their sum cannot overflow, so "
+                           "the reduction made the NaN/Inf; " + verdict.why)
         self.reporter.alarm(SDCAlarm("nonfinite_reduced", step, (), (), False, evidence,
-                                     candidate_ranks=ranks,
+                                     candidate_ranks=verdict.candidates, first_suspect_step=step,
                                      key=self.reporter.key("nonfinite_reduced", step)))
+
+    def _redo_reduction(self, walk: Walk, step: int, seeing: list[int], state: StepState,
+                        batch: Any, data: Optional[torch.Tensor]
+                        ) -> tuple[dict[str, Any], ReductionVerdict]:
+        """Redo the bad modules' reduction once and compare (issue 21.5).
+
+        One gather of where each rank's reduced gradient went NaN/Inf (module, its shard
+        position, element) and of every rank's shard position ("redo_places"); the offer of
+        every rank's own batch and step state ("redo_offer"); one lockstep replay in which every
+        rank recomputes its own step and the recorders of the bad modules reduce-scatter the
+        recomputed input for real once more (and all-reduce it across HSDP's replicas;
+        fsdp_tap.py); one gather of what each rank sent to each place and what the redone
+        collective gave there ("redo_values"). Every decision reads gathered data: every rank
+        runs the same rounds. The rule (reduction.py) is the DDP auditor's too."""
+        lockstep, topo = self.lockstep, self.topology
+        tap = lockstep.tap
+        ranks = topo.ranks
+        rows = torch.full((MAX_PLACES + 1, 3), -1, dtype=torch.int64)
+        rows[0, 0] = tap.shard_pos
+        for k, (module, element) in enumerate(tap.last_bad_places[:MAX_PLACES]):
+            rows[k + 1] = torch.tensor([module, tap.shard_pos, element])
+        found = walk.gather("redo_places", rows)  # (world, MAX_PLACES + 1, 3)
+        pos_of = {r: int(found[k, 0, 0]) for k, r in enumerate(ranks)}
+        seen_at: dict[tuple[int, int, int], set[int]] = {}
+        for k, r in enumerate(ranks):
+            for m, pos, e in found[k, 1:].tolist():
+                if m >= 0:
+                    seen_at.setdefault((m, pos, e), set()).add(r)
+        places = sorted(seen_at)[:2 * MAX_PLACES]
+        positions = {pos for _, pos, _ in places}
+        holders = [r for r in ranks if pos_of[r] in positions] or list(seeing)
+        evidence = ReductionEvidence(seeing, holders, ranks, "reduce-scatter and all-reduce"
+                                     if tap.replicate_group is not None else "reduce-scatter")
+        offer = lockstep.offer(walk, "redo_offer", step, batch, data, state)
+        if not (lockstep.can_replay and offer.ready and places):
+            return {"done": False, "why": "no place found" if not places else
+                    "no replay to recompute what each rank sent (no loss_fn, or a rank gave no "
+                    "batch)"}, reduction_verdict(evidence)
+        tap.redo = {}
+        for m, pos, e in places:
+            tap.redo.setdefault(m, []).append((pos, e))
+        try:
+            lockstep.replay(walk, "redo_replay", offer.batch, offer.states[lockstep.rank])
+            redone = dict(tap.redone)
+        finally:
+            tap.redo = {}
+        payload = torch.full((len(places), 5), math.nan, dtype=torch.float64)
+        payload[:, 3:] = 0.0
+        for m, wanted in {m: [(p, e) for mm, p, e in places if mm == m]
+                          for m, _, _ in places}.items():
+            red = redone.get(m)
+            if red is None:
+                continue
+            for j, (pos, e) in enumerate(wanted):
+                i = places.index((m, pos, e))
+                payload[i] = torch.tensor([red.sent[j], red.reduce_scatter[j], red.final[j],
+                                           float(red.holder[j]), float(red.reproduced)],
+                                          dtype=torch.float64)
+        got = walk.gather("redo_values", payload)  # (world, places, 5)
+        return self._judge_redo(got, places, seen_at, evidence)
+
+    def _judge_redo(self, got: torch.Tensor, places: list[tuple[int, int, int]],
+                    seen_at: dict[tuple[int, int, int], set[int]], evidence: ReductionEvidence
+                    ) -> tuple[dict[str, Any], ReductionVerdict]:
+        """The redo's gathered values as evidence rows and the rule's verdict."""
+        ranks = self.topology.ranks
+        hsdp = self.lockstep.tap.replicate_group is not None
+        reproduced = bool((got[:, :, 4] == 1.0).all())
+        rows: list[dict[str, Any]] = []
+        sent_ok = sum_ok = True
+        rs_bad: set[int] = set()
+        final_bad: set[int] = set()
+        for i, (m, pos, e) in enumerate(places):
+            sent = [float(got[k, i, 0]) for k in range(len(ranks))]
+            mean = sum(sent) / len(sent)
+            sent_ok = sent_ok and all(math.isfinite(v) for v in sent)
+            sum_ok = sum_ok and math.isfinite(mean)
+            here = [k for k in range(len(ranks)) if float(got[k, i, 3]) == 1.0]
+            rs_bad |= {ranks[k] for k in here if not math.isfinite(float(got[k, i, 1]))}
+            final_bad |= {ranks[k] for k in here if not math.isfinite(float(got[k, i, 2]))}
+            row: dict[str, Any] = {
+                "module": self.module_names[m] if m < len(self.module_names) else m,
+                "shard": pos, "element": e, "seen_by": sorted(seen_at[(m, pos, e)]),
+                "sent": {str(r): as_json_number(v) for r, v in zip(ranks, sent)},
+                "mean_of_sent": as_json_number(mean),
+                "redone_reduce_scatter": {str(ranks[k]): as_json_number(float(got[k, i, 1]))
+                                          for k in here}}
+            if hsdp:
+                row["redone_all_reduce"] = {str(ranks[k]): as_json_number(float(got[k, i, 2]))
+                                            for k in here}
+            rows.append(row)
+        out: dict[str, Any] = {"done": True, "places": rows, "inputs_reproduced": reproduced,
+                               "senders_finite_and_sum_finite": sent_ok and sum_ok}
+        if not reproduced:
+            # the replay did not recompute the original inputs: the redo compares other numbers
+            verdict = reduction_verdict(evidence)
+            out["why"] = ("the replay did not recompute every rank's original reduce-scatter "
+                          "input (largest magnitude differs), so the redo cannot judge; " +
+                          verdict.why)
+            return out, verdict
+        stages: list[tuple[str, list[int]]] = [("reduce-scatter", sorted(rs_bad))]
+        if hsdp:
+            stages.append(("all-reduce", sorted(final_bad)))
+        verdict = reduction_verdict(replace(evidence, sent_finite=sent_ok, sum_finite=sum_ok,
+                                            redone=stages))
+        out["why"] = verdict.why
+        return out, verdict
 
     def _nonfinite_local(self, walk: Walk, step: int, flagged: list[int], state: StepState,
                          batch: Any, data: Optional[torch.Tensor], scaling: bool) -> None:

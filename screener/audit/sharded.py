@@ -24,7 +24,13 @@ FSDP's all-reduce hook (the reduce-scatter output, or HSDP's replicate all-reduc
 of the caller's still runs). A rank whose loss or local gradient is not finite is replayed on
 another node (a lockstep round, below): finite there names the rank (settled); not finite there
 is the data or the model (NumericFailure, exit 76). Every local gradient finite but a reduced shard not: the
-reduction went bad, and the alarm names no one.
+reduction went bad. Every rank replays its own step in one lockstep round in which the bad
+modules' reduce-scatter (and HSDP's replicate all-reduce) runs once more for real on the
+recomputed inputs; what each rank sent there and what the redone collective gave are gathered,
+and the rule shared with DDP (reduction.py) says what that supports: a fault that went away and
+that every holder of the result saw names and suspects nobody (the alarm says so); one that only
+some replicas of a shard saw, or that the redo reproduces, makes those ranks the candidates. The
+alarm ("nonfinite_reduced") is never settled.
 
 Check 2 (audit steps). The reduce-scatter input is the rank's whole local gradient (every shard's
 chunk, before any rank's contribution is added), so it can be compared bit for bit with a
@@ -87,11 +93,13 @@ __all__ = ["ShardedAuditor", "fsdp_root", "is_sharded", "FSDP_STEP", "FSDP_WEIGH
 # The collectives of check_gradients, in the one order every rank runs them (protocol.py); each
 # is run or skipped on gathered data. "head" every step (on audit steps with every rank's step
 # state). A non-finite local gradient: the confirmation's offer, batches shipped, lockstep
-# replays, the results. A spike: the same four for the rerun. An audit step: the owners' batches
+# replays, the results. A non-finite reduced one (every local one finite): where, every rank's
+# offer, one lockstep replay that redoes the bad reduction, what was sent and redone. A spike: the same four for the rerun. An audit step: the owners' batches
 # shipped, one lockstep replay per round and the self-check's, the digests; on a mismatch the
 # referees' batches, replays and the full records.
 FSDP_STEP = Schedule("check_gradients (FSDP2/HSDP)", (
-    "head", "confirm_offer", "confirm_ship", "confirm_replay", "confirm", "rerun_offer",
+    "head", "confirm_offer", "confirm_ship", "confirm_replay", "confirm", "redo_places",
+    "redo_offer", "redo_replay", "redo_values", "rerun_offer",
     "rerun_ship", "rerun_replay", "rerun", "audit_ship", "replay", "self_replay", "digests",
     "referee_ship", "referee_replay", "referee"),
     repeatable=("confirm_replay", "replay", "referee_replay"))
@@ -234,7 +242,8 @@ class ShardedAuditor:
         self.cadence = Cadence(config.audit_every, config.weights_every, config.self_check_every,
                                self.can_replay, self.counters)
         self.nonfinite = ShardedNonFinite(self.lockstep, self.reporter, self.counters,
-                                          scaler=self.scaler, confirm=config.confirm_nonfinite)
+                                          scaler=self.scaler, confirm=config.confirm_nonfinite,
+                                          module_names=self.module_names)
         self.ring_audit = ShardedRingAudit(self.lockstep, self.reporter, self.history,
                                            self.cadence, self.module_names, self.hsdp)
         self.weights = ShardedWeightCheck(self._params, self.weight_names, self.mesh, self.hsdp,
