@@ -1,5 +1,6 @@
 """Shared pytest setup: GPU-marked tests skip without CUDA; tests run with one torch thread; a
-test that leaves a thread running is named in a warning."""
+test that leaves a thread running is named in a warning; `cpu_goldens` gives every test that
+screens the CPU against goldens one folder of them, recorded at most once a session."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import os
 import tempfile
 import threading
 import warnings
-from typing import Iterator
+from pathlib import Path
+from typing import Callable, Iterator
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # No test may write into the user's real state directory (the local store's default location),
@@ -58,3 +60,37 @@ def _no_thread_left_behind(request: pytest.FixtureRequest) -> Iterator[None]:
             warnings.warn(f"{request.node.nodeid} left {after - before} thread(s) running "
                           f"({', '.join(names) or 'native threads'}): stop and join what it starts",
                           stacklevel=1)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def cpu_goldens(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
+    """`cpu_goldens(*jobs)`: a golden folder holding those repository jobs' goldens for this
+    machine's CPU platform. The committed golden/ where it covers them (CI's CPUs); elsewhere one
+    folder for the whole session, each job recorded into it once (two agreeing runs) by whichever
+    test asks first, instead of a recording per test module. Read-only to the tests: a test that
+    needs a broken golden copies it first."""
+    from screener.known_answer import golden
+    from screener.known_answer import screen as kat
+    from screener.types import ExitCode
+
+    phash = kat.local_platform("cpu").numeric_hash
+    recorded: list[Path] = []  # the session's folder, made on the first recording
+
+    def goldens(*jobs: str) -> str:
+        committed = ROOT / "golden"
+        if all(golden.golden_path(committed, j, phash).exists() for j in jobs):
+            return str(committed)
+        if not recorded:
+            recorded.append(tmp_path_factory.mktemp("cpu-goldens"))
+        out = recorded[0]
+        missing = [j for j in jobs if not golden.golden_path(out, j, phash).exists()]
+        if missing:
+            specs = kat.resolve_jobs(missing, str(ROOT / "jobs"))
+            rec = kat.record_goldens(specs, ["cpu"], out_dir=str(out), repeat=2)
+            assert rec.exit_code == ExitCode.PASS, rec.lines()
+        return str(out)
+
+    return goldens

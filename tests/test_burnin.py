@@ -12,7 +12,6 @@ import pytest
 
 from screener.agent import burnin
 from screener.errors import BadInputError
-from screener.known_answer import golden
 from screener.known_answer import screen as kat
 from screener.types import ExitCode, Outcome
 
@@ -21,15 +20,9 @@ JOBS = ["gemm-fp32", "train-bf16"]
 
 
 @pytest.fixture(scope="module")
-def golden_dir(tmp_path_factory) -> str:
-    """The committed goldens when they cover this machine's CPU platform, else freshly recorded."""
-    phash = kat.local_platform("cpu").numeric_hash
-    if all(golden.golden_path(ROOT / "golden", j, phash).exists() for j in JOBS):
-        return str(ROOT / "golden")
-    out = tmp_path_factory.mktemp("golden")
-    specs = kat.resolve_jobs(JOBS, str(ROOT / "jobs"))
-    assert kat.record_goldens(specs, ["cpu"], out_dir=str(out), repeat=2).exit_code == 0
-    return str(out)
+def golden_dir(cpu_goldens) -> str:
+    """Goldens of JOBS for this machine's CPU platform (conftest.cpu_goldens)."""
+    return cpu_goldens(*JOBS)
 
 
 @pytest.mark.slow

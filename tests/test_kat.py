@@ -333,17 +333,9 @@ def test_the_protocol_reads_only_its_own_lines():
 # --- child processes ------------------------------------------------------------------------------
 
 @pytest.fixture(scope="session")
-def golden_dir(tmp_path_factory) -> str:
-    """The committed goldens when they cover this machine's CPU platform, else freshly recorded."""
-    phash = kat.local_platform("cpu").numeric_hash
-    committed = ROOT / "golden"
-    quick = kat.quick_jobs(str(ROOT / "jobs"))
-    if all(golden.golden_path(committed, s.name, phash).exists() for s in quick):
-        return str(committed)
-    out = tmp_path_factory.mktemp("golden")
-    rec = kat.record_goldens(quick, ["cpu"], out_dir=str(out), repeat=2)
-    assert rec.exit_code == ExitCode.PASS, rec.lines()
-    return str(out)
+def golden_dir(cpu_goldens) -> str:
+    """Goldens of the quick jobs for this machine's CPU platform (conftest.cpu_goldens)."""
+    return cpu_goldens(*(s.name for s in kat.quick_jobs(str(ROOT / "jobs"))))
 
 
 @pytest.mark.slow

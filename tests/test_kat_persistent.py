@@ -300,13 +300,10 @@ def test_a_job_that_raises_with_nothing_to_show_it_completes_is_ours():
 # --- end to end: child processes and the CLI ---------------------------------------------------
 
 @pytest.fixture(scope="module")
-def goldens(tmp_path_factory) -> str:
-    """Goldens of gemm-fp32 and replay-fp32 for this machine's CPU platform."""
-    out = tmp_path_factory.mktemp("golden")
-    specs = [_spec("gemm-fp32"), _spec("replay-fp32")]
-    rec = kat.record_goldens(specs, ["cpu"], out_dir=str(out), repeat=2)
-    assert rec.exit_code == ExitCode.PASS, rec.lines()
-    return str(out)
+def goldens(cpu_goldens) -> str:
+    """Goldens of gemm-fp32 and replay-fp32 for this machine's CPU platform
+    (conftest.cpu_goldens)."""
+    return cpu_goldens("gemm-fp32", "replay-fp32")
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

@@ -36,12 +36,9 @@ def _spec(name: str) -> w.JobSpec:
 
 
 @pytest.fixture(scope="module")
-def goldens(tmp_path_factory) -> str:
-    """A golden of gemm-fp32 for this machine's CPU platform."""
-    out = tmp_path_factory.mktemp("golden")
-    rec = kat.record_goldens([_spec("gemm-fp32")], ["cpu"], out_dir=str(out), repeat=1)
-    assert rec.exit_code == ExitCode.PASS, rec.lines()
-    return str(out)
+def goldens(cpu_goldens) -> str:
+    """A golden of gemm-fp32 for this machine's CPU platform (conftest.cpu_goldens)."""
+    return cpu_goldens("gemm-fp32")
 
 
 @pytest.fixture(scope="module")
