@@ -34,6 +34,15 @@ def test_refuses_with_a_line_naming_the_text(text, why):
     assert repr(text[:40]) in str(e.value) and "\n" not in str(e.value)
 
 
+def test_zero_only_where_it_means_off():
+    with pytest.raises(BadInputError, match="greater than zero"):
+        parse_duration("0")
+    assert parse_duration("0", allow_zero=True) == 0.0
+    assert parse_duration("0s", allow_zero=True) == 0.0
+    with pytest.raises(BadInputError, match="greater than zero"):
+        parse_duration("-1", allow_zero=True)
+
+
 def test_longest_bounds_the_result():
     assert parse_duration("365d", longest=YEAR_S) == YEAR_S
     with pytest.raises(BadInputError, match="longer than a year"):

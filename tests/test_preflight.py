@@ -203,6 +203,16 @@ def test_an_unreadable_verdict_is_a_warning_and_the_full_preflight(tmp_path, gol
     assert json.loads(r.stdout)["fast_path"]["taken"] is False
 
 
+def test_fast_window_0_turns_the_fast_path_off_as_its_help_says(tmp_path, no_goldens):
+    """A fresh passing verdict, but --fast-window 0: the jobs run (here: no goldens, so 3)."""
+    verdict = json.dumps({"time": time.time() - 60, "outcome": "pass", "kind": "quick"})
+    r = _run(tmp_path, "--golden-dir", no_goldens, "--fast-window", "0", "--json",
+             env={"SCREENER_NODE_VERDICT": verdict})
+    assert r.returncode == int(ExitCode.INCONCLUSIVE), r.stderr
+    fast = json.loads(r.stdout)["fast_path"]
+    assert fast["taken"] is False and fast["reason"] == "fast path off (window 0)"
+
+
 @pytest.mark.parametrize("args", [("--fast-window", "soon"), ("--time-cap", "-3s"),
                                   ("--verdict-store", "etcd")])
 def test_bad_options_are_one_line_and_exit_2(tmp_path, args):

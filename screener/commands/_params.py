@@ -61,18 +61,20 @@ def positive(max: Optional[float] = None) -> FiniteFloat:  # noqa: A002
 
 class Duration(click.ParamType):
     """Seconds from a duration such as 90s, 10m or 1h30m (screener.settings.durations), at most
-    `longest` seconds when given; a bad one is click's one-line usage error (exit 2)."""
+    `longest` seconds when given, and 0 only with allow_zero (an option where 0 means "off"); a
+    bad one is click's one-line usage error (exit 2)."""
 
     name = "duration"
 
-    def __init__(self, longest: Optional[float] = None) -> None:
+    def __init__(self, longest: Optional[float] = None, *, allow_zero: bool = False) -> None:
         self.longest = longest
+        self.allow_zero = allow_zero
 
     def convert(self, value: Any, param: Optional[click.Parameter],
                 ctx: Optional[click.Context]) -> float:
         if isinstance(value, float):  # already converted (a default given in seconds)
             return value
         try:
-            return parse_duration(str(value), longest=self.longest)
+            return parse_duration(str(value), longest=self.longest, allow_zero=self.allow_zero)
         except BadInputError as e:
             self.fail(str(e), param, ctx)

@@ -145,7 +145,7 @@ def _print_text(result: PreflightResult) -> None:
               show_default="60s",
               help="Longest a device may go without finishing a job (or starting up) before it "
                    "is killed and reported suspect (timeout).")
-@click.option("--fast-window", type=Duration(longest=365 * _DAY), default=DEFAULT_FAST_WINDOW_S,
+@click.option("--fast-window", type=Duration(longest=365 * _DAY, allow_zero=True), default=DEFAULT_FAST_WINDOW_S,
               show_default="6h", envvar="SCREENER_PREFLIGHT_FAST_WINDOW",
               help="Run only the probes when the node passed a screen this recently (its "
                    "screener.io/verdict annotation); 0 turns the fast path off.")

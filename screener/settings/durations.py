@@ -22,13 +22,15 @@ _TERM = re.compile(r"(\d+(?:\.\d+)?)[ \t]*(ms|s|m|h|d|w)?")
 _EXAMPLES = "90, 90s, 500ms, 10m, 1h30m, 2d or 1w"
 
 
-def parse_duration(text: str, *, longest: Optional[float] = None) -> float:
+def parse_duration(text: str, *, longest: Optional[float] = None,
+                   allow_zero: bool = False) -> float:
     """Seconds in a duration: a number with an optional unit (ms, s, m, h, d, w; none is seconds),
     or several such terms written together (1h30m, 1d12h).
 
     Blanks may surround the text and sit between a number and its unit ('10 m'), not between
     terms ('1h 30m' is refused: it reads like two arguments). The result must be finite and
-    greater than zero, and at most `longest` seconds when given.
+    greater than zero (or zero itself, with allow_zero: a setting where 0 means "off"), and at
+    most `longest` seconds when given.
     """
     if not isinstance(text, str):
         raise BadInputError(f"duration {text!r} is not text")
@@ -51,7 +53,7 @@ def parse_duration(text: str, *, longest: Optional[float] = None) -> float:
         raise BadInputError(f"duration {text[:40]!r} is not a number")
     if math.isinf(value):  # also a string of digits too long for a float
         raise BadInputError(f"duration {text[:40]!r} is too long")
-    if value <= 0:
+    if value < 0 or (value == 0 and not allow_zero):
         raise BadInputError(f"duration {text[:40]!r} must be greater than zero")
     if longest is not None and value > longest:
         raise BadInputError(f"duration {text[:40]!r} is longer than {_plain(longest)}")
