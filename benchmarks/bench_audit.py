@@ -17,6 +17,9 @@ machine noise hits all of them alike:
     auditor-norms the same with Auditor(reduce_hook=allreduce_hook): the generic path a reduce
                  hook of the caller's takes (and the default one took before issue 16): a norm
                  of each bucket before, allreduce_hook's division, a norm after
+    norms-no-sentinel the same with the sentinel off. This is the path every CUDA run takes (the
+                 fused pass is the CPU's), where check 1 measures each bucket before its
+                 all-reduce anyway: `auditor-norms` over this is the sentinel's cost on a GPU
     audit        DDP + Auditor auditing every step (check 1 + ring replay: one extra forward and
                  backward per replayed micro-batch, gradient fingerprints in the hook and of the
                  replay)
@@ -71,8 +74,8 @@ SIZES = {
     # ~9 M parameters, a step of a few hundred ms on one core
     "large": dict(vocab=8192, d_model=256, n_heads=8, d_ff=1024, seq=64, n_layers=6, batch=2),
 }
-CONFIGS = ("plain", "hook", "auditor", "no-sentinel", "auditor-norms", "audit", "plain+clip",
-           "auditor+clip")
+CONFIGS = ("plain", "hook", "auditor", "no-sentinel", "auditor-norms", "norms-no-sentinel", "audit",
+           "plain+clip", "auditor+clip")
 
 
 def _free_port() -> int:
@@ -129,12 +132,13 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: 
             auditor = None
             if name == "hook":
                 ddp.register_comm_hook(None, allreduce_hook)
-            elif name in ("auditor", "no-sentinel", "auditor-norms", "audit", "auditor+clip"):
+            elif name in ("auditor", "no-sentinel", "auditor-norms", "norms-no-sentinel", "audit",
+                          "auditor+clip"):
                 auditor = Auditor(ddp, loss_fn=synthetic.compute_loss, batch_fn=batch_fn,
                                   audit_every=1 if name == "audit" else 0, weights_every=0,
                                   check_reduced=name != "auditor+clip",
-                                  sentinel=SentinelConfig(enabled=name != "no-sentinel"),
-                                  reduce_hook=allreduce_hook if name == "auditor-norms" else None)
+                                  sentinel=SentinelConfig(enabled="no-sentinel" not in name),
+                                  reduce_hook=allreduce_hook if "norms" in name else None)
             runs[name] = {"model": model, "ddp": ddp, "auditor": auditor,
                           "opt": torch.optim.SGD(model.parameters(), lr=1e-3), "times": [], "own": [],
                           "cpu": [], "step": 0, "clip": name.endswith("+clip")}
