@@ -203,6 +203,7 @@ def test_an_unreadable_verdict_is_a_warning_and_the_full_preflight(tmp_path, gol
     assert json.loads(r.stdout)["fast_path"]["taken"] is False
 
 
+@pytest.mark.slow
 def test_fast_window_0_turns_the_fast_path_off_as_its_help_says(tmp_path, no_goldens):
     """A fresh passing verdict, but --fast-window 0: the jobs run (here: no goldens, so 3)."""
     verdict = json.dumps({"time": time.time() - 60, "outcome": "pass", "kind": "quick"})
