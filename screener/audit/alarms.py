@@ -15,8 +15,9 @@ node only ever gets a file about itself (`AlarmRecord.node` is that node):
   suspect_ranks = () and evidence["candidate_ranks"] = its candidate ranks. The DaemonSet makes the
   node `suspect` and schedules a confirming known-answer screen. The candidates are the nodes whose
   ranks took part in the disagreement: owner and replayer (and referee) of a ring mismatch, every
-  node without a strict majority in a weight vote, and every node of the group for a NaN/Inf that
-  appeared inside the all-reduce (any GPU in the reduction may have produced it).
+  node without a strict majority in a weight vote, and for a NaN/Inf that appeared inside a
+  reduction the ranks the redo of that reduction points to (reduction.py; none for a one-off
+  every rank saw, every node of the group when it cannot be redone).
 
 Files are written atomically (temp file in the same directory, fsync, os.replace, fsync of the
 directory) as `<alarm_id>.json`, where alarm_id = `<key>-<node>-<random>`: unique per file, so files

@@ -19,8 +19,11 @@ whose loss or local gradient is NaN/Inf is flagged; its micro-batch is then repl
 node: a finite replay names the rank (settled, "nonfinite_local"), a non-finite one means the
 model or data produced it (NumericFailure, exit 76).
 A non-finite reduced gradient while every local one was finite means the reduction is suspect:
-"nonfinite_reduced", nobody named; the candidates are every rank when every rank sees it, else
-the ranks that do (an all-reduce gives every rank the same result).
+"nonfinite_reduced", nobody named. Every rank replays its step and the bad bucket's all-reduce is
+redone once for real on the recomputed gradients, through the job's own reduction (reduction.py
+reads it): NaN/Inf again makes the ranks where it shows the candidates; a finite redo is a
+one-off, whose candidates are the ranks that held it when only some did (an all-reduce gives
+every rank the same result) and nobody when every rank did (no node is suspected).
 
 Check 2 (steps where step % audit_every == 0; ring_audit.py): ring replay (see ring.py). Each
 rank replays its assigned owners' micro-batches; the owners' RNG states and loss scales ride in
@@ -118,11 +121,12 @@ _NOT_RECORDED = 2  # a rank's status on an audit step whose fingerprints it did 
 # The collectives of check_gradients, in the one order every rank runs them (protocol.py). Each
 # is skipped or run on gathered data: "head" every step (on audit steps with every rank's step
 # state); "states" off an audit step when a replay needs them; "confirm" (a non-finite local
-# gradient) or the three "redo" rounds (a non-finite reduced one), which end the step; "rerun"
+# gradient) or the four "redo" rounds (a non-finite reduced one; "redo_reduce" is the bad
+# bucket's all-reduce done again, not a gather), which end the step; "rerun"
 # when the sentinel fires off an audit step; "digests" on an audit step; "referee" on a mismatch.
 DDP_STEP = Schedule("check_gradients (DDP)", (
-    "head", "states", "confirm", "redo_places", "redo_flags", "redo_values", "rerun", "digests",
-    "referee"))
+    "head", "states", "confirm", "redo_places", "redo_flags", "redo_reduce", "redo_values",
+    "rerun", "digests", "referee"))
 # check_weights: the digest of every rank's fingerprints; the full ones only on disagreement.
 DDP_WEIGHTS = Schedule("check_weights (DDP)", ("weights_digest", "weights_full"))
 
@@ -267,6 +271,7 @@ class Auditor:
             self._recorder.record_step = _UNKNOWN if self.cadence.audits_on() else None
         else:
             self._recorder.record_step = start_step if self.is_audit_step(start_step) else None
+        self.nonfinite.recorder = self._recorder  # check 1 redoes a bad reduction through it
         try:
             model.register_comm_hook(None, self._recorder.hook)
         except RuntimeError as e:

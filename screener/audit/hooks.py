@@ -40,6 +40,12 @@ auditor._judge_nonfinite).
 StepStats carries those magnitudes where they were measured and 0 for a bucket known finite and
 not measured, so a non-finite value is exactly a non-finite gradient on either path.
 
+A bucket whose reduced result is NaN/Inf also leaves its layout (the rows of its parameters, in
+bucket order; `last_bad_buckets()`, read only then, so a healthy step pays nothing more), and
+`reduce_again` runs a buffer through the reduction the hook gives that bucket (the fused sum and
+division, or the reduce hook with a stand-in for DDP's GradBucket): check 1 redoes a reduction that
+went bad on the same path (nonfinite.py).
+
 Gradients are mapped to parameters by identity (`id(param)`), never by bucket order: DDP builds its
 first-iteration buckets in reverse parameter order and rebuilds them after the first iteration in the
 order gradients became ready, so bucket indices and contents change between iterations.
@@ -58,7 +64,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from screener.fingerprint import fingerprints
 
-__all__ = ["GradientRecorder", "StepStats", "magnitude", "largest", "largest_magnitude"]
+__all__ = ["GradientRecorder", "RedoBucket", "StepStats", "magnitude", "largest",
+           "largest_magnitude"]
 
 ReduceHook = Callable[[Any, Any], "torch.futures.Future[Any]"]
 
@@ -126,6 +133,39 @@ def _local_magnitude(params: Sequence[torch.nn.Parameter], device: torch.device)
     return largest_magnitude([p.grad for p in params], device)
 
 
+class RedoBucket:
+    """A stand-in for DDP's GradBucket (which Python cannot construct) when a reduction is redone
+    through the caller's reduce hook: one flat buffer of the parameters' gradients in bucket
+    order, with the methods a Python comm hook calls. Never the last bucket of a backward (a hook
+    that counts iterations on the last one does not count a redo)."""
+
+    def __init__(self, index: int, buffer: torch.Tensor,
+                 params: Sequence[torch.nn.Parameter]) -> None:
+        self._index, self._buffer, self._params = index, buffer, list(params)
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        self._buffer = buffer
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return list(self._params)
+
+    def gradients(self) -> list[torch.Tensor]:
+        out, at = [], 0
+        for p in self._params:
+            out.append(self._buffer[at:at + p.numel()].view(p.shape))
+            at += p.numel()
+        return out
+
+    def is_last(self) -> bool:
+        return False
+
+
 class GradientRecorder:
     """State and body of the comm hook. Register `recorder.hook` with `ddp.register_comm_hook`.
 
@@ -154,6 +194,8 @@ class GradientRecorder:
         self.record_step: Optional[int] = None
         self._lock = threading.Lock()  # reduction callbacks may run on the backend's threads
         self._inv_world: Optional[torch.Tensor] = None
+        self._last: tuple[dict[int, list[int]], dict[int, Any], dict[int, torch.Tensor]] = \
+            ({}, {}, {})
         self._reset()
 
     def _reset(self) -> None:
@@ -163,6 +205,29 @@ class GradientRecorder:
         self._seen: Optional[torch.Tensor] = None
         self._fp_step: Optional[int] = None
         self._unknown = 0
+        self._bad: dict[int, list[int]] = {}
+        self._buckets: dict[int, Any] = {}
+
+    @property
+    def measures_every_bucket(self) -> bool:
+        """Whether the local magnitude taken covers every bucket (the generic path, or the
+        sentinel's pass on the fused one): then it equals a replay's largest magnitude."""
+        return not self._fused or self.measure_local
+
+    def last_bad_buckets(self) -> dict[int, list[int]]:
+        """The buckets of the last backward taken whose reduced result was NaN/Inf: index -> its
+        parameters' rows in bucket order (-1: not one of self.params). Read only when check 1
+        needs it: the generic path's magnitudes are looked at here, not on every step."""
+        bad, buckets, measured = self._last
+        out = dict(bad)
+        for index, b in buckets.items():
+            if index not in out and not bool(torch.isfinite(measured[index])):
+                out[index] = [self._row.get(id(p), -1) for p in b.parameters()]
+        return out
+
+    def _note_bad(self, index: int, params: Sequence[torch.nn.Parameter]) -> None:
+        """Called under the lock: the layout of a bucket whose reduced result is NaN/Inf."""
+        self._bad[index] = [self._row.get(id(p), -1) for p in params]
 
     # no annotations: DDP checks them against GradBucket/Future (hence the ignore in strict mode)
     def hook(self, state, bucket):  # type: ignore[no-untyped-def]
@@ -189,17 +254,38 @@ class GradientRecorder:
             n = magnitude(reduced)
             with self._lock:
                 self._reduced[index] = n
+                self._buckets[index] = bucket  # a reference: its layout is read only if bad
             return value
 
         return fut.then(note_reduced)
 
-    def _sum_then_scale(self, index: int, buf: torch.Tensor,
-                        params: Sequence[torch.nn.Parameter]) -> "torch.futures.Future[Any]":
-        """The default path: sum all-reduce, then one fused pass that divides and checks."""
+    def _inv(self) -> torch.Tensor:
         if self._inv_world is None:
             world = dist.get_world_size(self.reduce_state)
             self._inv_world = torch.full((1,), 1.0 / world, dtype=torch.float32)
-        inv = self._inv_world
+        return self._inv_world
+
+    def reduce_again(self, index: int, buf: torch.Tensor,
+                     params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
+        """Collective: `buf` (the parameters' gradients, flat, in bucket order) through the
+        reduction this hook gives such a bucket, waited for; returns the reduced values. The
+        fused path's sum all-reduce and division by the world size, or the reduce hook (the
+        caller's, else torch's allreduce_hook) with a RedoBucket and the same state. Records
+        nothing."""
+        if self._fused and buf.dtype == torch.float32 and buf.device.type == "cpu":
+            dist.all_reduce(buf, group=self.reduce_state)
+            found = torch.zeros(1, dtype=torch.float32)
+            torch._amp_foreach_non_finite_check_and_unscale_([buf], found, self._inv())
+            return buf
+        value = self.reduce_hook(self.reduce_state, RedoBucket(index, buf, params)).wait()
+        reduced = value[0] if isinstance(value, (list, tuple)) else value
+        assert isinstance(reduced, torch.Tensor)
+        return reduced
+
+    def _sum_then_scale(self, index: int, buf: torch.Tensor,
+                        params: Sequence[torch.nn.Parameter]) -> "torch.futures.Future[Any]":
+        """The default path: sum all-reduce, then one fused pass that divides and checks."""
+        inv = self._inv()
         work = dist.all_reduce(buf, group=self.reduce_state, async_op=True)
 
         def scale(f: "torch.futures.Future[Any]") -> torch.Tensor:
@@ -217,6 +303,8 @@ class GradientRecorder:
                     self._local[index] = _ZERO if local is None else local
                 if self.check_reduced:
                     self._reduced[index] = reduced_norm
+                if local is not None:
+                    self._note_bad(index, params)
             return reduced
 
         fut: "torch.futures.Future[Any]" = work.get_future().then(scale)
@@ -242,7 +330,9 @@ class GradientRecorder:
             local = list(self._local.values())
             reduced = list(self._reduced.values())
             fp, seen, fp_step, unknown = self._fp, self._seen, self._fp_step, self._unknown
+            bad, buckets, measured = self._bad, self._buckets, dict(self._reduced)
             self._reset()
+        self._last = (bad, buckets, measured)
 
         def total(values: list[torch.Tensor]) -> torch.Tensor:  # float64: the head's type
             return largest(values, device)

@@ -11,17 +11,19 @@ values, never of a norm that could overflow.
   the same scale, is the scaler's business (it skips the step; counted, no alarm).
 - Every local gradient finite, the reduced one not: past the gradient dtype's largest value the
   sum overflowed (the scaler's, or a numeric failure); below it the reduction made the NaN/Inf.
-  Every rank replays its own step and the values it sent at the places some rank received
-  NaN/Inf are gathered and summed again ("redo_*" rounds): the alarm says what happened and
-  names nobody ("nonfinite_reduced"), since an all-reduce does not say on which link or GPU.
+  Every rank replays its own step, the values it sent at the places some rank received NaN/Inf
+  are gathered, and the bad bucket's all-reduce runs once more for real on the recomputed
+  gradients, through the reduction the job uses ("redo_*" rounds): the alarm
+  ("nonfinite_reduced", never settled) says what the redo shows and suspects only what it
+  supports (reduction.py), since an all-reduce does not say on which link or GPU.
 
 `NonFiniteCheck` is DDP's (replays local to each rank). `ShardedNonFinite` is the FSDP2/HSDP
 auditor's: the same rules on its head (finite flags from the reduce-scatter recorders, magnitudes
 after FSDP's pre-division, the reduce dtype's range as the bound), its confirmations in lockstep
-rounds (sharded_rounds.py). Its redo goes one further than DDP's: in one lockstep replay of every
-rank's own step the bad modules' reduce-scatter (and HSDP's all-reduce after it) runs again for
-real on the recomputed inputs (fsdp_tap.py), so it also sees whether the fault stays
-("redo_places", "redo_offer", "redo_replay", "redo_values"). Both read their evidence through one
+rounds (sharded_rounds.py). Its redo runs inside one lockstep replay of every rank's own step:
+the bad modules' reduce-scatter (and HSDP's all-reduce after it) runs again for real on the
+recomputed inputs (fsdp_tap.py), so it too sees whether the fault stays ("redo_places",
+"redo_offer", "redo_replay", "redo_values"). Both read their evidence through one
 rule (reduction.py): a fault the redo does not reproduce and every holder of the result saw names
 nobody and suspects nobody; one seen by only some holders of a shared result, or reproduced,
 makes those ranks the candidates; no "nonfinite_reduced" alarm is settled.
@@ -41,7 +43,7 @@ from screener.audit.alarms import SDCAlarm
 from screener.audit.capture import StepState, scaler_scale
 from screener.audit.ddp_replay import LocalReplayer
 from screener.audit.fsdp_tap import MAX_PLACES
-from screener.audit.hooks import largest_magnitude
+from screener.audit.hooks import GradientRecorder, largest_magnitude
 from screener.audit.protocol import Walk, error_flag, raise_if_failed
 from screener.audit.reduction import ReductionEvidence, ReductionVerdict, reduction_verdict
 from screener.audit.reporting import History, Reporter
@@ -69,6 +71,9 @@ class NonFiniteCheck:
         self.audits_on = audits_on
         self.topology = reporter.topology
         self.world_size = reporter.world_size
+        # the comm hook's recorder (set by the Auditor once installed): the redo of a bad
+        # reduction goes through it; without it the reduction is not redone
+        self.recorder: Optional[GradientRecorder] = None
 
     def scaling(self) -> bool:
         """Whether an enabled GradScaler owns overflowing steps."""
@@ -141,7 +146,10 @@ class NonFiniteCheck:
                                f"{', '.join(map(str, seeing))} of {self.world_size} hold a "
                                f"non-finite reduced gradient, and an all-reduce gives every rank "
                                f"the same result")
-        evidence["redo"], verdict = self._redo_reduction(walk, step, states, seeing)
+        evidence["redo"], verdict = self._redo_reduction(walk, step, states, seeing, g)
+        self.counters[f"reduction_{verdict.verdict}"] += 1
+        evidence["verdict"] = verdict.verdict
+        evidence["why"] = f"{evidence['why']}; {verdict.why}"
         self.reporter.alarm(SDCAlarm("nonfinite_reduced", step, (), (), False, evidence,
                                      candidate_ranks=verdict.candidates,
                                      first_suspect_step=step,
@@ -160,51 +168,154 @@ class NonFiniteCheck:
             n += bad.numel()
         return out
 
-    def _redo_reduction(self, walk: Walk, step: int, states: States, seeing: list[int]
-                        ) -> tuple[dict[str, Any], ReductionVerdict]:
-        """What each rank sent where the reduction gave NaN/Inf, and that sum done again.
+    def _layout_codes(self) -> torch.Tensor:
+        """Per gradient parameter, where the recorder saw it in a bucket whose reduced result was
+        NaN/Inf: bucket * 2**24 + position in the bucket, -1 unknown (one int64 each)."""
+        out = torch.full((len(self.replayer.params.grad_params),), -1, dtype=torch.int64)
+        bad = self.recorder.last_bad_buckets() if self.recorder is not None else {}
+        for index, rows in bad.items():
+            if all(r >= 0 for r in rows):  # a bucket the replay can rebuild whole
+                for pos, r in enumerate(rows):
+                    out[r] = index * 2 ** 24 + pos
+        return out
 
-        Every rank replays its own step (the gradient it sent, bit for bit), reads it at the
-        places some rank received NaN/Inf, and the values are gathered: finite senders and a
-        finite sum say the reduction itself went bad. The all-reduce does not say on which link
-        or GPU, so this names no rank; it says what happened instead of suspecting everyone."""
-        replayer = self.replayer
+    @staticmethod
+    def _redo_buckets(places: list[int], layout: list[int], dtypes: list[torch.dtype]
+                      ) -> list[tuple[int, list[int]]]:
+        """The buffers to reduce again, the same on every rank (from gathered data): each bad
+        bucket whole, its parameters in bucket order; a bad parameter of no known bucket with
+        the others of its dtype, in parameter order (bucket index -1)."""
+        bad = sorted({c >> 40 for c in places})
+        buckets = sorted({layout[k] >> 24 for k in bad if layout[k] >= 0})
+        out = [(b, sorted((k for k in range(len(layout)) if layout[k] >= 0
+                           and layout[k] >> 24 == b), key=lambda k: layout[k]))
+               for b in buckets]
+        loose: dict[torch.dtype, list[int]] = {}
+        for k in bad:
+            if layout[k] < 0:
+                loose.setdefault(dtypes[k], []).append(k)
+        return out + [(-1, rows) for rows in loose.values()]
+
+    def _redo_reduction(self, walk: Walk, step: int, states: States, seeing: list[int],
+                        g: torch.Tensor) -> tuple[dict[str, Any], ReductionVerdict]:
+        """Redo the reduction of the bad bucket once, for real, and compare (issue 21.5).
+
+        "redo_places": where each rank's reduced gradient is NaN/Inf, and the layout of the
+        buckets it went bad in. Every rank replays its own step (the gradient it sent, bit for
+        bit) and reads it at those places; "redo_flags" agrees that every replay ran, that the
+        recomputed buckets are finite and that each replay's largest magnitude is the one the
+        step measured (the inputs reproduced). Only then, on every rank alike, "redo_reduce":
+        each bad bucket's recomputed gradients, whole and in bucket order, go through the
+        reduction the job uses (the comm hook's fused sum and division, or the caller's reduce
+        hook with its state; hooks.GradientRecorder.reduce_again) over the same process group.
+        "redo_values": what each rank sent to each place, what the redo gave there, and whether
+        any redone value is NaN/Inf. The rule (reduction.py) reads it: finite senders, a finite
+        sum and a finite redo are a one-off; NaN/Inf again names where it shows; a replay that
+        fails raises on every rank alike (no redo runs)."""
+        replayer, recorder = self.replayer, self.recorder
+        params = replayer.params
+        ranks = self.topology.ranks
         owner_states = states()  # maybe a collective: every rank is here
-        codes = walk.gather("redo_places", self._bad_positions())
+        found = walk.gather("redo_places", torch.cat([self._bad_positions(),
+                                                      self._layout_codes()]))
+        codes, layout_t = found[:, :8], found[:, 8:].max(dim=0).values
         places = sorted({int(c) for c in codes.flatten().tolist() if c >= 0})[:16]
+        layout = [int(x) for x in layout_t.tolist()]
+        groups = self._redo_buckets(places, layout, [p.dtype for p in params.grad_params])
         values = torch.full((max(len(places), 1),), float("nan"), dtype=torch.float64)
+        flags = torch.tensor([0.0, 0.0, math.nan], dtype=torch.float64)  # error, finite, magnitude
         error: Optional[BaseException] = None
+        grads: list[Optional[torch.Tensor]] = []
         if replayer.can_replay and places:
             try:
                 _, grads = replayer.replay(replayer.rank, step, owner_states[replayer.rank])
                 for i, code in enumerate(places):
-                    g = grads[code >> 40]
-                    values[i] = 0.0 if g is None else float(g.reshape(-1)[code & (2 ** 40 - 1)])
+                    gr = grads[code >> 40]
+                    values[i] = 0.0 if gr is None else float(gr.reshape(-1)[code & (2 ** 40 - 1)])
+                flags[1] = float(bool(torch.isfinite(largest_magnitude(
+                    [grads[k] for _, rows in groups for k in rows], params.device))))
+                flags[2] = float(largest_magnitude(grads, params.device))
             except Exception as e:  # noqa: BLE001 - reported collectively below
                 error = e
-        flags = walk.gather("redo_flags", torch.tensor([error_flag(error)]))
-        raise_if_failed(flags[:, 0], self.topology.ranks, error, step,
-                        "the replay that redoes the reduction")
-        sent = walk.gather("redo_values", values)  # (world, places)
-        ranks = self.topology.ranks
+        flags[0] = error_flag(error)
+        got = walk.gather("redo_flags", flags)  # (world, 3)
+        raise_if_failed(got[:, 0], ranks, error, step, "the replay that redoes the reduction")
         evidence = ReductionEvidence(seeing, ranks, ranks, "all-reduce")
         if not (replayer.can_replay and places):
             return {"done": False, "why": "no replay (loss_fn/batch_fn) to recompute what each "
                                           "rank sent" if places else "no place found"}, \
                 reduction_verdict(evidence)
-        names = replayer.params.grad_names
+        reproduced: Optional[bool] = None  # not comparable: the step measured some buckets only
+        if recorder is not None and recorder.measures_every_bucket:
+            reproduced = all(float(got[k, 2]) == float(g[k, 1]) for k in range(len(ranks)))
+        redo = recorder is not None and bool((got[:, 1] == 1.0).all()) and reproduced is not False
+        redone_at = torch.full((len(places) + 2,), math.nan, dtype=torch.float64)
+        redone_at[-2:] = 0.0  # any redone value NaN/Inf here; an error in the redo here
+        if redo:
+            assert recorder is not None
+            walk.enter("redo_reduce")
+            try:
+                for index, rows in groups:
+                    members = [params.grad_params[k] for k in rows]
+                    flat = [(torch.zeros_like(p) if gr is None else gr.to(p.dtype)).reshape(-1)
+                            for p, gr in zip(members, (grads[k] for k in rows))]
+                    out = recorder.reduce_again(max(index, 0), torch.cat(flat), members)
+                    if not bool(torch.isfinite(out).all()):
+                        redone_at[-2] = 1.0
+                    offsets, at = {}, 0
+                    for k, t in zip(rows, flat):
+                        offsets[k], at = at, at + t.numel()
+                    for i, code in enumerate(places):
+                        if code >> 40 in offsets:
+                            redone_at[i] = float(out[offsets[code >> 40] + (code & (2 ** 40 - 1))])
+            except Exception as e:  # noqa: BLE001 - reported collectively below
+                error = e
+                redone_at[-1] = error_flag(e)
+        sent = walk.gather("redo_values", torch.cat([values[:len(places)], redone_at]))
+        raise_if_failed(sent[:, -1], ranks, error, step, "the redone reduction")
+        return self._judge_redo(sent, places, evidence, reproduced, redo, groups)
+
+    def _judge_redo(self, sent: torch.Tensor, places: list[int], evidence: ReductionEvidence,
+                    reproduced: Optional[bool], redo: bool, groups: list[tuple[int, list[int]]]
+                    ) -> tuple[dict[str, Any], ReductionVerdict]:
+        """The gathered (world, 2 * places + 2) values as evidence rows, and the rule's verdict."""
+        ranks = self.topology.ranks
+        names = self.replayer.params.grad_names
+        n = len(places)
         rows, sent_ok, sum_ok = [], True, True
         for i, code in enumerate(places):
             col = [float(sent[k, i]) for k in range(len(ranks))]
             total = sum(col) / len(col)
             sent_ok = sent_ok and all(math.isfinite(v) for v in col)
             sum_ok = sum_ok and math.isfinite(total)
-            rows.append({"parameter": names[code >> 40], "element": code & (2 ** 40 - 1),
-                         "sent": {str(r): as_json_number(v) for r, v in zip(ranks, col)},
-                         "redone": as_json_number(total)})
-        verdict = reduction_verdict(replace(evidence, sent_finite=sent_ok, sum_finite=sum_ok))
-        return {"done": True, "places": rows, "senders_finite_and_sum_finite": sent_ok and sum_ok,
-                "why": verdict.why}, verdict
+            row: dict[str, Any] = {
+                "parameter": names[code >> 40], "element": code & (2 ** 40 - 1),
+                "sent": {str(r): as_json_number(v) for r, v in zip(ranks, col)},
+                "mean_of_sent": as_json_number(total)}
+            if redo:
+                row["redone_all_reduce"] = {str(r): as_json_number(float(sent[k, n + i]))
+                                            for k, r in enumerate(ranks)}
+            rows.append(row)
+        out: dict[str, Any] = {
+            "done": True, "places": rows, "senders_finite_and_sum_finite": sent_ok and sum_ok,
+            "inputs_reproduced": reproduced, "redone": redo,
+            "redone_buckets": [{"bucket": b, "parameters": len(rs)} for b, rs in groups]}
+        if not redo:
+            verdict = reduction_verdict(replace(evidence, sent_finite=sent_ok,
+                                                sum_finite=sum_ok))
+            out["why"] = ("the all-reduce was not redone (" + (
+                "a recomputed value at a bad place is not finite" if not sent_ok else
+                "the replay did not recompute every rank's original gradient: its largest "
+                "magnitude differs" if reproduced is False else
+                "a recomputed gradient in the bad bucket is not finite") + "); " + verdict.why) \
+                if self.recorder is not None else verdict.why
+            return out, verdict
+        bad = [r for k, r in enumerate(ranks) if float(sent[k, 2 * n]) == 1.0]
+        out["redone_nonfinite_ranks"] = bad
+        verdict = reduction_verdict(replace(evidence, sent_finite=sent_ok, sum_finite=sum_ok,
+                                            redone=[("all-reduce", bad)]))
+        out["why"] = verdict.why
+        return out, verdict
 
     # ---- a rank's own gradient --------------------------------------------------------------
 

@@ -2,15 +2,16 @@
 
 Every local gradient was finite and a reduced one is NaN/Inf below any overflow: the reduction
 itself made it (a link, a NIC, one rank's reduction arithmetic). What each auditor gathers about
-it (nonfinite.py: DDP recomputes what every rank sent and sums it again; FSDP2/HSDP also runs the
-reduce-scatter, and HSDP's all-reduce, once more for real on the recomputed inputs) comes here as
-a `ReductionEvidence`, and `reduction_verdict` says what it supports:
+it (nonfinite.py: every rank recomputes what it sent; DDP then runs the bad bucket's all-reduce
+once more for real, through the job's own reduction; FSDP2/HSDP the reduce-scatter, and HSDP's
+all-reduce) comes here as a `ReductionEvidence`, and `reduction_verdict` says what it supports:
 
 - a sender's recomputed value, or their sum, not finite: the data or the model ("data"); the
   candidates stay what they were without a redo;
-- no redone collective (DDP; or no replay): "unplaced". A result every holder should share but
-  only some hold NaN/Inf was made where it is seen: those ranks are the candidates; held by every
-  holder, every sender is (the old behaviour, kept for DDP);
+- no redone collective (no replay, no reduction to redo it through, or a replay that did not
+  recompute the step's inputs): "unplaced". A result every holder should share but only some
+  hold NaN/Inf was made where it is seen: those ranks are the candidates; held by every holder,
+  every sender is;
 - the collective redone on the same inputs gives NaN/Inf again: "persistent"; the candidates are
   the ranks where it shows first in the redo (the reduce-scatter's receivers before the
   all-reduce's), where it is made or received, never a settled name;
@@ -96,4 +97,5 @@ def reduction_verdict(e: ReductionEvidence) -> ReductionVerdict:
             f"named"))
     return ReductionVerdict("transient", (), (
         f"the {e.collective}, done again on the same inputs, is finite: it went bad once, on a "
-        f"path every rank's values took; nothing names a rank or a node, so none is suspected"))
+        f"path every rank's values took; nothing names a rank or a node: no rank is named, and "
+        f"none is suspected"))
