@@ -418,6 +418,12 @@ def test_the_daemon_resets_then_reboots_and_its_restart_on_the_new_boot_rescreen
                          ("burnin", "healthy", Reason.KAT_PASSED)], moves
     assert slots.holders() == {}
     assert len([c for c in tool_calls(tools) if c.startswith("reboot")]) == 1
+    # Each rung taken is counted once, by the daemon that took it (the metric is per process).
+    assert rig.metrics.ladder_rungs.labels(DNODE, "gpu_reset")._value.get() == 1.0
+    assert rig.metrics.ladder_rungs.labels(DNODE, "reboot")._value.get() == 1.0
+    assert rig2.metrics.ladder_rungs.labels(DNODE, "reboot")._value.get() == 0.0
+    assert b'screener_ladder_rungs_total{node="gpu-node-1",rung="final"} 0.0' in \
+        rig.metrics.exposition()
     rig.adapter.close()
     rig2.close()
 

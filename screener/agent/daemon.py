@@ -318,6 +318,8 @@ class Daemon:
         step = self.ladder.step(self.store.history(self.node), gpus, self.stamps.now(),
                                 lambda event: self.feed.apply(event, "repair ladder", report))
         report.actions.extend(step.actions)
+        for rung in step.taken:
+            self.metrics.rung_taken(rung)
         if step.error:
             self.metrics.error("ladder")
 

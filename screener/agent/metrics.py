@@ -45,6 +45,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from screener.agent.clock import ClockLike, as_clock
 from screener.errors import ConfigError
 from screener.lifecycle.incidents import mtbi_seconds
+from screener.remediation.ladder import RUNGS
 from screener.types import AlarmResult, NodeState, Outcome, ScreenStop, Severity
 
 SCREEN_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, float("inf"))
@@ -127,6 +128,9 @@ class DaemonMetrics:
         self.probes = Counter("screener_probe_runs", "Health probe runs.", ["node"], registry=r)
         self.transitions = Counter("screener_transitions", "Lifecycle transitions recorded, by the "
                                    "state entered.", ["node", "to"], registry=r)
+        self.ladder_rungs = Counter("screener_ladder_rungs", "Repair ladder rungs taken on the "
+                                    "node, by rung (gpu_reset, reboot, final).", ["node", "rung"],
+                                    registry=r)
         self.errors = Counter("screener_errors", "Failures of the screener itself, by where.",
                               ["node", "where"], registry=r)
         self.last_success = Gauge("screener_last_successful_screen_timestamp_seconds", "Unix time "
@@ -182,6 +186,8 @@ class DaemonMetrics:
         self.screening.labels(node).set(0)
         self.probes.labels(node)
         self.screen_duration.labels(node)
+        for rung in RUNGS:
+            self.ladder_rungs.labels(node, rung)
 
     # --- updates ------------------------------------------------------------------------------
 
@@ -249,6 +255,10 @@ class DaemonMetrics:
 
     def finding(self, severity: Severity) -> None:
         self.findings.labels(self.node, severity.label).inc()
+
+    def rung_taken(self, rung: str) -> None:
+        """The repair ladder took a rung (recorded in the node's history)."""
+        self.ladder_rungs.labels(self.node, rung).inc()
 
     def error(self, where: str) -> None:
         self.errors.labels(self.node, where).inc()

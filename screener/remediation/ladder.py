@@ -54,6 +54,7 @@ log = logging.getLogger("screener.ladder")
 RUNG_RESET = "gpu_reset"
 RUNG_REBOOT = "reboot"
 RUNG_FINAL = "final"
+RUNGS = (RUNG_RESET, RUNG_REBOOT, RUNG_FINAL)
 EVIDENCE_KEY = "ladder"
 # Phases of a rung's records: a reset is one record; a reboot is requested, then done or
 # abandoned. Only the records that took a rung count against the budget.
@@ -101,6 +102,7 @@ class LadderStep:
 
     actions: list[dict[str, Any]] = field(default_factory=list)
     error: str = ""  # our failure, for the error metric
+    taken: list[str] = field(default_factory=list)  # the rungs this look took (for the metric)
 
 
 def ladder_record(t: Transition) -> Optional[Mapping[str, Any]]:
@@ -264,6 +266,7 @@ class RepairLadder:
             self.slots.release(self.node)
             out.actions.append({"action": RUNG_REBOOT, "result": f"not started: {decision.note}"})
             return
+        out.taken.append(RUNG_REBOOT)
         call = self.repairs.reboot(self.node)
         if call.ok:
             out.actions.append({"action": RUNG_REBOOT, "result": call.detail})
@@ -320,6 +323,8 @@ class RepairLadder:
         decision = record(Remediation(
             passed=False, detail="the repair ladder's rungs did not heal the node",
             evidence={EVIDENCE_KEY: {"rung": RUNG_FINAL, "method": method, "dcgm_diag": diag}}))
+        if decision.changed:
+            out.taken.append(RUNG_FINAL)
         if method != "replace" or decision.state != NodeState.REPAIR:
             out.actions.append({"action": RUNG_FINAL, "result": f"sent to repair: a person "
                                 f"replaces or repairs it" if decision.changed else
@@ -372,5 +377,6 @@ class RepairLadder:
             return
         out.actions.append({"action": RUNG_RESET, "result": f"reset GPU(s) "
                             f"{', '.join(map(str, gpus))}; the burn-in re-screens the node"})
-        record(Remediation(passed=True, detail=f"GPU reset of {len(gpus)} GPU(s) (repair ladder, "
-                           "rung 1)", evidence={EVIDENCE_KEY: evidence}))
+        if record(Remediation(passed=True, detail=f"GPU reset of {len(gpus)} GPU(s) (repair "
+                              "ladder, rung 1)", evidence={EVIDENCE_KEY: evidence})).changed:
+            out.taken.append(RUNG_RESET)
