@@ -37,12 +37,14 @@ BOOT = 1_700_000_000.0
 class Rig:
     """A quarantined node, its ladder, a wall clock, a monotonic clock and a boot time."""
 
-    def __init__(self, tmp: Path, *, repairs=None, store=None, **ladder) -> None:
+    def __init__(self, tmp: Path, *, repairs=None, store=None, timeout_s: float = 120.0,
+                 **ladder) -> None:
         self.env, self.tools = install_tools(tmp)
         self.db = tmp / "state.db"
         self.env["FAKE_STATE_DB"] = str(self.db)
         self.store = store or LocalStore(self.db)
         self.now, self.mono, self.boot = BOOT + 86400.0, 1000.0, BOOT
+        self.boot_ident: "str | None" = None  # the kernel's boot id; None: not readable
         cfg = {"enabled": True, "min_interval_s": 600.0, "reboot": "command",
                "reboot_command": ["fake-reboot", "--now"], **ladder}
         self.config = LadderConfig.from_mapping(cfg)
@@ -50,9 +52,10 @@ class Rig:
                                  ttl=self.config.reboot_timeout_s, clock=lambda: self.now)
         self.ladder = RepairLadder(self.config, node=NODE, env=self.env,
                                    monotonic=lambda: self.mono, boot_time=lambda: self.boot,
-                                   slots=self.slots,
+                                   slots=self.slots, boot_id=lambda: self.boot_ident,
                                    repairs=repairs or CommandRepairs(self.config.reboot_command,
-                                                                     env=self.env))
+                                                                     env=self.env,
+                                                                     timeout_s=timeout_s))
         self.apply(HumanCommand(NodeState.QUARANTINED, "bad known answers", user="test"))
 
     def apply(self, event):
@@ -455,3 +458,89 @@ def test_a_repair_step_on_kubernetes_keeps_the_taint_label_and_budget_slot():
         assert obj["metadata"]["labels"][LABEL_STATE] == "quarantined"
         assert any(t.get("effect") == "NoSchedule" for t in obj["spec"].get("taints", []))
         assert [c.node for c in store.budget_view().claims.values()] == ["gpu-0"]
+
+
+
+# --- what the review found (each once a bug) ---------------------------------------------------
+
+def test_a_reboot_that_did_not_happen_never_leads_to_repair_or_replace(tmp_path):
+    rig = Rig(tmp_path, final="repair", max_rungs=3)
+    rig.step()
+    rig.fail_burnin()
+    (rig.tools / "reboot_fails").write_text("")
+    rig.step(advance=600.0)  # refused: abandoned
+    out = rig.step(advance=600.0)
+    assert rig.state() == NodeState.QUARANTINED, rig.codes()
+    assert "did not happen; a person decides" in out.actions[-1]["result"]
+    assert Reason.REMEDIATION_FAILED not in [t.code for t in rig.store.history(NODE)]
+
+
+def test_the_ladder_bookkeeping_survives_the_kubernetes_history_shrink(tmp_path):
+    """A reset of 8 GPUs with DCGM's table is bulky; the history entry is cut to 2 KiB and the
+    rung must still be read back (else the reset repeats every episode, past the budget)."""
+    from screener.lifecycle.records import Transition
+    from screener.remediation.ladder import ladder_evidence, ladder_record
+    from screener.stores.kubeformat import EVIDENCE_BYTES, shrink_evidence
+
+    bulk = {"gpus": list(range(8)), "resets": [{"argv": ["nvidia-smi", "-r", "-i", str(i)],
+                                                "output": "GPU %d was successfully reset. " % i * 40}
+                                               for i in range(8)],
+            "dcgm_diag": {"rows": {f"test {k}": "Pass - All" for k in range(40)}}}
+    for rung, book in [("gpu_reset", {}), ("reboot", {"phase": "requested", "boot_time": BOOT,
+                                                      "boot_id": "a" * 36, "requested_at": 5.0,
+                                                      "method": "hyperpod", "slot": 0})]:
+        ev = {"remediation": {"passed": True, "detail": "x" * 100,
+                              **ladder_evidence(rung, bulk=bulk, **book)}}
+        small = shrink_evidence(ev)
+        assert len(__import__("json").dumps(small)) <= EVIDENCE_BYTES
+        t = Transition(node=NODE, time=1.0, from_state=NodeState.QUARANTINED,
+                       to_state=NodeState.BURNIN, reason="r", evidence=small)
+        rec = ladder_record(t)
+        assert rec is not None and rec["rung"] == rung, small
+        for k, v in book.items():
+            assert rec[k] == v
+
+
+def test_final_replace_past_the_budget_still_sends_to_repair_without_replacing(tmp_path,
+                                                                               sagemaker):
+    store = LocalStore(tmp_path / "state.db")
+    repairs = HyperPodRepairs(sagemaker, CLUSTER, state_of=store.get_state)
+    rig = Rig(tmp_path, repairs=repairs, store=store, reboot="off", reboot_command=[],
+              final="replace", max_rungs=1)
+    rig.step()  # the reset: the one rung the budget allows
+    rig.fail_burnin()
+    out = rig.step(advance=600.0)  # no SageMaker call is stubbed: none may be made
+    assert rig.state() == NodeState.REPAIR
+    said = [a["result"] for a in out.actions]
+    assert any("budget is spent; a person replaces the node" in r for r in said), said
+
+
+def test_a_reboot_command_that_hangs_keeps_the_slot_and_the_request(tmp_path):
+    """The host going down under the command looks like a timeout: not a refusal."""
+    rig = Rig(tmp_path, timeout_s=1.0)
+    rig.step()
+    rig.fail_burnin()
+    (rig.tools / "reboot_hangs").write_text("")
+    out = rig.step(advance=600.0)
+    assert "no answer" in out.actions[-1]["result"] and out.error
+    assert set(rig.slots.holders()) == {0}  # still held: the node may be rebooting
+    phases = [t.evidence["remediation"].get("ladder_phase") for t in rig.store.history(NODE)
+              if t.code == Reason.REPAIR_STEP]
+    assert phases == ["requested"]
+    rig.boot = rig.now + 120.0  # it did reboot
+    rig.step(advance=300.0)
+    assert rig.state() == NodeState.BURNIN and rig.slots.holders() == {}
+
+
+def test_the_boot_id_not_a_stepped_clock_proves_the_reboot(tmp_path):
+    rig = Rig(tmp_path)
+    rig.boot_ident = "1b1e0ad5-0000-4000-8000-000000000001"
+    rig.step()
+    rig.fail_burnin()
+    rig.step(advance=600.0)
+    rig.boot += 3600.0  # the wall clock stepped forward: psutil's boot time moves with it
+    out = rig.step(advance=60.0)
+    assert rig.state() == NodeState.QUARANTINED and "waiting" in out.actions[-1]["result"]
+    rig.boot_ident = "1b1e0ad5-0000-4000-8000-000000000002"  # a new boot
+    rig.step(advance=60.0)
+    assert rig.state() == NodeState.BURNIN

@@ -166,7 +166,8 @@ class Daemon:
         # The repair ladder for an idle quarantined node (issue 24.3), when configured.
         self.ladder = (RepairLadder(config.ladder, node=self.node, env=ports.tool_env,
                                     monotonic=self.clock.monotonic, boot_time=ports.boot_time,
-                                    slots=ports.repair_slots, repairs=ports.repairs)
+                                    slots=ports.repair_slots, repairs=ports.repairs,
+                                    boot_id=ports.boot_id)
                        if config.ladder.enabled else None)
 
     @property

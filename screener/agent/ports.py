@@ -53,7 +53,8 @@ class DaemonPorts:
         uid that must own the alarm folder (default: the daemon's own). tool_env: the environment
         (PATH) the repair ladder runs nvidia-smi and dcgmi in (default: the daemon's own).
     repair_slots: the fleet-wide reboot slots (screener.stores.slots) and repairs: the reboot and
-        replace calls (screener.remediation.repairs), for a ladder that reboots or replaces.
+        replace calls (screener.remediation.repairs), for a ladder that reboots or replaces;
+        boot_id(): the kernel's boot id (host.boot_id), which proves a reboot where it can be read.
     """
 
     store: Store
@@ -77,3 +78,4 @@ class DaemonPorts:
     tool_env: Optional[Mapping[str, str]] = None
     repair_slots: Optional[Slots] = None
     repairs: Optional[Repairs] = None
+    boot_id: Optional[Callable[[], Optional[str]]] = None

@@ -117,7 +117,11 @@ def _repair_ports(app: AppContext, config: Any, store: Any, kind: str) -> dict[s
     repairs: Any = hyperpod
     if ladder.reboot == "command":
         repairs = CommandRepairs(ladder.reboot_command, replacer=hyperpod)
-    return {"repair_slots": slots, "repairs": repairs}
+    from screener.health import host
+
+    boot_id_path = config.probes.boot_id_path
+    return {"repair_slots": slots, "repairs": repairs,
+            "boot_id": lambda: host.boot_id(boot_id_path)}
 
 
 def _created(node_obj: Any) -> Optional[float]:

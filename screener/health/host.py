@@ -59,6 +59,17 @@ def boot_time() -> float:
     return float(psutil.boot_time())
 
 
+def boot_id(path: str = "/proc/sys/kernel/random/boot_id") -> Optional[str]:
+    """The kernel's id of this boot (a new one at every boot, whatever the wall clock does), or
+    None where it cannot be read."""
+    try:
+        with open(path, encoding="ascii") as f:
+            text = f.read(128).strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return text or None
+
+
 def available_memory() -> int:
     """Bytes of RAM a new allocation can get without swapping (the host-memory HBM test's budget)."""
     return int(psutil.virtual_memory().available)

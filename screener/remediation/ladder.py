@@ -80,6 +80,7 @@ class RepairCall:
     ok: bool
     detail: str
     record: Mapping[str, Any] = field(default_factory=dict)
+    maybe_sent: bool = False  # not ok, but the request may have gone out (a lost answer)
 
 
 class Repairs(Protocol):
@@ -105,9 +106,29 @@ class LadderStep:
     taken: list[str] = field(default_factory=list)  # the rungs this look took (for the metric)
 
 
+FLAT_PREFIX = "ladder_"
+_FLAT_KEYS = ("rung", "phase", "method", "slot", "boot_time", "boot_id", "requested_at")
+
+
+def ladder_evidence(rung: str, *, bulk: Optional[Mapping[str, Any]] = None,
+                    **book: Any) -> dict[str, Any]:
+    """A rung's evidence: the bookkeeping the ladder reads back (rung, phase, method, boot
+    identity, times) as flat scalars, and the bulk (tool output, DCGM's table) nested under
+    "ladder". A Kubernetes history entry is shrunk to 2 KiB by dropping nested values first
+    (stores.kubeformat.shrink_evidence): the scalars survive, so a rung is never forgotten."""
+    flat = {FLAT_PREFIX + k: v for k, v in {"rung": rung, **book}.items() if k in _FLAT_KEYS}
+    return {**flat, EVIDENCE_KEY: {"rung": rung, **book, **dict(bulk or {})}}
+
+
 def ladder_record(t: Transition) -> Optional[Mapping[str, Any]]:
-    """The ladder's part of a transition's evidence, or None when the ladder did not make it."""
-    rec = (t.evidence.get("remediation") or {}).get(EVIDENCE_KEY)
+    """The ladder's bookkeeping in a transition's evidence, or None when the ladder did not make
+    it (the flat scalars, or the nested record of a history written before them)."""
+    rem = t.evidence.get("remediation") or {}
+    if not isinstance(rem, Mapping):
+        return None
+    if FLAT_PREFIX + "rung" in rem:
+        return {k[len(FLAT_PREFIX):]: v for k, v in rem.items() if k.startswith(FLAT_PREFIX)}
+    rec = rem.get(EVIDENCE_KEY)
     return rec if isinstance(rec, Mapping) else None
 
 
@@ -149,13 +170,16 @@ def pending_reboot(records: Sequence[Mapping[str, Any]]) -> Optional[Mapping[str
 class RepairLadder:
     """The ladder for one node. env: the environment the tools run in (their PATH); monotonic:
     the clock of the rate limit's interval (history stamps come in with each step); boot_time:
-    when the host booted (unix seconds); slots and repairs: the reboot slots and the reboot and
-    replace calls, needed when the config takes those rungs."""
+    when the host booted (unix seconds); boot_id: the kernel's id of this boot, or None where it
+    cannot be read (a changed id proves a reboot; the boot time, which a stepped wall clock
+    moves, is the fallback); slots and repairs: the reboot slots and the reboot and replace
+    calls, needed when the config takes those rungs."""
 
     def __init__(self, config: LadderConfig, *, node: str = "",
                  env: Optional[Mapping[str, str]] = None, monotonic: Callable[[], float],
                  boot_time: Optional[Callable[[], float]] = None, slots: Optional[Slots] = None,
-                 repairs: Optional[Repairs] = None) -> None:
+                 repairs: Optional[Repairs] = None,
+                 boot_id: Optional[Callable[[], Optional[str]]] = None) -> None:
         needs = []
         if config.enabled and config.reboot != "off" and (slots is None or boot_time is None):
             needs.append("reboot slots and the host's boot time")
@@ -166,6 +190,7 @@ class RepairLadder:
             raise ValueError(f"repair ladder: the config needs {' and '.join(needs)}")
         self.config, self.node, self.env, self.monotonic = config, node, env, monotonic
         self.boot_time, self.slots, self.repairs = boot_time, slots, repairs
+        self.boot_id = boot_id
         self._next_try = 0.0
         self._diag: dict[str, Any] = {}  # quarantine transition id -> the dcgmi result
 
@@ -185,6 +210,13 @@ class RepairLadder:
         if self.monotonic() < self._next_try:
             return out
         self._next_try = self.monotonic() + self.config.min_interval_s
+        if any(r.get("rung") == RUNG_REBOOT and r.get("phase") == PHASE_ABANDONED
+               for r in records):
+            # A reboot that did not happen proves nothing about the node: no further rung.
+            out.actions.append({"action": RUNG_REBOOT, "result": "the reboot this episode asked "
+                                "for did not happen; a person decides: screener hyperpod "
+                                "reboot|replace"})
+            return out
         rung = self._next_rung(records)
         if rung is None:
             out.actions.append({"action": RUNG_RESET, "result": "already taken since this "
@@ -192,8 +224,8 @@ class RepairLadder:
                                 "are a person's: screener hyperpod reboot|replace"})
             return out
         taken = rungs_taken(history, now - self.config.window_days * 86400.0)
-        if taken >= self.config.max_rungs and not (rung == RUNG_FINAL
-                                                   and self.config.final == "repair"):
+        spent = taken >= self.config.max_rungs
+        if spent and rung != RUNG_FINAL:  # the final move is the ladder giving up: always made
             out.actions.append({"action": rung, "result": f"not started: the ladder's "
                                 f"budget is spent ({taken} of {self.config.max_rungs} rungs in "
                                 f"{self.config.window_days:g} days); a person decides"})
@@ -204,7 +236,7 @@ class RepairLadder:
         elif rung == RUNG_REBOOT:
             self._reboot(now, diag, out, record)
         else:
-            self._final(diag, out, record)
+            self._final(diag, out, record, replace_allowed=not spent)
         return out
 
     def _next_rung(self, records: Sequence[Mapping[str, Any]]) -> Optional[str]:
@@ -257,11 +289,12 @@ class RepairLadder:
                                 f"nodes"})
             return
         booted = self.boot_time()
-        evidence = {"rung": RUNG_REBOOT, "phase": PHASE_REQUESTED, "method": method,
-                    "slot": getattr(slot, "index", None), "boot_time": booted,
-                    "requested_at": now, "dcgm_diag": diag}
+        evidence = ladder_evidence(RUNG_REBOOT, phase=PHASE_REQUESTED, method=method,
+                                   slot=getattr(slot, "index", None), boot_time=booted,
+                                   boot_id=self.boot_id() if self.boot_id else None,
+                                   requested_at=now, bulk={"dcgm_diag": diag})
         decision = record(RepairStep(detail=f"reboot requested (repair ladder, rung 2, "
-                                     f"{method})", evidence={EVIDENCE_KEY: evidence}))
+                                     f"{method})", evidence=evidence))
         if not decision.changed:  # the node moved meanwhile: no reboot on a stale decision
             self.slots.release(self.node)
             out.actions.append({"action": RUNG_REBOOT, "result": f"not started: {decision.note}"})
@@ -272,12 +305,20 @@ class RepairLadder:
             out.actions.append({"action": RUNG_REBOOT, "result": call.detail})
             log.warning("reboot requested: %s", call.detail, extra={"event": "ladder_reboot"})
             return
-        # Not a hardware verdict: no reboot happened, so it proves nothing about the node.
         out.error = call.detail
+        if call.maybe_sent:
+            # The answer was lost, not a refusal: the reboot may be under way. The slot and the
+            # request stay; the boot identity or the timeout will say what happened.
+            out.actions.append({"action": RUNG_REBOOT, "result": f"no answer: {call.detail}; "
+                                "waiting to see whether the node reboots"})
+            log.error("reboot request unanswered: %s", call.detail,
+                      extra={"event": "ladder_reboot_failed"})
+            return
+        # Not a hardware verdict: no reboot happened, so it proves nothing about the node.
         self.slots.release(self.node)
         record(RepairStep(detail=f"reboot not done: {call.detail}; a person decides",
-                          evidence={EVIDENCE_KEY: {"rung": RUNG_REBOOT, "phase": PHASE_ABANDONED,
-                                                   "call": dict(call.record)}}))
+                          evidence=ladder_evidence(RUNG_REBOOT, phase=PHASE_ABANDONED,
+                                                   bulk={"call": dict(call.record)})))
         out.actions.append({"action": RUNG_REBOOT, "result": f"failed: {call.detail}"})
         log.error("reboot failed: %s", call.detail, extra={"event": "ladder_reboot_failed"})
 
@@ -288,12 +329,19 @@ class RepairLadder:
         before = float(pending.get("boot_time") or 0.0)
         asked = float(pending.get("requested_at") or 0.0)
         booted = self.boot_time()
-        if booted > before + REBOOTED_AFTER_S:
+        id_before = pending.get("boot_id")
+        id_now = self.boot_id() if self.boot_id else None
+        if id_before and id_now:  # the kernel's own word; a stepped wall clock cannot fake it
+            rebooted = id_now != id_before
+        else:
+            rebooted = booted > before + REBOOTED_AFTER_S
+        if rebooted:
             self.slots.release(self.node)
-            evidence = {"rung": RUNG_REBOOT, "phase": PHASE_DONE, "boot_time": booted,
-                        "boot_time_before": before, "requested_at": asked}
             record(Remediation(passed=True, detail="rebooted (repair ladder, rung 2)",
-                               evidence={EVIDENCE_KEY: evidence}))
+                               evidence=ladder_evidence(
+                                   RUNG_REBOOT, phase=PHASE_DONE, boot_time=booted,
+                                   boot_id=id_now, requested_at=asked,
+                                   bulk={"boot_time_before": before, "boot_id_before": id_before})))
             out.actions.append({"action": RUNG_REBOOT, "result": "the node rebooted; the "
                                 "burn-in re-screens it"})
             return
@@ -302,8 +350,7 @@ class RepairLadder:
                          f"booted at {booted:.0f}, before the request)")
             self.slots.release(self.node)
             record(RepairStep(detail=f"{out.error}; a person decides",
-                              evidence={EVIDENCE_KEY: {"rung": RUNG_REBOOT,
-                                                       "phase": PHASE_ABANDONED}}))
+                              evidence=ladder_evidence(RUNG_REBOOT, phase=PHASE_ABANDONED)))
             out.actions.append({"action": RUNG_REBOOT, "result": f"abandoned: {out.error}"})
             log.error("reboot abandoned: %s", out.error, extra={"event": "ladder_reboot_failed"})
             return
@@ -312,9 +359,15 @@ class RepairLadder:
 
     # --- rung 3: repair or replace ------------------------------------------------------------
 
-    def _final(self, diag: Optional[dict[str, Any]], out: LadderStep, record: Record) -> None:
-        """A reset and a reboot did not heal the node: repair, and replace if configured."""
+    def _final(self, diag: Optional[dict[str, Any]], out: LadderStep, record: Record, *,
+               replace_allowed: bool) -> None:
+        """A reset and a reboot did not heal the node: repair, and replace if configured and the
+        budget allows (the move to repair is always made: it is the ladder giving up)."""
         method = self.config.final
+        if method == "replace" and not replace_allowed:
+            method = "repair"
+            out.actions.append({"action": RUNG_FINAL, "result": "no replacement: the ladder's "
+                                "budget is spent; a person replaces the node"})
         if self.config.dry_run:
             out.actions.append({"action": RUNG_FINAL, "result": f"dry run: would send the node "
                                 f"to repair" + (" and ask HyperPod to replace it"
@@ -322,10 +375,10 @@ class RepairLadder:
             return
         decision = record(Remediation(
             passed=False, detail="the repair ladder's rungs did not heal the node",
-            evidence={EVIDENCE_KEY: {"rung": RUNG_FINAL, "method": method, "dcgm_diag": diag}}))
+            evidence=ladder_evidence(RUNG_FINAL, method=method, bulk={"dcgm_diag": diag})))
         if decision.changed:
             out.taken.append(RUNG_FINAL)
-        if method != "replace" or decision.state != NodeState.REPAIR:
+        if method != "replace" or not decision.changed or decision.state != NodeState.REPAIR:
             out.actions.append({"action": RUNG_FINAL, "result": f"sent to repair: a person "
                                 f"replaces or repairs it" if decision.changed else
                                 f"not started: {decision.note}"})
@@ -366,17 +419,17 @@ class RepairLadder:
             return
         results = [gpu_tools.reset_gpu(i, self.config.nvidia_smi, env=self.env) for i in gpus]
         failed = [r for r in results if r.error]
-        evidence = {"rung": RUNG_RESET, "gpus": list(gpus),
-                    "resets": [r.to_dict() for r in results], "dcgm_diag": diag}
+        evidence = ladder_evidence(RUNG_RESET, bulk={"gpus": list(gpus), "resets": [
+            r.to_dict() for r in results], "dcgm_diag": diag})
         if failed:
             # Not a hardware verdict either way: the reset did not happen, so it proves nothing.
             out.error = "; ".join(r.error for r in failed)
             out.actions.append({"action": RUNG_RESET, "result": f"failed: {out.error}",
-                                EVIDENCE_KEY: evidence})
+                                EVIDENCE_KEY: evidence[EVIDENCE_KEY]})
             log.error("GPU reset failed: %s", out.error, extra={"event": "ladder_reset_failed"})
             return
         out.actions.append({"action": RUNG_RESET, "result": f"reset GPU(s) "
                             f"{', '.join(map(str, gpus))}; the burn-in re-screens the node"})
         if record(Remediation(passed=True, detail=f"GPU reset of {len(gpus)} GPU(s) (repair "
-                              "ladder, rung 1)", evidence={EVIDENCE_KEY: evidence})).changed:
+                              "ladder, rung 1)", evidence=evidence)).changed:
             out.taken.append(RUNG_RESET)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from screener.errors import ScreenerError
+from screener.errors import ExternalServiceError, ScreenerError
 from screener.remediation import gpu_tools, hyperpod
 from screener.remediation.ladder import RepairCall
 from screener.types import NodeState
@@ -33,10 +33,17 @@ class HyperPodRepairs:
                call: Callable[[Sequence[hyperpod.ClusterNode]], hyperpod.BatchResult]) -> RepairCall:
         try:
             nodes = hyperpod.resolve_nodes(self.client, self.cluster, [node])
-            res = call(nodes)
         except ScreenerError as e:
             return RepairCall(False, f"HyperPod {action} of {node} not asked for: {e}",
                               {"method": "hyperpod", "error": str(e)})
+        try:
+            res = call(nodes)
+        except ScreenerError as e:
+            # A refusal (bad input, access denied) never left; a throttle that outlasted the
+            # retries or a lost answer may have: the request may be under way.
+            sent = isinstance(e, ExternalServiceError) and not isinstance(e, hyperpod.AccessDenied)
+            return RepairCall(False, f"HyperPod {action} of {node}: {e}",
+                              {"method": "hyperpod", "error": str(e)}, maybe_sent=sent)
         record = {"method": "hyperpod", **res.to_dict()}
         if res.failed:
             why = "; ".join(f"{f['NodeId']}: {f['ErrorCode']} {f['Message']}" for f in res.failed)
@@ -70,7 +77,10 @@ class CommandRepairs:
         record = {"method": "command", **res.to_dict()}
         if res.error or res.returncode != 0:
             why = res.error or f"exit {res.returncode}: {res.output.strip()[-300:]}"
-            return RepairCall(False, f"reboot command for {node} failed: {why}", record)
+            # A command that ran out of time may be rebooting the host as it was killed.
+            timed_out = res.returncode is None and "did not finish" in res.error
+            return RepairCall(False, f"reboot command for {node} failed: {why}", record,
+                              maybe_sent=timed_out)
         return RepairCall(True, f"reboot command for {node} ran: {' '.join(self.argv)}", record)
 
     def replace(self, node: str) -> RepairCall:

@@ -140,6 +140,9 @@ if db:
     con.close()
 with open(d / "calls", "a") as f:
     f.write("reboot %s on_file=%d\n" % (" ".join(sys.argv[1:]), on_file))
+if (d / "reboot_hangs").exists():  # the host going down under the command
+    import time
+    time.sleep(30)
 if (d / "reboot_fails").exists():
     print("Failed to set wall message, ignoring: Interactive authentication required.")
     print("Failed to reboot system via logind: Interactive authentication required.")
