@@ -45,6 +45,7 @@ def _after_reduce(target: int, first: int, persistent: bool) -> Callable:
                 reduced.view(-1)[2] = float("nan")
             return reduced
         return allreduce_hook(state, bucket).then(poison)
+    hook.stateless = True  # the fault stands in for hardware; the reduction keeps no state
     return hook
 
 
@@ -83,6 +84,18 @@ def _replay_fails_on_2(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     return audit_workers.compute_loss(model, batch)
 
 
+def _huge_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    """Gradients far past fp16's largest value (65504), finite in fp32."""
+    return audit_workers.compute_loss(model, batch) * 1e7
+
+
+def _stateful(inner: Callable) -> Callable:
+    """A hook of the caller's that does not say it keeps no state (as PowerSGD's does keep)."""
+    def hook(state, bucket):  # no annotations: DDP checks them against GradBucket
+        return inner(state, bucket)
+    return hook
+
+
 def scenarios(rank: int, world: int, root: str) -> dict[str, Any]:
     results: dict[str, Any] = {}
 
@@ -114,6 +127,11 @@ def scenarios(rank: int, world: int, root: str) -> dict[str, Any]:
     # the one-off fault of once_hook, but every replay's loss is NaN: the data or the model
     run("data", reduce_hook=faults.corrupt_allreduce(rank=2, calls={3}, element=0),
         loss_fn=_replay_nan_loss)
+    # the one-off fault through a hook that may keep state: not run twice, nobody cleared
+    run("stateful", reduce_hook=_stateful(faults.corrupt_allreduce(rank=2, calls={3}, element=0)))
+    # torch's fp16 compression of gradients past fp16's range: an overflow, not a fault
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+    run("fp16_overflow", reduce_hook=fp16_compress_hook, loss_fn=_huge_loss)
     # the one-off fault, and rank 2's replay raises: every rank raises AuditError, no redo
     run("replay_fails", reduce_hook=faults.corrupt_allreduce(rank=2, calls={3}, element=0),
         loss_fn=_replay_fails_on_2)
@@ -197,3 +215,20 @@ def test_a_replay_that_fails_on_one_rank_raises_on_every_rank_without_a_redo(run
     for o in runs["replay_fails"]:
         assert "rank(s) 2" in o["audit_error"] and "redoes the reduction" in o["audit_error"]
         assert o["files"] == []
+
+
+def test_a_hook_that_may_keep_state_is_not_run_twice(runs):
+    """PowerSGD's error feedback would carry the bad step's NaN into a redo: a one-off would read
+    as a fault that stays. A hook that does not say `stateless = True` is not redone."""
+    a = _alarm(runs["stateful"], 3)
+    ev = a["evidence"]
+    assert ev["verdict"] == "unplaced" and not ev["redo"]["redone"]
+    assert "may keep state" in ev["redo"]["why"]
+    assert a["candidate_ranks"] == [0, 1, 2, 3]  # named as far as the evidence goes, unsettled
+
+
+def test_fp16_compression_past_its_range_is_an_overflow_not_an_alarm(runs):
+    """The sum is bounded by the dtype the hook sends (fp16), not the gradients' (fp32)."""
+    for o in runs["fp16_overflow"]:
+        assert o["alarm"] is None and o["files"] == []
+        assert o["numeric"] is not None and "float16" in str(o["numeric"]), o["numeric"]

@@ -60,7 +60,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (allreduce_hook,
+                                                                      bf16_compress_hook,
+                                                                      fp16_compress_hook)
 
 from screener.fingerprint import fingerprints
 
@@ -69,6 +71,11 @@ __all__ = ["GradientRecorder", "RedoBucket", "StepStats", "magnitude", "largest"
 
 ReduceHook = Callable[[Any, Any], "torch.futures.Future[Any]"]
 
+# torch's own hooks that keep no state between calls, and what the compressing ones send.
+_STATELESS_HOOKS = (allreduce_hook, fp16_compress_hook, bf16_compress_hook)
+_WIRE_DTYPES = {fp16_compress_hook: torch.float16, bf16_compress_hook: torch.bfloat16}
+_WRAPPER_DTYPES = {"fp16_compress_wrapper_hook": torch.float16,
+                   "bf16_compress_wrapper_hook": torch.bfloat16}
 _ZERO = torch.zeros((), dtype=torch.float32)  # the stand-in magnitude of a bucket known finite
 
 
@@ -207,6 +214,25 @@ class GradientRecorder:
         self._unknown = 0
         self._bad: dict[int, list[int]] = {}
         self._buckets: dict[int, Any] = {}
+
+    @property
+    def redo_safe(self) -> bool:
+        """Whether the reduction gives the same result when run a second time on the same
+        inputs: the fused path, one of torch's stateless hooks, or a hook of the caller's that
+        says so (`hook.stateless = True`). A hook that keeps state across calls (PowerSGD's
+        error feedback and warm start) is not run twice."""
+        return (self._fused or self.reduce_hook in _STATELESS_HOOKS
+                or getattr(self.reduce_hook, "stateless", False) is True)
+
+    @property
+    def wire_dtype(self) -> Optional[torch.dtype]:
+        """The dtype the reduction sends, when it is narrower than the gradients' (torch's fp16
+        and bf16 compression hooks and wrappers): its largest value bounds the sum. None: the
+        gradients' own dtype."""
+        hook = self.reduce_hook
+        if hook in _WIRE_DTYPES:
+            return _WIRE_DTYPES[hook]
+        return _WRAPPER_DTYPES.get(getattr(hook, "__name__", ""))
 
     @property
     def measures_every_bucket(self) -> bool:

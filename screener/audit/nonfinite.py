@@ -126,17 +126,23 @@ class NonFiniteCheck:
         # gradient dtype's largest value the sum cannot have overflowed, so the reduction made
         # the NaN/Inf. At or past it, an overflow explains it (the default hook sums before it
         # divides; hooks.py), but only when every rank sees it: the sum is the same everywhere.
+        # A compressing reduce hook (torch's fp16 compression) sends a narrower dtype than the
+        # gradients': its largest value is the one the sum must stay below.
         bound = float(g[:, 1].sum())
-        if everywhere and bound >= params.grad_max:
+        limit, dtype_name = params.grad_max, str(params.grad_dtype)
+        wire = self.recorder.wire_dtype if self.recorder is not None else None
+        if wire is not None and torch.finfo(wire).max < limit:
+            limit, dtype_name = float(torch.finfo(wire).max), f"{wire} (the reduce hook's)"
+        if everywhere and bound >= limit:
             evidence["why"] = (f"every local gradient was finite, but their largest magnitudes "
-                               f"add up to {bound:.3g}, past the largest {params.grad_dtype}: "
+                               f"add up to {bound:.3g}, past the largest {dtype_name}: "
                                f"the sum overflowed")
             evidence["local_norm_sum"] = bound
             if self.scaling():
                 self._scaler_skip(step, ranks, evidence["why"])
                 return True
             self.reporter.numeric(step, ranks, evidence, reason=(
-                f"the gradients' sum overflowed {params.grad_dtype} at step {step} (local "
+                f"the gradients' sum overflowed {dtype_name} at step {step} (local "
                 f"magnitudes add up to {bound:.3g}): the gradients are too large, not corrupted"))
         if not everywhere:
             # An all-reduce leaves the same result on every rank: a NaN/Inf only some ranks hold
@@ -248,7 +254,13 @@ class NonFiniteCheck:
         reproduced: Optional[bool] = None  # not comparable: the step measured some buckets only
         if recorder is not None and recorder.measures_every_bucket:
             reproduced = all(float(got[k, 2]) == float(g[k, 1]) for k in range(len(ranks)))
-        redo = recorder is not None and bool((got[:, 1] == 1.0).all()) and reproduced is not False
+        # Redo only what is known: every bad place in a bucket the hook saw go bad (a place read
+        # from a .grad the loop has touched since, e.g. clipped by a NaN norm, is not), through a
+        # reduction that gives the same result twice.
+        placed = all(layout[c >> 40] >= 0 for c in places)
+        safe = recorder is not None and recorder.redo_safe
+        redo = (recorder is not None and safe and placed and bool((got[:, 1] == 1.0).all())
+                and reproduced is not False)
         redone_at = torch.full((len(places) + 2,), math.nan, dtype=torch.float64)
         redone_at[-2:] = 0.0  # any redone value NaN/Inf here; an error in the redo here
         if redo:
@@ -273,7 +285,13 @@ class NonFiniteCheck:
                 redone_at[-1] = error_flag(e)
         sent = walk.gather("redo_values", torch.cat([values[:len(places)], redone_at]))
         raise_if_failed(sent[:, -1], ranks, error, step, "the redone reduction")
-        return self._judge_redo(sent, places, evidence, reproduced, redo, groups)
+        judged, verdict = self._judge_redo(sent, places, evidence, reproduced, redo, groups)
+        if not redo and not (safe and placed):
+            judged["why"] = ("the all-reduce was not redone (" + (
+                "the reduce hook may keep state between calls, e.g. PowerSGD's error feedback"
+                if not safe else "a bad place lies outside every bucket the hook saw go bad")
+                + "); " + verdict.why)
+        return judged, verdict
 
     def _judge_redo(self, sent: torch.Tensor, places: list[int], evidence: ReductionEvidence,
                     reproduced: Optional[bool], redo: bool, groups: list[tuple[int, list[int]]]

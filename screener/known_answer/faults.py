@@ -302,6 +302,10 @@ def corrupt_allreduce(*, rank: int, calls: Optional[Container[int]] = None, elem
         return base_hook(state, bucket)
 
     hook.fired = fired  # type: ignore[attr-defined]
+    # It stands in for hardware on the reduction it wraps: as stateless as that one is (the
+    # audit redoes a bad reduction only through a hook that keeps no state between calls).
+    hook.stateless = base_hook in (allreduce_hook,) or getattr(  # type: ignore[attr-defined]
+        base_hook, "stateless", False) is True
     return hook
 
 
