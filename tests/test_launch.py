@@ -127,7 +127,8 @@ def test_torchrun_job_exits_with_the_workers_verdict(results, name):
 def test_a_verdict_recorded_before_a_teardown_abort_survives(results):
     code, text = results["guarded"]
     assert code == 75, text[-3000:]
-    assert "worker exit codes [-6," in text, text[-3000:]  # torchrun saw the abort first
+    # torchrun saw the abort first (the other workers' codes follow when it waited for them)
+    assert "worker exit codes [-6" in text, text[-3000:]
 
 
 @pytest.mark.slow
