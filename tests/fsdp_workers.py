@@ -8,6 +8,8 @@ a 2-D (replicate, shard) mesh (HSDP). No batch_fn: the loop hands its batch to c
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -242,7 +244,16 @@ def fp16_overflow(rank: int, world: int, *, alarm_dir: str, scaler: bool) -> dic
 
     auditor = Auditor(model, loss_fn=loss_fn, audit_every=0, weights_every=0,
                       alarm_dir=alarm_dir, job="t", scaler=amp)
-    out: dict[str, Any] = {"alarm": None, "numeric": None}
+    out: dict[str, Any] = {"alarm": None, "numeric": None, "events": []}
+
+    class Events(logging.Handler):  # the audit's JSON lines, by event name
+        def emit(self, record: logging.LogRecord) -> None:
+            out["events"].append(json.loads(record.getMessage()).get("event"))
+
+    audit_log = logging.getLogger("screener.audit")
+    handler = Events(level=logging.INFO)
+    audit_log.addHandler(handler)
+    audit_log.setLevel(logging.INFO)
     try:
         for step in range(3):
             x = torch.full((1, 8), 40000.0 if step == 2 else 1.0)
@@ -258,6 +269,7 @@ def fp16_overflow(rank: int, world: int, *, alarm_dir: str, scaler: bool) -> dic
     except NumericFailure as e:
         out["numeric"] = e.reason
     out["counters"] = dict(auditor.counters)
+    audit_log.removeHandler(handler)
     auditor.close()
     dist.barrier()
     return out

@@ -146,6 +146,7 @@ def test_an_fp16_reduction_that_overflows_is_no_alarm(tmp_path, scaler):
         assert o["alarm"] is None
         if scaler:
             assert o["numeric"] is None and o["counters"]["scaler_skipped"] == 1
+            assert o["events"].count("scaler_skipped_step") == 1  # said, not only counted
         else:
             assert "overflowed torch.float16" in o["numeric"]
     assert not list(tmp_path.iterdir())

@@ -59,6 +59,15 @@ def as_json_number(x: float) -> Any:
     return x if math.isfinite(x) else str(x)
 
 
+def scaler_skip(counters: Counter[str], reporter: Reporter, scaler: Any, step: int,
+                ranks: list[int], why: str) -> None:
+    """A step the loss scaler owns (it skips it; so does the audit): counted and logged, for
+    both auditors alike."""
+    counters["scaler_skipped"] += 1
+    reporter.log(logging.INFO, "scaler_skipped_step", step=step, ranks=ranks, why=why,
+                 scale=scaler_scale(scaler))
+
+
 class NonFiniteCheck:
     """Check 1 on the gathered (loss, local magnitude, reduced magnitude) of every rank (DDP)."""
 
@@ -103,9 +112,7 @@ class NonFiniteCheck:
         return {str(r): as_json_number(float(column[index(r)])) for r in ranks}
 
     def _scaler_skip(self, step: int, ranks: list[int], why: str) -> None:
-        self.counters["scaler_skipped"] += 1
-        self.reporter.log(logging.INFO, "scaler_skipped_step", step=step, ranks=ranks, why=why,
-                          scale=scaler_scale(self.scaler))
+        scaler_skip(self.counters, self.reporter, self.scaler, step, ranks, why)
 
     # ---- the reduced gradient ---------------------------------------------------------------
 
@@ -443,7 +450,8 @@ class ShardedNonFinite:
             return False
         scaling = self.scaler is not None and bool(self.scaler.is_enabled())
         if bad_local and scaling and len(bad_local) == self.world_size:
-            self.counters["scaler_skipped"] += 1
+            scaler_skip(self.counters, self.reporter, self.scaler, step, bad_local,
+                        "every rank's local gradient is NaN/Inf: the loss scale is too high")
             return True
         if not bad_local:
             return self._nonfinite_reduced(walk, step, got, bad_reduced, scaling, state, batch,
@@ -470,7 +478,8 @@ class ShardedNonFinite:
                                f"add up to {bound:.3g}, past the largest {dtype}: the sum "
                                f"overflowed")
             if scaling:
-                self.counters["scaler_skipped"] += 1
+                scaler_skip(self.counters, self.reporter, self.scaler, step, ranks,
+                            evidence["why"])
                 return True
             self.reporter.numeric(step, ranks, evidence, reason=(
                 f"the gradients' sum overflowed {dtype} at step {step}: the gradients are too "
@@ -600,7 +609,8 @@ class ShardedNonFinite:
         offer = lockstep.offer(walk, "confirm_offer", step, batch, data, state)
         if not (lockstep.can_replay and self.confirm and offer.ready):
             if scaling:
-                self.counters["scaler_skipped"] += 1
+                scaler_skip(self.counters, self.reporter, self.scaler, step, flagged,
+                            "NaN/Inf in local gradients, with no replay to confirm them")
                 return
             if len(flagged) == self.world_size:
                 self.reporter.numeric(step, flagged, evidence)
@@ -632,7 +642,8 @@ class ShardedNonFinite:
                                          self.topology.suspect_nodes(confirmed), True, evidence,
                                          candidate_ranks=confirmed, key=key))
         if scaling:
-            self.counters["scaler_skipped"] += 1
+            scaler_skip(self.counters, self.reporter, self.scaler, step, flagged,
+                        "the replay on another node is non-finite too: the loss scale")
             return
         evidence["why"] = "the replay on another node is non-finite too: the data or the model"
         self.reporter.numeric(step, reproduced or flagged, evidence)
