@@ -67,7 +67,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (allreduce
 from screener.fingerprint import fingerprints
 
 __all__ = ["GradientRecorder", "RedoBucket", "StepStats", "magnitude", "largest",
-           "largest_magnitude"]
+           "largest_magnitude", "stateless_hook"]
 
 ReduceHook = Callable[[Any, Any], "torch.futures.Future[Any]"]
 
@@ -76,7 +76,14 @@ _STATELESS_HOOKS = (allreduce_hook, fp16_compress_hook, bf16_compress_hook)
 _WIRE_DTYPES = {fp16_compress_hook: torch.float16, bf16_compress_hook: torch.bfloat16}
 _WRAPPER_DTYPES = {"fp16_compress_wrapper_hook": torch.float16,
                    "bf16_compress_wrapper_hook": torch.bfloat16}
-_ZERO = torch.zeros((), dtype=torch.float32)  # the stand-in magnitude of a bucket known finite
+_ZERO = torch.zeros((), dtype=torch.float32)
+
+
+def stateless_hook(hook: Any) -> bool:
+    """Whether a DDP comm hook keeps no state between calls, so running it twice on the same
+    inputs gives the same result: one of torch's stateless hooks, or one that says so
+    (`hook.stateless = True`)."""
+    return hook in _STATELESS_HOOKS or getattr(hook, "stateless", False) is True  # the stand-in magnitude of a bucket known finite
 
 
 class StepStats:
@@ -221,8 +228,7 @@ class GradientRecorder:
         inputs: the fused path, one of torch's stateless hooks, or a hook of the caller's that
         says so (`hook.stateless = True`). A hook that keeps state across calls (PowerSGD's
         error feedback and warm start) is not run twice."""
-        return (self._fused or self.reduce_hook in _STATELESS_HOOKS
-                or getattr(self.reduce_hook, "stateless", False) is True)
+        return self._fused or stateless_hook(self.reduce_hook)
 
     @property
     def wire_dtype(self) -> Optional[torch.dtype]:

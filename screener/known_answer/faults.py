@@ -45,6 +45,8 @@ from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from screener.audit.hooks import stateless_hook
+
 MODES = ("flip", "scale", "nan", "inf", "set")
 
 OP_ALIASES: dict[str, tuple[str, ...]] = {
@@ -304,8 +306,7 @@ def corrupt_allreduce(*, rank: int, calls: Optional[Container[int]] = None, elem
     hook.fired = fired  # type: ignore[attr-defined]
     # It stands in for hardware on the reduction it wraps: as stateless as that one is (the
     # audit redoes a bad reduction only through a hook that keeps no state between calls).
-    hook.stateless = base_hook in (allreduce_hook,) or getattr(  # type: ignore[attr-defined]
-        base_hook, "stateless", False) is True
+    hook.stateless = stateless_hook(base_hook)  # type: ignore[attr-defined]
     return hook
 
 
