@@ -17,6 +17,9 @@ from typing import Any, NoReturn, Optional, Sequence
 import click
 
 from screener import __version__
+# The command's clock starts here, before any heavy import: every elapsed time it prints is
+# measured from this moment (screener.output.wall).
+from screener.output import wall  # noqa: F401
 
 # name -> (module, attribute, short help). Registering a command is one line here.
 COMMANDS: dict[str, tuple[str, str, str]] = {

@@ -7,14 +7,21 @@ talks to the wrong one, or to the local store, shows it."""
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import pytest
 
 from cli_util import screener
 from kubeapi import KubeAPI
-from screener.settings.stores import kubeconfig_path, resolve_store_kind
+from screener.settings.daemon import DaemonConfig
+from screener.settings.stores import (IN_CLUSTER_ENV, KubeTimeouts, StoreChoice, kubeconfig_path,
+                                      resolve_store_kind)
 from screener.types import LABEL_STATE
 
 
@@ -120,3 +127,122 @@ def test_help_says_how_the_cluster_is_chosen():
     for words in ("$KUBECONFIG", "~/.kube/config", "inside a pod", "--context",
                   "current-context"):
         assert words in text, words
+
+
+# --- issue 35.2: a command that writes node states talks to a cluster only when asked ----------
+
+@pytest.mark.parametrize("files,env_kubeconfig,pod,given,context,expected,reads", [
+    # ~/.kube/config lying in HOME: no request to write there (a reader follows kubectl)
+    (("home",), None, False, None, None, "local", "kube"),
+    ((), None, False, None, None, "local", "local"),
+    (("home",), None, True, None, None, "kube", "kube"),       # inside a pod: its account
+    (("home", "other"), "other", False, None, None, "kube", "kube"),  # $KUBECONFIG names one
+    (("home",), "missing", False, None, None, "local", "local"),  # ... a file that exists
+    (("home",), None, False, "given", None, "kube", "kube"),   # --kubeconfig
+    (("home",), None, False, None, "ctx", "kube", "kube"),     # --context
+])
+def test_a_writer_takes_a_cluster_only_when_asked(tmp_path, files, env_kubeconfig, pod, given,
+                                                  context, expected, reads):
+    home = tmp_path / "home"
+    (home / ".kube").mkdir(parents=True)
+    made = {"home": home / ".kube" / "config", "other": tmp_path / "other"}
+    for f in files:
+        made[f].write_text("{}")
+    env = {"HOME": str(home)}
+    if env_kubeconfig:
+        env["KUBECONFIG"] = str(made.get(env_kubeconfig, tmp_path / env_kubeconfig))
+    if pod:
+        env["KUBERNETES_SERVICE_HOST"] = "10.0.0.1"
+    assert resolve_store_kind("auto", given, env, context, writes=True) == expected
+    assert StoreChoice("auto", kubeconfig=given, context=context,
+                       create=True).resolved(env) == expected
+    if context is None:
+        assert DaemonConfig(store="auto", kubeconfig=given).resolved_store(env) == expected
+    # the same files for a command that only reads: kubectl's habits, HOME's file included
+    assert resolve_store_kind("auto", given, env, context) == reads
+
+
+def closed_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on (bound, then let go)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def laptop_home(tmp_path: Path, port: int) -> Path:
+    """A HOME whose ~/.kube/config points at 127.0.0.1:port, as every Kubernetes user's has."""
+    home = tmp_path / "home"
+    (home / ".kube").mkdir(parents=True)
+    (home / ".kube" / "config").write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "k", "cluster": {"server": f"https://127.0.0.1:{port}"}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}]}))
+    return home
+
+
+def burnin_process(tmp_path: Path, golden_dir: str, *args: str,
+                   env: Optional[dict[str, str]] = None) -> subprocess.CompletedProcess[str]:
+    """A real `screener burnin` (one job twice, no HBM test) as a laptop user runs it."""
+    base = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", IN_CLUSTER_ENV)}
+    base.update({"HOME": str(tmp_path / "home"), "XDG_STATE_HOME": str(tmp_path / "state"),
+                 "NODE_NAME": "laptop-1"})
+    return subprocess.run([sys.executable, "-m", "screener.cli", "burnin", "-j", "gemm-fp32",
+                           "-n", "2", "--no-hbm", "--no-probes", "--golden-dir", golden_dir,
+                           *args], capture_output=True, text=True, timeout=240,
+                          env={**base, **(env or {})})
+
+
+def test_burnin_with_a_home_kube_config_keeps_the_state_locally_and_attempts_nothing(
+        tmp_path, cpu_goldens):
+    # A listener that counts connections, where the kubeconfig points: nothing may reach it.
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        listener.setblocking(False)
+        laptop_home(tmp_path, listener.getsockname()[1])
+        r = burnin_process(tmp_path, cpu_goldens("gemm-fp32"))
+        with pytest.raises(BlockingIOError):
+            listener.accept()
+    assert r.returncode == 4, r.stdout + r.stderr  # partial: stays in burnin, locally
+    assert "overall: partial: node stays in burnin" in r.stdout, r.stdout
+    assert "node laptop-1: (new) -> burnin" in r.stdout, r.stdout
+    assert "Traceback" not in r.stderr and "Kubernetes" not in r.stderr, r.stderr
+    assert "not read by a command that writes them unless asked" in r.stderr, r.stderr
+    assert (tmp_path / "state" / "screener" / "screener.db").exists()
+
+
+@pytest.mark.slow
+def test_burnin_against_a_closed_port_prints_the_results_then_one_line(tmp_path, cpu_goldens):
+    home = laptop_home(tmp_path, closed_port())
+    t0 = time.monotonic()
+    r = burnin_process(tmp_path, cpu_goldens("gemm-fp32"), "--store", "kube")
+    took = time.monotonic() - t0
+    assert r.returncode == 1, r.stdout + r.stderr  # the screener failed: nothing recorded
+    assert "known-answer   pass" in r.stdout, r.stdout  # the screen's results are all there
+    assert r.stdout.rstrip().splitlines()[-1].startswith(
+        "overall: pass, but the node's state was not recorded (the store failed) (exit 1)")
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("screener: the node's state was not recorded: list nodes: ") \
+        and "127.0.0.1" in last, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert took < KubeTimeouts().call_s + 120, took  # one call's retries, not one per write
+    assert home.exists()
+
+
+@pytest.mark.slow
+def test_burnin_without_the_kubernetes_package_prints_the_results_then_one_line(
+        tmp_path, cpu_goldens):
+    # The package is absent as pip leaves it absent: an import of it fails by its own name.
+    shadow = tmp_path / "no-kube"
+    (shadow / "kubernetes").mkdir(parents=True)
+    (shadow / "kubernetes" / "__init__.py").write_text(
+        "raise ImportError(\"No module named 'kubernetes'\", name='kubernetes')\n")
+    kubeconfig = laptop_home(tmp_path, closed_port()) / ".kube" / "config"
+    r = burnin_process(tmp_path, cpu_goldens("gemm-fp32"), "--kubeconfig", str(kubeconfig),
+                       env={"PYTHONPATH": str(shadow)})
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "known-answer   pass" in r.stdout and "overall: pass, but" in r.stdout, r.stdout
+    last = r.stderr.strip().splitlines()[-1]
+    assert "needs the kubernetes package: pip install 'screener[kube]'" in last, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr

@@ -102,6 +102,11 @@ class FullBurninReport:
     state_after: Optional[NodeState] = None
     transitions: list[dict[str, Any]] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)  # why it was not a full burn-in
+    # The store's first failure (opening it, the cross-check's read, the lifecycle's writes):
+    # kept, not raised, so the stages' results are printed before it (issue 35).
+    store_error: Optional[str] = None
+    store_exit: ExitCode = ExitCode.SCREENER_ERROR
+    wall_s: Optional[float] = None  # the command's wall time, when the caller measured it
 
     @property
     def kind(self) -> str:
@@ -127,6 +132,10 @@ class FullBurninReport:
     def exit_code(self) -> ExitCode:
         if self.outcome == Outcome.SUSPECT or self.state_after in NO_WORK_STATES:
             return ExitCode.HARDWARE_SUSPECT
+        # A hardware verdict stands when the store failed (the device is bad either way); any
+        # other result was not recorded, so the run did not do its job: the store's own code.
+        if self.store_error is not None:
+            return self.store_exit
         if self.outcome == Outcome.INCONCLUSIVE:
             return ExitCode.INCONCLUSIVE
         if self.stays_in_burnin:
@@ -136,6 +145,8 @@ class FullBurninReport:
     def summary(self) -> str:
         """One line saying what happened to the node; never "pass" for a partial burn-in."""
         missing = f" (missing: {'; '.join(self.missing)})" if self.missing else ""
+        if self.store_error is not None and self.outcome != Outcome.SUSPECT:
+            return f"{self.outcome.value}, but the node's state was not recorded (the store failed)"
         if self.stays_in_burnin:
             return f"partial: node stays in burnin{missing}"
         if self.missing and self.outcome == Outcome.PASS:
@@ -148,7 +159,7 @@ class FullBurninReport:
         return {"kind": "burnin", "node": self.node, "outcome": self.outcome.value,
                 "exit_code": int(self.exit_code), "burnin_kind": self.kind,
                 "summary": self.summary(),
-                "missing": list(self.missing),
+                "missing": list(self.missing), "store_error": self.store_error,
                 "state_before": self.state_before.value if self.state_before else None,
                 "state_after": self.state_after.value if self.state_after else None,
                 "transitions": self.transitions, "stages": [s.to_dict() for s in self.stages],
@@ -171,13 +182,19 @@ class FullBurninReport:
             lines.append(f"{s.name:14s} {s.outcome.value:13s} {s.seconds:8.1f}  {s.detail}")
         lines.append("")
         move = "; ".join(f"{t['from'] or '(new)'} -> {t['to']}" for t in self.transitions)
-        lines.append(f"node {self.node}: {self.state_before.value if self.state_before else '(new)'}"
-                     f" -> {self.state_after.value if self.state_after else '?'}"
-                     + (f" ({move})" if move else " (unchanged)"))
+        if self.store_error is not None and self.state_after is None:
+            lines.append(f"node {self.node}: state not recorded (the store failed)")
+        else:
+            lines.append(f"node {self.node}: "
+                         f"{self.state_before.value if self.state_before else '(new)'} -> "
+                         f"{self.state_after.value if self.state_after else '?'}"
+                         + (f" ({move})" if move else " (unchanged)"))
         lines.append(f"burn-in: {self.kind}" + (f" (missing: {'; '.join(self.missing)})"
                                                   if self.missing else ""))
-        lines.append(f"overall: {self.summary()} (exit {int(self.exit_code)}) in "
-                     f"{sum(st.seconds for st in self.stages):.1f} s")
+        # The command's wall time when it measured one (imports, child start-up and the store
+        # included), else the stages' own sum.
+        seconds = self.wall_s if self.wall_s is not None else sum(st.seconds for st in self.stages)
+        lines.append(f"overall: {self.summary()} (exit {int(self.exit_code)}) in {seconds:.1f} s")
         return "\n".join(lines)
 
 
@@ -351,8 +368,40 @@ def peers_stage(node: str, peers: Sequence[str], steps: int) -> Stage:
 # --- the sequence ---------------------------------------------------------------------------------
 
 
+class _StoreAccess:
+    """The node's store for one burn-in: opened when a stage first needs it (never before the
+    known-answer rounds, so a missing client or a cluster out of reach costs no screen), and
+    given up on at its first failure, which is kept in the report instead of raised."""
+
+    def __init__(self, report: FullBurninReport, store: Any,
+                 opener: Optional[Callable[[], Any]]) -> None:
+        self.report, self.store, self.opener = report, store, opener
+
+    def get(self) -> Any:
+        """The store, or None (none asked for, or it failed)."""
+        if self.report.store_error is not None:
+            return None
+        if self.store is None and self.opener is not None:
+            opener, self.opener = self.opener, None
+            self.run(lambda: setattr(self, "store", opener()))
+        return self.store
+
+    def run(self, fn: Callable[[], Any]) -> bool:
+        """fn(), or False with its failure kept in the report (and nothing more asked of the
+        store). Every exception: whatever the store does, the results are printed first."""
+        try:
+            fn()
+            return True
+        except Exception as e:  # noqa: BLE001 - reported after the results, with its exit code
+            self.report.store_error = str(e) or type(e).__name__
+            self.report.store_exit = getattr(e, "exit_code", ExitCode.SCREENER_ERROR)
+            self.store = None
+            return False
+
+
 def run_full_burnin(node: str, devices: Sequence[str], kat: Callable[[], BurninReport], *,
                     plan: BurninPlan = BurninPlan(), store: Any = None,
+                    open_store: Optional[Callable[[], Any]] = None,
                     probe: Optional[Callable[[Any], Any]] = None, policy: Any = None,
                     clock: Callable[[], float] = time.time, hbm_inject: Any = None,
                     collective_inject: Any = None, peers: Sequence[str] = (),
@@ -363,7 +412,10 @@ def run_full_burnin(node: str, devices: Sequence[str], kat: Callable[[], BurninR
     """Run the stages in order (see the module docstring) and move the node through the lifecycle.
 
     kat(): runs the known-answer rounds and returns a BurninReport (run_burnin). store: the
-    node's store (local or kube), or None to move nothing. probe(previous): the health probes.
+    node's store (local or kube), or None to move nothing; open_store(): opens it instead, when a
+    stage first needs it (after the known-answer rounds). A failure of the store (opening, reading
+    or writing) ends its use and is kept in `store_error`, never raised.
+    probe(previous): the health probes.
     peers: names of simulated peer nodes for a local peer burn-in stage (none: no such stage; in a
     cluster the peer burn-in is its own Indexed Job, see screener.known_answer.peer_training).
     requirement: what makes the run full (default BurninRequirement(): one hour); a partial run is
@@ -371,22 +423,24 @@ def run_full_burnin(node: str, devices: Sequence[str], kat: Callable[[], BurninR
     progress(name): a stage starts; step(item): an item of it finished (screener.output.progress).
     """
     report = FullBurninReport(node=node)
+    access = _StoreAccess(report, store, open_store)
     before, after, peers_available = _run_stages(
-        report, node, devices, kat, plan=plan, store=store, probe=probe, hbm_inject=hbm_inject,
+        report, node, devices, kat, plan=plan, store=access, probe=probe, hbm_inject=hbm_inject,
         collective_inject=collective_inject, peers=peers, peer_steps=peer_steps,
         progress=progress, step=step)
     report.missing = missing_for_full([s.to_dict() for s in report.stages],
                                       requirement or BurninRequirement(),
                                       devices=len(dict.fromkeys(devices)),
                                       peers_available=peers_available)
-    if store is not None and plan.lifecycle:
-        _record(report, node, store, before, after, policy=policy or machine.DEFAULT_POLICY,
-                clock=clock)
+    opened = access.get() if plan.lifecycle else None
+    if opened is not None:
+        access.run(lambda: _record(report, node, opened, before, after,
+                                   policy=policy or machine.DEFAULT_POLICY, clock=clock))
     return report
 
 
 def _run_stages(report: FullBurninReport, node: str, devices: Sequence[str],
-                kat: Callable[[], BurninReport], *, plan: BurninPlan, store: Any,
+                kat: Callable[[], BurninReport], *, plan: BurninPlan, store: _StoreAccess,
                 probe: Optional[Callable[[Any], Any]], hbm_inject: Any, collective_inject: Any,
                 peers: Sequence[str], peer_steps: int, progress: Callable[[str], None],
                 step: Optional[Callable[[str], None]]) -> tuple[Any, Any, bool]:
@@ -408,11 +462,15 @@ def _run_stages(report: FullBurninReport, node: str, devices: Sequence[str],
         progress("all-reduce check")
         report.stages.append(collective_stage(devices, plan, collective_inject))
     peers_available = False
-    if plan.crosscheck and store is not None and hasattr(store, "annotations_by_node"):
+    opened = store.get() if plan.crosscheck or plan.lifecycle else None
+    if plan.crosscheck and opened is not None and hasattr(opened, "annotations_by_node"):
         progress("cross-check with other nodes")
-        cc = crosscheck_stage(node, report.kat.screen, store)
-        peers_available = int((cc.data or {}).get("nodes_compared") or 0) > 0
-        report.stages.append(cc)
+        found: list[Stage] = []
+        screen = report.kat.screen
+        if store.run(lambda: found.append(crosscheck_stage(node, screen, opened))):
+            cc = found[0]
+            peers_available = int((cc.data or {}).get("nodes_compared") or 0) > 0
+            report.stages.append(cc)
     if peers:
         progress("peer burn-in")
         report.stages.append(peers_stage(node, peers, peer_steps))

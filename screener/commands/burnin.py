@@ -81,22 +81,29 @@ def burnin_cmd(app: AppContext, devices: tuple[str, ...], jobs: tuple[str, ...],
     passed, but not a full burn-in: the node stays in burnin), 75 a device is suspect,
     3 inconclusive (no golden), 2 bad input, 1 the screener failed.
     """
-    from screener.agent.burnin import DEFAULT_ITERATIONS, run_burnin
-    from screener.known_answer.screen import resolve_devices, resolve_jobs
+    from screener.output import wall
+    from screener.output.progress import HEARTBEAT_S, JobEvents, Progress
 
     seconds = duration
     if report and not os.access(Path(report).resolve().parent, os.W_OK):
         raise BadInputError(f"--report {report}: its folder does not exist or is not writable")
-    specs = resolve_jobs(list(jobs), jobs_dir, quick_only=False)
-    devs = resolve_devices(list(devices))
+    # One progress for the whole burn-in: a line (or the bar) per stage, per job run in the
+    # known-answer stage and per pattern in the HBM stage, each with the elapsed time. Its
+    # first line comes before torch is imported (seconds on a cold machine).
+    prog = Progress(sys.stderr, json_lines=as_json, enabled=not no_progress, prefix="burn-in",
+                    heartbeat_s=HEARTBEAT_S, t0=wall.started())
+    prog.announce("loading torch and the job specs")
+    try:
+        from screener.agent.burnin import DEFAULT_ITERATIONS, run_burnin
+        from screener.known_answer.screen import resolve_devices, resolve_jobs
+
+        specs = resolve_jobs(list(jobs), jobs_dir, quick_only=False)
+        devs = resolve_devices(list(devices))
+    except BaseException:
+        prog.close()
+        raise
     n = iterations if iterations is not None else (None if seconds else DEFAULT_ITERATIONS)
     from screener.agent.burnin import BurninPlan, run_full_burnin
-    from screener.output.progress import HEARTBEAT_S, JobEvents, Progress
-
-    # One progress for the whole burn-in: a line (or the bar) per stage, per job run in the
-    # known-answer stage and per pattern in the HBM stage, each with the elapsed time.
-    prog = Progress(sys.stderr, json_lines=as_json, enabled=not no_progress, prefix="burn-in",
-                    heartbeat_s=HEARTBEAT_S)
 
     def known_answer() -> Any:
         return run_burnin(devs, specs, duration=seconds, iterations=iterations,
@@ -110,14 +117,17 @@ def burnin_cmd(app: AppContext, devices: tuple[str, ...], jobs: tuple[str, ...],
     plan = BurninPlan(probes=not no_probes, hbm=not no_hbm, hbm_fraction=hbm_fraction,
                       collective=not no_collective)
     try:
+        # The store opens after the known-answer rounds (run_full_burnin): a missing client
+        # or a cluster out of reach is one line after the results, not instead of them.
         full = run_full_burnin(app.node_name(node), devs, known_answer, plan=plan,
-                               store=app.store(store_choice),
+                               open_store=lambda: app.store(store_choice),
                                probe=_prober(app) if plan.probes else None,
                                peers=(peer_names or ("peer-a", "peer-b")) if peers else (),
                                progress=stage, step=prog.step)
     finally:
         prog.close()
     assert full.kat is not None  # run_full_burnin always runs the known-answer stage
+    full.wall_s = wall.elapsed()  # the summary's time: the wall time since the command started
     rep = replace(full.kat, extra=full.extra())
     d = rep.to_dict()
     if report:
@@ -129,6 +139,8 @@ def burnin_cmd(app: AppContext, devices: tuple[str, ...], jobs: tuple[str, ...],
         echo_json(d)
     else:
         click.echo(full.table())
+    if full.store_error is not None:
+        click.echo(f"screener: the node's state was not recorded: {full.store_error}", err=True)
     sys.exit(unfired_exit(full.kat.screen if full.kat else None, int(full.exit_code)))
 
 

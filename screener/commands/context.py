@@ -71,6 +71,8 @@ class AppContext:
             return self._store
         if kind == "none":
             return None
+        if kind == "local" and choice.create:
+            self._say_why_local(choice)
         if kind == "local" and choice.db is not None and not choice.create \
                 and not os.path.exists(choice.db):
             raise click.BadParameter(f"{choice.db}: no state database there (a command that only "
@@ -94,6 +96,17 @@ class AppContext:
         log.debug("store: %s (%s)", kind, choice.db or choice.kubeconfig or "default location")
         self._on_close(opened.close)
         return opened
+
+    def _say_why_local(self, choice: StoreChoice) -> None:
+        # A kubectl user expects ~/.kube/config to be read; one line says it was not, and how
+        # to ask for the cluster, so a state written locally is never a surprise.
+        from screener.settings.stores import unasked_kubeconfig
+
+        path = unasked_kubeconfig(choice.kind, choice.kubeconfig, self.environ, choice.context)
+        if path:
+            click.echo(f"screener: note: node states go to the local store; {path} is not read "
+                       "by a command that writes them unless asked (--store kube, --kubeconfig, "
+                       "--context or $KUBECONFIG)", err=True)
 
     def sagemaker(self, region: Optional[str] = None, *, profile: Optional[str] = None,
                   endpoint_url: Optional[str] = None, max_attempts: Optional[int] = None) -> Any:

@@ -22,6 +22,12 @@ STORE_HELP = ("Where node states live: 'local' (SQLite) or 'kube' (Node labels, 
               "conditions, annotations). auto, as kubectl picks a cluster: kube when --kubeconfig "
               "or --context is given, $KUBECONFIG names a file that exists, ~/.kube/config exists, "
               "or inside a pod (its service account); else local.")
+# A command that writes node states takes a cluster only when asked (screener.settings.stores).
+WRITE_STORE_HELP = ("Where node states live: 'local' (SQLite) or 'kube' (Node labels, taints, "
+                    "conditions, annotations). auto: kube only when a cluster is asked for "
+                    "(--kubeconfig, --context, $KUBECONFIG naming a file that exists) or inside "
+                    "a pod (its service account); else local. A ~/.kube/config alone is not a "
+                    "request: this command writes the node's state.")
 DB_HELP = ("SQLite file of the local store [default: $XDG_STATE_HOME/screener/screener.db or "
            "~/.local/state/screener/screener.db].")
 KUBECONFIG_HELP = ("kubeconfig file for the kube store (default, as kubectl: $KUBECONFIG's files, "
@@ -72,7 +78,8 @@ def store_options(*, create: bool = False, none_help: Optional[str] = None, env:
         decorated = click.option(
             "--store", "store_kind", type=click.Choice(kinds), default=default,
             show_default=default is not None, envvar="SCREENER_STORE" if env else None,
-            help=STORE_HELP + (f" none: {none_help}" if none_help else ""))(decorated)
+            help=(WRITE_STORE_HELP if create else STORE_HELP)
+            + (f" none: {none_help}" if none_help else ""))(decorated)
         return decorated
 
     return decorate

@@ -40,7 +40,7 @@ class Progress:
     def __init__(self, stream: Optional[TextIO] = None, *, tty: Optional[bool] = None,
                  json_lines: bool = False, enabled: bool = True,
                  clock: Callable[[], float] = time.monotonic, prefix: str = "screener",
-                 heartbeat_s: Optional[float] = None) -> None:
+                 heartbeat_s: Optional[float] = None, t0: Optional[float] = None) -> None:
         self.stream = stream if stream is not None else sys.stderr
         self.tty = (bool(getattr(self.stream, "isatty", lambda: False)()) if tty is None
                     else tty)
@@ -48,7 +48,9 @@ class Progress:
         self.enabled = enabled
         self.clock = clock
         self.prefix = prefix
-        self.t0 = clock()
+        # t0: when the command began on `clock` (the CLI passes screener.output.wall.started(),
+        # so "in all" is the wall time since the command started); default now.
+        self.t0 = clock() if t0 is None else t0
         self.stage: Optional[str] = None
         self.stage_t0 = self.t0
         self.done = 0
@@ -75,6 +77,25 @@ class Progress:
             self.stage, self.total, self.done, self.item, self.unit = stage, total, 0, "", unit
             self.stage_t0 = self.clock()
             self._emit("begin")
+
+    def announce(self, text: str) -> None:
+        """A line before any stage: a command prints one at once, before its heavy imports
+        (torch takes seconds to load on a cold machine), so its log never starts silent."""
+        if not self.enabled:
+            return
+        with self._lock:
+            self._last_emit = self.clock()
+            since = self.clock() - self.t0
+            if self.json:
+                self.stream.write(json.dumps({"event": "progress", "kind": "start",
+                                              "stage": None, "item": text,
+                                              "elapsed_s": round(since, 1)}) + "\n")
+            elif self.tty:
+                self.stream.write("\r" + f"{text} {since:.1f} s"[:LINE_WIDTH].ljust(LINE_WIDTH))
+                self._drawn = True
+            else:
+                self.stream.write(f"{self.prefix}: {text} ({since:.1f} s)\n")
+            self.stream.flush()
 
     def step(self, item: str = "", n: int = 1) -> None:
         """`n` more items of the stage are done; `item` names the last one."""

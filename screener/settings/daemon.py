@@ -89,7 +89,8 @@ class DaemonConfig:
     node: this node's name (NODE_NAME from the downward API; the hostname when unset).
     alarm_dir: where in-job checks drop alarm files (a hostPath shared with job pods).
     store: "local" (SQLite), "kube" (the Node objects) or "auto": kube when a kubeconfig is given
-        or the daemon runs in a pod ($KUBERNETES_SERVICE_HOST), else local.
+        (here or by $KUBECONFIG) or the daemon runs in a pod ($KUBERNETES_SERVICE_HOST), else
+        local: a ~/.kube/config alone is no request to write to that cluster.
     db: the local store's SQLite file (default: the user's state directory).
     kubeconfig: a kubeconfig file for the kube store (default: in-cluster, then ~/.kube/config).
     spool: where the kube store keeps transitions it could not write yet.
@@ -291,8 +292,10 @@ class DaemonConfig:
         return d
 
     def resolved_store(self, environ: Optional[Mapping[str, str]] = None) -> str:
-        """"local" or "kube": what "auto" means here (see the class docstring)."""
-        return resolve_store_kind(self.store, self.kubeconfig, environ)
+        """"local" or "kube": what "auto" means here (see the class docstring). The daemon
+        writes node states, so outside a pod a ~/.kube/config alone does not make it the
+        cluster's (screener.settings.stores)."""
+        return resolve_store_kind(self.store, self.kubeconfig, environ, writes=True)
 
 
 MAX_CONFIG_BYTES = 1024 * 1024

@@ -1,11 +1,17 @@
 """Which store a command uses: the `--store/--db/--kubeconfig/--spool` choice and what "auto" means.
 
 It decides and opens nothing (screener.commands.context opens what this names); it only looks
-whether kubeconfig files exist. One rule for every command and the daemon, kubectl's: the cluster
-is the one `--kubeconfig` names, else the files $KUBECONFIG lists (those that exist), else
-~/.kube/config when it exists, else the pod's service account inside a pod
-($KUBERNETES_SERVICE_HOST, set by the kubelet in every container). "auto" is the cluster's Node
-objects when any of these (or a --context) is there, else the local SQLite store.
+whether kubeconfig files exist. Which cluster is kubectl's rule: the one `--kubeconfig` names, else
+the files $KUBECONFIG lists (those that exist), else ~/.kube/config when it exists, else the pod's
+service account inside a pod ($KUBERNETES_SERVICE_HOST, set by the kubelet in every container).
+Whether "auto" means that cluster depends on what the command does with it:
+- a command that only reads (`node status`, `lemons`, `plan --history`) keeps kubectl's habits:
+  the cluster's Node objects when any of these (or a --context) is there, else the local store;
+- a command that writes a node's state (`burnin`, `node set`, the daemon, the HyperPod
+  commands) writes to a cluster only when asked: --kubeconfig, --context, $KUBECONFIG naming a
+  file that exists, or inside a pod. A ~/.kube/config merely lying in HOME (every Kubernetes user
+  has one) is no request: `screener burnin` on a laptop must not label and taint a Node named
+  after the laptop in whatever cluster the user last worked on. It then means the local store.
 
 The kube store's own tables live here too: KubeTimeouts (how long a request and a call may take)
 and RetryPolicy (its backoff and its bound on 409 re-reads).
@@ -108,17 +114,43 @@ def kubeconfig_path(explicit: Optional[str] = None,
     return default if default and os.path.exists(default) else None
 
 
+def asked_for_cluster(kubeconfig: Optional[str] = None,
+                      environ: Optional[Mapping[str, str]] = None,
+                      context: Optional[str] = None) -> bool:
+    """Whether the command line or the environment asks for a cluster: --kubeconfig, --context,
+    $KUBECONFIG naming a file that exists, or a pod's environment. ~/.kube/config alone is not."""
+    env = os.environ if environ is None else environ
+    return bool(context or kubeconfig or in_pod(env)
+                or (env.get("KUBECONFIG") and kubeconfig_path(None, env)))
+
+
 def resolve_store_kind(kind: str, kubeconfig: Optional[str] = None,
                        environ: Optional[Mapping[str, str]] = None,
-                       context: Optional[str] = None) -> str:
-    """"local", "kube" or "none": `kind` with "auto" decided (see the module docstring)."""
+                       context: Optional[str] = None, *, writes: bool = False) -> str:
+    """"local", "kube" or "none": `kind` with "auto" decided (see the module docstring).
+
+    writes: the command writes node states, so "auto" means a cluster only when one was asked
+    for (asked_for_cluster); a read-only command follows kubectl (kubeconfig_path)."""
     if kind not in STORE_KINDS:
         raise ConfigError(f"unknown store kind {kind!r}; expected one of {', '.join(STORE_KINDS)}")
     if kind != "auto":
         return kind
+    if writes:
+        return "kube" if asked_for_cluster(kubeconfig, environ, context) else "local"
     if context or kubeconfig_path(kubeconfig, environ) or in_pod(environ):
         return "kube"
     return "local"
+
+
+def unasked_kubeconfig(kind: str, kubeconfig: Optional[str] = None,
+                       environ: Optional[Mapping[str, str]] = None,
+                       context: Optional[str] = None) -> Optional[str]:
+    """The ~/.kube/config a writing command's "auto" did not take (so the command can say in one
+    line why it kept node states locally), or None when there is none or the choice was not
+    "auto"."""
+    if kind != "auto" or asked_for_cluster(kubeconfig, environ, context):
+        return None
+    return kubeconfig_path(None, environ)
 
 
 @dataclass(frozen=True)
@@ -131,7 +163,9 @@ class StoreChoice:
     current-context). spool: where the kube store keeps transitions it could not write yet.
     event_namespace: where the kube store creates Node Events (None: its default).
     create: whether a `db` that does not exist may be created; a command that only reads says
-    no, so a misspelt path is an error instead of an empty fleet that reads as "all clear".
+    no, so a misspelt path is an error instead of an empty fleet that reads as "all clear". It
+    also marks a command that writes node states, for which "auto" means a cluster only when one
+    was asked for (resolve_store_kind's `writes`).
     """
 
     kind: str = "auto"
@@ -144,5 +178,7 @@ class StoreChoice:
     timeouts: Optional["KubeTimeouts"] = None  # the kube store's request timeouts (None: default)
 
     def resolved(self, environ: Optional[Mapping[str, str]] = None) -> str:
-        """"local", "kube" or "none" (resolve_store_kind)."""
-        return resolve_store_kind(self.kind, self.kubeconfig, environ, self.context)
+        """"local", "kube" or "none" (resolve_store_kind); a choice that may create (a command
+        that writes node states) takes a cluster only when asked for one."""
+        return resolve_store_kind(self.kind, self.kubeconfig, environ, self.context,
+                                  writes=self.create)
