@@ -99,6 +99,7 @@ from screener.audit.capture import StateCodec, StepState, capture, scaler_scale
 from screener.audit.collective import comm_device
 from screener.audit.ddp_replay import LocalReplayer, select_parameters
 from screener.audit.hooks import GradientRecorder, StepStats, largest_magnitude
+from screener.audit.layout import describe, join
 from screener.audit.nonfinite import NonFiniteCheck
 from screener.audit.protocol import OK, Schedule, Walk
 from screener.audit.refusals import COMPILED_AROUND_DDP, refuse_compiled_wrapper, \
@@ -107,7 +108,7 @@ from screener.audit.reporting import History, Reporter
 from screener.audit.ring_audit import RingAudit
 from screener.audit.sentinel import SentinelConfig, Sentinel
 from screener.audit.sharded import ShardedAuditor, is_sharded
-from screener.audit.topology import Topology, gather_topology, job_name
+from screener.audit.topology import Topology, job_name
 from screener.audit.weight_check import WeightVote
 
 __all__ = ["Auditor", "AuditConfig", "AuditError", "AuditUsageError", "DDP_STEP", "DDP_WEIGHTS"]
@@ -226,8 +227,9 @@ class Auditor:
         alike, never alarmed on later."""
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size(self.group)
-        self.topology = topology if topology is not None \
-            else gather_topology(self.group, device=self.device)
+        layout = describe(list(zip(self.params.weight_names, self.params.weights)),
+                          self.world_size, sharded=False)
+        self.topology = join(self.group, topology, self.device, layout)
         if self.topology.world_size != self.world_size:
             raise AuditUsageError(f"screener.audit: topology has {self.topology.world_size} ranks, "
                                   f"the process group {self.world_size}")

@@ -12,9 +12,10 @@ call of an entry point, that keeps to it:
 
 - a round may only come after the rounds already run (rounds may be skipped, never reordered);
   only rounds the schedule marks repeatable run more than once (one lockstep replay per owner);
-- every gather carries the round's number as one more element, and the gathered numbers must
-  agree: ranks that diverged raise AuditError on every rank alike instead of misreading each
-  other's data;
+- every gather is preceded by a small one of the round's number and the payload's size and
+  dtype, which must agree: ranks that diverged, or bring payloads of different shapes, raise
+  AuditError on every rank alike instead of misreading each other's data (or a backend aborting
+  the process on a size mismatch: gloo's SIGABRT, NCCL's hang);
 - a round is run or skipped on gathered data only (the same on every rank), never on a rank-local
   value: the one rule a schedule cannot check, which is why every decision below reads `got`.
 
@@ -87,22 +88,36 @@ class Walk:
 
     def gather(self, round_: str, t: torch.Tensor) -> torch.Tensor:
         """all_gather of one same-shaped tensor per rank in this round: (world, *t.shape) on the
-        CPU. Raises AuditError on every rank alike when the ranks are not all in this round."""
+        CPU. Raises AuditError on every rank alike when the ranks are not all in this round, or
+        bring payloads of different sizes or dtypes (a backend would abort the process or hang)."""
         n = self.enter(round_)
-        if not (t.dtype.is_floating_point or t.dtype == torch.int64):
-            raise AuditError(f"screener.audit: round {round_!r} gathers {t.dtype}; the round "
-                             f"protocol tags int64 and floating-point payloads")
-        flat = t.detach().to(self.comm).reshape(-1)
-        tagged = torch.cat([flat, torch.full((1,), n, dtype=t.dtype, device=flat.device)])
-        got = gather(tagged, self.group, self.comm)  # (world, numel + 1)
-        tags = [int(x) for x in got[:, -1].tolist()]
+        code = _DTYPES.index(t.dtype) if t.dtype in _DTYPES else len(_DTYPES)
+        header = torch.tensor([n, t.numel(), code], dtype=torch.int64)
+        heads = gather(header, self.group, self.comm)  # (world, 3): small, before the payload
+        tags = [int(x) for x in heads[:, 0].tolist()]
         if any(x != n for x in tags):
             rounds = {k: (self.schedule.rounds[x - 1] if 0 < x <= len(self.schedule.rounds)
                           else f"#{x}") for k, x in enumerate(tags) if x != n}
             raise AuditError(f"screener.audit: the ranks left the round protocol of "
                              f"{self.schedule.name}: here {round_!r}, at group index(es) "
                              f"{rounds}; the audit's own failure, not the hardware")
-        return got[:, :-1].reshape(got.shape[0], *t.shape)
+        if bool((heads[:, 1:] != header[1:]).any()):
+            sizes = {k: (int(heads[k, 1]), _dtype_name(int(heads[k, 2])))
+                     for k in range(heads.shape[0])}
+            raise AuditError(f"screener.audit: round {round_!r} of {self.schedule.name} got "
+                             f"payloads of different sizes (group index: elements, dtype: "
+                             f"{sizes}): the ranks do not hold the same model or took "
+                             f"different paths; the audit's own failure, not the hardware")
+        got = gather(t.detach(), self.group, self.comm)
+        return got.reshape(got.shape[0], *t.shape)
+
+
+_DTYPES = (torch.int64, torch.float64, torch.float32, torch.bfloat16, torch.float16,
+           torch.int32, torch.uint8, torch.bool)
+
+
+def _dtype_name(code: int) -> str:
+    return str(_DTYPES[code]).replace("torch.", "") if 0 <= code < len(_DTYPES) else "other"
 
 
 def error_flag(error: Optional[BaseException]) -> int:

@@ -17,7 +17,7 @@ batches travel to their replayers first, every rank runs one replay per round.
 from __future__ import annotations
 
 import logging
-from typing import Any, NoReturn, Optional, Sequence
+from typing import Any, NoReturn, Optional, Protocol, Sequence
 
 import torch
 
@@ -224,13 +224,24 @@ class RingAudit:
         return ["loss" if r == 0 else names[r - 1] for r in rows][:MAX_NAMES]
 
 
+class ShardVote(Protocol):
+    """What check 2 asks of HSDP's weight check (weight_check.ShardedWeightCheck)."""
+
+    def confined(self, ranks: set[int]) -> bool: ...
+
+    def check(self, walk: Walk, step: int, *, round_: str = ...,
+              context: Optional[dict[str, Any]] = ...) -> None: ...
+
+
 class ShardedRingAudit:
     """Check 2 for FSDP2/HSDP: the owners' batches shipped, lockstep replay rounds, the digests
     round and, on a mismatch, a referee's lockstep rounds."""
 
     def __init__(self, lockstep: Lockstep, reporter: Reporter, history: History,
-                 cadence: Cadence, module_names: list[str], hsdp: bool) -> None:
+                 cadence: Cadence, module_names: list[str], hsdp: bool,
+                 weights: Optional["ShardVote"] = None) -> None:
         self.lockstep, self.reporter = lockstep, reporter
+        self.weights = weights
         self.history, self.cadence = history, cadence
         self.module_names, self.hsdp = module_names, hsdp
         self.topology = reporter.topology
@@ -317,6 +328,13 @@ class ShardedRingAudit:
         evidence = {"mismatches": cases, "audit_every": self.cadence.audit_every,
                     "last_clean_audit": self.history.last_clean_audit, "sharding":
                     "hsdp" if self.hsdp else "fsdp"}
+        # A corrupted HSDP weight shard reaches its whole shard group through the all-gather:
+        # every record computed there is off, so most owners mismatch and the blast-radius rule
+        # would call it software. When the referees' verdicts stay inside one replica (or one
+        # shard's holders), the shard replicas vote first; a vote that names a rank settles it.
+        if self.weights is not None and not unsettled and self.weights.confined(suspects):
+            self.weights.check(walk, step, round_="locality_vote",
+                               context={"suspects": sorted(suspects), "mismatches": cases})
         conclude(self.reporter, self.history, step, mismatched, plan, suspects, unsettled,
                  evidence)
 

@@ -77,6 +77,7 @@ from screener.audit.collective import comm_device
 from screener.audit.config import AuditConfig
 from screener.audit.fsdp_tap import finite as _finite  # noqa: F401 - tests import it from here
 from screener.audit.fsdp_tap import fsdp_module_class, install_recorders
+from screener.audit.layout import Layout, describe, join
 from screener.audit.nonfinite import ShardedNonFinite
 from screener.audit.protocol import Schedule
 from screener.audit.refusals import refuse_placement, refuse_unreplayable
@@ -85,7 +86,7 @@ from screener.audit.ring_audit import ShardedRingAudit
 from screener.audit.sentinel import Sentinel, SentinelConfig
 from screener.audit.sharded_rounds import H_LOCAL_MAG, H_LOSS, H_REDUCED_MAG, HEAD, NO_BATCH, \
     NOT_RECORDED, OK, Lockstep, encode_batch, from_bits, to_bits
-from screener.audit.topology import Topology, gather_topology, job_name
+from screener.audit.topology import Topology, job_name
 from screener.audit.weight_check import ShardedWeightCheck
 
 __all__ = ["ShardedAuditor", "fsdp_root", "is_sharded", "FSDP_STEP", "FSDP_WEIGHTS"]
@@ -101,7 +102,7 @@ FSDP_STEP = Schedule("check_gradients (FSDP2/HSDP)", (
     "head", "confirm_offer", "confirm_ship", "confirm_replay", "confirm", "redo_places",
     "redo_offer", "redo_replay", "redo_values", "rerun_offer",
     "rerun_ship", "rerun_replay", "rerun", "audit_ship", "replay", "self_replay", "digests",
-    "referee_ship", "referee_replay", "referee"),
+    "referee_ship", "referee_replay", "referee", "locality_vote"),
     repeatable=("confirm_replay", "replay", "referee_replay"))
 # check_weights: every rank's fingerprints (of its shards, or of the full weights) in one gather.
 FSDP_WEIGHTS = Schedule("check_weights (FSDP2/HSDP)", ("weights",))
@@ -181,7 +182,8 @@ class ShardedAuditor:
     # ---- set-up -------------------------------------------------------------------------------
 
     def _select(self, model: torch.nn.Module) -> None:
-        """The sharded parameters, the mesh they live on, and the refusals a module decides."""
+        """The sharded parameters, the mesh they live on, and what this rank would refuse (the
+        ranks agree on it in _join: a refusal is raised on every rank alike, never on some)."""
         refuse_unreplayable(model)
         named = [(n, p) for n, p in model.named_parameters()]
         if not named:
@@ -189,37 +191,34 @@ class ShardedAuditor:
         self.weight_names = [n for n, _ in named]
         # FSDP2's parameters are DTensors (to_local, full_tensor); Any spares importing DTensor
         self._params: list[Any] = [p for _, p in named]
+        self.layout = describe(named, dist.get_world_size(), sharded=True)
+        refusal = self.layout.refusal
         hooked = [n for n, p in named if getattr(p, "_post_accumulate_grad_hooks", None)]
-        if hooked:  # FSDP runs them after every backward, a replay's too (an extra step)
-            raise AuditUsageError(f"screener.audit: parameter {hooked[0]} has a post-accumulate-"
-                                  f"grad hook (an optimizer in backward?); a replay's backward "
-                                  f"would run it too: step the optimizer after check_gradients")
+        if hooked and not refusal:  # FSDP runs them after every backward, a replay's too
+            refusal = (f"screener.audit: parameter {hooked[0]} has a post-accumulate-grad hook "
+                       f"(an optimizer in backward?); a replay's backward would run it too: "
+                       f"step the optimizer after check_gradients")
         first = self._params[0]
         mesh = getattr(first, "device_mesh", None)
-        if mesh is None:
-            raise AuditUsageError("screener.audit: the model's parameters are not DTensors; "
-                                  "shard it with torch.distributed.fsdp.fully_shard before the "
-                                  "Auditor")
         self.mesh = mesh
-        self.hsdp = mesh.ndim == 2
-        if mesh.size(mesh.ndim - 1) < 2:
-            raise AuditUsageError("screener.audit: the mesh shards over a single rank, so FSDP "
-                                  "never reduce-scatters and the audit would see nothing; shard "
-                                  "over two or more ranks (or use DDP for pure replication)")
-        if mesh.ndim not in (1, 2):
-            raise AuditUsageError(f"screener.audit: a {mesh.ndim}-D device mesh is not "
-                                  f"supported (FSDP2 on a 1-D mesh, or HSDP on a 2-D replicate "
-                                  f"x shard mesh)")
+        self.hsdp = self.layout.kind == "hsdp"
+        if mesh is not None and mesh.size(mesh.ndim - 1) < 2 and not refusal:
+            refusal = ("screener.audit: the mesh shards over a single rank, so FSDP never "
+                       "reduce-scatters and the audit would see nothing; shard over two or more "
+                       "ranks (or use DDP for pure replication)")
+        self._refusal = refusal
         local = first.to_local() if hasattr(first, "to_local") else first
         self.device = local.device
         self._comm = comm_device(None, self.device)
 
     def _join(self, topology: Optional[Topology]) -> None:
-        """Where every rank runs, and the refusals that need to know it."""
+        """Where every rank runs and what each holds (one gather); the refusals that need it."""
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self.topology = topology if topology is not None else gather_topology(None,
-                                                                             device=self.device)
+        if self._refusal:
+            self.layout = Layout(self.layout.kind, self.layout.digest, self.layout.count,
+                                 self._refusal)
+        self.topology = join(None, topology, self.device, self.layout)
         me = self.topology.info(self.rank)
         self.hostname, self.node = me.hostname, me.node
         refuse_placement(self.device, [i.threads for i in self.topology.infos])
@@ -244,10 +243,11 @@ class ShardedAuditor:
         self.nonfinite = ShardedNonFinite(self.lockstep, self.reporter, self.counters,
                                           scaler=self.scaler, confirm=config.confirm_nonfinite,
                                           module_names=self.module_names)
-        self.ring_audit = ShardedRingAudit(self.lockstep, self.reporter, self.history,
-                                           self.cadence, self.module_names, self.hsdp)
         self.weights = ShardedWeightCheck(self._params, self.weight_names, self.mesh, self.hsdp,
                                           self.reporter, self.history, self.counters)
+        self.ring_audit = ShardedRingAudit(self.lockstep, self.reporter, self.history,
+                                           self.cadence, self.module_names, self.hsdp,
+                                           weights=self.weights if self.hsdp else None)
         self.rerun = LockstepRerun(self.lockstep, self.reporter, self.counters)
 
     def _on_forward(self, module: torch.nn.Module, args: Any) -> None:

@@ -68,6 +68,8 @@ class RankInfo:
     gpu_uuid: Optional[str]  # "GPU-..." for CUDA devices, None otherwise
     instance_id: Optional[str]  # from the node name, see the module docstring
     threads: int = 0  # torch intra-op threads: CPU replays are bit-identical only with equal counts
+    layout: str = ""  # what the rank holds, as the auditors describe it (layout.Layout.token)
+    refusal: str = ""  # why this rank's setup cannot be audited ("" when it can)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -90,7 +92,8 @@ def _default_device() -> torch.device:
 
 
 def local_rank_info(rank: Optional[int] = None,
-                    device: Optional[torch.device | str] = None) -> RankInfo:
+                    device: Optional[torch.device | str] = None, *, layout: str = "",
+                    refusal: str = "") -> RankInfo:
     """This process's RankInfo. LOCAL_RANK comes from the launcher (torchrun sets it), -1 if
     unset."""
     if rank is None:
@@ -105,7 +108,7 @@ def local_rank_info(rank: Optional[int] = None,
         local = -1
     return RankInfo(rank=int(rank), local_rank=local, hostname=socket.gethostname(), node=node,
                     device=str(dev), gpu_uuid=_gpu_uuid(dev), instance_id=instance_id_of(node),
-                    threads=torch.get_num_threads())
+                    threads=torch.get_num_threads(), layout=layout, refusal=refusal)
 
 
 class Topology:
@@ -185,9 +188,11 @@ class Topology:
 
 
 def gather_topology(group: Optional[dist.ProcessGroup] = None, *,
-                    device: Optional[torch.device | str] = None) -> Topology:
-    """Collective: every rank of `group` (WORLD if None) contributes its RankInfo; all get all."""
-    mine = local_rank_info(dist.get_rank(), device)
+                    device: Optional[torch.device | str] = None, layout: str = "",
+                    refusal: str = "") -> Topology:
+    """Collective: every rank of `group` (WORLD if None) contributes its RankInfo; all get all.
+    layout and refusal: what the auditors agree on at construction (layout.py)."""
+    mine = local_rank_info(dist.get_rank(), device, layout=layout, refusal=refusal)
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, mine.to_dict(), group=group)
     return Topology(RankInfo(**d) for d in out)

@@ -127,8 +127,22 @@ class ShardedWeightCheck:
         mesh = self.mesh.mesh  # (replicate, shard) tensor of global ranks
         return [sorted(int(x) for x in mesh[:, j].tolist()) for j in range(mesh.shape[1])]
 
-    def check(self, walk: Walk, step: int) -> None:
-        """The check at `step`; raises SDCAlarm("weights") on every rank alike."""
+    def confined(self, ranks: set[int]) -> bool:
+        """HSDP: whether these ranks all lie in one replica (a row of the mesh: the shard group
+        that all-gathers a corrupted shard, so every result it computes is off) or all hold one
+        shard (a column). There the ring replay's verdict may be a weight shard's: check 2 asks
+        this vote before its blast-radius rule (issue 32)."""
+        if not self.hsdp or not ranks:
+            return False
+        mesh = self.mesh.mesh
+        rows = [{int(x) for x in mesh[i, :].tolist()} for i in range(mesh.shape[0])]
+        return any(ranks <= g for g in rows + [set(c) for c in self._shard_groups()])
+
+    def check(self, walk: Walk, step: int, *, round_: str = "weights",
+              context: Optional[dict[str, Any]] = None) -> None:
+        """The check at `step`; raises SDCAlarm("weights") on every rank alike. round_ and
+        context: the round of the walk it runs in, and what led to it (check 2's evidence),
+        when check 2 asks for it."""
         self.counters["weight_checks"] += 1
         topo = self.reporter.topology
         if self.hsdp:
@@ -138,7 +152,7 @@ class ShardedWeightCheck:
             with torch.no_grad():  # one full parameter at a time: never the whole model at once
                 rows = torch.cat([fingerprints([p.full_tensor()]) for p in self.params])
             groups = [list(topo.ranks)]
-        full = walk.gather("weights", rows)  # (world, P, 2)
+        full = walk.gather(round_, rows)  # (world, P, 2)
         index = topo.index_of
         outliers: list[int] = []
         unsettled: list[list[int]] = []
@@ -167,6 +181,8 @@ class ShardedWeightCheck:
                     "compared": "shard replicas (HSDP)" if self.hsdp else
                     "full weights all-gathered on every rank (FSDP)",
                     "last_clean_weights": self.history.last_clean_weights}
+        if context is not None:
+            evidence["ring_replay"] = context
         first = self.history.window_start(self.history.last_clean_weights, step)
         key = self.reporter.key("weights", step)
         if outliers and not unsettled:

@@ -1,0 +1,178 @@
+"""What each rank holds, agreed before any check runs: audit the setup, or refuse it on every rank alike.
+
+Every check compares ranks: a replay of one rank's micro-batch on another, a vote of replicas. That
+is only sound between ranks that hold the same parameters, placed the same way. A setup that
+looks like one the audit knows but is not (FSDP2 over a tensor-parallel model read as HSDP,
+pipeline stages each sharded on their own sub-mesh) would pass construction and then raise an alarm
+on every node, or abort in a gather of payloads of different sizes. So at construction each rank
+describes what it holds (`describe`: every parameter's name, global shape, dtype and, for a
+DTensor, its placements and device mesh; a digest of all of it, and why this rank's setup cannot
+be audited, if it cannot), the descriptions travel in the topology gather, and `agreement` turns
+the gathered ones into one refusal line or none, the same on every rank.
+
+What is audited, by placement of every parameter:
+- DDP: plain tensors (no DTensor), the same on every rank of the DDP's process group;
+- FSDP2: DTensors placed (Shard(0),) on one 1-D mesh over every rank of the job;
+- HSDP: DTensors placed (Replicate(), Shard(0)) on one 2-D (replicate, shard) mesh over every rank.
+Anything else is refused: tensor parallel (a placement on a mesh dimension of its own, torch's
+_StridedShard for FSDP x TP), a sub-mesh (pipeline stages, each sharded on its data-parallel row),
+parameters on different meshes, ranks that hold different parameters.
+
+describe and agreement are pure (parameters in, plain strings out); `join` runs the one gather.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from screener.audit.alarms import AuditUsageError
+from screener.audit.topology import Topology, gather_topology
+
+__all__ = ["Layout", "describe", "agreement", "join", "SUPPORTED"]
+
+SUPPORTED = ("audited: DDP, FSDP2 (Shard(0) on a 1-D mesh) and HSDP ((Replicate(), Shard(0)) on "
+             "a 2-D mesh), each over every rank of the job")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One rank's description: `kind` ("ddp", "fsdp", "hsdp"), a digest of every parameter's
+    name, shape, dtype and placement, how many parameters, and why this rank's setup cannot be
+    audited ("" when it can)."""
+
+    kind: str
+    digest: str
+    count: int
+    refusal: str = ""
+
+    @property
+    def token(self) -> str:
+        """What travels in the topology gather: digest and count."""
+        return f"{self.digest}:{self.count}"
+
+
+def _placement(p: Any) -> str:
+    # type names, not isinstance: _StridedShard (FSDP over tensor parallel) is a Shard subclass
+    return ",".join(f"{type(x).__name__}({getattr(x, 'dim', '')})" for x in p.placements)
+
+
+def _mesh(p: Any) -> tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...]]:
+    mesh = p.device_mesh
+    names = tuple(mesh.mesh_dim_names or ())
+    return tuple(mesh.mesh.shape), names, tuple(int(r) for r in mesh.mesh.flatten().tolist())
+
+
+def _is_dtensor(p: Any) -> bool:
+    return hasattr(p, "placements") and hasattr(p, "device_mesh")
+
+
+def describe(named: Sequence[tuple[str, Any]], world_size: int, *, sharded: bool) -> Layout:
+    """This rank's Layout. `named`: (name, parameter) pairs; `sharded`: the model was given to
+    the FSDP2/HSDP auditor (else DDP's)."""
+    lines: list[str] = []
+    for name, p in named:
+        line = f"{name}|{tuple(p.shape)}|{p.dtype}"
+        if _is_dtensor(p):
+            shape, dims, ranks = _mesh(p)
+            line += f"|{_placement(p)}|{shape}|{dims}|{ranks}"
+        lines.append(line)
+    digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+    kind = "ddp" if not sharded else "fsdp"
+    refusal = _refusal_ddp(named) if not sharded else ""
+    if sharded:
+        kind, refusal = _sharded_kind(named, world_size)
+    return Layout(kind, digest, len(named), refusal)
+
+
+def _refusal_ddp(named: Sequence[tuple[str, Any]]) -> str:
+    for name, p in named:
+        if _is_dtensor(p):
+            return (f"screener.audit: parameter {name} of the DDP model is a DTensor placed "
+                    f"({_placement(p)}) on a mesh {_mesh(p)[1] or _mesh(p)[0]}: DDP over a "
+                    f"tensor-parallel model is not audited yet; {SUPPORTED}")
+    return ""
+
+
+def _sharded_kind(named: Sequence[tuple[str, Any]], world_size: int) -> tuple[str, str]:
+    """("fsdp" or "hsdp", "") for a sharding the audit knows, else (kind, the refusal)."""
+    if not named:
+        return "fsdp", "screener.audit: the model has no parameters to audit"
+    first_name, first = named[0]
+    for name, p in named:
+        if not _is_dtensor(p):
+            return "fsdp", (f"screener.audit: parameter {name} is not a DTensor: shard every "
+                            f"parameter with torch.distributed.fsdp.fully_shard before the "
+                            f"Auditor (ignored_params are not audited)")
+    mesh = _mesh(first)
+    shape, dims, ranks = mesh
+    for name, p in named[1:]:
+        if _mesh(p) != mesh:
+            return "fsdp", (f"screener.audit: parameters {first_name} and {name} live on "
+                            f"different device meshes ({dims or shape} and "
+                            f"{_mesh(p)[1] or _mesh(p)[0]}): tensor parallel or a "
+                            f"per-parameter mesh, not audited yet; {SUPPORTED}")
+    kind = "hsdp" if len(shape) == 2 else "fsdp"
+    if len(ranks) != world_size:
+        return kind, (f"screener.audit: the model's device mesh {dims or shape} spans "
+                      f"{len(ranks)} of the job's {world_size} ranks (a sub-mesh, as pipeline "
+                      f"stages each sharded on their data-parallel row have): pipeline parallel "
+                      f"is not audited yet; {SUPPORTED}")
+    want = {1: "Shard(0)", 2: "Replicate(),Shard(0)"}.get(len(shape))
+    for name, p in named:
+        if _placement(p) != want:
+            what = ("tensor parallel (a model split along a mesh dimension of its own, besides "
+                    "FSDP's)" if len(shape) >= 2 else "a placement fully_shard does not make")
+            return kind, (f"screener.audit: parameter {name} is placed ({_placement(p)}) on a "
+                          f"{len(shape)}-D mesh {dims or shape}: {what} is not audited yet; "
+                          f"{SUPPORTED}")
+    return kind, ""
+
+
+def _spans(ranks: Sequence[int]) -> str:
+    return ", ".join(map(str, ranks)) if len(ranks) <= 6 else \
+        f"{', '.join(map(str, ranks[:5]))}, ... ({len(ranks)} ranks)"
+
+
+def agreement(entries: Sequence[tuple[int, str, str]]) -> Optional[str]:
+    """The refusal the gathered descriptions call for, or None: entries are (rank, token,
+    refusal) for every rank, in any order; every rank computes the same answer."""
+    by_token: dict[str, list[int]] = {}
+    for rank, token, _ in sorted(entries):
+        by_token.setdefault(token, []).append(rank)
+    if len(by_token) > 1:
+        groups = sorted(by_token.items(), key=lambda kv: kv[1][0])
+        parts = "; ".join(f"rank(s) {_spans(r)}: {t.rsplit(':', 1)[-1]} parameter tensors, "
+                          f"layout {t.rsplit(':', 1)[0]}" for t, r in groups)
+        return (f"screener.audit: the ranks do not hold the same model ({parts}): pipeline "
+                f"stages, or a model that depends on the rank; every check compares ranks that "
+                f"hold the same parameters, so pipeline parallel is not audited yet; "
+                f"{SUPPORTED}")
+    refused = [(rank, why) for rank, _, why in sorted(entries) if why]
+    if not refused:
+        return None
+    rank, why = refused[0]
+    return why if len(refused) == len(entries) else f"{why} (rank {rank})"
+
+
+def join(group: Optional[dist.ProcessGroup], topology: Optional[Topology],
+         device: torch.device, layout: Layout) -> Topology:
+    """Collective: the topology with every rank's layout (gathered with it, or in one more
+    all_gather_object when the caller gathered the topology already); raises AuditUsageError
+    on every rank alike when the setup is refused (see agreement)."""
+    if topology is None:
+        topology = gather_topology(group, device=device, layout=layout.token,
+                                   refusal=layout.refusal)
+        entries = [(i.rank, i.layout, i.refusal) for i in topology.infos]
+    else:
+        out: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, (dist.get_rank(), layout.token, layout.refusal), group=group)
+        entries = [tuple(e) for e in out]
+    why = agreement(entries)
+    if why is not None:
+        raise AuditUsageError(why)
+    return topology

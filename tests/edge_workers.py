@@ -1,0 +1,230 @@
+"""Rank-side code of tests/test_audit_edges.py: the setups at the edges of the audit, written as a
+user would write them (issue 32), each returning plain data.
+
+- tensor parallel under FSDP2 (a (dp, tp) mesh) and pipeline stages sharded on their dp rows:
+  refused at construction on every rank alike, one line;
+- a gather of different sizes on different ranks: AuditError on every rank, no abort;
+- HSDP, a bit flipped in one rank's weight shard between two votes: a settled weights alarm;
+- gradient accumulation as loops really do it (FSDP2 reducing on every micro-step, HSDP with
+  set_requires_all_reduce(False), DDP without no_sync): audited, no alarm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from screener.audit import Auditor, AuditError, AuditUsageError, NumericFailure, SDCAlarm, classify
+from screener.known_answer import faults, synthetic
+
+import fsdp_workers
+
+
+def _refused(build: Any) -> dict[str, Any]:
+    """What constructing the Auditor did: the refusal's line and exit code, or "accepted"."""
+    try:
+        auditor = build()
+    except AuditUsageError as e:
+        return {"refused": str(e), "exit": classify(e), "lines": len(str(e).splitlines())}
+    auditor.close()
+    return {"refused": None}
+
+
+def tensor_parallel(rank: int, world: int) -> dict[str, Any]:
+    """The issue's setup: (dp=2, tp=2), Colwise then Rowwise on a Sequential, then fully_shard
+    on the dp sub-mesh."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, \
+        parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+
+    def loss_fn(m: torch.nn.Module, b: torch.Tensor) -> torch.Tensor:
+        return m(b).sum()
+
+    out = _refused(lambda: Auditor(model, loss_fn=loss_fn, audit_every=1, weights_every=1,
+                                   job="t"))
+    dist.barrier()  # every rank left the constructor: nobody waits in a gather
+    return out
+
+
+def pipeline_stages(rank: int, world: int) -> dict[str, Any]:
+    """(pp=2, dp=2): a different Linear stack per stage, each fully_shard-ed on its dp row."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    stage = mesh["pp"].get_local_rank()
+    torch.manual_seed(stage)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(stage + 1)])
+    fully_shard(model, mesh=mesh["dp"])
+    out = _refused(lambda: Auditor(model, loss_fn=None, job="t"))
+    dist.barrier()
+    return out
+
+
+def uneven_gather(rank: int, world: int) -> dict[str, Any]:
+    """A round whose payload size depends on the rank (a bug of ours or a diverged model)."""
+    from screener.audit.protocol import Schedule
+
+    walk = Schedule("test", ("a",)).walk(None, torch.device("cpu"))
+    try:
+        walk.gather("a", torch.zeros(3 + rank, dtype=torch.int64))
+    except AuditError as e:
+        out = {"error": str(e), "exit": classify(e)}
+    else:
+        out = {"error": None}
+    dist.barrier()  # the group still works: nobody aborted
+    return out
+
+
+def _files(directory: str) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted(Path(directory).glob("*.json"))]
+
+
+def hsdp_shard_flip(rank: int, world: int, *, alarm_dir: str) -> dict[str, Any]:
+    """HSDP 3 replicas x 2 shards (a node = a shard group), audit_every=4, weights_every=4; after
+    step 2's optimizer step, bit 31 (the sign) of element 0 of rank 3's shard of the first
+    block's first weight flips: every forward of its shard group (node n2) reads it."""
+    def flip(r: int, s: int, model: torch.nn.Module) -> None:
+        if (r, s) == (3, 2):
+            weight = dict(model.named_parameters())["blocks.0.qkv.weight"]
+            faults.apply_to_tensor(weight.to_local().data, 0, mode="flip", bit=31)
+
+    out = fsdp_workers.train(rank, world, steps=5, audit_every=4, weights_every=4, hsdp=True,
+                             alarm_dir=alarm_dir, after_step=flip)
+    dist.barrier()
+    out["files"] = _files(alarm_dir)
+    return out
+
+
+def _loop_result(auditor: Any, run: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"alarm": None, "numeric": None, "steps_done": 0}
+    try:
+        out["steps_done"] = run()
+    except SDCAlarm as a:
+        out["alarm"] = a.to_dict()
+    except NumericFailure as e:
+        out["numeric"] = e.reason
+    out["counters"] = dict(auditor.counters)
+    auditor.close()
+    dist.barrier()
+    return out
+
+
+def sharded_accumulation(rank: int, world: int, *, pattern: str, alarm_dir: str,
+                         steps: int = 6, fault: Optional[fsdp_workers.flip] = None
+                         ) -> dict[str, Any]:
+    """FSDP2 or HSDP, two micro-batches a step, accumulated as `pattern` says:
+    "every" (FSDP2 reduces on every micro-step, the memory-saving default), "no_sync"
+    (set_requires_gradient_sync(False) on the first), "no_all_reduce" (HSDP:
+    set_requires_all_reduce(False) on the first)."""
+    hsdp = pattern == "no_all_reduce"
+    torch.manual_seed(fsdp_workers.SEED)
+    model = fsdp_workers.build(world, hsdp=hsdp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    k = 2
+
+    def loss_fn(m: torch.nn.Module, b: Any) -> torch.Tensor:  # as backpropagated: divided by k
+        return fsdp_workers.compute_loss(m, b) / k
+
+    auditor = Auditor(model, loss_fn=loss_fn, audit_every=5, weights_every=5,
+                      alarm_dir=alarm_dir, job="t", accumulation_steps=k)
+
+    def run() -> int:
+        done = 0
+        for step in range(steps):
+            opt.zero_grad(set_to_none=True)
+            micro = [fsdp_workers.batch_for(rank, step * 10 + i) for i in range(k)]
+            total: Any = 0.0
+            ctx = (fault(rank, step) if fault else None) or contextlib.nullcontext()
+            with ctx:
+                for i, mb in enumerate(micro):
+                    last = i == k - 1
+                    if pattern == "no_sync":
+                        model.set_requires_gradient_sync(last)
+                    elif pattern == "no_all_reduce":
+                        model.set_requires_all_reduce(last)
+                    loss = loss_fn(model, mb)
+                    loss.backward()
+                    total = total + loss.detach()
+            auditor.check_gradients(step, total, batch=micro)
+            opt.step()
+            auditor.check_weights(step)
+            done += 1
+        return done
+
+    return _loop_result(auditor, run)
+
+
+def ddp_accumulation(rank: int, world: int, *, pattern: str, alarm_dir: str, steps: int = 6,
+                     fault: Optional[fsdp_workers.flip] = None) -> dict[str, Any]:
+    """DDP, two micro-batches a step: "every" (no no_sync: every backward all-reduces) or
+    "no_sync" (the first under ddp.no_sync())."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(fsdp_workers.SEED)
+    model = synthetic.make_model(fsdp_workers.SEED, **fsdp_workers.SHAPE)
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    k = 2
+
+    def batches(r: int, step: int) -> list[Any]:
+        return [fsdp_workers.batch_for(r, step * 10 + i) for i in range(k)]
+
+    def loss_fn(m: torch.nn.Module, b: Any) -> torch.Tensor:
+        return fsdp_workers.compute_loss(m, b) / k
+
+    auditor = Auditor(ddp, loss_fn=loss_fn, batch_fn=batches, audit_every=5, weights_every=5,
+                      alarm_dir=alarm_dir, job="t", accumulation_steps=k)
+
+    def run() -> int:
+        done = 0
+        for step in range(steps):
+            opt.zero_grad(set_to_none=True)
+            total: Any = 0.0
+            ctx = (fault(rank, step) if fault else None) or contextlib.nullcontext()
+            with ctx:
+                for i, mb in enumerate(batches(rank, step)):
+                    sync = pattern == "every" or i == k - 1
+                    with contextlib.nullcontext() if sync else ddp.no_sync():
+                        loss = loss_fn(ddp, mb)
+                        loss.backward()
+                    total = total + loss.detach()
+            auditor.check_gradients(step, total)
+            opt.step()
+            auditor.check_weights(step)
+            done += 1
+        return done
+
+    return _loop_result(auditor, run)
+
+
+def accumulation(rank: int, world: int, *, root: str) -> dict[str, Any]:
+    """Every accumulation pattern, healthy and with a forward fault on rank 3 at audit step 5."""
+    import os
+
+    out: dict[str, Any] = {}
+    fault = fsdp_workers.flip(3, 5, op="mm", call=3, bit=30)
+    for kind, fn, pattern in (("fsdp", sharded_accumulation, "every"),
+                              ("fsdp", sharded_accumulation, "no_sync"),
+                              ("hsdp", sharded_accumulation, "no_all_reduce"),
+                              ("ddp", ddp_accumulation, "every"),
+                              ("ddp", ddp_accumulation, "no_sync")):
+        for faulty in (False, True):
+            name = f"{kind}_{pattern}{'_fault' if faulty else ''}"
+            directory = os.path.join(root, name)
+            os.makedirs(directory, exist_ok=True)
+            result = fn(rank, world, pattern=pattern, alarm_dir=directory,
+                        fault=fault if faulty else None)
+            dist.barrier()
+            result["files"] = _files(directory)
+            out[name] = result
+    return out

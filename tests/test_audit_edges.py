@@ -1,0 +1,94 @@
+"""The audit at its edges (issue 32): setups it must refuse rather than guess, a weight flip HSDP
+must pin, and gradient accumulation as training loops really do it. Real gloo ranks on simulated
+nodes (tests/edge_workers.py); each case as the issue writes it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ddp_util import run_ranks
+import edge_workers
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _one(outs, key):
+    values = [o[key] for o in outs]
+    assert values[0] is not None and all(v == values[0] for v in values), values
+    return values[0]
+
+
+@pytest.mark.slow
+def test_fsdp_over_tensor_parallel_is_refused_on_every_rank_in_one_line():
+    outs = run_ranks(edge_workers.tensor_parallel, ["a", "a", "b", "b"], timeout=240)
+    line = _one(outs, "refused")
+    assert all(o["exit"] == 2 and o["lines"] == 1 for o in outs)
+    assert "tensor parallel" in line and "not audited" in line and "_StridedShard" in line
+    assert "audited: DDP, FSDP2" in line  # says what is supported
+
+
+@pytest.mark.slow
+def test_pipeline_stages_each_sharded_on_their_row_are_refused_not_aborted():
+    outs = run_ranks(edge_workers.pipeline_stages, ["a", "a", "b", "b"], timeout=240)
+    line = _one(outs, "refused")
+    assert all(o["exit"] == 2 and o["lines"] == 1 for o in outs)
+    assert "do not hold the same model" in line and "pipeline" in line
+    assert "rank(s) 0, 1" in line and "rank(s) 2, 3" in line
+
+
+@pytest.mark.slow
+def test_a_gather_of_different_sizes_is_an_audit_error_on_every_rank_not_an_abort():
+    outs = run_ranks(edge_workers.uneven_gather, ["a", "b", "c"], timeout=120)
+    err = _one(outs, "error")
+    assert all(o["exit"] == 1 for o in outs)
+    assert "different sizes" in err and "{0: (3, 'int64'), 1: (4, 'int64'), 2: (5, 'int64')}" \
+        in err
+
+
+@pytest.mark.slow
+def test_hsdp_weight_shard_flip_between_votes_is_pinned_to_its_rank(tmp_path):
+    """3 replicas x 2 shards, a node a shard group; bit 31 of rank 3's first shard after step 2:
+    at step 4 the ring replay's mismatches all point at node n2's ranks, the weight vote runs
+    before the blast-radius rule and names rank 3, settled, file on n2 only."""
+    outs = run_ranks(edge_workers.hsdp_shard_flip, ["n1", "n1", "n2", "n2", "n3", "n3"],
+                     timeout=300, alarm_dir=str(tmp_path))
+    assert all(o["numeric"] is None for o in outs), [o["numeric"] for o in outs]
+    a = _one(outs, "alarm")
+    assert (a["check"], a["step"], a["settled"], a["suspect_ranks"]) == ("weights", 4, True, [3])
+    assert [n["node"] for n in a["suspect_nodes"]] == ["n2"]
+    assert a["evidence"]["ring_replay"]["suspects"] == [2, 3]  # what the referees said
+    assert [(f["node"], f["check"], f["settled"]) for f in outs[0]["files"]] == [
+        ("n2", "weights", True)]
+    assert all(o["steps_done"] == 4 for o in outs)
+
+
+@pytest.fixture(scope="module")
+def accumulated(tmp_path_factory):
+    root = tmp_path_factory.mktemp("audit-accumulation")
+    per_rank = run_ranks(edge_workers.accumulation, ["n1", "n1", "n2", "n2", "n3", "n3"],
+                         timeout=540, root=str(root))
+    return {name: [r[name] for r in per_rank] for name in per_rank[0]}
+
+
+PATTERNS = ["fsdp_every", "fsdp_no_sync", "hsdp_no_all_reduce", "ddp_every", "ddp_no_sync"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_every_accumulation_pattern_is_audited_without_an_alarm(accumulated, pattern):
+    for o in accumulated[pattern]:
+        assert (o["alarm"], o["numeric"], o["steps_done"]) == (None, None, 6), o
+        assert o["counters"]["audits"] == 2 and o["counters"].get("audits_skipped", 0) == 0
+        assert o["counters"]["self_checks"] == 1 and not o["files"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_a_forward_fault_under_every_accumulation_pattern_is_pinned(accumulated, pattern):
+    outs = accumulated[f"{pattern}_fault"]
+    assert all(o["numeric"] is None for o in outs), [o["numeric"] for o in outs]
+    a = _one(outs, "alarm")
+    assert (a["check"], a["step"], a["settled"], a["suspect_ranks"]) == ("ring_replay", 5,
+                                                                         True, [3])
+    assert [f["node"] for f in outs[0]["files"]] == ["n2"]
