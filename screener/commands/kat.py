@@ -8,6 +8,7 @@ contract's code. `screener burnin` is screener.commands.burnin.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -17,21 +18,33 @@ import click
 from screener.commands._known_answer import (DEVICE_HELP, INJECT_HELP, MAX_REPEAT, echo_json,
                                              parse_faults, unfired_exit)
 from screener.commands._params import positive
+from screener.output import wall
 from screener.types import ExitCode
 
 
-@contextlib.contextmanager
-def _progress(total: Optional[int], stage: str, as_json: bool = False) -> Iterator[Any]:
-    """The known-answer runs' progress on stderr (screener.output.progress): a bar on a terminal, else
-    a line per finished job run with the elapsed time (JSON lines with --json)."""
-    from screener.output.progress import HEARTBEAT_S, JobEvents, Progress
+def _shown(as_json: bool, what: str) -> Any:
+    """The command's progress on stderr (screener.output.progress): a bar on a terminal, else a
+    line per finished job run (JSON lines with --json), with times from the command's start.
+    Its first line is printed now, before torch is imported (seconds on a cold machine)."""
+    from screener.output.progress import HEARTBEAT_S, Progress
 
-    shown = Progress(sys.stderr, json_lines=as_json, heartbeat_s=HEARTBEAT_S)
-    events = JobEvents(shown, stage, total)
+    shown = Progress(sys.stderr, json_lines=as_json, heartbeat_s=HEARTBEAT_S, t0=wall.started())
+    shown.announce(f"{what}: loading torch and the job specs")
+    return shown
+
+
+@contextlib.contextmanager
+def _progress(shown: Any, total: Optional[int], stage: str) -> Iterator[Any]:
+    """The known-answer runs' stage of `shown` (_shown), closed with it at the end."""
+    from screener.output.progress import JobEvents
+
     try:
-        yield events
+        events = JobEvents(shown, stage, total)
+        try:
+            yield events
+        finally:
+            events.close()
     finally:
-        events.close()
         shown.close()  # JobEvents ends its stage only; this stops the heartbeat thread too
 
 
@@ -76,14 +89,22 @@ def kat_run(jobs: tuple[str, ...], devices: tuple[str, ...], golden_dir: Optiona
     file, or an --inject fault that never fired), 1 the screener failed (e.g. a job that is
     nondeterministic on every device with no golden or majority to say which result is right).
     """
-    from screener.known_answer.screen import resolve_devices, resolve_jobs, run_screen
-    from screener.known_answer.text import format_verdicts
+    shown = _shown(as_json, "kat run")
+    try:
+        from screener.known_answer.screen import resolve_devices, resolve_jobs, run_screen
+        from screener.known_answer.text import format_verdicts
 
-    specs = resolve_jobs(list(jobs), jobs_dir)
-    devs = resolve_devices(list(devices))
-    with _progress(len(specs) * len(devs) * repeat, "known-answer", as_json) as progress:
+        specs = resolve_jobs(list(jobs), jobs_dir)
+        devs = resolve_devices(list(devices))
+    except BaseException:
+        shown.close()
+        raise
+    with _progress(shown, len(specs) * len(devs) * repeat, "known-answer") as progress:
         result = run_screen(specs, devs, golden_dir=golden_dir, jobs_dir=jobs_dir, repeat=repeat,
                             timeout=timeout, faults=parse_faults(inject, devs), progress=progress)
+    # The summary's "in N s" is the wall time since the command started, not the screen's own
+    # seconds (which leave out torch's import and the job specs).
+    result = dataclasses.replace(result, seconds=wall.elapsed())
     if as_json:
         echo_json(result.to_dict())
     else:
@@ -166,11 +187,16 @@ def golden_record(jobs: tuple[str, ...], devices: tuple[str, ...], out: Optional
     is replaced; one that is valid but differs is kept unless --force (a platform change the
     signature does not capture, or a bad device).
     """
-    from screener.known_answer.screen import record_goldens, resolve_devices, resolve_jobs
+    shown = _shown(as_json, "golden record")
+    try:
+        from screener.known_answer.screen import record_goldens, resolve_devices, resolve_jobs
 
-    specs = resolve_jobs(list(jobs), jobs_dir, quick_only=False)
-    devs = resolve_devices(list(devices))
-    with _progress(len(specs) * len(devs) * repeat, "golden runs", as_json) as progress:
+        specs = resolve_jobs(list(jobs), jobs_dir, quick_only=False)
+        devs = resolve_devices(list(devices))
+    except BaseException:
+        shown.close()
+        raise
+    with _progress(shown, len(specs) * len(devs) * repeat, "golden runs") as progress:
         rec = record_goldens(specs, devs, out_dir=out, repeat=repeat, timeout=timeout, force=force,
                              progress=progress)
     if as_json:
