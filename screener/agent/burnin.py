@@ -38,6 +38,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 # The known-answer rounds (stage 2) live in burnin_rounds; callers import their names from here too.
 from screener.agent.burnin_rounds import (DEFAULT_ITERATIONS, BurninReport, BurninRow, TextProgress,
                                           run_burnin)
+from screener.agent.burnin_summary import QUICK_SUMMARY, node_line, passed_lines
 from screener.health.rules import is_condition
 from screener.known_answer.allreduce import run_collective
 from screener.known_answer.crosscheck import cross_check, peer_digests, platform_digests
@@ -107,6 +108,10 @@ class FullBurninReport:
     store_error: Optional[str] = None
     store_exit: ExitCode = ExitCode.SCREENER_ERROR
     wall_s: Optional[float] = None  # the command's wall time, when the caller measured it
+    # `screener burnin --quick`: every stage, no node state kept; a pass is exit 0 and says
+    # what a full burn-in would add (screener.agent.burnin_summary).
+    quick: bool = False
+    required_seconds: float = DEFAULT_BURNIN_SECONDS  # how long a full run keeps the jobs going
 
     @property
     def kind(self) -> str:
@@ -143,8 +148,11 @@ class FullBurninReport:
         return ExitCode.PASS
 
     def summary(self) -> str:
-        """One line saying what happened to the node; never "pass" for a partial burn-in."""
+        """One line saying what happened to the node; never "pass" for a partial burn-in, but
+        "pass" for a quick screen whose every stage passed (it never claims to be a burn-in)."""
         missing = f" (missing: {'; '.join(self.missing)})" if self.missing else ""
+        if self.quick and self.state_after is None and self.exit_code == ExitCode.PASS:
+            return QUICK_SUMMARY
         if self.store_error is not None and self.outcome != Outcome.SUSPECT:
             return f"{self.outcome.value}, but the node's state was not recorded (the store failed)"
         if self.stays_in_burnin:
@@ -157,7 +165,7 @@ class FullBurninReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": "burnin", "node": self.node, "outcome": self.outcome.value,
-                "exit_code": int(self.exit_code), "burnin_kind": self.kind,
+                "exit_code": int(self.exit_code), "burnin_kind": self.kind, "quick": self.quick,
                 "summary": self.summary(),
                 "missing": list(self.missing), "store_error": self.store_error,
                 "state_before": self.state_before.value if self.state_before else None,
@@ -182,15 +190,21 @@ class FullBurninReport:
             lines.append(f"{s.name:14s} {s.outcome.value:13s} {s.seconds:8.1f}  {s.detail}")
         lines.append("")
         move = "; ".join(f"{t['from'] or '(new)'} -> {t['to']}" for t in self.transitions)
+        quiet = node_line(self)
         if self.store_error is not None and self.state_after is None:
             lines.append(f"node {self.node}: state not recorded (the store failed)")
+        elif quiet is not None:
+            lines.append(quiet)
         else:
             lines.append(f"node {self.node}: "
                          f"{self.state_before.value if self.state_before else '(new)'} -> "
                          f"{self.state_after.value if self.state_after else '?'}"
                          + (f" ({move})" if move else " (unchanged)"))
-        lines.append(f"burn-in: {self.kind}" + (f" (missing: {'; '.join(self.missing)})"
-                                                  if self.missing else ""))
+        if not self.quick:  # a quick screen is no burn-in; the lines below say what it lacked
+            lines.append(f"burn-in: {self.kind}" + (f" (missing: {'; '.join(self.missing)})"
+                                                      if self.missing else ""))
+        # What passed and what a full burn-in adds, when every stage passed.
+        lines += passed_lines(self)
         # The command's wall time when it measured one (imports, child start-up and the store
         # included), else the stages' own sum.
         seconds = self.wall_s if self.wall_s is not None else sum(st.seconds for st in self.stages)
@@ -428,6 +442,7 @@ def run_full_burnin(node: str, devices: Sequence[str], kat: Callable[[], BurninR
         report, node, devices, kat, plan=plan, store=access, probe=probe, hbm_inject=hbm_inject,
         collective_inject=collective_inject, peers=peers, peer_steps=peer_steps,
         progress=progress, step=step)
+    report.required_seconds = (requirement or BurninRequirement()).min_seconds
     report.missing = missing_for_full([s.to_dict() for s in report.stages],
                                       requirement or BurninRequirement(),
                                       devices=len(dict.fromkeys(devices)),

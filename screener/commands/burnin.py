@@ -58,6 +58,11 @@ from screener.settings.stores import StoreChoice
               "burn-in Job (manifests/peer-burnin-job.yaml).")
 @click.option("--peer", "peer_names", multiple=True, metavar="NAME",
               help="A simulated peer node's name for --peers (default: peer-a, peer-b).")
+@click.option("--quick", is_flag=True,
+              help="A quick screen instead of a burn-in: every stage as usual (10 runs of every "
+                   "job unless --iterations), but no node state is kept (no store, no cluster), "
+                   "so a pass exits 0 and says what a full burn-in would add. The README's "
+                   "quick start; not with --duration or the store options.")
 @click.option("--no-progress", is_flag=True, help="No progress bar on stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")
 @pass_app
@@ -66,7 +71,7 @@ def burnin_cmd(app: AppContext, devices: tuple[str, ...], jobs: tuple[str, ...],
                jobs_dir: Optional[str], timeout: float, report: Optional[str],
                inject: tuple[str, ...], node: Optional[str], store_choice: StoreChoice,
                hbm_fraction: float, no_hbm: bool, no_collective: bool, no_probes: bool,
-               peers: bool, peer_names: tuple[str, ...], no_progress: bool,
+               peers: bool, peer_names: tuple[str, ...], quick: bool, no_progress: bool,
                as_json: bool) -> None:
     """Burn in this node: every job on every device, repeated, compared bit for bit with the
     golden records of each device's platform, with the device's peers and with its own runs.
@@ -80,11 +85,16 @@ def burnin_cmd(app: AppContext, devices: tuple[str, ...], jobs: tuple[str, ...],
     Prints a progress bar (stderr) and a final table; exit 0 pass, 4 partial (every stage
     passed, but not a full burn-in: the node stays in burnin), 75 a device is suspect,
     3 inconclusive (no golden), 2 bad input, 1 the screener failed.
+
+    --quick is the first thing to run on a new machine: the same stages, no node state moved,
+    exit 0 when every check passed; its last lines say what passed and what a full burn-in adds.
     """
     from screener.output import wall
     from screener.output.progress import HEARTBEAT_S, JobEvents, Progress
 
     seconds = duration
+    if quick:
+        _refuse_with_quick(duration, store_choice)
     if report and not os.access(Path(report).resolve().parent, os.W_OK):
         raise BadInputError(f"--report {report}: its folder does not exist or is not writable")
     # One progress for the whole burn-in: a line (or the bar) per stage, per job run in the
@@ -120,13 +130,14 @@ def burnin_cmd(app: AppContext, devices: tuple[str, ...], jobs: tuple[str, ...],
         # The store opens after the known-answer rounds (run_full_burnin): a missing client
         # or a cluster out of reach is one line after the results, not instead of them.
         full = run_full_burnin(app.node_name(node), devs, known_answer, plan=plan,
-                               open_store=lambda: app.store(store_choice),
+                               open_store=None if quick else lambda: app.store(store_choice),
                                probe=_prober(app) if plan.probes else None,
                                peers=(peer_names or ("peer-a", "peer-b")) if peers else (),
                                progress=stage, step=prog.step)
     finally:
         prog.close()
     assert full.kat is not None  # run_full_burnin always runs the known-answer stage
+    full.quick = quick
     full.wall_s = wall.elapsed()  # the summary's time: the wall time since the command started
     rep = replace(full.kat, extra=full.extra())
     d = rep.to_dict()
@@ -142,6 +153,19 @@ def burnin_cmd(app: AppContext, devices: tuple[str, ...], jobs: tuple[str, ...],
     if full.store_error is not None:
         click.echo(f"screener: the node's state was not recorded: {full.store_error}", err=True)
     sys.exit(unfired_exit(full.kat.screen if full.kat else None, int(full.exit_code)))
+
+
+def _refuse_with_quick(duration: Optional[float], store: StoreChoice) -> None:
+    """--quick keeps no node state and runs a number of iterations: an option that asks for a
+    store or a duration contradicts it (exit 2, one line, before anything runs)."""
+    given = [name for name, value in (("--duration", duration is not None),
+                                      ("--store " + store.kind, store.kind in ("local", "kube")),
+                                      ("--db", store.db), ("--kubeconfig", store.kubeconfig),
+                                      ("--context", store.context)) if value]
+    if given:
+        raise BadInputError(f"{given[0]}: a --quick screen keeps no node state and runs "
+                            f"--iterations (default 10); for a burn-in that moves the node, "
+                            f"drop --quick")
 
 
 def _prober(app: AppContext) -> Callable[[Any], Any]:
