@@ -198,3 +198,23 @@ def test_duration_words_and_flags_read_back():
                            (90.0, "90 s", "90s"), (7200.0, "2 h", "2h")):
         assert (duration_words(s), duration_flag(s)) == (words, flag)
         assert parse_duration(duration_flag(s)) == s
+
+
+def test_the_readme_names_the_cpu_platforms_the_committed_goldens_cover():
+    """The README's list of covered CPU platforms is the golden files' own: every CPU platform
+    hash a committed record names (its own or in `also`) and nothing else, each with its
+    dispatch level and make as the files record them."""
+    text = " ".join(README.read_text().split())
+    para = text.split("The committed golden records cover x86-64 CPUs", 1)[1].split(
+        "On such a machine the quick start passes", 1)[0]
+    named = {h: (make.strip(), level) for make, level, h in
+             re.findall(r"(AMD EPYC|Intel Xeon) at (AVX2|AVX512)[^(]*\(`([0-9a-f]{16})`", para)}
+    records, errors = golden.load_dir(ROOT / "golden")
+    assert not errors, errors
+    covered = {h: pl for r in records for h, pl in r.platforms() if pl.get("kind") == "cpu"}
+    assert set(named) == set(covered), (named, sorted(covered))
+    for h, (make, level) in named.items():
+        pl = covered[h]
+        assert pl["cpu_capability"] == level, (h, pl["cpu_capability"])
+        assert pl["name"].replace("(R)", "").split()[:2] == make.split(), (h, pl["name"])
+        assert pl["threads"] == 1, (h, pl["threads"])
