@@ -268,7 +268,8 @@ class Auditor:
             reduce_state=self.group if reduce_state is _GROUP else reduce_state,
             check_reduced=check_reduced,
             grads_are_bucket_views=bool(getattr(model, "gradient_as_bucket_view", False)),
-            measure_local=self.sentinel.config.enabled)
+            measure_local=self.sentinel.config.enabled,
+            accumulating=self.config.accumulation_steps > 1)
         if start_step is None:
             self._recorder.record_step = _UNKNOWN if self.cadence.audits_on() else None
         else:
@@ -329,6 +330,7 @@ class Auditor:
         self._closed = True
         self._pre_hook.remove()
         self._recorder.record_step = None
+        self._recorder.remove()
         self._state = None
 
     def __enter__(self) -> "Auditor":

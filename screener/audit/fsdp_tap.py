@@ -88,12 +88,26 @@ class Tap:
     redo: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # module: (pos, elem)
     redone: dict[int, "Redone"] = field(default_factory=dict)
 
-    # the step just finished (reset() keeps them for check 1's redo of its reduction)
+    # Gradient accumulation as the step ran it: `micro` counts the root's forwards since the
+    # last reset (the micro-step a reduce-scatter belongs to), `synced` the micro-steps that
+    # reduce-scattered (every one when the loop reduces on every micro-step, the last under
+    # set_requires_gradient_sync(False)), `calls` the reduce-scatters recorded per module (their
+    # fingerprints are folded in call order, so the replay, which syncs on the same micro-steps,
+    # folds the same inputs in the same order).
+    micro: int = -1
+    synced: set[int] = field(default_factory=set)
+    calls: dict[int, int] = field(default_factory=dict)
+    replay_calls: dict[int, int] = field(default_factory=dict)
+
+    # the step just finished (reset() keeps them for check 1's redo and for every replay)
     last_module_mag: dict[int, float] = field(default_factory=dict)
     last_bad_places: list[tuple[int, int]] = field(default_factory=list)
+    last_synced: set[int] = field(default_factory=set)
 
     def reset(self) -> None:
         self.last_module_mag, self.last_bad_places = self.module_mag, self.bad_places
+        self.last_synced = self.synced
+        self.micro, self.synced, self.calls = -1, set(), {}
         self.local_finite = True
         self.reduced_finite = True
         self.local_mag = self.reduced_mag = 0.0
@@ -107,7 +121,13 @@ class Tap:
         self.replay_finite = True
         self.replay_mag = 0.0
         self.replay_fps.zero_()
+        self.replay_calls = {}
         self.redone = {}
+
+    def sync_at(self, micro: int, count: int) -> bool:
+        """Whether a replay's micro-step `micro` (of `count`) reduce-scatters, as the step's did
+        (the last one only, when the step's were not seen)."""
+        return micro in self.last_synced if self.last_synced else micro == count - 1
 
 
 @dataclass
@@ -141,7 +161,8 @@ class _Recorder:
                  group: dist.ProcessGroup, op: Any, async_op: bool = False) -> Any:
         tap = self.tap
         if tap.replaying:
-            tap.replay_fps[self.index] = fingerprints([input_tensor])[0]
+            tap.replay_fps[self.index] = _folded(tap.replay_fps[self.index], input_tensor,
+                                                 tap.replay_calls, self.index)
             ok, mag = scan(input_tensor)
             tap.replay_finite &= ok
             tap.replay_mag = max(tap.replay_mag, mag)
@@ -155,8 +176,10 @@ class _Recorder:
         tap.local_mag = max(tap.local_mag, mag)
         tap.module_mag[self.index] = mag
         tap.shard_pos = dist.get_rank(group)
+        tap.synced.add(tap.micro)
         if tap.record:
-            tap.fps[self.index] = fingerprints([input_tensor])[0]
+            tap.fps[self.index] = _folded(tap.fps[self.index], input_tensor, tap.calls,
+                                          self.index)
             tap.recorded = True
         return _REDUCE_SCATTER(output_tensor, input_tensor, group=group, op=op,
                                async_op=async_op)
@@ -183,6 +206,17 @@ class _Recorder:
             dist.all_reduce(scratch, group=tap.replicate_group, op=_all_reduce_op(op))
         tap.redone[self.index] = Redone(sent, rs, read(), holder,
                                         mag == tap.last_module_mag.get(self.index))
+
+
+def _folded(previous: torch.Tensor, input_tensor: torch.Tensor, calls: dict[int, int],
+            index: int) -> torch.Tensor:
+    """The module's fingerprint after one more reduce-scatter input: the input's own on the first
+    call, else the fingerprint of (the fingerprint so far, the input's), so k micro-steps that
+    each reduce-scatter are all compared, in order."""
+    fp = fingerprints([input_tensor])[0]
+    n = calls.get(index, 0)
+    calls[index] = n + 1
+    return fp if n == 0 else fingerprints([torch.stack([previous, fp])])[0]
 
 
 def _all_reduce_op(op: Any) -> Any:

@@ -50,6 +50,15 @@ Gradients are mapped to parameters by identity (`id(param)`), never by bucket or
 first-iteration buckets in reverse parameter order and rebuilds them after the first iteration in the
 order gradients became ready, so bucket indices and contents change between iterations.
 
+Gradient accumulation that reduces on every micro-step (a loop without `ddp.no_sync()`): from
+the second backward of a step on, DDP's bucket holds .grad, the reduced sum so far plus this
+micro-batch's local gradient, a value no replay on another rank can compute alone. So with
+accumulation_steps > 1 the recorder also keeps, on audit steps only, each parameter's local
+gradients as they arrive (a tensor hook, before autograd adds them to .grad) added up in order,
+which is what a replay computes; when more than one backward of the step reduced, those sums
+are the step's fingerprints. The cost: one copy of the gradients on audit steps (under no_sync
+too, as the first backward cannot know the second will reduce).
+
 Imports only torch, the standard library and screener.fingerprint.
 """
 
@@ -195,7 +204,7 @@ class GradientRecorder:
     def __init__(self, params: Sequence[torch.nn.Parameter], *,
                  reduce_hook: Optional[ReduceHook] = None, reduce_state: Any = None,
                  check_reduced: bool = True, grads_are_bucket_views: bool = False,
-                 measure_local: bool = False) -> None:
+                 measure_local: bool = False, accumulating: bool = False) -> None:
         self.params = list(params)
         # The spike sentinel (sentinel.py) reads every rank's largest local gradient on every
         # step: one aminmax pass over each bucket before its all-reduce, on the fused path too.
@@ -211,6 +220,30 @@ class GradientRecorder:
         self._last: tuple[dict[int, list[int]], dict[int, Any], dict[int, torch.Tensor]] = \
             ({}, {}, {})
         self._reset()
+        # accumulation (see the module docstring): the local gradients' running sums on audit
+        # steps, and how many backwards of the step reduced
+        self._sums: dict[int, torch.Tensor] = {}
+        self._backwards = 0
+        self._handles = [p.register_hook(self._local_hook(k))
+                         for k, p in enumerate(self.params)] if accumulating else []
+
+    def _local_hook(self, k: int) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            if self.record_step is None:
+                return
+            with torch.no_grad():
+                seen = self._sums.get(k)
+                if seen is None:  # a copy: autograd may adopt this tensor as .grad
+                    self._sums[k] = grad.detach().clone()
+                else:  # as .grad accumulation adds them, and a replay
+                    seen.add_(grad)
+        return hook
+
+    def remove(self) -> None:
+        """Remove the tensor hooks (the comm hook stays with DDP)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
 
     def _reset(self) -> None:
         self._local: dict[int, torch.Tensor] = {}
@@ -270,6 +303,7 @@ class GradientRecorder:
         with self._lock:
             if index == 0:  # DDP launches buckets in index order: bucket 0 opens a new backward
                 self._reset()
+                self._backwards += 1
             if self.record_step is not None:
                 self._record_fingerprints(bucket)  # before anything changes the buffer
             if not fused or self.measure_local:
@@ -363,7 +397,11 @@ class GradientRecorder:
             reduced = list(self._reduced.values())
             fp, seen, fp_step, unknown = self._fp, self._seen, self._fp_step, self._unknown
             bad, buckets, measured = self._bad, self._buckets, dict(self._reduced)
+            sums, backwards = self._sums, self._backwards
             self._reset()
+            self._sums, self._backwards = {}, 0
+        if backwards > 1 and fp is not None and self._handles:  # reduced on every micro-step
+            fp = fingerprints([sums.get(k) for k in range(len(self.params))])
         self._last = (bad, buckets, measured)
 
         def total(values: list[torch.Tensor]) -> torch.Tensor:  # float64: the head's type

@@ -251,7 +251,10 @@ class ShardedAuditor:
         self.rerun = LockstepRerun(self.lockstep, self.reporter, self.counters)
 
     def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
-        if self._state is None and not self._tap.replaying:
+        if self._tap.replaying:
+            return
+        self._tap.micro += 1  # the micro-step the next reduce-scatters belong to
+        if self._state is None:
             self._state = capture(self.device, self.scaler)
 
     def begin_step(self) -> None:

@@ -158,8 +158,8 @@ class Lockstep:
         try:
             with restored(state, self.device), torch.enable_grad():
                 for i, mb in enumerate(micro):
-                    if self.accumulation_steps > 1:
-                        self.root.set_requires_gradient_sync(i == len(micro) - 1)
+                    # reduce-scatter on the micro-steps the step did: every one, or the last
+                    self.root.set_requires_gradient_sync(tap.sync_at(i, len(micro)))
                     loss = ring.loss_of(self.loss_fn(self.model, mb))
                     total = loss.detach() if total is None else total + loss.detach()
                     out = loss if state.scale is None else loss * torch.full(
