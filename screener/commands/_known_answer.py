@@ -37,10 +37,38 @@ def parse_faults(specs: Sequence[str], devices: Sequence[str]) -> dict[str, list
     return out
 
 
-def unfired_exit(result: Any, code: int) -> int:
+def unfired_warnings(result: Any, given: Sequence[str] = ()) -> list[str]:
+    """One line per device whose injected faults never fired, each fault as the --inject that
+    asked for it was written (`given`): a field left at its default (step=0 of an op fault) was
+    never given, and naming it sends the reader after a setting that is not there. A fault no
+    given text matches (a drill's) shows its non-default fields."""
+    from screener.known_answer.fault_spec import DeviceFault, parse_fault
+
+    if result is None:
+        return []
+    asked = []
+    for text in given:
+        device, fault = parse_fault(text)
+        shown = ",".join(p.strip() for p in text.split(",")
+                         if p.strip() and p.partition("=")[0].strip() != "device")
+        asked.append((device, fault.to_dict(), shown))
+    defaults = DeviceFault(op="-").to_dict()
+    out = []
+    for device, faults in result.unfired_faults.items():
+        names = []
+        for f in faults:
+            match = next((t for d, fd, t in asked if d in (None, device) and fd == f), None)
+            names.append(match if match is not None else ",".join(
+                f"{k}={v}" for k, v in f.items() if v is not None and v != defaults.get(k)))
+        out.append(f"{device}: {len(faults)} injected fault(s) never fired (the job never "
+                   f"reached them): {'; '.join(names)}")
+    return out
+
+
+def unfired_exit(result: Any, code: int, given: Sequence[str] = ()) -> int:
     """Warn about injected faults that never fired; such a run exits 2 (usage), since it did
     not test what it was asked to."""
-    lines = result.warnings() if result is not None else []
+    lines = unfired_warnings(result, given)
     for line in lines:
         click.echo(f"screener: warning: {line}", err=True)
     return int(ExitCode.USAGE) if lines else code

@@ -16,7 +16,7 @@ from typing import Any, Iterator, Optional
 import click
 
 from screener.commands._known_answer import (DEVICE_HELP, INJECT_HELP, MAX_REPEAT, echo_json,
-                                             parse_faults, unfired_exit)
+                                             parse_faults, unfired_exit, unfired_warnings)
 from screener.commands._params import positive
 from screener.output import wall
 from screener.types import ExitCode
@@ -105,11 +105,24 @@ def kat_run(jobs: tuple[str, ...], devices: tuple[str, ...], golden_dir: Optiona
     # The summary's "in N s" is the wall time since the command started, not the screen's own
     # seconds (which leave out torch's import and the job specs).
     result = dataclasses.replace(result, seconds=wall.elapsed())
+    # A fault that never fired tested nothing: exit 2, and the printed verdict says so too (the
+    # screen's own line said "pass (exit 0)" above an exit 2).
+    unfired = unfired_warnings(result, inject)
+    code = int(ExitCode.USAGE) if unfired else int(result.exit_code)
     if as_json:
-        echo_json(result.to_dict())
+        d = result.to_dict()
+        if unfired:
+            d.update(exit_code=code, unfired=unfired)
+        echo_json(d)
     else:
-        click.echo(format_verdicts(result))
-    sys.exit(unfired_exit(result, int(result.exit_code)))
+        lines = format_verdicts(result).splitlines()
+        if unfired:
+            lines[-1] = (f"not a test (exit {code}): injected fault(s) never fired, so the "
+                         f"{result.outcome.value} of {len(result.jobs)} job(s) on "
+                         f"{len(result.verdicts)} device(s) in {result.seconds:.1f} s proves "
+                         "nothing about them")
+        click.echo("\n".join(lines))
+    sys.exit(unfired_exit(result, code, inject))  # the warnings, after the results
 
 
 @kat_group.command("list")
