@@ -188,3 +188,34 @@ def test_plan_bad_input_is_one_line_exit_2():
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "exactly one of --mttf-hours" in r.stderr
+
+
+def test_plan_history_with_no_failure_and_no_observed_time_refuses_in_one_line(tmp_path):
+    # Issue 35.4 (5): one node first seen 14 s ago, no failure: the rule of three bounded the
+    # rate at 785 per node-hour, and the plan said "a checkpoint every 0.6 min, 361.8% of wall".
+    store = LocalStore(tmp_path / "s.db")
+    store.record(t("node-0", NOW - 14, None, S.BURNIN))
+    r = CliRunner().invoke(main, ["plan", "--checkpoint-minutes", "2", "--history"],
+                           obj=AppContext(store=store, clock=lambda: NOW))
+    assert r.exit_code == 3, r.output
+    assert r.stdout == "", r.stdout
+    line = r.stderr.strip()
+    assert len(line.splitlines()) == 1 and "no failure recorded" in line, r.stderr
+    assert "0.00389 node-hours" in line and "2 min checkpoint" in line, line
+    r = CliRunner().invoke(main, ["plan", "--checkpoint-minutes", "2", "--history", "--json"],
+                           obj=AppContext(store=store, clock=lambda: NOW))
+    assert r.exit_code == 3 and r.stdout == "", r.output
+    store.close()
+
+
+def test_plan_history_with_no_failure_over_a_long_history_states_a_bound(tmp_path):
+    store = LocalStore(tmp_path / "s.db")
+    store.record(t("node-0", NOW - 30 * DAY, None, S.BURNIN))
+    r = CliRunner().invoke(main, ["plan", "--checkpoint-minutes", "2", "--history"],
+                           obj=AppContext(store=store, clock=lambda: NOW))
+    store.close()
+    assert r.exit_code == 0, r.output
+    # 720 node-hours, no failure: MTTF at least 720 / 3 = 240 h, and the goodput at least what
+    # the plan computes from it.
+    assert "job MTTF at least 240 h" in r.stdout and "goodput at least" in r.stdout, r.stdout
+    assert "(upper bound: no failure recorded)" in r.stdout

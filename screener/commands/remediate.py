@@ -387,6 +387,19 @@ def plan_cmd(app: AppContext, checkpoint_minutes: float, job_mttf_hours: Optiona
         n = nodes if nodes is not None else max(rate.nodes, 1)
         mttf_hours = recovery.job_mttf_hours(n, rate.per_node_hour)
         source = {"kind": "history", "nodes": n, **rate.to_dict()}
+        # With no failure recorded the history gives only a lower bound on the MTTF (rule of
+        # three: node-hours / 3). Over a short history that bound is minutes or less, and
+        # Young's interval sqrt(2CM) from it is nonsense (a checkpoint every 0.6 min costing
+        # "361.8% of wall time"): the model needs M > 2C, where the interval reaches M itself.
+        if rate.upper_bound and mttf_hours * 60.0 <= 2.0 * checkpoint_minutes:
+            click.echo(f"screener: plan --history: no failure recorded in "
+                       f"{rate.node_hours:.3g} node-hours over {rate.nodes} node(s), so the "
+                       f"history bounds the job's MTTF only from below, at "
+                       f"{mttf_hours * 60.0:.3g} min: too short next to a "
+                       f"{checkpoint_minutes:g} min checkpoint to plan from (needs over "
+                       f"{2.0 * checkpoint_minutes:g} min); give --mttf-hours or "
+                       "--node-mttf-hours, or plan again with more history", err=True)
+            sys.exit(int(ExitCode.INCONCLUSIVE))
     p = recovery.plan(checkpoint_minutes, mttf_hours * 60.0, restart_minutes)
     out: dict[str, Any] = {**p.to_dict(), "mttf_hours": mttf_hours, "mttf_source": source}
     if interval_minutes is not None:
@@ -400,14 +413,17 @@ def plan_cmd(app: AppContext, checkpoint_minutes: float, job_mttf_hours: Optiona
         click.echo(f"measured: {source['failures']} failure(s) in {source['node_hours']:.0f} "
                    f"node-hours over {source['nodes']} node(s), {source['per_node_hour']:.3g} per "
                    f"node-hour{bound}; job of {source['nodes'] if nodes is None else nodes} node(s)")
-    click.echo(f"job MTTF {mttf_hours:.3g} h; checkpoint {checkpoint_minutes:g} min; "
+    # No failure seen: the MTTF is a lower bound, and the goodput at the interval planned from
+    # it is one too (a longer true MTTF loses less per interruption).
+    least = " at least" if source.get("upper_bound") else ""
+    click.echo(f"job MTTF{least} {mttf_hours:.3g} h; checkpoint {checkpoint_minutes:g} min; "
                f"restart {restart_minutes:g} min"
                + ("" if restart_minutes else " (not given: assumed 0)"))
     click.echo(f"checkpoint every {p.interval_minutes:.1f} min (Young: sqrt(2 x "
                f"{checkpoint_minutes:g} x {p.mttf_minutes:.4g}))")
     click.echo(f"  each interruption loses {p.lost_per_interruption_minutes:.1f} min "
                f"({p.interruption_share:.1%} of wall time); checkpoints cost "
-               f"{p.checkpoint_share:.1%}; goodput {p.goodput:.1%}")
+               f"{p.checkpoint_share:.1%}; goodput{least} {p.goodput:.1%}")
     if interval_minutes is not None:
         g = out["given_interval"]
         click.echo(f"at your interval of {interval_minutes:g} min: goodput {g['goodput']:.1%}")
