@@ -114,6 +114,31 @@ def _drop_alarm(result: PreflightResult, alarm_dir: str, job: str, app: AppConte
         _warn(result, f"could not write the alarm file into {alarm_dir}: {e.strerror or e}")
 
 
+def _record_commands(result: PreflightResult) -> list[str]:
+    """The `screener golden record` commands the screen's verdicts give, once each."""
+    verdicts = (result.screen or {}).get("verdicts", [])
+    return list(dict.fromkeys(str(v["evidence"]["command"]) for v in verdicts
+                              if (v.get("evidence") or {}).get("command")))
+
+
+def _inconclusive_text(result: PreflightResult) -> str:
+    """Why the screen had nothing to compare with: no golden at all, or goldens of sibling
+    platforms (same torch build and dispatch level) that exist and differ; with the command
+    that records one, as `kat run` gives it."""
+    verdicts = (result.screen or {}).get("verdicts", [])
+    reasons = {v.get("reason") for v in verdicts}
+    reasons |= {i.get("reason") for v in verdicts
+                for i in (v.get("evidence") or {}).get("issues", [])}
+    if "sibling_golden_differs" in reasons:
+        text = ("inconclusive: golden records of sibling platforms exist but differ from this "
+                "platform's results, and none is this platform's")
+    else:
+        text = "inconclusive: no golden record to compare with on this platform"
+    commands = _record_commands(result)
+    return text + (f"; record one on a known-good node with: {'; '.join(commands)}"
+                   if commands else "")
+
+
 def _print_text(result: PreflightResult) -> None:
     click.echo(f"node {result.node}: {result.outcome} (exit {int(result.exit_code)})")
     click.echo(f"  fast path: {'taken' if result.fast.taken else 'not taken'}: {result.fast.reason}")
@@ -124,6 +149,8 @@ def _print_text(result: PreflightResult) -> None:
         where = "".join(f" {k} {v[k]}" for k in ("job", "step", "tensor") if v.get(k) is not None)
         click.echo(f"  known-answer {v.get('device')}: {v.get('outcome')}"
                    f"{' (' + v['reason'] + ')' if v.get('reason') else ''}{where}")
+    for command in _record_commands(result):
+        click.echo(f"  record a golden: {command}")
     times = ", ".join(f"{k} {v:.1f} s" for k, v in result.seconds.items())
     click.echo(f"  jobs: {', '.join(result.jobs) or 'none (fast path)'}; {times}")
     if result.alarm_file:
@@ -203,13 +230,16 @@ def preflight_cmd(ctx: click.Context, jobs: tuple[str, ...], devices: tuple[str,
     _probe(result, expected_gpus, app)
     if not fast.taken and not result.probe_suspect:
         _screen(result, devices, golden_dir, jobs_dir, repeat, time_cap)
-    result.seconds["total"] = time.monotonic() - t0
+    # The command's wall time (its imports and the verdict read included), not this part's.
+    from screener.output import wall
+
+    result.seconds["total"] = max(wall.elapsed(), time.monotonic() - t0)
     code = result.exit_code
     if code == ExitCode.HARDWARE_SUSPECT:
         _drop_alarm(result, alarm_dir or app.environ.get(ALARM_DIR_ENV) or DEFAULT_ALARM_DIR,
                     job_name, app)
     elif code == ExitCode.INCONCLUSIVE:
-        _warn(result, "inconclusive: no golden record to compare with on this platform"
+        _warn(result, _inconclusive_text(result)
               + (" (the pod starts)" if allow_inconclusive else ""))
         if allow_inconclusive:
             code = ExitCode.PASS
