@@ -19,7 +19,7 @@ import click
 from screener import __version__
 # The command's clock starts here, before any heavy import: every elapsed time it prints is
 # measured from this moment (screener.output.wall).
-from screener.output import wall  # noqa: F401
+from screener.output import wall
 
 # name -> (module, attribute, short help). Registering a command is one line here.
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -88,6 +88,7 @@ def main(verbose: int) -> None:
     GPU health probes, and the node lifecycle (burnin, healthy, suspect, quarantined, repair).
     Results go to stdout, logs to stderr.
     """
+    wall.invoked()
     level = logging.WARNING - 10 * min(verbose, 2)
     logging.basicConfig(level=level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
