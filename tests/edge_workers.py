@@ -89,14 +89,15 @@ def _files(directory: str) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in sorted(Path(directory).glob("*.json"))]
 
 
-def hsdp_shard_flip(rank: int, world: int, *, alarm_dir: str) -> dict[str, Any]:
+def hsdp_shard_flip(rank: int, world: int, *, alarm_dir: str, target: int = 3,
+                    parameter: str = "blocks.0.qkv.weight", bit: int = 31) -> dict[str, Any]:
     """HSDP 3 replicas x 2 shards (a node = a shard group), audit_every=4, weights_every=4; after
     step 2's optimizer step, bit 31 (the sign) of element 0 of rank 3's shard of the first
     block's first weight flips: every forward of its shard group (node n2) reads it."""
     def flip(r: int, s: int, model: torch.nn.Module) -> None:
-        if (r, s) == (3, 2):
-            weight = dict(model.named_parameters())["blocks.0.qkv.weight"]
-            faults.apply_to_tensor(weight.to_local().data, 0, mode="flip", bit=31)
+        if (r, s) == (target, 2):
+            weight = dict(model.named_parameters())[parameter]
+            faults.apply_to_tensor(weight.to_local().data, 0, mode="flip", bit=bit)
 
     out = fsdp_workers.train(rank, world, steps=5, audit_every=4, weights_every=4, hsdp=True,
                              alarm_dir=alarm_dir, after_step=flip)
@@ -120,8 +121,8 @@ def _loop_result(auditor: Any, run: Any) -> dict[str, Any]:
 
 
 def sharded_accumulation(rank: int, world: int, *, pattern: str, alarm_dir: str,
-                         steps: int = 6, fault: Optional[fsdp_workers.flip] = None
-                         ) -> dict[str, Any]:
+                         steps: int = 6, fault: Optional[fsdp_workers.flip] = None,
+                         audit_every: int = 5) -> dict[str, Any]:
     """FSDP2 or HSDP, two micro-batches a step, accumulated as `pattern` says:
     "every" (FSDP2 reduces on every micro-step, the memory-saving default), "no_sync"
     (set_requires_gradient_sync(False) on the first), "no_all_reduce" (HSDP:
@@ -135,7 +136,7 @@ def sharded_accumulation(rank: int, world: int, *, pattern: str, alarm_dir: str,
     def loss_fn(m: torch.nn.Module, b: Any) -> torch.Tensor:  # as backpropagated: divided by k
         return fsdp_workers.compute_loss(m, b) / k
 
-    auditor = Auditor(model, loss_fn=loss_fn, audit_every=5, weights_every=5,
+    auditor = Auditor(model, loss_fn=loss_fn, audit_every=audit_every, weights_every=audit_every,
                       alarm_dir=alarm_dir, job="t", accumulation_steps=k)
 
     def run() -> int:
@@ -165,7 +166,8 @@ def sharded_accumulation(rank: int, world: int, *, pattern: str, alarm_dir: str,
 
 
 def ddp_accumulation(rank: int, world: int, *, pattern: str, alarm_dir: str, steps: int = 6,
-                     fault: Optional[fsdp_workers.flip] = None) -> dict[str, Any]:
+                     fault: Optional[fsdp_workers.flip] = None, audit_every: int = 5
+                     ) -> dict[str, Any]:
     """DDP, two micro-batches a step: "every" (no no_sync: every backward all-reduces) or
     "no_sync" (the first under ddp.no_sync())."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -182,8 +184,9 @@ def ddp_accumulation(rank: int, world: int, *, pattern: str, alarm_dir: str, ste
     def loss_fn(m: torch.nn.Module, b: Any) -> torch.Tensor:
         return fsdp_workers.compute_loss(m, b) / k
 
-    auditor = Auditor(ddp, loss_fn=loss_fn, batch_fn=batches, audit_every=5, weights_every=5,
-                      alarm_dir=alarm_dir, job="t", accumulation_steps=k)
+    auditor = Auditor(ddp, loss_fn=loss_fn, batch_fn=batches, audit_every=audit_every,
+                      weights_every=audit_every, alarm_dir=alarm_dir, job="t",
+                      accumulation_steps=k)
 
     def run() -> int:
         done = 0
@@ -207,17 +210,59 @@ def ddp_accumulation(rank: int, world: int, *, pattern: str, alarm_dir: str, ste
     return _loop_result(auditor, run)
 
 
+PATTERNS = (("fsdp", sharded_accumulation, "every"), ("fsdp", sharded_accumulation, "no_sync"),
+            ("hsdp", sharded_accumulation, "no_all_reduce"), ("ddp", ddp_accumulation, "every"),
+            ("ddp", ddp_accumulation, "no_sync"))
+
+
+def campaign(rank: int, world: int, *, root: str, steps: int, faults_per_pattern: int
+             ) -> list[dict[str, Any]]:
+    """benchmarks/bench_audit_edges.py: every accumulation pattern for `steps` healthy steps,
+    audited every 5th; then forward faults at audit step 5 on ranks 0.. in turn; then an HSDP
+    shard flip on every rank in turn. One row per run (rank 0's view, identical on all)."""
+    import os
+
+    rows: list[dict[str, Any]] = []
+
+    def note(kind: str, name: str, target: Optional[int], result: dict[str, Any],
+             directory: str) -> None:
+        dist.barrier()
+        files = _files(directory)
+        a = result["alarm"]
+        rows.append({"kind": kind, "setup": name, "target": target,
+                     "steps": result["steps_done"], "audits": result["counters"].get("audits", 0),
+                     "alarm": None if a is None else a["check"],
+                     "settled": bool(a and a["settled"]),
+                     "suspects": [] if a is None else a["suspect_ranks"],
+                     "numeric": result["numeric"] is not None,
+                     "file_nodes": sorted(f["node"] for f in files)})
+
+    for n, (kind, fn, pattern) in enumerate(PATTERNS):
+        name = f"{kind}_{pattern}"
+        d = os.path.join(root, f"healthy_{name}")
+        os.makedirs(d, exist_ok=True)
+        note("healthy", name, None, fn(rank, world, pattern=pattern, alarm_dir=d, steps=steps), d)
+        for target in range(min(faults_per_pattern, world)):
+            d = os.path.join(root, f"fault_{name}_{target}")
+            os.makedirs(d, exist_ok=True)
+            fault = fsdp_workers.flip(target, 5, op="mm", call=3, bit=30)
+            note("fault", name, target, fn(rank, world, pattern=pattern, alarm_dir=d, steps=6,
+                                           fault=fault), d)
+    for target in range(world):
+        d = os.path.join(root, f"shard_{target}")
+        os.makedirs(d, exist_ok=True)
+        out = hsdp_shard_flip(rank, world, alarm_dir=d, target=target)
+        note("shard_flip", "hsdp", target, out, d)
+    return rows
+
+
 def accumulation(rank: int, world: int, *, root: str) -> dict[str, Any]:
     """Every accumulation pattern, healthy and with a forward fault on rank 3 at audit step 5."""
     import os
 
     out: dict[str, Any] = {}
     fault = fsdp_workers.flip(3, 5, op="mm", call=3, bit=30)
-    for kind, fn, pattern in (("fsdp", sharded_accumulation, "every"),
-                              ("fsdp", sharded_accumulation, "no_sync"),
-                              ("hsdp", sharded_accumulation, "no_all_reduce"),
-                              ("ddp", ddp_accumulation, "every"),
-                              ("ddp", ddp_accumulation, "no_sync")):
+    for kind, fn, pattern in PATTERNS:
         for faulty in (False, True):
             name = f"{kind}_{pattern}{'_fault' if faulty else ''}"
             directory = os.path.join(root, name)

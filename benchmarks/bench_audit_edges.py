@@ -1,0 +1,96 @@
+"""The audit at its edges (issue 32): a campaign over the setups the Auditor used to get wrong.
+
+    python benchmarks/bench_audit_edges.py [--steps 60] [--faults 6] [--json]
+
+Six gloo ranks on three simulated nodes (n1 = {0, 1}, n2 = {2, 3}, n3 = {4, 5}), the TinyLM of
+tests/fsdp_workers.py. For each gradient-accumulation pattern (FSDP2 reducing on every
+micro-step, FSDP2 under set_requires_gradient_sync(False), HSDP under set_requires_all_reduce(False),
+DDP without no_sync, DDP under no_sync; two micro-batches a step, audited every 5th step):
+--steps healthy steps, which must give no alarm and no numeric failure; then a forward fault
+(one bit of a matmul output) at audit step 5 on ranks 0 .. --faults-1, which must be caught,
+settled and pinned to that rank with the alarm file on its node only. Then an HSDP weight shard
+(3 replicas x 2 shards) flipped between two votes on every rank in turn: the weight vote must
+name that rank, settled. The refusals (FSDP2 x tensor parallel, pipeline stages) are counted
+too. tests/test_audit_edges.py is the CI slice of this campaign.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+NODES = ["n1", "n1", "n2", "n2", "n3", "n3"]
+
+
+def _node(rank: int) -> str:
+    return NODES[rank]
+
+
+def judge(row: dict[str, Any]) -> str:
+    """What a row says: "ok" when the run did what it must, else what went wrong."""
+    if row["kind"] == "healthy":
+        bad = row["alarm"] or row["numeric"]
+        return "false alarm" if bad else "ok"
+    want = "ring_replay" if row["kind"] == "fault" else "weights"
+    if row["numeric"]:
+        return "numeric failure"
+    if row["alarm"] is None:
+        return "missed"
+    if row["alarm"] != want or not row["settled"]:
+        return f"{row['alarm']}{'' if row['settled'] else ' unsettled'}"
+    if row["suspects"] != [row["target"]] or row["file_nodes"] != [_node(row["target"])]:
+        return f"wrong rank {row['suspects']} files {row['file_nodes']}"
+    return "ok"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=60, help="healthy steps per pattern")
+    ap.add_argument("--faults", type=int, default=6, help="faulty runs per pattern (ranks 0..)")
+    ap.add_argument("--json", action="store_true", help="print the rows as JSON")
+    args = ap.parse_args(argv)
+
+    from ddp_util import run_ranks
+    import edge_workers
+
+    start = time.monotonic()
+    refusals = [run_ranks(edge_workers.tensor_parallel, NODES[:4], timeout=240)[0],
+                run_ranks(edge_workers.pipeline_stages, NODES[:4], timeout=240)[0]]
+    with tempfile.TemporaryDirectory() as root:
+        rows = run_ranks(edge_workers.campaign, NODES, timeout=3600, root=root,
+                         steps=args.steps, faults_per_pattern=args.faults)[0]
+    for row in rows:
+        row["verdict"] = judge(row)
+    if args.json:
+        print(json.dumps({"rows": rows, "refusals": refusals}, indent=1))
+    table: dict[tuple[str, str], list[int]] = {}
+    for row in rows:
+        t = table.setdefault((row["kind"], row["setup"]), [0, 0, 0])
+        t[0] += 1
+        t[1] += row["verdict"] == "ok"
+        t[2] += row["audits"] if row["kind"] == "healthy" else 0
+    print(f"{'kind':<11} {'setup':<20} {'runs':>4} {'right':>5} {'audits':>6}")
+    for (kind, setup), (n, ok, audits) in table.items():
+        print(f"{kind:<11} {setup:<20} {n:>4} {ok:>5} {audits if kind == 'healthy' else '':>6}")
+    for row in rows:
+        if row["verdict"] != "ok":
+            print(f"WRONG: {row['kind']} {row['setup']} rank {row['target']}: {row['verdict']}")
+    refused = sum(r["refused"] is not None and r["exit"] == 2 for r in refusals)
+    healthy_steps = sum(r["steps"] for r in rows if r["kind"] == "healthy")
+    wrong = sum(r["verdict"] != "ok" for r in rows)
+    print(f"refused in one line: {refused} of {len(refusals)} (FSDP2 x TP, pipeline stages)")
+    print(f"healthy steps {healthy_steps}, runs {len(rows)}, wrong verdicts {wrong}, "
+          f"in {time.monotonic() - start:.0f} s")
+    return 0 if wrong == 0 and refused == len(refusals) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
