@@ -58,6 +58,7 @@ def status_cmd(app: AppContext, node: Optional[str], as_json: bool, mtbi_days: f
     A node the store has never seen shows as 'unknown' (it starts in burnin when first screened).
     """
     from screener.lifecycle.incidents import format_mtbi, mtbi_by_node
+    from screener.stores.common import last_screen
 
     since = app.clock() - mtbi_days * 86400
     if node:
@@ -86,7 +87,11 @@ def status_cmd(app: AppContext, node: Optional[str], as_json: bool, mtbi_days: f
                        f"MTBI {format_mtbi(result['mtbi_s'])}")
             if verdict:
                 click.echo(f"  last verdict: {verdict.get('outcome', '?')} "
-                           f"{verdict.get('reason', '')}".rstrip())
+                           f"{verdict.get('reason', '')}".rstrip()
+                           + (f" ({_screen_text(last_screen(verdict))})"
+                              if verdict.get("kind") == "partial" else ""))
+                for m in (last_screen(verdict) or {}).get("missing", []):
+                    click.echo(f"    missing for a full burn-in: {m}")
         return int(ExitCode.PASS)
 
     # One read of the fleet (SQLite: one query; Kubernetes: one paginated list of Node metadata,
@@ -104,14 +109,28 @@ def status_cmd(app: AppContext, node: Optional[str], as_json: bool, mtbi_days: f
     elif not rows:
         click.echo("no nodes known to this store", err=True)
     else:
-        width = max(len(r["node"]) for r in rows)
+        # Each column as wide as its header or its widest value (a name shorter than "NODE"
+        # pushed every later column out of line).
+        screens = [_screen_text(r.get("last_screen")) for r in rows]
+        width = max([len("NODE")] + [len(r["node"]) for r in rows])
+        swidth = max([len("LAST SCREEN")] + [len(t) for t in screens])
         head = f"{'MTBI':>8}  " if fleet_mtbi else ""
-        click.echo(f"{'NODE':<{width}}  {'STATE':<11}  {'SINCE':<20}  {head}REASON")
-        for r in rows:
+        click.echo(f"{'NODE':<{width}}  {'STATE':<11}  {'SINCE':<20}  {head}"
+                   f"{'LAST SCREEN':<{swidth}}  REASON")
+        for r, screen in zip(rows, screens):
             column = f"{format_mtbi(r['mtbi_s']):>8}  " if fleet_mtbi else ""
             click.echo(f"{r['node']:<{width}}  {r['state']:<11}  {_when(r['since']):<20}  "
-                       f"{column}{r['reason']}")
+                       f"{column}{screen:<{swidth}}  {r['reason']}".rstrip())
     return int(ExitCode.PASS)
+
+
+def _screen_text(screen: Any) -> str:
+    """A node's last screen in a few words: `burnin partial: pass` (a burn-in short of a full
+    one: the node stays in burnin), `burnin full: pass`, `kat: suspect`; '-' for none."""
+    if not screen:
+        return "-"
+    what = " ".join(str(screen[k]) for k in ("screen", "kind") if screen.get(k)) or "screen"
+    return f"{what}: {screen.get('outcome') or '?'}"
 
 
 @node_group.command("history")

@@ -262,9 +262,11 @@ class KubeStore:
             if state is None:
                 continue
             entries, _ = kf.parse_node_history(annotation(obj, ANNOTATION_HISTORY), name)
-            rows[name] = summary_row(name, state, entries[-1] if entries else None)
+            rows[name] = summary_row(name, state, entries[-1] if entries else None,
+                                     _parsed(annotation(obj, ANNOTATION_VERDICT)))
         for _, t in self.spool.entries():
-            rows[t.node] = summary_row(t.node, t.to_state, t.to_dict())
+            rows[t.node] = summary_row(t.node, t.to_state, t.to_dict(),
+                                       verdict=(rows.get(t.node) or {}).get("last_screen"))
         return [rows[n] for n in sorted(rows)]
 
     def failures(self, since: float) -> list[Transition]:
@@ -423,3 +425,13 @@ class KubeTxn:
                     store._release_unless_out(self.node)
                 raise
             first = False
+
+
+def _parsed(raw: Optional[str]) -> Any:
+    """An annotation's JSON, or None when it is absent or does not parse."""
+    if not raw:
+        return None
+    try:
+        return boundedjson.strict(raw)
+    except ValueError:
+        return None

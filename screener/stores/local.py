@@ -384,11 +384,13 @@ class LocalStore:
 
     def summaries(self) -> list[dict[str, Any]]:
         """node, state, since, reason, actor of every node, in one query (`node status`)."""
-        rows = self._query("SELECT n.node, n.state, t.seq, t.record FROM nodes n LEFT JOIN "
-                           "transitions t ON t.id = n.last_id ORDER BY n.node")
+        rows = self._query("SELECT n.node, n.state, t.seq, t.record, v.verdict FROM nodes n "
+                           "LEFT JOIN transitions t ON t.id = n.last_id "
+                           "LEFT JOIN verdicts v ON v.node = n.node ORDER BY n.node")
         return [summary_row(node, self._state_of(node, state),
-                            self._transition_of(seq, node, rec).to_dict() if rec else None)
-                for node, state, seq, rec in rows]
+                            self._transition_of(seq, node, rec).to_dict() if rec else None,
+                            _verdict_or_none(verdict))
+                for node, state, seq, rec, verdict in rows]
 
     def history(self, node: str, since: Optional[float] = None) -> list[Transition]:
         rows = self._query("SELECT seq, record FROM transitions WHERE node = ? AND time >= ? "
@@ -497,3 +499,14 @@ def _failures_for(store: LocalStore, db: sqlite3.Connection, serials: Sequence[s
 
 def _name(state: Optional[NodeState]) -> str:
     return state.value if state else "(new)"
+
+
+def _verdict_or_none(raw: Optional[str]) -> Any:
+    """A stored verdict for the fleet view; one that does not parse is shown as none there
+    (`node status NODE` reports it, naming the table)."""
+    if raw is None:
+        return None
+    try:
+        return boundedjson.loads(raw, max_bytes=MAX_RECORD_BYTES)
+    except (TypeError, ValueError):
+        return None
