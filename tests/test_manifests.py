@@ -375,3 +375,14 @@ def test_the_training_job_can_write_alarms_and_only_through_the_writers_group():
     assert "fsGroup" not in spec["securityContext"]  # no effect on hostPath; the folder is setgid
     mounts = {m["mountPath"] for c in spec["containers"] for m in c.get("volumeMounts", [])}
     assert DEFAULT_ALARM_DIR in mounts
+
+
+@pytest.mark.parametrize("name", ["burnin-job.yaml", "peer-burnin-job.yaml"])
+def test_a_burnin_jobs_gpu_count_says_it_must_match_the_node(name):
+    # Issue 35.4 (10): the Job hard-coded nvidia.com/gpu: 8 without saying so; a node of another
+    # shape then never scheduled it, or left GPUs unscreened.
+    lines = (MANIFESTS / name).read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.strip().startswith("nvidia.com/gpu:"))
+    comment = " ".join(line.strip().lstrip("#") for line in lines[max(0, at - 4):at]
+                       if line.strip().startswith("#"))
+    assert "node's GPU count" in comment and "set it for your node shape" in comment, comment
