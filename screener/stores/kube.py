@@ -50,7 +50,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 from screener import boundedjson
 from screener._optional import require
 
-require("kubernetes", "the Kubernetes store (--store kube, or auto inside a cluster)")
+require("kubernetes", "the Kubernetes store (--store kube, or auto with a kubeconfig or in a pod)")
 import kubernetes.client
 import kubernetes.config
 from kubernetes.client.exceptions import ApiException
