@@ -354,8 +354,14 @@ def test_admission_policy_keeps_a_pod_bound_token_to_its_own_node(objs):
     ("CREATE", "screener-goldens", "read-only"),
     ("CREATE", "kube-root-ca.crt", "read-only"),
     ("CREATE", "", "read-only"),  # a generated name: the store never asks for one
-    ("DELETE", "screener-history-gpu-node-1", "delete only budget slots"),
-    ("DELETE", "screener-budget", "delete only budget slots"),
+    ("DELETE", "screener-history-gpu-node-1", "delete only slots"),
+    ("DELETE", "screener-budget", "delete only slots"),
+    # issue 36.1: the repair ladder's reboot slots are the store's too; a slot number is a number
+    ("CREATE", "screener-reboot-slot-0", ""),
+    ("DELETE", "screener-reboot-slot-0", ""),
+    ("CREATE", "screener-reboot-slot-999999", "read-only"),
+    ("CREATE", "screener-budget-slot-x", "read-only"),
+    ("DELETE", "screener-reboot-slot-", "read-only"),
 ])
 def test_configmap_policy_lets_screener_write_only_the_stores_configmaps(objs, operation, name,
                                                                           denied):
@@ -366,6 +372,22 @@ def test_configmap_policy_lets_screener_write_only_the_stores_configmaps(objs, o
     else:
         assert messages == []
     assert admit_configmap(spec, operation, name, user="kubernetes-admin") is None
+
+
+def test_the_slots_the_daemon_claims_pass_the_configmap_policy(objs):
+    """The names KubeSlots writes for the pools the daemon opens (the repair ladder's "reboot"),
+    taken from the code, not retyped: a pool the policy does not know is a 403 on the cluster."""
+    import types
+
+    from screener.stores.slots import KubeSlots
+
+    spec = configmap_policy(objs)
+    calls = types.SimpleNamespace(namespace="screener-system")
+    for pool in ("reboot", "budget"):
+        slots = KubeSlots(calls, pool, 3, ttl=60.0, clock=lambda: 0.0)  # type: ignore[arg-type]
+        name = slots._body(2, "n1", 0.0)["metadata"]["name"]
+        assert admit_configmap(spec, "CREATE", name) == [], name
+        assert admit_configmap(spec, "DELETE", name) == [], name
 
 
 def test_the_training_job_can_write_alarms_and_only_through_the_writers_group():
