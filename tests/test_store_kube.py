@@ -322,7 +322,7 @@ def test_cli_against_the_api(api, tmp_path):
     r = runner.invoke(main, ["node", "status", "--json", "--store", "kube", *base])
     assert json.loads(r.output)["nodes"] == [
         {"node": "gpu-2", "state": "repair", "since": json.loads(r.output)["nodes"][0]["since"],
-         "reason": "PSU swap", "actor": "human"}]
+         "reason": "PSU swap", "actor": "human", "last_screen": None}]
     r = runner.invoke(main, ["node", "history", "gpu-2", "--json", *base])
     assert [h["to"] for h in json.loads(r.output)["transitions"]] == ["repair"]
     r = runner.invoke(main, ["lemons", "--json", *base])
