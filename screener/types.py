@@ -331,6 +331,8 @@ class KatReason(StrValue):
     SIBLING_GOLDEN_DIFFERS = "sibling_golden_differs"
     NO_GOLDEN = "no_golden"
     INCOMPLETE = "incomplete"  # the job produced no result on the device
+    # reproduced itself on another result than this node's earlier screens kept (no golden)
+    EARLIER_SCREENS_DIFFER = "earlier_screens_differ"
     # the engine's other comparisons (screener.known_answer.crosscheck, allreduce, peer_training;
     # a peer burn-in's alarm gives "peer_<check>", made from the alarm's check)
     FLEET_DIGEST_MISMATCH = "fleet_digest_mismatch"  # a platform's digest differs across nodes

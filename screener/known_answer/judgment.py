@@ -15,11 +15,15 @@ the runs reproduces, the result a strict majority (two or more) of the devices g
 run, or what this node's earlier screens gave (`known`). A device that does not reproduce the
 reference is suspect, whatever its repeats did among themselves (wrong in every run the same
 way, in some runs, or differently in each): a unit that is wrong again and again is the
-commonest silent data corruption, not a nondeterministic job. It is our bug
-(NondeterminismError, exit 1, with the evidence) where no reference exists and the job disagrees
-with itself on every device (or three or more devices of a platform all differ), and where every
-device of a platform (two or more) flips between the reference and another result: silent data
-corruption is local to one GPU, not all of a node's at once.
+commonest silent data corruption, not a nondeterministic job. A device whose repeats disagree
+is judged by screener.known_answer.self_mismatch: suspect wherever something else shows the
+job deterministic on its platform (a reference, another device of the platform or this node's
+earlier screens that reproduced themselves), whatever its own majority; inconclusive with what
+would settle it where nothing does. No comparison here is "a screener bug" (exit 1): a
+nondeterministic job and a faulty device look the same without evidence, and exit 1 is kept
+for failures of our own code. A device that reproduced itself on another result than the
+node's earlier screens kept, with no golden or majority, is inconclusive (the conflict is said;
+screener.known_answer.node_memory never replaces the kept digest).
 
 How a child ended counts too, and only evidence about the device makes it suspect: a crash or a
 device error is suspect; a job that raised (an IndexError from an index tensor the device
@@ -44,13 +48,13 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Sequence
 
-from screener.errors import NondeterminismError
 from screener.known_answer.endings import (HANG_FACTOR, ending_issues,
                                            raise_for_failures_of_ours)
 from screener.known_answer.reference import (GoldenLookup, JobGroup, Known, NamedJob,
-                                             Reference, job_groups, known_digest, lookup_goldens)
-from screener.known_answer.results import JobResult, first_difference, where
-from screener.known_answer.runs import DeviceRun, JobRuns
+                                             job_groups, known_digest, lookup_goldens)
+from screener.known_answer.results import JobResult, first_difference
+from screener.known_answer.runs import DeviceRun
+from screener.known_answer.self_mismatch import self_mismatch_issue
 from screener.known_answer.screen_result import (Issue, ScreenResult, record_command,
                                                  screen_result, verdict_of)
 from screener.types import KatReason, Outcome, RunStatus
@@ -69,11 +73,10 @@ def judge(runs: Mapping[str, DeviceRun], specs: Sequence[NamedJob], golden: Gold
 
     A device that does not reproduce its reference (golden, sibling golden, a majority of its
     platform, or `known`: what this node's earlier screens produced) is suspect, whatever its
-    repeats did among themselves. Raises NondeterminismError only where nothing says which
-    result is right: a job that disagrees with itself on every device that ran it, or three or
-    more devices of one platform that all give different results, with no reference. Raises
-    ScreenerError when a child failed in our own code (or a job raised where nothing shows it
-    can complete), and BadInputError when a child was given bad input (a missing device).
+    repeats did among themselves; one whose repeats disagree with nothing to say the job is
+    deterministic on its platform is inconclusive. Raises ScreenerError only when a child
+    reported a failure of our own code, and BadInputError when a child was given bad input (a
+    missing device).
     """
     raise_for_failures_of_ours(runs)
     # The results a child produced count even when it ended badly later: a device that gave a
@@ -81,13 +84,13 @@ def judge(runs: Mapping[str, DeviceRun], specs: Sequence[NamedJob], golden: Gold
     judged = {d: r for d, r in runs.items() if r.status == RunStatus.OK or r.jobs}
     goldens = lookup_goldens(runs, specs, golden)
     groups = list(job_groups(judged, specs, goldens, golden, known or {}))
-    _check_nondeterminism(groups)
     issues = {d: ending_issues(d, run, runs, specs, goldens, known or {})
               for d, run in runs.items()}
     matched: dict[str, dict[str, dict[str, Any]]] = {d: {} for d in runs}
     for group in groups:
         for d in group.members:
-            if d not in group.results and runs[d].status == RunStatus.OK:
+            if d not in group.results and runs[d].status == RunStatus.OK \
+                    and group.job not in runs[d].raised:  # a raise is its own issue
                 issues[d].append(Issue(Outcome.INCONCLUSIVE, KatReason.INCOMPLETE, group.job,
                                        detail="the job produced no result"))
         for d in group.results:
@@ -108,7 +111,7 @@ def _device_issues(g: JobGroup, d: str,
     ref = runs.reference
     out: list[Issue] = []
     if not runs.consistent:
-        out.append(_self_mismatch(runs, g.reference, g.job))
+        out.append(self_mismatch_issue(g, d, golden_dir))
     if g.record is not None:
         issue = _golden_issue(g, ref)
         return out + ([issue] if issue else []), {"golden": g.record.path,
@@ -125,8 +128,25 @@ def _device_issues(g: JobGroup, d: str,
                    f"level, another library path, thread count or driver): "
                    f"{', '.join(r.path for r in g.kin)}; record one with: "
                    f"{record_command([g.job], g.members, golden_dir)}"))
+    conflict = _memory_conflict(g, d, golden_dir)
     peer = _peer_issue(g, ref, golden_dir, sibling_differs=bool(g.kin))
-    return out + ([peer] if peer else []), None
+    return out + [i for i in (conflict, peer) if i is not None], None
+
+
+def _memory_conflict(g: JobGroup, d: str, golden_dir: Optional[str]) -> Optional[Issue]:
+    """A device that reproduced itself on a result other than the one this node's earlier
+    screens kept for the platform, with nothing else to say which is right: one of the two
+    is wrong (a persistently bad unit then or now), so it is inconclusive and said, and the
+    node's memory is not replaced (screener.known_answer.node_memory)."""
+    runs = g.results[d]
+    if g.known is None or g.reference is not None or not runs.consistent \
+            or runs.reference.digest == g.known:
+        return None
+    return Issue(Outcome.INCONCLUSIVE, KatReason.EARLIER_SCREENS_DIFFER, g.job, detail=(
+        f"this node's earlier screens gave digest {g.known} on platform {g.phash}; this device "
+        f"gave {runs.reference.digest} in all {runs.runs} run(s); one of them is wrong and no "
+        f"golden or majority says which (the earlier digest is kept, not replaced); record a "
+        f"golden on a node you trust: {record_command([g.job], g.members, golden_dir)}"))
 
 
 def _golden_issue(g: JobGroup, ref: JobResult) -> Optional[Issue]:
@@ -154,6 +174,13 @@ def _peer_issue(g: JobGroup, ref: JobResult, golden_dir: Optional[str], *,
                      first_difference(g.refs[peer].steps, ref.steps),
                      detail=f"differs from the {g.counts[g.majority]} of {have} devices "
                             f"that agree (e.g. {peer})")
+    if have >= 3 and len(g.counts) == have and g.reference is None:
+        # Every device different and nothing to say which is right: a nondeterministic job
+        # and as many faulty devices look the same.
+        return Issue(Outcome.INCONCLUSIVE, KatReason.PEER_SPLIT, g.job, detail=(
+            f"the {have} devices of platform {g.phash} give {have} different results and no "
+            f"golden or earlier screen says which is right; record a golden on a node you "
+            f"trust: {record_command([g.job], g.members, golden_dir)}"))
     if have >= 2 and g.majority is None and not (g.known and ref.digest == g.known):
         return Issue(Outcome.SUSPECT, KatReason.PEER_SPLIT, g.job,
                      detail=f"{have} devices of one platform give {len(g.counts)} different "
@@ -164,89 +191,3 @@ def _peer_issue(g: JobGroup, ref: JobResult, golden_dir: Optional[str], *,
                             f"agreeing device(s); record one with: "
                             f"{record_command([g.job], g.members, golden_dir)}")
     return None
-
-
-def _check_nondeterminism(groups: Sequence[JobGroup]) -> None:
-    """Raise NondeterminismError for a job that is our bug, not the hardware's: nothing says
-    which result is right (no golden, no sibling golden reproduced, no majority, no earlier
-    screen) and it disagrees with itself on every device, or gives three or more devices of a
-    platform all different results. With a reference, a device that misses it is suspect."""
-    by_job: dict[str, list[JobGroup]] = {}
-    for g in groups:
-        if g.results:
-            by_job.setdefault(g.job, []).append(g)
-    for job, gs in by_job.items():
-        for g in gs:
-            _check_flipping(job, g)
-        if any(g.reference is not None for g in gs):
-            continue
-        ran = [(d, runs) for g in gs for d, runs in g.results.items()]
-        if all(not runs.consistent for _, runs in ran):
-            d, runs = ran[0]
-            it, other = runs.first_mismatch()
-            raise NondeterminismError(
-                f"job {job} is nondeterministic: it gave different bits across repeats on "
-                f"every device ({', '.join(d for d, _ in ran)}) and no golden, majority or "
-                f"earlier screen says which is right; e.g. {d} iteration {it} vs 0 at "
-                f"{where(first_difference(runs.reference.steps, other.steps))}. This is a "
-                f"screener bug, not a hardware verdict.")
-        for g in gs:
-            if len(g.results) >= 3 and len(g.counts) == len(g.results):
-                raise NondeterminismError(
-                    f"job {job} gave {len(g.results)} different results on the "
-                    f"{len(g.results)} devices of platform {g.phash} "
-                    f"({', '.join(g.results)}) and no golden or earlier screen says which is "
-                    f"right: a screener bug, not a hardware verdict")
-
-
-def _check_flipping(job: str, g: JobGroup) -> None:
-    """Two or more devices of a platform that all disagree with themselves, each reproducing
-    the reference in some runs and not in others: the job flips between results, which is our
-    nondeterminism, not every GPU of the node failing at once (silent data corruption is local
-    to one GPU). A device that never reproduces the reference is still judged (suspect)."""
-    if g.reference is None or len(g.results) < 2:
-        return
-    ref = g.reference
-    flipping = [d for d, runs in g.results.items() if not runs.consistent
-                and any(ref.matches(r) for _, r in runs.results())
-                and any(not ref.matches(r) for _, r in runs.results())]
-    if len(flipping) == len(g.results):
-        d = flipping[0]
-        it, other = g.results[d].first_mismatch()
-        raise NondeterminismError(
-            f"job {job} is nondeterministic: on all {len(flipping)} devices of platform "
-            f"{g.phash} ({', '.join(flipping)}) some runs reproduce the {ref.source} and "
-            f"others do not; e.g. {d} iteration {it} at "
-            f"{where(first_difference(g.results[d].reference.steps, other.steps))}. This is a "
-            f"screener bug, not a hardware verdict.")
-
-
-def _self_mismatch(runs: JobRuns, reference: Optional[Reference], job: str) -> Issue:
-    """A device whose repeats disagree. Expected is the reference's value (golden, majority,
-    earlier screens) and observed the device's first wrong one, whichever repeat went wrong: a
-    fault in the first repeat must not make the corrupted value 'expected'."""
-    results = runs.results()
-    if reference is None or reference.steps is None:
-        it, other = runs.first_mismatch()
-        why = ("no golden or majority says which is right" if reference is None else
-               f"{reference.source} gave digest {reference.digest}, which "
-               f"{'iteration 0 reproduces' if reference.matches(runs.reference) else 'no run reproduces'}")
-        return Issue(Outcome.SUSPECT, KatReason.SELF_MISMATCH, job,
-                     first_difference(runs.reference.steps, other.steps),
-                     detail=f"iteration {it} differs from iteration 0 ({why}; expected is "
-                            f"iteration 0's value); {len(runs.counts)} different results in "
-                            f"{runs.runs} runs")
-    wrong = [(it, r) for it, r in results if not reference.matches(r)] or [runs.first_mismatch()]
-    right = sum(c for dg, c in runs.counts.items()
-                if any(r.digest == dg and reference.matches(r) for _, r in results))
-    it, bad = wrong[0]
-    # Wrong in every run is a golden (or majority) mismatch, told by its own name.
-    reason = (KatReason.SELF_MISMATCH if right else
-              KatReason.GOLDEN_MISMATCH if reference.record is not None else
-              KatReason.PEER_MISMATCH)
-    return Issue(Outcome.SUSPECT, reason, job,
-                 first_difference(reference.steps, bad.steps),
-                 detail=f"{runs.runs - right} of {runs.runs} runs differ from the "
-                        f"{reference.source} (first: iteration {it}; {len(runs.counts)} "
-                        f"different results); "
-                        + (f"{right} run(s) reproduce it" if right else "no run reproduces it"))

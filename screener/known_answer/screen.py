@@ -129,7 +129,7 @@ def run_screen(jobs: Optional[Sequence[str | JobSpec]] = None,
     repeating for that many seconds instead. known: what this node's earlier screens produced
     (platform hash -> job -> digest): where no golden or majority exists it says which of a
     device's disagreeing repeats is right (screener.known_answer.judgment). Raises GoldenError
-    (bad golden, exit 2), NondeterminismError or ScreenerError (exit 1); a bad device is a
+    (bad golden, exit 2) or ScreenerError (exit 1, a failure of ours); a bad device is a
     Verdict, never an exception.
     """
     if repeat < 1:

@@ -103,10 +103,14 @@ _REASON_RANK = {KatReason.TIMEOUT: 0, KatReason.CRASH: 0, KatReason.KILLED: 0,
                 KatReason.DEVICE_ERROR: 0, KatReason.SELF_MISMATCH: 1,
                 KatReason.GOLDEN_MISMATCH: 2, KatReason.PEER_MISMATCH: 3,
                 KatReason.PEER_SPLIT: 4, KatReason.GOLDEN_DISAGREES_WITH_PEERS: 5,
+                KatReason.EARLIER_SCREENS_DIFFER: 5,
                 KatReason.SIBLING_GOLDEN_DIFFERS: 6, KatReason.NO_GOLDEN: 6,
                 KatReason.INCOMPLETE: 6}
-# Reasons whose verdict names the command that records the missing golden.
-_NEEDS_GOLDEN = (KatReason.NO_GOLDEN, KatReason.SIBLING_GOLDEN_DIFFERS)
+# Inconclusive reasons that a golden of the platform would settle: their verdict names the
+# command that records it (a self-mismatch, a raise or a split with nothing to say which
+# result is right, a conflict with the node's earlier screens, no golden at all).
+_NEEDS_GOLDEN = (KatReason.NO_GOLDEN, KatReason.SIBLING_GOLDEN_DIFFERS, KatReason.SELF_MISMATCH,
+                 KatReason.CRASH, KatReason.PEER_SPLIT, KatReason.EARLIER_SCREENS_DIFFER)
 
 
 def screen_result(runs: Mapping[str, DeviceRun], jobs: Sequence[str],
@@ -180,8 +184,10 @@ def verdict_of(device: str, run: DeviceRun, issues: Sequence[Issue], golden_dir:
     if chosen is None:
         return Verdict(device=device, outcome=Outcome.PASS, reason="",
                        platform_hash=run.platform_hash, evidence=evidence)
-    if chosen.reason in (*_NEEDS_GOLDEN, KatReason.INCOMPLETE):
-        names = [i.job for i in inconclusive if i.reason in _NEEDS_GOLDEN and i.job]
+    if chosen.outcome == Outcome.INCONCLUSIVE and chosen.reason in (*_NEEDS_GOLDEN,
+                                                                     KatReason.INCOMPLETE):
+        names = list(dict.fromkeys(i.job for i in inconclusive
+                                   if i.reason in _NEEDS_GOLDEN and i.job))
         if names:
             evidence["command"] = record_command(names, [device], golden_dir)
     diff = chosen.diff
