@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Literal, Mapping, Optional, Sequence
 
 from screener.errors import ScreenerError
 from screener.known_answer import protocol
@@ -125,9 +125,19 @@ def _job_kind(e: BaseException) -> ErrorKind:
     return ErrorKind.JOB if isinstance(e, _MAYBE_THE_DATA) else ErrorKind.SCREENER
 
 
+# Runs of a job after it raised in one, before the child ends: a job that raised once (a
+# corrupted position id) is re-run before any verdict, so that the runs that show it completes
+# on this device happen (the judgment: screener.known_answer.endings).
+RERUNS_AFTER_RAISE = 2
+
+_Ran = Literal["ok", "raised", "stop"]
+
+
 def _run_one(spec: JobSpec, it: int, device: str, request: Mapping[str, Any],
-             faults: Sequence[DeviceFault]) -> bool:
-    """Run one job once and emit its result; False (after an error event) when it failed."""
+             faults: Sequence[DeviceFault]) -> _Ran:
+    """Run one job once and emit its result: "ok"; "raised" when the job raised something a
+    corrupted value can cause (the error event says the child goes on); "stop" after any other
+    error event (ours, the device's, bad input: the child ends)."""
     from screener.known_answer.faults import inject  # imports torch
     from screener.known_answer.specs import check_fits
     from screener.known_answer.workloads import gemm_shapes, run_job
@@ -148,15 +158,19 @@ def _run_one(spec: JobSpec, it: int, device: str, request: Mapping[str, Any],
                          after_step=_after_step([(i, f) for i, f in mine if f.parameter is not None],
                                                 flipped))
     except Exception as e:  # noqa: BLE001 - reported to the parent, which decides
-        event = protocol.error_event(e, _job_kind(e), spec.name, it)
+        kind = _job_kind(e)
+        event = protocol.error_event(e, kind, spec.name, it)
         event["fired"] = _fired(injector, op_faults, flipped)
+        # A job's own raise leaves the device usable: go on, so the job is run again. A device
+        # error (a CUDA context that may be gone), ours or bad input end the child.
+        event["continues"] = kind == ErrorKind.JOB
         emit(event)
-        return False
+        return "raised" if kind == ErrorKind.JOB else "stop"
     out: dict[str, Any] = {"event": Event.RESULT, "iteration": it, "result": result.to_dict()}
     if mine:
         out["fired"] = _fired(injector, op_faults, flipped)
     emit(out)
-    return True
+    return "ok"
 
 
 def _fired(injector: Any, op_faults: Sequence[tuple[int, DeviceFault]],
@@ -179,9 +193,19 @@ def child_main(request: Mapping[str, Any]) -> int:
     duration = request.get("duration")
     t0 = time.monotonic()
     it = 0
+    since_raise: dict[str, int] = {}  # job -> its runs after the first one that raised
+
+    def run(spec: JobSpec) -> bool:
+        ran = _run_one(spec, it, device, request, faults)
+        if spec.name in since_raise:
+            since_raise[spec.name] += 1
+        elif ran == "raised":
+            since_raise[spec.name] = 0
+        return ran != "stop"
+
     while True:
         for spec in specs:
-            if not _run_one(spec, it, device, request, faults):
+            if not run(spec):
                 return 0
         it += 1
         # With both a duration and a count, whichever ends first; always at least one iteration.
@@ -189,6 +213,14 @@ def child_main(request: Mapping[str, Any]) -> int:
             break
         if (iterations is not None or duration is None) and it >= int(iterations or 1):
             break
+    # A job that raised is run again before the child ends (at most RERUNS_AFTER_RAISE more
+    # iterations, of those jobs only).
+    while rerun := [s for s in specs if since_raise.get(s.name, RERUNS_AFTER_RAISE)
+                    < RERUNS_AFTER_RAISE]:
+        for spec in rerun:
+            if not run(spec):
+                return 0
+        it += 1
     emit({"event": Event.DONE, "iterations": it})
     return 0
 

@@ -1,13 +1,16 @@
-"""How a device's child ended, as evidence about the device (pure).
+"""How a device's child ended, and the runs in which a job raised, as evidence about the device
+(pure).
 
 A crash or a device error is suspect. A job that raised (an IndexError from an index tensor the
-device computed wrong) is a crash of the device when something shows the job completes (an
-earlier run, a peer, its golden, earlier screens), else our bug (ScreenerError). A child killed
-from outside (the OOM killer) is inconclusive. A timeout is suspect only when the same job
-finished on a peer device of the same platform in this run, or when the job's golden records how
-long it takes and the limit was at least HANG_FACTOR times that (otherwise a slow job and a hung
-device look the same). Bad input (exit 2) and a failure of ours (exit 1) are raised, never
-verdicts.
+device computed wrong) was run again by the child before any verdict (screener.known_answer.child
+RERUNS_AFTER_RAISE); it is a crash of the device (suspect) when something shows the job completes
+(another run on the device, a peer, its golden, earlier screens), and inconclusive when nothing
+does (a device that corrupts an index in every run and a bug of ours look the same there; a
+golden settles it). Exit 1 is only for what a child reports as ours. A child killed from outside
+(the OOM killer) is inconclusive. A timeout is suspect only when the same job finished on a peer
+device of the same platform in this run, or when the job's golden records how long it takes and
+the limit was at least HANG_FACTOR times that (otherwise a slow job and a hung device look the
+same). Bad input (exit 2) and a failure of ours (exit 1) are raised, never verdicts.
 """
 
 from __future__ import annotations
@@ -46,26 +49,33 @@ def ending_issues(device: str, run: DeviceRun, runs: Mapping[str, DeviceRun],
             f"nothing about the device"))]
     if run.status == RunStatus.TIMEOUT:
         return [_hang(device, run, runs, specs, goldens)]
-    if run.status == RunStatus.JOB_ERROR:
-        return [_job_crash(device, run, runs, goldens, known)]
-    if run.status != RunStatus.OK:  # crash or device_error (ours and bad input raised before)
-        return [Issue(Outcome.SUSPECT, KatReason(run.status), job, detail=run.detail)]
-    return []
+    raised = [_raised(device, run, runs, goldens, known, j, r.detail, r.count)
+              for j, r in run.raised.items()]
+    if run.status == RunStatus.JOB_ERROR:  # a child that ended on a job's raise
+        raised.append(_raised(device, run, runs, goldens, known, job, run.detail, 1))
+    if run.status not in (RunStatus.OK, RunStatus.JOB_ERROR):
+        # crash or device_error (ours and bad input raised before)
+        raised.append(Issue(Outcome.SUSPECT, KatReason(run.status), job, detail=run.detail))
+    return raised
 
 
-def _job_crash(device: str, run: DeviceRun, runs: Mapping[str, DeviceRun],
-               goldens: Mapping[tuple[str, str], Any], known: Known) -> Issue:
-    """A job that raised on this device is a crash of the device (suspect) when something shows
-    the job completes: an earlier run on this device, a peer of the platform in this run, its
-    golden, or this node's earlier screens; with none of these it is our bug (ScreenerError)."""
-    job = run.current[0] if run.current else None
+def _raised(device: str, run: DeviceRun, runs: Mapping[str, DeviceRun],
+            goldens: Mapping[tuple[str, str], Any], known: Known, job: Optional[str],
+            detail: str, count: int) -> Issue:
+    """A job that raised in `count` runs on this device is a crash of the device (suspect)
+    when something shows the job completes: another run on this device, a peer of the platform
+    in this run, its golden, or this node's earlier screens; with none of these it is
+    inconclusive, never our bug: exceptions of ours are reported as ours by the child."""
+    done = run.jobs[job].runs if job in run.jobs else 0
+    times = f"it raised in {count} of {count + done} run(s)"
     why = _completes(device, run, runs, goldens, known, job)
     if why is None:
-        raise ScreenerError(
-            f"device {device}: {run.detail}; nothing shows the job completes on this platform "
-            f"(no golden, no peer device, no earlier run), so this is taken as a screener "
-            f"failure, not a hardware verdict\n{run.stderr_tail}".rstrip())
-    return Issue(Outcome.SUSPECT, KatReason.CRASH, job, detail=f"{run.detail}; {why}")
+        return Issue(Outcome.INCONCLUSIVE, KatReason.CRASH, job, detail=(
+            f"{detail}; {times}, and nothing shows the job completes on this platform (no "
+            f"golden, no peer device, no earlier screen), so a device that corrupts the job's "
+            f"values in every run cannot be told from a bug of ours; record a golden for the "
+            f"platform on a node you trust, or screen another device of it"))
+    return Issue(Outcome.SUSPECT, KatReason.CRASH, job, detail=f"{detail}; {times}; {why}")
 
 
 def _completes(device: str, run: DeviceRun, runs: Mapping[str, DeviceRun],
@@ -75,7 +85,7 @@ def _completes(device: str, run: DeviceRun, runs: Mapping[str, DeviceRun],
     if job is None:
         return None
     if job in run.jobs:
-        return f"it completed the job {run.jobs[job].runs} time(s) earlier in this screen"
+        return f"it completed the job in {run.jobs[job].runs} other run(s) of this screen"
     peers = [d for d, r in runs.items() if d != device and job in r.jobs
              and (run.platform_hash is None or r.platform_hash == run.platform_hash)]
     if peers:

@@ -9,8 +9,9 @@ whatever else lands on stdout (a library's banner) is not mistaken for an event:
 - start     {job, iteration}: a job's run begins (the parent's timeout restarts);
 - result    {iteration, result, fired?}: a JobResult.to_dict(), and the faults that fired (each
               naming its index in the request's faults);
-- error     {job, iteration, kind, type, message, traceback, fired?}: the child gives up
-              (ErrorKind), with the faults that fired in the job's run;
+- error     {job, iteration, kind, type, message, traceback, fired?, continues?}: the child
+              gives up (ErrorKind), with the faults that fired in the job's run; with
+              `continues` true (a job's own raise, kind "job") it goes on and runs the job again;
 - done      {iterations}: every iteration ran; a child that ends without it crashed.
 
 Both sides import only this module to agree on the format; it needs nothing beyond the standard

@@ -77,6 +77,17 @@ class JobRuns:
 
 
 @dataclass
+class Raised:
+    """The runs of one job that raised on a device while its child went on (a corrupted index
+    tensor's IndexError): how many, and the first one's iteration and message."""
+
+    iteration: int  # the first run that raised
+    detail: str  # "job J iteration I: IndexError: ..."
+    traceback: str = ""
+    count: int = 1
+
+
+@dataclass
 class DeviceRun:
     """What a device's child produced: platform, results per job, and how it ended.
 
@@ -96,6 +107,14 @@ class DeviceRun:
     timeout_s: Optional[float] = None  # the limit it ran past, when status is TIMEOUT
     faults: list[dict[str, Any]] = field(default_factory=list)
     faults_fired: set[int] = field(default_factory=set)
+    raised: dict[str, Raised] = field(default_factory=dict)  # job -> its runs that raised
+
+    def add_raised(self, job: str, iteration: int, detail: str, traceback: str = "") -> None:
+        """Count one run of a job that raised (the child re-runs it before any verdict)."""
+        if job in self.raised:
+            self.raised[job].count += 1
+        else:
+            self.raised[job] = Raised(iteration, detail, traceback)
 
     def add(self, iteration: int, result: JobResult, fired: Sequence[dict[str, Any]] = ()) -> None:
         """Count one result of a job (and the faults that fired in its run)."""

@@ -160,14 +160,24 @@ def _handle(child: _Child, event: Mapping[str, Any]) -> None:
                 event.get("fired") or ())
         run.iterations = max(run.iterations, int(event["iteration"]) + 1)
     elif kind == Event.ERROR:
-        run.status = _STATUS_OF_ERROR.get(str(event.get("kind")), RunStatus.SCREENER_ERROR)
         where = (f"job {event.get('job')} iteration {event.get('iteration')}"
                  if event.get("job") else "start-up")
-        run.detail = f"{where}: {event.get('type')}: {event.get('message')}"
-        run.stderr_tail = str(event.get("traceback", ""))
+        detail = f"{where}: {event.get('type')}: {event.get('message')}"
         for rec in event.get("fired") or ():
             if isinstance(rec, dict) and isinstance(rec.get("fault"), int):
                 run.faults_fired.add(rec["fault"])
+        if event.get("continues") is True and event.get("kind") == ErrorKind.JOB \
+                and event.get("job"):
+            # The job raised in this run and the child goes on to run it again: evidence for
+            # the judgment, not how the child ended.
+            run.add_raised(str(event["job"]), int(event.get("iteration") or 0), detail,
+                           str(event.get("traceback", "")))
+            run.iterations = max(run.iterations, int(event.get("iteration") or 0) + 1)
+            run.current = None
+            return
+        run.status = _STATUS_OF_ERROR.get(str(event.get("kind")), RunStatus.SCREENER_ERROR)
+        run.detail = detail
+        run.stderr_tail = str(event.get("traceback", ""))
     elif kind == Event.DONE:
         child.done = True
         run.current = None
