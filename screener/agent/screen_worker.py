@@ -41,6 +41,8 @@ def _burnin_stages(opts: Mapping[str, Any], faults: Any) -> dict[str, Any]:
     specs = kat.resolve_jobs(opts.get("jobs") or None, opts.get("jobs_dir"), quick_only=False)
     seconds = float(opts.get("burnin_seconds") or 0.0)
     iterations = int(opts.get("burnin_min_iterations") or 2)
+    # What this node's earlier screens produced: a burn-in judges with it as a screen does.
+    known = opts.get("known") or None
 
     def rounds() -> burnin.BurninReport:
         # Both: keep going for the duration, but never fewer than the required repeats.
@@ -49,13 +51,13 @@ def _burnin_stages(opts: Mapping[str, Any], faults: Any) -> dict[str, Any]:
                                       golden_dir=opts.get("golden_dir"),
                                       jobs_dir=opts.get("jobs_dir"),
                                       timeout=float(opts.get("job_timeout_s") or kat.DEFAULT_TIMEOUT),
-                                      faults=faults)
+                                      faults=faults, known=known)
             if first_is_final(first, iterations):
                 return first
         return burnin.run_burnin(devices, specs, iterations=iterations,
                                  golden_dir=opts.get("golden_dir"), jobs_dir=opts.get("jobs_dir"),
                                  timeout=float(opts.get("job_timeout_s") or kat.DEFAULT_TIMEOUT),
-                                 faults=faults)
+                                 faults=faults, known=known)
 
     plan = burnin.BurninPlan(probes=False, crosscheck=False, lifecycle=False,
                              hbm_fraction=float(opts.get("hbm_fraction") or 0.5),

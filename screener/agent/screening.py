@@ -46,6 +46,7 @@ from screener import boundedjson
 # The worker process's code (first_is_final is imported from here by callers).
 from screener.agent.screen_worker import first_is_final  # noqa: F401
 from screener.health import host
+from screener.known_answer import node_memory
 from screener.lifecycle.events import KIND_FULL, KIND_QUICK
 from screener.types import ExitCode, Outcome, ScreenStop, Verdict
 
@@ -413,21 +414,17 @@ class KatProcessRunner:
         return data if isinstance(data, dict) else {}
 
     def _remember(self, screen: Mapping[str, Any]) -> None:
-        """Keep the digests of the devices that reproduced themselves (two or more runs, one
-        result) and were not suspect, by platform, job and spec: when a later screen finds a
-        device's repeats disagreeing with no golden or majority to say which is right, these
-        say it, and the device (not the job) is suspect. Written atomically; best effort."""
+        """Keep the digests of the devices that reproduced themselves with nothing against the
+        job (screener.known_answer.node_memory.remember): when a later screen finds a device's
+        repeats disagreeing with no golden or majority, these show the job deterministic on
+        the platform, and the device (not the job) is suspect. A different result never
+        replaces a kept one: the conflict is logged (and the screen's verdict says it).
+        Written atomically; best effort."""
         if self.work_dir is None:
             return
-        known = self._known()
-        for v in screen.get("verdicts") or ():
-            if v.get("outcome") == Outcome.SUSPECT.value or not v.get("platform_hash"):
-                continue
-            jobs = (v.get("evidence") or {}).get("jobs") or {}
-            for job, info in jobs.items():
-                if int(info.get("runs") or 0) >= 2 and info.get("results") == 1:
-                    known.setdefault(v["platform_hash"], {})[job] = {
-                        "digest": info.get("digest"), "spec_hash": info.get("spec_hash")}
+        known, conflicts = node_memory.remember(self._known(), screen)
+        for line in conflicts:
+            log.warning("known-answer digests: %s", line)
         try:
             tmp = self.work_dir / (KNOWN_DIGESTS + ".tmp")
             tmp.write_text(json.dumps(known, sort_keys=True))
