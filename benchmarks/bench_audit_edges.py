@@ -39,12 +39,15 @@ def judge(row: dict[str, Any]) -> str:
     if row["kind"] == "healthy":
         bad = row["alarm"] or row["numeric"]
         return "false alarm" if bad else "ok"
-    want = "ring_replay" if row["kind"] == "fault" else "weights"
+    # a fault at an audit step is the ring replay's; a flipped weight shard is named by the vote,
+    # or, when it makes the gradient NaN/Inf first, by check 1's confirmed replay: either way the
+    # one rank, settled
+    want = ("ring_replay",) if row["kind"] == "fault" else ("weights", "nonfinite_local")
     if row["numeric"]:
         return "numeric failure"
     if row["alarm"] is None:
         return "missed"
-    if row["alarm"] != want or not row["settled"]:
+    if row["alarm"] not in want or not row["settled"]:
         return f"{row['alarm']}{'' if row['settled'] else ' unsettled'}"
     if row["suspects"] != [row["target"]] or row["file_nodes"] != [_node(row["target"])]:
         return f"wrong rank {row['suspects']} files {row['file_nodes']}"
@@ -71,15 +74,18 @@ def main(argv: list[str] | None = None) -> int:
         row["verdict"] = judge(row)
     if args.json:
         print(json.dumps({"rows": rows, "refusals": refusals}, indent=1))
-    table: dict[tuple[str, str], list[int]] = {}
+    table: dict[tuple[str, str], list[Any]] = {}
     for row in rows:
-        t = table.setdefault((row["kind"], row["setup"]), [0, 0, 0])
+        t = table.setdefault((row["kind"], row["setup"]), [0, 0, 0, set()])
         t[0] += 1
         t[1] += row["verdict"] == "ok"
         t[2] += row["audits"] if row["kind"] == "healthy" else 0
-    print(f"{'kind':<11} {'setup':<20} {'runs':>4} {'right':>5} {'audits':>6}")
-    for (kind, setup), (n, ok, audits) in table.items():
-        print(f"{kind:<11} {setup:<20} {n:>4} {ok:>5} {audits if kind == 'healthy' else '':>6}")
+        if row["alarm"]:
+            t[3].add(row["alarm"])
+    print(f"{'kind':<11} {'setup':<30} {'runs':>4} {'right':>5} {'audits':>6}  alarms")
+    for (kind, setup), (n, ok, audits, checks) in table.items():
+        print(f"{kind:<11} {setup:<30} {n:>4} {ok:>5} {audits if kind == 'healthy' else '':>6}"
+              f"  {', '.join(sorted(checks))}")
     for row in rows:
         if row["verdict"] != "ok":
             print(f"WRONG: {row['kind']} {row['setup']} rank {row['target']}: {row['verdict']}")

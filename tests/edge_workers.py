@@ -85,6 +85,32 @@ def uneven_gather(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def steps_apart(rank: int, world: int) -> dict[str, Any]:
+    """The Auditor's every-step round (a fixed width) called at different steps on different
+    ranks: an audit step on one rank, none on the others."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    ddp = DDP(torch.nn.Linear(4, 2))
+
+    def loss_fn(m: torch.nn.Module, b: torch.Tensor) -> torch.Tensor:
+        return m(b).sum()
+
+    auditor = Auditor(ddp, loss_fn=loss_fn, batch_fn=lambda r, s: torch.ones(1, 4),
+                      audit_every=10, weights_every=0, job="t", start_step=1)
+    loss = loss_fn(ddp, torch.ones(1, 4))
+    loss.backward()
+    try:
+        auditor.check_gradients(10 if rank == 0 else 1, loss)
+    except AuditError as e:
+        out = {"error": str(e), "exit": classify(e)}
+    else:
+        out = {"error": None}
+    auditor.close()
+    dist.barrier()
+    return out
+
+
 def _files(directory: str) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in sorted(Path(directory).glob("*.json"))]
 
@@ -248,12 +274,21 @@ def campaign(rank: int, world: int, *, root: str, steps: int, faults_per_pattern
             fault = fsdp_workers.flip(target, 5, op="mm", call=3, bit=30)
             note("fault", name, target, fn(rank, world, pattern=pattern, alarm_dir=d, steps=6,
                                            fault=fault), d)
-    for target in range(world):
-        d = os.path.join(root, f"shard_{target}")
-        os.makedirs(d, exist_ok=True)
-        out = hsdp_shard_flip(rank, world, alarm_dir=d, target=target)
-        note("shard_flip", "hsdp", target, out, d)
+    for parameter, bit in SHARD_FLIPS:
+        for target in range(world):
+            d = os.path.join(root, f"shard_{parameter}_{bit}_{target}")
+            os.makedirs(d, exist_ok=True)
+            out = hsdp_shard_flip(rank, world, alarm_dir=d, target=target, parameter=parameter,
+                                  bit=bit)
+            note("shard_flip", f"hsdp {parameter} b{bit}", target, out, d)
     return rows
+
+
+# The weight flips of the campaign: a block's first weight (read by every forward), the position
+# embedding (every sequence reads every row) and the token embedding (a row only some batches
+# read), in the sign bit and in an exponent bit.
+SHARD_FLIPS = (("blocks.0.qkv.weight", 31), ("blocks.0.qkv.weight", 30), ("pos.weight", 31),
+               ("tok.weight", 30), ("blocks.1.proj.weight", 22))
 
 
 def accumulation(rank: int, world: int, *, root: str) -> dict[str, Any]:

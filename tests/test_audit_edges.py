@@ -47,6 +47,16 @@ def test_a_gather_of_different_sizes_is_an_audit_error_on_every_rank_not_an_abor
 
 
 @pytest.mark.slow
+def test_ranks_at_different_steps_raise_alike_instead_of_gathering_different_widths():
+    """Rank 0 calls check_gradients at an audit step, the others at a plain one: the step's
+    head has one width on every step and its tag carries the step, so every rank raises."""
+    outs = run_ranks(edge_workers.steps_apart, ["a", "b", "c"], timeout=120)
+    err = _one(outs, "error")
+    assert all(o["exit"] == 1 for o in outs)
+    assert "different steps ([1, 10])" in err
+
+
+@pytest.mark.slow
 def test_hsdp_weight_shard_flip_between_votes_is_pinned_to_its_rank(tmp_path):
     """3 replicas x 2 shards, a node a shard group; bit 31 of rank 3's first shard after step 2:
     at step 4 the ring replay's mismatches all point at node n2's ranks, the weight vote runs

@@ -120,14 +120,15 @@ _GROUP = object()  # reduce_state default: the auditor's process group
 _NOT_RECORDED = 2  # a rank's status on an audit step whose fingerprints it did not record
 
 # The collectives of check_gradients, in the one order every rank runs them (protocol.py). Each
-# is skipped or run on gathered data: "head" every step (on audit steps with every rank's step
-# state); "states" off an audit step when a replay needs them; "confirm" (a non-finite local
+# is skipped or run on gathered data: "head" every step (the same width on every step);
+# "states" on an audit step, and off one when a replay needs them ("head" and "states" are fixed
+# rounds: their widths come from what the ranks agreed at construction); "confirm" (a non-finite local
 # gradient) or the four "redo" rounds (a non-finite reduced one; "redo_reduce" is the bad
 # bucket's all-reduce done again, not a gather), which end the step; "rerun"
 # when the sentinel fires off an audit step; "digests" on an audit step; "referee" on a mismatch.
 DDP_STEP = Schedule("check_gradients (DDP)", (
     "head", "states", "confirm", "redo_places", "redo_flags", "redo_reduce", "redo_values",
-    "rerun", "digests", "referee"))
+    "rerun", "digests", "referee"), fixed=("head", "states"))
 # check_weights: the digest of every rank's fingerprints; the full ones only on disagreement.
 DDP_WEIGHTS = Schedule("check_weights (DDP)", ("weights_digest", "weights_full"))
 
@@ -227,8 +228,9 @@ class Auditor:
         alike, never alarmed on later."""
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size(self.group)
+        self._codec = StateCodec(self.device)
         layout = describe(list(zip(self.params.weight_names, self.params.weights)),
-                          self.world_size, sharded=False)
+                          self.world_size, sharded=False, state_width=self._codec.length)
         self.topology = join(self.group, topology, self.device, layout)
         if self.topology.world_size != self.world_size:
             raise AuditUsageError(f"screener.audit: topology has {self.topology.world_size} ranks, "
@@ -236,7 +238,6 @@ class Auditor:
         me = self.topology.info(self.rank)
         self.hostname, self.node = me.hostname, me.node
         refuse_placement(self.device, [i.threads for i in self.topology.infos])
-        self._codec = StateCodec(self.device)
 
     def _assemble(self) -> None:
         """The collaborators, one per idea (see the class docstring)."""
@@ -383,13 +384,13 @@ class Auditor:
         head = torch.stack([self._scalar(loss, "loss"),
                             stats.local_norm.to(self._comm, torch.float64),
                             reduced.to(self._comm, torch.float64)])
-        walk = DDP_STEP.walk(self.group, self._comm)
+        walk = DDP_STEP.walk(self.group, self._comm, step)
+        g = walk.gather("head", head)  # (world, 3): the same width on every step
         if not self.is_audit_step(step):
-            g = walk.gather("head", head)  # (world, 3)
             if not self.nonfinite.judge(walk, step, g, lambda: self._gather_states(walk, state)):
                 self._sentinel_step(walk, step, g, lambda: self._gather_states(walk, state))
             return
-        self._audit(walk, step, loss, stats, state, head)
+        self._audit(walk, step, loss, stats, state, g)
         # an audit step that passed: its gathered values join the sentinel's baseline (a spike
         # the ring replay reproduced is the data's); gathered, so every rank's baseline is the
         # same and every rank decides alike
@@ -399,22 +400,21 @@ class Auditor:
             self.sentinel.accept("grad", max(float(x) for x in audited[:, 1]))
 
     def _audit(self, walk: Walk, step: int, loss: Any, stats: StepStats, state: StepState,
-               head: torch.Tensor) -> None:
-        """An audit step: check 1 with the states gathered for the replays, then check 2."""
+               g: torch.Tensor) -> None:
+        """An audit step (the head g gathered): check 1 with the states gathered for the
+        replays, then check 2."""
         # Every rank sends the same shape on an audit step, whatever happened here: a rank whose
         # fingerprints were not recorded says so, and all ranks skip the comparison alike (a
         # rank-local decision to send less would leave the others waiting in a different gather).
         recorded = stats.grad_fingerprints is not None and stats.step in (step, _UNKNOWN)
         status = OK if recorded else _NOT_RECORDED
-        first = torch.cat([head.cpu().view(torch.int64), torch.tensor([status]),
-                           self._codec.encode(state)])
-        got1 = walk.gather("head", first)  # (world, 4 + state)
-        self._audit_head = got1[:, :3].contiguous().view(torch.float64)
-        states = self._decode_states(got1[:, 4:])
-        if self.nonfinite.judge(walk, step, got1[:, :3].contiguous().view(torch.float64),
-                                lambda: states):
+        got1 = walk.gather("states", torch.cat([torch.tensor([status]),
+                                                self._codec.encode(state)]))  # (world, 1 + state)
+        self._audit_head = g
+        states = self._decode_states(got1[:, 1:])
+        if self.nonfinite.judge(walk, step, g, lambda: states):
             return  # the scaler skips this step; so does the audit
-        if bool((got1[:, 3] == _NOT_RECORDED).any()):
+        if bool((got1[:, 0] == _NOT_RECORDED).any()):
             self.counters["audits_skipped"] += 1
             log.info("screener.audit: step %d not audited (gradient fingerprints were not "
                      "recorded for it on some rank: steps not consecutive?)", step)
@@ -449,7 +449,8 @@ class Auditor:
 
     def _gather_states(self, walk: Walk, state: StepState) -> dict[int, StepState]:
         """Collective: every rank's step state (only when a replay needs them off an audit step)."""
-        return self._decode_states(walk.gather("states", self._codec.encode(state)))
+        row = torch.cat([torch.tensor([OK]), self._codec.encode(state)])  # as on audit steps
+        return self._decode_states(walk.gather("states", row)[:, 1:])
 
     def _sentinel_step(self, walk: Walk, step: int, g: torch.Tensor,
                        states: Callable[[], dict[int, StepState]]) -> None:

@@ -36,7 +36,8 @@ from screener.audit.topology import Topology, gather_topology
 __all__ = ["Layout", "describe", "agreement", "join", "SUPPORTED"]
 
 SUPPORTED = ("audited: DDP, FSDP2 (Shard(0) on a 1-D mesh) and HSDP ((Replicate(), Shard(0)) on "
-             "a 2-D mesh), each over every rank of the job")
+             "a 2-D mesh), each over every rank of the job; run this job without the Auditor "
+             "(the node screens still cover its nodes)")
 
 
 @dataclass(frozen=True)
@@ -49,11 +50,12 @@ class Layout:
     digest: str
     count: int
     refusal: str = ""
+    state_width: int = 0  # int64 words of a step state (capture.StateCodec): the head's width
 
     @property
     def token(self) -> str:
-        """What travels in the topology gather: digest and count."""
-        return f"{self.digest}:{self.count}"
+        """What travels in the topology gather: digest, count and the step state's width."""
+        return f"{self.digest}:{self.count}:{self.state_width}"
 
 
 def _placement(p: Any) -> str:
@@ -71,9 +73,10 @@ def _is_dtensor(p: Any) -> bool:
     return hasattr(p, "placements") and hasattr(p, "device_mesh")
 
 
-def describe(named: Sequence[tuple[str, Any]], world_size: int, *, sharded: bool) -> Layout:
+def describe(named: Sequence[tuple[str, Any]], world_size: int, *, sharded: bool,
+             state_width: int = 0) -> Layout:
     """This rank's Layout. `named`: (name, parameter) pairs; `sharded`: the model was given to
-    the FSDP2/HSDP auditor (else DDP's)."""
+    the FSDP2/HSDP auditor (else DDP's); state_width: the step state's width in int64 words."""
     lines: list[str] = []
     for name, p in named:
         line = f"{name}|{tuple(p.shape)}|{p.dtype}"
@@ -86,7 +89,7 @@ def describe(named: Sequence[tuple[str, Any]], world_size: int, *, sharded: bool
     refusal = _refusal_ddp(named) if not sharded else ""
     if sharded:
         kind, refusal = _sharded_kind(named, world_size)
-    return Layout(kind, digest, len(named), refusal)
+    return Layout(kind, digest, len(named), refusal, state_width)
 
 
 def _refusal_ddp(named: Sequence[tuple[str, Any]]) -> str:
@@ -141,17 +144,26 @@ def _spans(ranks: Sequence[int]) -> str:
 def agreement(entries: Sequence[tuple[int, str, str]]) -> Optional[str]:
     """The refusal the gathered descriptions call for, or None: entries are (rank, token,
     refusal) for every rank, in any order; every rank computes the same answer."""
-    by_token: dict[str, list[int]] = {}
+    by_model: dict[tuple[str, str], list[int]] = {}
+    by_state: dict[str, list[int]] = {}
     for rank, token, _ in sorted(entries):
-        by_token.setdefault(token, []).append(rank)
-    if len(by_token) > 1:
-        groups = sorted(by_token.items(), key=lambda kv: kv[1][0])
-        parts = "; ".join(f"rank(s) {_spans(r)}: {t.rsplit(':', 1)[-1]} parameter tensors, "
-                          f"layout {t.rsplit(':', 1)[0]}" for t, r in groups)
+        digest, count, state = (token.split(":") + ["", "", ""])[:3]
+        by_model.setdefault((digest, count), []).append(rank)
+        by_state.setdefault(state, []).append(rank)
+    if len(by_model) > 1:
+        groups = sorted(by_model.items(), key=lambda kv: kv[1][0])
+        parts = "; ".join(f"rank(s) {_spans(r)}: {count} parameter tensors, layout {digest}"
+                          for (digest, count), r in groups)
         return (f"screener.audit: the ranks do not hold the same model ({parts}): pipeline "
                 f"stages, or a model that depends on the rank; every check compares ranks that "
                 f"hold the same parameters, so pipeline parallel is not audited yet; "
                 f"{SUPPORTED}")
+    if len(by_state) > 1:
+        parts = "; ".join(f"rank(s) {_spans(r)}: {w} words" for w, r in
+                          sorted(by_state.items(), key=lambda kv: kv[1][0]))
+        return (f"screener.audit: the ranks' RNG states differ in size ({parts}): different "
+                f"torch builds or device types, whose replays cannot match bit for bit; run "
+                f"every rank on one torch build and one device type")
     refused = [(rank, why) for rank, _, why in sorted(entries) if why]
     if not refused:
         return None

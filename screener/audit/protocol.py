@@ -12,10 +12,15 @@ call of an entry point, that keeps to it:
 
 - a round may only come after the rounds already run (rounds may be skipped, never reordered);
   only rounds the schedule marks repeatable run more than once (one lockstep replay per owner);
-- every gather is preceded by a small one of the round's number and the payload's size and
-  dtype, which must agree: ranks that diverged, or bring payloads of different shapes, raise
-  AuditError on every rank alike instead of misreading each other's data (or a backend aborting
-  the process on a size mismatch: gloo's SIGABRT, NCCL's hang);
+- every gather carries the round's number, and the gathered numbers must agree: ranks that
+  diverged raise AuditError on every rank alike instead of misreading each other's data;
+- a gather's payload size must agree too, or a backend aborts the process (gloo's SIGABRT) or
+  hangs (NCCL): a round whose payload shape every rank derives from what it agreed at
+  construction (the parameters and the step state's width, layout.py) and from nothing
+  rank-local (the step's head: the same width on every step, audit step or not) is one gather,
+  the round's number and the step riding along (ranks at different steps raise alike); every
+  other round first gathers its number, size and dtype, and a mismatch is an AuditError on every
+  rank alike;
 - a round is run or skipped on gathered data only (the same on every rank), never on a rank-local
   value: the one rule a schedule cannot check, which is why every decision below reads `got`.
 
@@ -41,12 +46,19 @@ OK, FAILED, USAGE = 0, 1, 2  # what a rank tells the others about its replays
 class Schedule:
     """The rounds one entry point may run, in the one order every rank runs them."""
 
-    def __init__(self, name: str, rounds: Sequence[str], repeatable: Collection[str] = ()) -> None:
-        if len(set(rounds)) != len(rounds) or not set(repeatable) <= set(rounds):
-            raise ValueError(f"schedule {name}: rounds must be distinct, repeatable among them")
+    def __init__(self, name: str, rounds: Sequence[str], repeatable: Collection[str] = (),
+                 fixed: Collection[str] = ()) -> None:
+        if len(set(rounds)) != len(rounds) or not set(repeatable) <= set(rounds) \
+                or not set(fixed) <= set(rounds):
+            raise ValueError(f"schedule {name}: rounds must be distinct, repeatable and fixed "
+                             f"among them")
         self.name = name
         self.rounds = tuple(rounds)
         self.repeatable = frozenset(repeatable)
+        # rounds whose payload shape every rank derives from what it agreed at construction
+        # (layout.py: the parameters and the step state's width), e.g. the step's head: one
+        # gather, the round's number riding along; every other round checks sizes first
+        self.fixed = frozenset(fixed)
         self._number = {r: k + 1 for k, r in enumerate(self.rounds)}
 
     def number(self, round_: str) -> int:
@@ -56,9 +68,11 @@ class Schedule:
         except KeyError:
             raise AuditError(f"screener.audit: {round_!r} is no round of {self.name}") from None
 
-    def walk(self, group: Optional[dist.ProcessGroup], comm: torch.device) -> "Walk":
-        """A fresh way through the schedule, for one call of its entry point."""
-        return Walk(self, group, comm)
+    def walk(self, group: Optional[dist.ProcessGroup], comm: torch.device,
+             step: Optional[int] = None) -> "Walk":
+        """A fresh way through the schedule, for one call of its entry point (at `step`, which
+        the fixed rounds' tags carry: ranks at different steps raise alike)."""
+        return Walk(self, group, comm, step)
 
     def __repr__(self) -> str:
         return f"Schedule({self.name}: {' -> '.join(self.rounds)})"
@@ -68,10 +82,11 @@ class Walk:
     """One call's way through a Schedule: each collective names its round, in order."""
 
     def __init__(self, schedule: Schedule, group: Optional[dist.ProcessGroup],
-                 comm: torch.device) -> None:
+                 comm: torch.device, step: Optional[int] = None) -> None:
         self.schedule = schedule
         self.group = group
         self.comm = comm
+        self.step = -1 if step is None else int(step)
         self.at = 0  # the number of the last round entered
         self.taken: list[str] = []
 
@@ -91,16 +106,25 @@ class Walk:
         CPU. Raises AuditError on every rank alike when the ranks are not all in this round, or
         bring payloads of different sizes or dtypes (a backend would abort the process or hang)."""
         n = self.enter(round_)
+        if round_ in self.schedule.fixed and t.dtype in (torch.int64, torch.float64):
+            flat = t.detach().to(self.comm).reshape(-1)
+            tag = torch.tensor([n, self.step], dtype=t.dtype, device=flat.device)
+            got = gather(torch.cat([flat, tag]), self.group, self.comm)  # (world, numel + 2)
+            self._check_rounds(round_, n, [int(x) for x in got[:, -2].tolist()])
+            steps = [int(x) for x in got[:, -1].tolist()]
+            if len(set(steps)) > 1:
+                raise AuditError(f"screener.audit: the ranks called {self.schedule.name} at "
+                                 f"different steps ({sorted(set(steps))}); every rank must pass "
+                                 f"the same step number; the audit's own failure, not the "
+                                 f"hardware")
+            return got[:, :-2].reshape(got.shape[0], *t.shape)
+        if round_ in self.schedule.fixed:
+            raise AuditError(f"screener.audit: fixed round {round_!r} gathers {t.dtype}; a "
+                             f"fixed round's payload is int64 or float64")
         code = _DTYPES.index(t.dtype) if t.dtype in _DTYPES else len(_DTYPES)
         header = torch.tensor([n, t.numel(), code], dtype=torch.int64)
         heads = gather(header, self.group, self.comm)  # (world, 3): small, before the payload
-        tags = [int(x) for x in heads[:, 0].tolist()]
-        if any(x != n for x in tags):
-            rounds = {k: (self.schedule.rounds[x - 1] if 0 < x <= len(self.schedule.rounds)
-                          else f"#{x}") for k, x in enumerate(tags) if x != n}
-            raise AuditError(f"screener.audit: the ranks left the round protocol of "
-                             f"{self.schedule.name}: here {round_!r}, at group index(es) "
-                             f"{rounds}; the audit's own failure, not the hardware")
+        self._check_rounds(round_, n, [int(x) for x in heads[:, 0].tolist()])
         if bool((heads[:, 1:] != header[1:]).any()):
             sizes = {k: (int(heads[k, 1]), _dtype_name(int(heads[k, 2])))
                      for k in range(heads.shape[0])}
@@ -110,6 +134,14 @@ class Walk:
                              f"different paths; the audit's own failure, not the hardware")
         got = gather(t.detach(), self.group, self.comm)
         return got.reshape(got.shape[0], *t.shape)
+
+    def _check_rounds(self, round_: str, n: int, tags: list[int]) -> None:
+        if any(x != n for x in tags):
+            rounds = {k: (self.schedule.rounds[x - 1] if 0 < x <= len(self.schedule.rounds)
+                          else f"#{x}") for k, x in enumerate(tags) if x != n}
+            raise AuditError(f"screener.audit: the ranks left the round protocol of "
+                             f"{self.schedule.name}: here {round_!r}, at group index(es) "
+                             f"{rounds}; the audit's own failure, not the hardware")
 
 
 _DTYPES = (torch.int64, torch.float64, torch.float32, torch.bfloat16, torch.float16,

@@ -229,7 +229,7 @@ class ShardVote(Protocol):
 
     def confined(self, ranks: set[int]) -> bool: ...
 
-    def check(self, walk: Walk, step: int, *, round_: str = ...,
+    def check(self, walk: Walk, step: int, *,
               context: Optional[dict[str, Any]] = ...) -> None: ...
 
 
@@ -333,7 +333,7 @@ class ShardedRingAudit:
         # would call it software. When the referees' verdicts stay inside one replica (or one
         # shard's holders), the shard replicas vote first; a vote that names a rank settles it.
         if self.weights is not None and not unsettled and self.weights.confined(suspects):
-            self.weights.check(walk, step, round_="locality_vote",
+            self.weights.check(walk, step,
                                context={"suspects": sorted(suspects), "mismatches": cases})
         conclude(self.reporter, self.history, step, mismatched, plan, suspects, unsettled,
                  evidence)

@@ -84,7 +84,7 @@ from screener.audit.refusals import refuse_placement, refuse_unreplayable
 from screener.audit.reporting import History, Reporter
 from screener.audit.ring_audit import ShardedRingAudit
 from screener.audit.sentinel import Sentinel, SentinelConfig
-from screener.audit.sharded_rounds import H_LOCAL_MAG, H_LOSS, H_REDUCED_MAG, HEAD, NO_BATCH, \
+from screener.audit.sharded_rounds import H_LOCAL_MAG, H_LOSS, H_REDUCED_MAG, NO_BATCH, \
     NOT_RECORDED, OK, Lockstep, encode_batch, from_bits, to_bits
 from screener.audit.topology import Topology, job_name
 from screener.audit.weight_check import ShardedWeightCheck
@@ -92,18 +92,22 @@ from screener.audit.weight_check import ShardedWeightCheck
 __all__ = ["ShardedAuditor", "fsdp_root", "is_sharded", "FSDP_STEP", "FSDP_WEIGHTS"]
 
 # The collectives of check_gradients, in the one order every rank runs them (protocol.py); each
-# is run or skipped on gathered data. "head" every step (on audit steps with every rank's step
-# state). A non-finite local gradient: the confirmation's offer, batches shipped, lockstep
+# is run or skipped on gathered data. "head" every step, the same width on every step, and on
+# audit steps "audit_states", every rank's step state ("head" and "audit_states" are fixed
+# rounds: their widths come from what the ranks agreed at construction). A non-finite local
+# gradient: the confirmation's offer, batches shipped, lockstep
 # replays, the results. A non-finite reduced one (every local one finite): where, every rank's
-# offer, one lockstep replay that redoes the bad reduction, what was sent and redone. A spike: the same four for the rerun. An audit step: the owners' batches
+# offer, one lockstep replay that redoes the bad reduction, what was sent and redone. A spike:
+# the same four for the rerun. An audit step: the owners' batches
 # shipped, one lockstep replay per round and the self-check's, the digests; on a mismatch the
-# referees' batches, replays and the full records.
+# referees' batches, replays and the full records; under HSDP, when the referees' verdicts stay
+# in one replica, the shard vote ("locality_vote").
 FSDP_STEP = Schedule("check_gradients (FSDP2/HSDP)", (
-    "head", "confirm_offer", "confirm_ship", "confirm_replay", "confirm", "redo_places",
+    "head", "audit_states", "confirm_offer", "confirm_ship", "confirm_replay", "confirm", "redo_places",
     "redo_offer", "redo_replay", "redo_values", "rerun_offer",
     "rerun_ship", "rerun_replay", "rerun", "audit_ship", "replay", "self_replay", "digests",
     "referee_ship", "referee_replay", "referee", "locality_vote"),
-    repeatable=("confirm_replay", "replay", "referee_replay"))
+    repeatable=("confirm_replay", "replay", "referee_replay"), fixed=("head", "audit_states"))
 # check_weights: every rank's fingerprints (of its shards, or of the full weights) in one gather.
 FSDP_WEIGHTS = Schedule("check_weights (FSDP2/HSDP)", ("weights",))
 
@@ -210,19 +214,18 @@ class ShardedAuditor:
         local = first.to_local() if hasattr(first, "to_local") else first
         self.device = local.device
         self._comm = comm_device(None, self.device)
+        self._codec = StateCodec(self.device)
 
     def _join(self, topology: Optional[Topology]) -> None:
         """Where every rank runs and what each holds (one gather); the refusals that need it."""
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        if self._refusal:
-            self.layout = Layout(self.layout.kind, self.layout.digest, self.layout.count,
-                                 self._refusal)
+        self.layout = Layout(self.layout.kind, self.layout.digest, self.layout.count,
+                             self._refusal, self._codec.length)
         self.topology = join(None, topology, self.device, self.layout)
         me = self.topology.info(self.rank)
         self.hostname, self.node = me.hostname, me.node
         refuse_placement(self.device, [i.threads for i in self.topology.infos])
-        self._codec = StateCodec(self.device)
 
     def _assemble(self) -> None:
         """The recorders in FSDP's reduce-scatters, and the collaborators, one per idea."""
@@ -319,10 +322,9 @@ class ShardedAuditor:
             loss_t.detach().double()).all())), int(reduced_ok), status,
             0 if data is None else data.numel(), to_bits(mags[0]), to_bits(mags[1])],
             dtype=torch.int64)
-        if audit:
-            head = torch.cat([head, self._codec.encode(state)])
-        walk = FSDP_STEP.walk(None, self._comm)
-        got = walk.gather("head", head)
+        walk = FSDP_STEP.walk(None, self._comm, step)
+        got = walk.gather("head", head)  # the same width on every step
+        rows = walk.gather("audit_states", self._codec.encode(state)) if audit else None
         skipped = self.nonfinite.judge(walk, step, got, state, batch, data)
         if not skipped:
             losses = [abs(from_bits(x)) for x in got[:, H_LOSS]]
@@ -333,7 +335,8 @@ class ShardedAuditor:
                     walk, step, spike, suspect, got, state, batch, data,
                     self.weights.rollback()), self._params)
         if audit and not skipped:
-            states = self.lockstep.decode_states(got[:, HEAD:])
+            assert rows is not None
+            states = self.lockstep.decode_states(rows)
             self.ring_audit.run(walk, step, got, states, loss_t, own_fps, batch, data)
 
     # ---- check 3 -------------------------------------------------------------------------------

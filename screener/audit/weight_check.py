@@ -138,11 +138,11 @@ class ShardedWeightCheck:
         rows = [{int(x) for x in mesh[i, :].tolist()} for i in range(mesh.shape[0])]
         return any(ranks <= g for g in rows + [set(c) for c in self._shard_groups()])
 
-    def check(self, walk: Walk, step: int, *, round_: str = "weights",
+    def check(self, walk: Walk, step: int, *,
               context: Optional[dict[str, Any]] = None) -> None:
-        """The check at `step`; raises SDCAlarm("weights") on every rank alike. round_ and
-        context: the round of the walk it runs in, and what led to it (check 2's evidence),
-        when check 2 asks for it."""
+        """The check at `step`; raises SDCAlarm("weights") on every rank alike. context: what
+        led to it when check 2 asks for it (its evidence; the vote is then check 2's
+        "locality_vote" round, else check_weights' "weights")."""
         self.counters["weight_checks"] += 1
         topo = self.reporter.topology
         if self.hsdp:
@@ -152,7 +152,8 @@ class ShardedWeightCheck:
             with torch.no_grad():  # one full parameter at a time: never the whole model at once
                 rows = torch.cat([fingerprints([p.full_tensor()]) for p in self.params])
             groups = [list(topo.ranks)]
-        full = walk.gather(round_, rows)  # (world, P, 2)
+        full = walk.gather("weights", rows) if context is None \
+            else walk.gather("locality_vote", rows)  # (world, P, 2)
         index = topo.index_of
         outliers: list[int] = []
         unsettled: list[list[int]] = []
