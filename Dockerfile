@@ -1,6 +1,6 @@
 # The screener image: the DaemonSet, the burn-in Job and the peer burn-in Job all run it.
 #
-#   docker build -t REGISTRY/screener:0.1.0 .      (README: "Build and deploy")
+#   docker build -t REGISTRY/screener:0.1.0 .      (docs/deploy.md: "Build and deploy")
 #
 # torch from PyPI (the default Linux wheel) carries its own CUDA runtime, cuBLAS, cuDNN and NCCL;
 # the NVIDIA driver and libnvidia-ml (NVML) come from the node through the NVIDIA container runtime
@@ -47,9 +47,9 @@ ENV PATH=/opt/screener/bin:$PATH \
 COPY --from=build /opt/screener /opt/screener
 
 # Non-root by default (uid/gid 65532, the peer burn-in Job's user). The DaemonSet and the burn-in
-# Job set runAsUser: 0 themselves, for the reasons in README ("Build and deploy"): reading
-# /dev/kmsg needs CAP_SYSLOG, which a non-root container cannot use, and they share root-owned
-# hostPath state with each other.
+# Job set runAsUser: 0 themselves, for the reasons in docs/deploy.md ("What the pods run as, and
+# why"): reading /dev/kmsg needs CAP_SYSLOG, which a non-root container cannot use, and they share
+# root-owned hostPath state with each other.
 RUN groupadd --system --gid 65532 screener \
     && useradd --system --uid 65532 --gid 65532 --no-create-home --home-dir /tmp \
        --shell /usr/sbin/nologin screener \

@@ -99,7 +99,7 @@ def kubectl_apply_configmap(core: Any, obj: dict[str, Any]) -> dict[str, Any]:
 
 
 def golden_configmap(data: dict[str, str]) -> dict[str, Any]:
-    """What README step 2 applies: `kubectl create configmap screener-golden --from-file=...
+    """What docs/deploy.md step 2 applies: `kubectl create configmap screener-golden --from-file=...
     --dry-run=client -o yaml`."""
     return {"apiVersion": "v1", "kind": "ConfigMap",
             "metadata": {"name": "screener-golden", "namespace": NAMESPACE}, "data": dict(data)}
@@ -121,7 +121,7 @@ def test_goldens_survive_applying_the_base_twice(objs):
 
     with KubeAPI() as api:
         core = kubernetes.client.CoreV1Api(api.api_client())
-        kubectl_apply_configmap(core, golden_configmap(GOLDENS))  # README step 2
+        kubectl_apply_configmap(core, golden_configmap(GOLDENS))  # docs/deploy.md step 2
         assert apply_base(core, objs) >= 1  # step 3, and a later re-apply (an upgrade)
         assert apply_base(core, objs) >= 1
         assert api.configmap(NAMESPACE, "screener-golden")["data"] == GOLDENS

@@ -229,7 +229,7 @@ def test_each_extra_client_is_imported_through_require():
 # --- the image ------------------------------------------------------------------------------------
 
 HADOLINT = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
-# The Kubernetes versions README claims; the manifests are validated against each one's schemas.
+# The Kubernetes versions docs/deploy.md claims; the manifests are validated against each one's schemas.
 K8S_VERSIONS = ("1.30.0", "1.31.0", "1.32.0", "1.33.0", "1.34.0", "1.35.0", "1.36.0", "1.37.0")
 
 
