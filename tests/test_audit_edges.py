@@ -67,10 +67,32 @@ def test_hsdp_weight_shard_flip_between_votes_is_pinned_to_its_rank(tmp_path):
     a = _one(outs, "alarm")
     assert (a["check"], a["step"], a["settled"], a["suspect_ranks"]) == ("weights", 4, True, [3])
     assert [n["node"] for n in a["suspect_nodes"]] == ["n2"]
-    assert a["evidence"]["ring_replay"]["suspects"] == [2, 3]  # what the referees said
+    assert a["evidence"]["prompted_by"]["alarm"] == "ring_replay"
+    assert a["evidence"]["prompted_by"]["suspects"] == [2, 3]  # what the referees said
     assert [(f["node"], f["check"], f["settled"]) for f in outs[0]["files"]] == [
         ("n2", "weights", True)]
     assert all(o["steps_done"] == 4 for o in outs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nodes, node", [
+    (["n1", "n1", "n2", "n2", "n3", "n3"], "n1"),  # a node = a shard group
+    (["n1", "n2", "n1", "n2", "n3", "n3"], "n1"),  # the shard group {0, 1} spans n1 and n2
+])
+def test_a_shard_flip_that_makes_a_partner_nonfinite_names_the_shard_not_the_partner(
+        tmp_path, nodes, node):
+    """An exponent bit of rank 0's token-embedding shard: rank 1, which all-gathers it and whose
+    batch reads that row, computes a NaN/Inf gradient that a replay elsewhere does not. Naming
+    rank 1 would name the wrong GPU (and, when the shard group spans nodes, the wrong node): the
+    shard vote runs first and names rank 0."""
+    outs = run_ranks(edge_workers.hsdp_shard_flip, nodes, timeout=300, alarm_dir=str(tmp_path),
+                     target=0, parameter="tok.weight", bit=30)
+    assert all(o["numeric"] is None for o in outs), [o["numeric"] for o in outs]
+    a = _one(outs, "alarm")
+    assert (a["check"], a["settled"], a["suspect_ranks"]) == ("weights", True, [0])
+    assert a["evidence"]["prompted_by"]["alarm"] == "nonfinite_local"
+    assert a["evidence"]["prompted_by"]["suspects"] == [1]
+    assert [(f["node"], f["check"]) for f in outs[0]["files"]] == [(node, "weights")]
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, NoReturn, Optional
+from typing import Any, Callable, NoReturn, Optional, Sequence
 
 from screener.audit.alarms import NumericFailure, SDCAlarm, alarm_dir, log_json, node_records, \
     write_alarm_file
@@ -59,6 +59,11 @@ class Reporter:
         self.alarm_dir = alarm_dir
         me = topology.info(rank)
         self.hostname, self.node = me.hostname, me.node
+        # Called with every verdict (step, named ranks, settled, evidence; a numeric failure is
+        # never settled) before anything is written: every rank reaches a verdict alike, so it
+        # may run a collective. HSDP's shard vote, which may find the hardware first.
+        self.before_verdict: Optional[Callable[[int, Sequence[int], bool, dict[str, Any]],
+                                               None]] = None
 
     def key(self, check: str, step: int) -> str:
         """The alarm's key: the same on every rank for one check at one step."""
@@ -71,6 +76,9 @@ class Reporter:
     def numeric(self, step: int, ranks: list[int], evidence: dict[str, Any],
                 reason: Optional[str] = None) -> NoReturn:
         """Numbers no hardware explains (exit 76): log and raise NumericFailure."""
+        if self.before_verdict is not None:
+            self.before_verdict(step, ranks, False, {"numeric_failure": reason or "",
+                                                     "evidence": evidence})
         self.log(logging.ERROR, "numeric_failure", step=step, ranks=ranks, reason=reason,
                  evidence=evidence)
         raise NumericFailure(step, ranks, evidence, reason)
@@ -81,6 +89,9 @@ class Reporter:
         A settled verdict wider than one node or half the ranks is no hardware verdict (blast.py):
         NumericFailure instead, and no file anywhere.
         """
+        if self.before_verdict is not None and alarm.check != "weights":
+            self.before_verdict(alarm.step, alarm.suspect_ranks, alarm.settled,
+                                {"alarm": alarm.check, "evidence": alarm.evidence})
         topo = self.topology
         node_of = {r: topo.node_of(r) for r in topo.ranks}
         if alarm.settled:

@@ -334,7 +334,8 @@ class ShardedRingAudit:
         # shard's holders), the shard replicas vote first; a vote that names a rank settles it.
         if self.weights is not None and not unsettled and self.weights.confined(suspects):
             self.weights.check(walk, step,
-                               context={"suspects": sorted(suspects), "mismatches": cases})
+                               context={"alarm": "ring_replay", "suspects": sorted(suspects),
+                                        "mismatches": cases})
         conclude(self.reporter, self.history, step, mismatched, plan, suspects, unsettled,
                  evidence)
 

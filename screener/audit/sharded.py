@@ -110,6 +110,8 @@ FSDP_STEP = Schedule("check_gradients (FSDP2/HSDP)", (
     repeatable=("confirm_replay", "replay", "referee_replay"), fixed=("head", "audit_states"))
 # check_weights: every rank's fingerprints (of its shards, or of the full weights) in one gather.
 FSDP_WEIGHTS = Schedule("check_weights (FSDP2/HSDP)", ("weights",))
+# HSDP: the shard vote before a settled alarm that names ranks of one replica (weight_check.py).
+FSDP_LOCALITY = Schedule("the shard vote before an alarm (HSDP)", ("locality_vote",))
 
 
 def fsdp_root(model: Any) -> Optional[Any]:
@@ -236,7 +238,8 @@ class ShardedAuditor:
                                  counters=self.counters, loss_fn=self.loss_fn,
                                  batch_fn=self.batch_fn,
                                  accumulation_steps=config.accumulation_steps,
-                                 audit_every=config.audit_every)
+                                 audit_every=config.audit_every,
+                                 replicas=self._replicas() if self.hsdp else None)
         self.can_replay = self.lockstep.can_replay
         self.history = History()
         self.reporter = Reporter(self.topology, self.rank, self.world_size, job=config.job,
@@ -252,6 +255,17 @@ class ShardedAuditor:
                                            self.cadence, self.module_names, self.hsdp,
                                            weights=self.weights if self.hsdp else None)
         self.rerun = LockstepRerun(self.lockstep, self.reporter, self.counters)
+        if self.hsdp:  # before an alarm inside one replica, or a numeric failure: the shard
+            # vote speaks first (weight_check.ShardedWeightCheck.vote_first)
+            self.reporter.before_verdict = lambda step, ranks, settled, evidence: \
+                self.weights.vote_first(step, ranks, settled, evidence,
+                                        FSDP_LOCALITY.walk(None, self._comm, step))
+
+    def _replicas(self) -> list[set[int]]:
+        """HSDP: the ranks of each replica (a row of the replicate x shard mesh)."""
+        assert self.mesh is not None
+        mesh = self.mesh.mesh
+        return [{int(x) for x in mesh[i, :].tolist()} for i in range(mesh.shape[0])]
 
     def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
         if self._tap.replaying:

@@ -83,8 +83,11 @@ class Lockstep:
                  topology: Topology, rank: int, *, device: torch.device, codec: StateCodec,
                  counters: Counter[str], loss_fn: Optional[Callable[[torch.nn.Module, Any], Any]],
                  batch_fn: Optional[Callable[[int, int], Any]], accumulation_steps: int,
-                 audit_every: int) -> None:
+                 audit_every: int, replicas: Optional[list[set[int]]] = None) -> None:
         self.model, self.root, self.params, self.tap = model, root, params, tap
+        # HSDP: the ranks of each replica (a shard group, which all-gathers the same weights); a
+        # confirmation must run in another one, or a corrupted shard corrupts it alike
+        self.replica_of = {r: k for k, group in enumerate(replicas or []) for r in group}
         self.topology, self.rank, self.device = topology, rank, device
         self.codec, self.counters = codec, counters
         self.loss_fn, self.batch_fn = loss_fn, batch_fn
@@ -177,18 +180,21 @@ class Lockstep:
         return torch.cat([torch.tensor([[ring.loss_bits(total), 1], [to_bits(tap.replay_mag), 1]]),
                           tap.replay_fps.clone()])
 
+    def _apart(self, a: int, b: int) -> bool:
+        """Whether b computes independently of a: another node and, under HSDP, another
+        replica."""
+        topo = self.topology
+        return topo.node_of(a) != topo.node_of(b) and (
+            a not in self.replica_of or self.replica_of.get(b) != self.replica_of[a])
+
     def confirmer(self, owner: int, flagged: set[int]) -> Optional[int]:
         """Who replays a non-finite owner: its ring replayer, else a clean rank on another node
-        (the first in node order)."""
+        (the first in node order); under HSDP one of another replica when there is one."""
         first = self.plan.get(owner)
         topo = self.topology
-        if first is not None and first not in flagged and topo.node_of(first) != \
-                topo.node_of(owner):
+        if first is not None and first not in flagged and self._apart(owner, first):
             return first
-        for node in topo.nodes:
-            if node == topo.node_of(owner):
-                continue
-            for r in topo.ranks_on(node):
-                if r not in flagged:
-                    return r
-        return first
+        candidates = [r for node in topo.nodes if node != topo.node_of(owner)
+                      for r in topo.ranks_on(node) if r not in flagged]
+        apart = [r for r in candidates if self._apart(owner, r)]
+        return apart[0] if apart else candidates[0] if candidates else first

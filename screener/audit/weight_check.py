@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -121,6 +121,7 @@ class ShardedWeightCheck:
         self.reporter, self.history, self.counters = reporter, history, counters
         self.passed: Optional[tuple[int, str]] = None  # (step, digest) of the last pass
         self.saved: Optional[tuple[int, Optional[str]]] = None  # (step, path) of the last save
+        self.voted_at: Optional[int] = None  # the step of the last vote check 2 asked for
 
     def _shard_groups(self) -> list[list[int]]:
         """HSDP: the global ranks that hold the same shard (one per replica), for every shard."""
@@ -138,6 +139,21 @@ class ShardedWeightCheck:
         rows = [{int(x) for x in mesh[i, :].tolist()} for i in range(mesh.shape[0])]
         return any(ranks <= g for g in rows + [set(c) for c in self._shard_groups()])
 
+    def vote_first(self, step: int, ranks: Sequence[int], settled: bool,
+                   evidence: dict[str, Any], walk: Walk) -> None:
+        """HSDP, before a verdict is written (Reporter.before_verdict): a settled alarm that
+        names ranks of one replica (or of one shard's holders), or a numeric failure (numbers
+        no hardware explains), first hears the shard vote (in `walk`'s "locality_vote" round),
+        which raises naming the rank whose shard differs if one does. Issue 32: a corrupted
+        shard makes every rank that all-gathers it compute wrong numbers; naming those would
+        name the wrong GPU (the wrong node, when a shard group spans nodes), and calling it
+        software would name none. Once per step."""
+        if self.voted_at == step or (settled and not self.confined(set(ranks))):
+            return
+        if not settled and "numeric_failure" not in evidence:
+            return  # an unsettled alarm names no rank: nothing to correct
+        self.check(walk, step, context={**evidence, "suspects": list(ranks)})
+
     def check(self, walk: Walk, step: int, *,
               context: Optional[dict[str, Any]] = None) -> None:
         """The check at `step`; raises SDCAlarm("weights") on every rank alike. context: what
@@ -154,6 +170,8 @@ class ShardedWeightCheck:
             groups = [list(topo.ranks)]
         full = walk.gather("weights", rows) if context is None \
             else walk.gather("locality_vote", rows)  # (world, P, 2)
+        if context is not None:
+            self.voted_at = step
         index = topo.index_of
         outliers: list[int] = []
         unsettled: list[list[int]] = []
@@ -182,8 +200,8 @@ class ShardedWeightCheck:
                     "compared": "shard replicas (HSDP)" if self.hsdp else
                     "full weights all-gathered on every rank (FSDP)",
                     "last_clean_weights": self.history.last_clean_weights}
-        if context is not None:
-            evidence["ring_replay"] = context
+        if context is not None:  # what the vote was asked before (check 2's or a verdict's)
+            evidence["prompted_by"] = context
         first = self.history.window_start(self.history.last_clean_weights, step)
         key = self.reporter.key("weights", step)
         if outliers and not unsettled:
