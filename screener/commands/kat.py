@@ -164,6 +164,69 @@ def kat_list(jobs_dir: Optional[str], golden_dir: Optional[str], as_json: bool) 
     sys.exit(int(ExitCode.PASS))
 
 
+@kat_group.command("coverage")
+@click.argument("script")
+@click.option("--device", "-d", default="auto", show_default=True,
+              help="Device to measure on: cpu, cuda:N, or auto (cuda:0 when there is a GPU, else "
+                   "the CPU). The jobs run there; the script finds it in $SCREENER_DEVICE.")
+@click.option("--job", "-j", "jobs", multiple=True,
+              help="Job to count (repeatable); default: the quick screen, the jobs `kat run` "
+                   "runs.")
+@click.option("--jobs-dir", type=click.Path(file_okay=False), default=None,
+              help="Folder of job specs (default: $SCREENER_JOBS_DIR or jobs/).")
+@click.option("--timeout", type=positive(max=7 * 86400.0), default=600.0, show_default=True,
+              help="Seconds the script's runs, and the jobs' run, may each take before they are "
+                   "killed.")
+@click.option("--runs", type=click.IntRange(min=1, max=100), default=3, show_default=True,
+              help="Counted runs of the script; each op's time is its least disturbed run's.")
+@click.option("--warmup", type=click.IntRange(min=0, max=100), default=1, show_default=True,
+              help="Runs of the script before the counted ones, not counted (one-time costs).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
+def kat_coverage(script: str, device: str, jobs: tuple[str, ...], jobs_dir: Optional[str],
+                 timeout: float, runs: int, warmup: int, as_json: bool) -> None:
+    """Which of a training step's ops the known-answer jobs run, by share of the step's time.
+
+    SCRIPT is a Python file that runs one training step of your model when run as a program:
+    a child process runs it with runpy.run_path(SCRIPT, run_name="__main__"), as `python
+    SCRIPT` would, so its top-level code and its `if __name__ == "__main__":` block run, and
+    everything they run is counted, set-up included (keep it small). It runs --warmup times
+    uncounted, then --runs times under the census, in that one process, so it must run again
+    there. $SCREENER_DEVICE names the device to put the step on. examples/llama_step.py is one.
+
+    The census is torch.profiler's: on the CPU every aten op with its self time, on CUDA every
+    kernel with its device time; each op's time is its smallest over the counted runs (the
+    least disturbed by other processes). Then the jobs run under the same census, once each,
+    through the screen's own runner. An op is covered when a job runs an op of the same name
+    (the same kernel on CUDA). The report lists the ops no job runs (a fault there cannot be
+    seen), the covered ones with the jobs that run them, and covered_share: the covered ops'
+    share of the step's self time.
+
+    Exit: 0 measured; 2 bad input (no such script, a script that raises or exits non-zero, one
+    that runs no op: one line naming the file, the line and the exception); 1 the census failed.
+    """
+    from screener.known_answer.census import check_script, jobs_census, script_census
+    from screener.known_answer.coverage import compare, report_lines
+    from screener.known_answer.screen import resolve_devices, resolve_jobs
+
+    check_script(script)  # before anything is said about running it
+    specs = resolve_jobs(list(jobs), jobs_dir)
+    devs = resolve_devices(["all"] if device == "auto" else [device])
+    if len(devs) != 1:
+        raise click.UsageError(f"--device {device}: give one device (cpu or cuda:N)")
+    dev = "cuda:0" if device == "auto" and devs[0].startswith("cuda") else devs[0]
+    click.echo(f"screener: kat coverage: running {script} on {dev} under the census", err=True)
+    step = script_census(script, dev, timeout=timeout, warmup=warmup, runs=runs)
+    click.echo(f"screener: kat coverage: running {len(specs)} job(s) on {dev} under the census",
+               err=True)
+    cov = compare(step, jobs_census(specs, dev, timeout=timeout))
+    if as_json:
+        echo_json({"script": script, "device": dev, **cov.to_dict(),
+                   "exit_code": int(ExitCode.PASS)})
+    else:
+        click.echo("\n".join(report_lines(cov, script=script, device=dev)))
+    sys.exit(int(ExitCode.PASS))
+
+
 # --- golden --------------------------------------------------------------------------------------
 
 @click.group("golden")
