@@ -130,6 +130,59 @@ def test_the_text_report_lists_the_uncovered_ops_and_ends_with_the_share():
 
 # --- the census of real profiler events ---------------------------------------------------------
 
+def _event(name, start, end, *, device="CPU", self_us=None, id=0, corr=0, annotation=False,
+           activity=None):
+    """A stand-in for torch's FunctionEvent with the attributes the census reads."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    return SimpleNamespace(name=name, device_type=getattr(DeviceType, device), id=id,
+                           linked_correlation_id=corr, is_user_annotation=annotation,
+                           activity_type=activity or ("cpu_op" if device == "CPU" else "kernel"),
+                           self_cpu_time_total=(end - start) if self_us is None else self_us,
+                           time_range=SimpleNamespace(start=start, end=end,
+                                                      elapsed_us=lambda: end - start))
+
+
+def test_a_step_mark_keeps_the_set_up_out_of_the_census():
+    from screener.known_answer.census import STEP_MARK, aggregate
+
+    setup = [_event("aten::uniform_", 0, 40, id=1)]
+    step = [_event(STEP_MARK, 100, 200, id=2, annotation=True, activity="user_annotation"),
+            _event("aten::mm", 110, 150, id=3),
+            # autograd's engine thread: outside the mark's nesting, inside its time
+            _event("aten::mm", 160, 170, id=4)]
+    after = [_event("aten::add", 250, 260, id=5)]
+    c = aggregate(setup + step + after, KIND_ATEN)
+    assert c.ops == {"aten::mm": OpStat(50.0, 2)}  # no uniform_, no add, no range
+    # without a mark everything counts
+    c = aggregate(setup + step[1:] + after, KIND_ATEN)
+    assert set(c.ops) == {"aten::uniform_", "aten::mm", "aten::add"}
+
+
+def test_on_cuda_the_census_counts_kernels_by_device_time_not_ranges():
+    from screener.known_answer.census import STEP_MARK, aggregate
+
+    events = [
+        _event("aten::uniform_", 0, 5, id=1),
+        _event("curand_uniform_kernel", 6, 9, device="CUDA", corr=1),  # launched in set-up
+        _event(STEP_MARK, 100, 200, id=2, annotation=True, activity="user_annotation"),
+        _event("aten::mm", 110, 120, id=3),
+        # the kernel runs after its launch op (and here after the mark's end on the CPU)
+        _event("sm90_xmma_gemm_bf16", 190, 230, device="CUDA", corr=3),
+        _event("sm90_xmma_gemm_bf16", 240, 250, device="CUDA", corr=3),
+        # the GPU's copy of the mark spans the kernels: never a kernel of its own
+        _event(STEP_MARK, 110, 250, device="CUDA", annotation=True,
+               activity="gpu_user_annotation"),
+        _event("Memcpy DtoD (Device -> Device)", 150, 152, device="CUDA", corr=99),  # no launch
+    ]
+    c = aggregate(events, KIND_KERNEL)
+    assert c.kind == KIND_KERNEL
+    assert c.ops == {"sm90_xmma_gemm_bf16": OpStat(50.0, 2),
+                     "Memcpy DtoD (Device -> Device)": OpStat(2.0, 1)}
+
+
 _CENSUS_OF_LINEAR = """
 import json, torch
 from screener.known_answer.census import profiled
@@ -200,6 +253,31 @@ def test_a_failing_script_is_one_line_naming_it_and_exit_2(tmp_path, body, expec
             and "under the census" not in line]
     assert ours == [ours[0]] and ours[0].startswith(f"screener: {script}{expected}"), r.stderr
     assert "Traceback" not in r.stderr
+
+
+_SETUP_THEN_STEP = """import torch
+w = torch.empty(64, 64).uniform_()
+{open}w.mm(w)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("marked", [True, False], ids=["marked", "unmarked"])
+def test_only_the_marked_step_counts(tmp_path, marked):
+    script = tmp_path / "step.py"
+    script.write_text(_SETUP_THEN_STEP.format(
+        open="with torch.profiler.record_function('screener:step'):\n    " if marked else ""))
+    r = _real("kat", "coverage", str(script), "--device", "cpu", "--job", "gemm-fp32",
+              "--runs", "1", "--warmup", "0", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads(r.stdout)
+    assert d["jobs"] == ["gemm-fp32"]
+    uncovered = {o["name"] for o in d["uncovered"]}
+    assert "aten::mm" in {o["name"] for o in d["covered"]}  # with what mm calls (resolve_conj)
+    if marked:  # the set-up (uniform_, empty) is outside the mark: only the GEMM's ops count
+        assert uncovered == set() and d["covered_share"] == 1.0
+    else:
+        assert "aten::uniform_" in uncovered and d["covered_share"] < 1.0
 
 
 @pytest.mark.slow

@@ -189,7 +189,9 @@ def kat_coverage(script: str, device: str, jobs: tuple[str, ...], jobs_dir: Opti
     SCRIPT is a Python file that runs one training step of your model when run as a program:
     a child process runs it with runpy.run_path(SCRIPT, run_name="__main__"), as `python
     SCRIPT` would, so its top-level code and its `if __name__ == "__main__":` block run, and
-    everything they run is counted, set-up included (keep it small). It runs --warmup times
+    everything they run is counted, set-up included, unless the script marks its step: run
+    inside `with torch.profiler.record_function("screener:step"):`, only the ops that start
+    inside the mark count (on CUDA the kernels launched inside it). It runs --warmup times
     uncounted, then --runs times under the census, in that one process, so it must run again
     there. $SCREENER_DEVICE names the device to put the step on. examples/llama_step.py is one.
 
@@ -210,10 +212,11 @@ def kat_coverage(script: str, device: str, jobs: tuple[str, ...], jobs_dir: Opti
 
     check_script(script)  # before anything is said about running it
     specs = resolve_jobs(list(jobs), jobs_dir)
+    # One device: every GPU of a node runs the same kernels, so auto takes the first (cuda:0).
     devs = resolve_devices(["all"] if device == "auto" else [device])
-    if len(devs) != 1:
+    if device != "auto" and len(devs) != 1:
         raise click.UsageError(f"--device {device}: give one device (cpu or cuda:N)")
-    dev = "cuda:0" if device == "auto" and devs[0].startswith("cuda") else devs[0]
+    dev = devs[0]
     click.echo(f"screener: kat coverage: running {script} on {dev} under the census", err=True)
     step = script_census(script, dev, timeout=timeout, warmup=warmup, runs=runs)
     click.echo(f"screener: kat coverage: running {len(specs)} job(s) on {dev} under the census",

@@ -22,12 +22,16 @@ every event the GPU ran (kernels, memcpy and memset) with its device time, by na
 model when run as a program: the child runs it with `runpy.run_path(SCRIPT, run_name="__main__")`,
 exactly as `python SCRIPT` would (its folder first on sys.path, sys.argv == [SCRIPT]), so its
 top-level code and its `if __name__ == "__main__":` block run, and everything they run is counted,
-set-up included. It is run DEFAULT_WARMUP time(s) uncounted, then DEFAULT_RUNS times under the
-profiler, all in the one child, so it must run again in the same process (fresh globals each
-time); on the CPU with one intra-op thread, as the jobs run (see _run_script). $SCREENER_DEVICE names the device the coverage is measured on (cpu or cuda:N); the script
-should put its step there. Its output goes to the command's stderr. A script that raises
-(SystemExit with a non-zero status included) or whose child dies is one line and exit 2
-(BadInputError), naming the file, the script's line and the exception; so is one that ran no op.
+set-up included, unless the script marks its step: where it runs the step inside
+`with torch.profiler.record_function("screener:step"):` (STEP_MARK), only the ops that start inside
+a mark count (on any thread; on CUDA the kernels launched inside it). It is run DEFAULT_WARMUP
+time(s) uncounted, then DEFAULT_RUNS times under the profiler, all in the one child, so it must
+run again in the same process (fresh globals each time); on the CPU with one intra-op thread, as
+the jobs run (see _run_script). $SCREENER_DEVICE names the device the coverage is measured on
+(cpu or cuda:N); the script should put its step there. Its output goes to the command's stderr.
+A script that raises (SystemExit with a non-zero status included) or whose child dies is one line
+and exit 2 (BadInputError), naming the file, the script's line and the exception; so is one that
+ran no op.
 
 **The jobs' census.** One child runs every job the device runs (the specs given, by default the
 quick screen, as `kat run` runs it) through screener.known_answer.workloads.run_job, the runner a
@@ -61,6 +65,10 @@ from screener.known_answer.specs import JobSpec
 
 CENSUS_MODULE = "screener.known_answer.census"  # run as `python -m CENSUS_MODULE MODE OUT`
 DEVICE_ENV = "SCREENER_DEVICE"  # the device the script is asked to run its step on
+# A script that wraps its step in torch.profiler.record_function(STEP_MARK) has only what runs
+# inside counted: its model's set-up (parameter initialisation: aten::uniform_, normal_) is not
+# the training step, and in examples/llama_step.py it was 6% of a run.
+STEP_MARK = "screener:step"
 DEFAULT_TIMEOUT = 600.0  # seconds a census child may run: a step, or every job once
 # The script's first run is not counted: its first calls pay one-time costs (library start-up,
 # primitive caches, lazy imports) that land on whichever op came first; in a cold run of
@@ -77,9 +85,26 @@ def kind_for(device: str) -> str:
 
 # --- the census itself (runs in a child) --------------------------------------------------------
 
-def aggregate(events: Sequence[Any], kind: str) -> Census:
-    """A census from the profiler's events (torch.autograd.profiler_util.FunctionEvent)."""
+def aggregate(events: Sequence[Any], kind: str, mark: str = STEP_MARK) -> Census:
+    """A census from the profiler's events (torch.autograd.profiler_util.FunctionEvent).
+
+    Where some of the events are ranges named `mark` (record_function(STEP_MARK) in the script),
+    only the ops that started inside one count, on whichever thread (autograd's engine runs a
+    CUDA backward on a thread of its own, outside the mark's nesting), and on CUDA the kernels
+    whose launching op did."""
     from torch.autograd import DeviceType
+
+    ranges = [(e.time_range.start, e.time_range.end) for e in events
+              if e.device_type == DeviceType.CPU and e.name == mark]
+    by_id = {e.id: e for e in events if e.device_type == DeviceType.CPU} if ranges else {}
+
+    def in_step(e: Any) -> bool:
+        if not ranges:
+            return True
+        launch = by_id.get(getattr(e, "linked_correlation_id", 0)) \
+            if e.device_type != DeviceType.CPU else e
+        t = (launch or e).time_range.start  # a kernel without its launch: its own start
+        return any(start <= t <= end for start, end in ranges)
 
     ops: dict[str, list[float]] = {}
     for e in events:
@@ -88,11 +113,16 @@ def aggregate(events: Sequence[Any], kind: str) -> Census:
                 continue
             t = float(e.self_cpu_time_total)
         else:
-            # Anything the GPU ran (kernels, memcpy, memset): its own duration. Not the launch
-            # ops on the CPU, which are the kernels' overhead, not their time.
-            if e.device_type != DeviceType.CUDA:
+            # What the GPU ran (kernels, memcpy, memset), each for its own duration; not the
+            # launch ops on the CPU (the kernels' overhead, not their time), and not the GPU's
+            # copies of record_function ranges, which span the kernels inside them (torch's
+            # own table leaves them out for the same reason).
+            if e.device_type != DeviceType.CUDA or e.is_user_annotation \
+                    or e.activity_type == "gpu_user_annotation":
                 continue
             t = float(e.time_range.elapsed_us())
+        if not in_step(e):
+            continue
         slot = ops.setdefault(e.name, [0.0, 0])
         slot[0] += max(t, 0.0)
         slot[1] += 1
@@ -297,7 +327,7 @@ def script_census(path: str, device: str, *, timeout: float = DEFAULT_TIMEOUT,
             raise BadInputError(
                 f"{path}: ran no {census.kind} op on {device}: does it run its step when run as "
                 f"a program (at its top level or under `if __name__ == \"__main__\":`), on "
-                f"${DEVICE_ENV}?")
+                f"${DEVICE_ENV}, and inside its record_function({STEP_MARK!r}) if it has one?")
         return census
     if result.get("whose") == "ours":
         raise ScreenerError(f"the census of {path} failed: {result.get('error')}")
