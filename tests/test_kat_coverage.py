@@ -94,6 +94,9 @@ def test_least_disturbed_takes_each_ops_smallest_time_and_largest_count():
     c = least_disturbed(runs)
     assert c.ops == {"aten::mm": OpStat(10.0, 4), "aten::add": OpStat(3.0, 3),
                      "aten::cat": OpStat(1.0, 1)}
+    assert not c.marked
+    marked = [Census(KIND_ATEN, r.ops, marked=True) for r in runs]
+    assert least_disturbed(marked).marked and not least_disturbed(marked + runs[:1]).marked
     with pytest.raises(BadInputError):
         least_disturbed([])
     with pytest.raises(BadInputError, match="different kinds"):
@@ -103,7 +106,8 @@ def test_least_disturbed_takes_each_ops_smallest_time_and_largest_count():
 @pytest.mark.parametrize("bad", [None, [], {"kind": "aten"}, {"kind": "x", "ops": {}},
                                  {"kind": "aten", "ops": {"aten::mm": [1.0]}},
                                  {"kind": "aten", "ops": {"aten::mm": [-1.0, 1]}},
-                                 {"kind": "aten", "ops": {"aten::mm": ["1", 1]}}])
+                                 {"kind": "aten", "ops": {"aten::mm": ["1", 1]}},
+                                 {"kind": "aten", "ops": {}, "marked": "yes"}])
 def test_a_broken_census_is_refused(bad):
     with pytest.raises(BadInputError, match="not a census"):
         Census.from_dict(bad)
@@ -111,6 +115,8 @@ def test_a_broken_census_is_refused(bad):
 
 def test_a_census_survives_its_wire_form():
     c = _census(aten__mm=(12.5, 3), aten__add=(1.0, 7))
+    assert Census.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+    c = Census(KIND_KERNEL, c.ops, marked=True)
     assert Census.from_dict(json.loads(json.dumps(c.to_dict()))) == c
 
 
@@ -120,6 +126,7 @@ def test_the_text_report_lists_the_uncovered_ops_and_ends_with_the_share():
                          "train-fp32": _census(aten__mm=(1.0, 1))})
     lines = report_lines(cov, script="step.py", device="cpu")
     text = "\n".join(lines)
+    assert "no record_function('screener:step') mark" in lines[0]
     uncovered = text[text.index("not run by any job"):text.index("run by the jobs")]
     assert "aten::silu" in uncovered and "19.95%" in uncovered
     assert "(1 more op(s), each under 0.1%)" in uncovered  # aten::view, 0.05%
@@ -155,10 +162,10 @@ def test_a_step_mark_keeps_the_set_up_out_of_the_census():
             _event("aten::mm", 160, 170, id=4)]
     after = [_event("aten::add", 250, 260, id=5)]
     c = aggregate(setup + step + after, KIND_ATEN)
-    assert c.ops == {"aten::mm": OpStat(50.0, 2)}  # no uniform_, no add, no range
+    assert c.ops == {"aten::mm": OpStat(50.0, 2)} and c.marked  # no uniform_, no add, no range
     # without a mark everything counts
     c = aggregate(setup + step[1:] + after, KIND_ATEN)
-    assert set(c.ops) == {"aten::uniform_", "aten::mm", "aten::add"}
+    assert set(c.ops) == {"aten::uniform_", "aten::mm", "aten::add"} and not c.marked
 
 
 def test_on_cuda_the_census_counts_kernels_by_device_time_not_ranges():
@@ -178,7 +185,7 @@ def test_on_cuda_the_census_counts_kernels_by_device_time_not_ranges():
         _event("Memcpy DtoD (Device -> Device)", 150, 152, device="CUDA", corr=99),  # no launch
     ]
     c = aggregate(events, KIND_KERNEL)
-    assert c.kind == KIND_KERNEL
+    assert c.kind == KIND_KERNEL and c.marked
     assert c.ops == {"sm90_xmma_gemm_bf16": OpStat(50.0, 2),
                      "Memcpy DtoD (Device -> Device)": OpStat(2.0, 1)}
 
@@ -271,7 +278,7 @@ def test_only_the_marked_step_counts(tmp_path, marked):
               "--runs", "1", "--warmup", "0", "--json")
     assert r.returncode == 0, r.stderr[-3000:]
     d = json.loads(r.stdout)
-    assert d["jobs"] == ["gemm-fp32"]
+    assert d["jobs"] == ["gemm-fp32"] and d["step_marked"] is marked
     uncovered = {o["name"] for o in d["uncovered"]}
     assert "aten::mm" in {o["name"] for o in d["covered"]}  # with what mm calls (resolve_conj)
     if marked:  # the set-up (uniform_, empty) is outside the mark: only the GEMM's ops count
@@ -288,6 +295,8 @@ def test_coverage_of_the_example_llama_step():
     assert "loss " in r.stderr
     assert isinstance(d["covered_share"], float) and 0.0 <= d["covered_share"] <= 1.0
     assert d["device"] == "cpu" and d["kind"] == "aten" and d["exit_code"] == 0
+    assert d["step_marked"] is True  # the example marks its step: its set-up is not counted
+    assert not any(o["name"] in ("aten::uniform_", "aten::normal_") for o in d["uncovered"])
     ops = d["covered"] + d["uncovered"]
     assert sum(o["share"] for o in ops) == pytest.approx(1.0)
     assert d["covered_share"] == pytest.approx(sum(o["share"] for o in d["covered"]))

@@ -126,7 +126,7 @@ def aggregate(events: Sequence[Any], kind: str, mark: str = STEP_MARK) -> Census
         slot = ops.setdefault(e.name, [0.0, 0])
         slot[0] += max(t, 0.0)
         slot[1] += 1
-    return Census(kind, {n: OpStat(v[0], int(v[1])) for n, v in ops.items()})
+    return Census(kind, {n: OpStat(v[0], int(v[1])) for n, v in ops.items()}, bool(ranges))
 
 
 def profiled(fn: Callable[[], Any], device: str) -> Census:
@@ -172,8 +172,9 @@ def _run_script(request: Mapping[str, Any]) -> dict[str, Any]:
         if failure:  # a run that failed ends the census; the first failure is the one reported
             return
         # As `python SCRIPT` runs it (runpy.run_path does not put its folder on sys.path).
+        folder = os.path.dirname(os.path.abspath(path))
         sys.argv = [path]
-        sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+        sys.path.insert(0, folder)
         try:
             runpy.run_path(path, run_name="__main__")
         except SystemExit as e:
@@ -183,7 +184,8 @@ def _run_script(request: Mapping[str, Any]) -> dict[str, Any]:
             failure.append({"error": f"raised {type(e).__name__}: {e}".strip().rstrip(":"),
                             "where": _script_line(e, path), "whose": "script"})
         finally:
-            sys.path.pop(0)
+            if folder in sys.path:  # the script may have changed sys.path itself
+                sys.path.remove(folder)
 
     for _ in range(warmup):
         step()

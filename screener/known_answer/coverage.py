@@ -42,17 +42,19 @@ class OpStat:
 
 @dataclass(frozen=True)
 class Census:
-    """What some work ran, op by op (name -> OpStat), in one unit (`kind`)."""
+    """What some work ran, op by op (name -> OpStat), in one unit (`kind`). `marked`: only what
+    ran inside the work's step mark was counted (census.STEP_MARK), not everything it ran."""
 
     kind: str
     ops: Mapping[str, OpStat]
+    marked: bool = False
 
     @property
     def total_us(self) -> float:
         return sum(s.self_us for s in self.ops.values())
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind,
+        return {"kind": self.kind, "marked": self.marked,
                 "ops": {name: [s.self_us, s.count] for name, s in sorted(self.ops.items())}}
 
     @classmethod
@@ -60,7 +62,8 @@ class Census:
         """A census from its to_dict() form (a census child's output); BadInputError if broken."""
         kind = d.get("kind") if isinstance(d, Mapping) else None
         ops = d.get("ops") if isinstance(d, Mapping) else None
-        if kind not in KINDS or not isinstance(ops, Mapping):
+        marked = d.get("marked", False) if isinstance(d, Mapping) else None
+        if kind not in KINDS or not isinstance(ops, Mapping) or not isinstance(marked, bool):
             raise BadInputError(f"not a census: kind {kind!r}, ops of type {type(ops).__name__}")
         out: dict[str, OpStat] = {}
         for name, v in ops.items():
@@ -69,7 +72,7 @@ class Census:
                     and v[0] >= 0 and v[1] >= 0):
                 raise BadInputError(f"not a census: op {name!r} is {v!r}, not [self_us, count]")
             out[name] = OpStat(float(v[0]), int(v[1]))
-        return cls(str(kind), out)
+        return cls(str(kind), out, marked)
 
 
 def least_disturbed(runs: Sequence[Census]) -> Census:
@@ -79,7 +82,8 @@ def least_disturbed(runs: Sequence[Census]) -> Census:
     A profiler's self time is wall time: on a shared machine an op that was preempted, or whose
     worker threads were, takes what the other processes took, and in one run of a small step that
     made aten::sqrt (21 calls) a fifth of the step. The smallest of a few runs is the op's own
-    cost; its largest count is every call, should a run skip some.
+    cost; its largest count is every call, should a run skip some. Marked only when every run
+    was (a run without the mark counted its set-up too).
     """
     if not runs:
         raise BadInputError("no census to combine")
@@ -89,7 +93,7 @@ def least_disturbed(runs: Sequence[Census]) -> Census:
     names = sorted({n for c in runs for n in c.ops})
     ops = {n: OpStat(min(c.ops[n].self_us for c in runs if n in c.ops),
                      max(c.ops[n].count for c in runs if n in c.ops)) for n in names}
-    return Census(kinds[0], ops)
+    return Census(kinds[0], ops, all(c.marked for c in runs))
 
 
 @dataclass(frozen=True)
@@ -119,10 +123,12 @@ class Coverage:
     covered: tuple[OpShare, ...]
     uncovered: tuple[OpShare, ...]
     jobs: tuple[str, ...]
+    marked: bool = False  # the step's census counted only its marked step
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "covered_share": self.covered_share,
-                "step_self_us": self.total_us, "jobs": list(self.jobs),
+                "step_self_us": self.total_us, "step_marked": self.marked,
+                "jobs": list(self.jobs),
                 "uncovered": [o.to_dict() for o in self.uncovered],
                 "covered": [o.to_dict() for o in self.covered]}
 
@@ -156,7 +162,7 @@ def compare(step: Census, jobs: Mapping[str, Census]) -> Coverage:
     # op is covered, 0.0 when none is.
     share = sum(o.self_us for o in covered) / total
     return Coverage(step.kind, min(1.0, share), total, _by_share(covered), _by_share(uncovered),
-                    tuple(sorted(jobs)))
+                    tuple(sorted(jobs)), step.marked)
 
 
 # Ops under these shares are summed into one line of the text report (the JSON lists every op):
@@ -196,8 +202,10 @@ def report_lines(cov: Coverage, *, script: str, device: str) -> list[str]:
     jobs that run them, and the summary line last."""
     what = "aten ops by self CPU time" if cov.kind == KIND_ATEN else "CUDA kernels by device time"
     every = len(cov.jobs)
-    out = [f"{script} on {device}: {len(cov.covered) + len(cov.uncovered)} {cov.kind} op(s), "
-           f"{cov.total_us / 1000:.1f} ms ({what}); jobs: {', '.join(cov.jobs)}", ""]
+    scope = ("its marked step" if cov.marked
+             else "everything it ran (no record_function('screener:step') mark)")
+    out = [f"{script} on {device}, {scope}: {len(cov.covered) + len(cov.uncovered)} {cov.kind} "
+           f"op(s), {cov.total_us / 1000:.1f} ms ({what})", f"jobs: {', '.join(cov.jobs)}", ""]
     out.append(f"not run by any job ({1.0 - cov.covered_share:.1%} of the step's time):")
     out += _table(cov.uncovered, every, with_jobs=False) if cov.uncovered else ["  (none)"]
     out += ["", f"run by the jobs ({cov.covered_share:.1%} of the step's time):"]
