@@ -9,8 +9,9 @@ DDP without no_sync, DDP under no_sync; two micro-batches a step, audited every 
 --steps healthy steps, which must give no alarm and no numeric failure; then a forward fault
 (one bit of a matmul output) at audit step 5 on ranks 0 .. --faults-1, which must be caught,
 settled and pinned to that rank with the alarm file on its node only. Then an HSDP weight shard
-(3 replicas x 2 shards) flipped between two votes on every rank in turn: the weight vote must
-name that rank, settled. The refusals (FSDP2 x tensor parallel, pipeline stages) are counted
+(3 replicas x 2 shards) flipped between two votes on every rank in turn (five weights and bits),
+with a node = a shard group and again with every shard group spanning two nodes: the rank whose
+shard flipped must be named, settled, its node only. The refusals (FSDP2 x tensor parallel, pipeline stages) are counted
 too. tests/test_audit_edges.py is the CI slice of this campaign.
 """
 
@@ -28,10 +29,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 NODES = ["n1", "n1", "n2", "n2", "n3", "n3"]
+# HSDP's shard groups {0, 1}, {2, 3}, {4, 5} each spanning two nodes
+SPANNING = ["n1", "n2", "n2", "n3", "n3", "n1"]
 
 
-def _node(rank: int) -> str:
-    return NODES[rank]
+def _node(row: dict[str, Any]) -> str:
+    return (SPANNING if row["setup"].startswith("spanning") else NODES)[row["target"]]
 
 
 def judge(row: dict[str, Any]) -> str:
@@ -49,7 +52,7 @@ def judge(row: dict[str, Any]) -> str:
         return "missed"
     if row["alarm"] not in want or not row["settled"]:
         return f"{row['alarm']}{'' if row['settled'] else ' unsettled'}"
-    if row["suspects"] != [row["target"]] or row["file_nodes"] != [_node(row["target"])]:
+    if row["suspects"] != [row["target"]] or row["file_nodes"] != [_node(row)]:
         return f"wrong rank {row['suspects']} files {row['file_nodes']}"
     return "ok"
 
@@ -70,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as root:
         rows = run_ranks(edge_workers.campaign, NODES, timeout=3600, root=root,
                          steps=args.steps, faults_per_pattern=args.faults)[0]
+        rows += run_ranks(edge_workers.shard_flips, SPANNING, timeout=3600, root=root,
+                          label="spanning")[0]
     for row in rows:
         row["verdict"] = judge(row)
     if args.json:

@@ -274,13 +274,30 @@ def campaign(rank: int, world: int, *, root: str, steps: int, faults_per_pattern
             fault = fsdp_workers.flip(target, 5, op="mm", call=3, bit=30)
             note("fault", name, target, fn(rank, world, pattern=pattern, alarm_dir=d, steps=6,
                                            fault=fault), d)
+    rows.extend(shard_flips(rank, world, root=root))
+    return rows
+
+
+def shard_flips(rank: int, world: int, *, root: str, label: str = "hsdp") -> list[dict[str, Any]]:
+    """Every SHARD_FLIPS weight flipped in every rank's HSDP shard in turn (one run each)."""
+    import os
+
+    rows = []
     for parameter, bit in SHARD_FLIPS:
         for target in range(world):
-            d = os.path.join(root, f"shard_{parameter}_{bit}_{target}")
+            d = os.path.join(root, f"shard_{label}_{parameter}_{bit}_{target}")
             os.makedirs(d, exist_ok=True)
             out = hsdp_shard_flip(rank, world, alarm_dir=d, target=target, parameter=parameter,
                                   bit=bit)
-            note("shard_flip", f"hsdp {parameter} b{bit}", target, out, d)
+            a = out["alarm"]
+            rows.append({"kind": "shard_flip", "setup": f"{label} {parameter} b{bit}",
+                         "target": target, "steps": out["steps_done"],
+                         "audits": out["counters"].get("audits", 0),
+                         "alarm": None if a is None else a["check"],
+                         "settled": bool(a and a["settled"]),
+                         "suspects": [] if a is None else a["suspect_ranks"],
+                         "numeric": out["numeric"] is not None,
+                         "file_nodes": sorted(f["node"] for f in out["files"])})
     return rows
 
 

@@ -5,10 +5,13 @@ nodes (tests/edge_workers.py); each case as the issue writes it.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from ddp_util import run_ranks
 import edge_workers
+import sentinel_workers
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -59,19 +62,20 @@ def test_ranks_at_different_steps_raise_alike_instead_of_gathering_different_wid
 @pytest.mark.slow
 def test_hsdp_weight_shard_flip_between_votes_is_pinned_to_its_rank(tmp_path):
     """3 replicas x 2 shards, a node a shard group; bit 31 of rank 3's first shard after step 2:
-    at step 4 the ring replay's mismatches all point at node n2's ranks, the weight vote runs
-    before the blast-radius rule and names rank 3, settled, file on n2 only."""
+    at the next audit (step 3: the first steps of a start are all audited, cadence.py; the issue
+    saw it at step 4) the ring replay's mismatches all point at node n2's ranks, the weight vote
+    runs before the blast-radius rule and names rank 3, settled, file on n2 only."""
     outs = run_ranks(edge_workers.hsdp_shard_flip, ["n1", "n1", "n2", "n2", "n3", "n3"],
                      timeout=300, alarm_dir=str(tmp_path))
     assert all(o["numeric"] is None for o in outs), [o["numeric"] for o in outs]
     a = _one(outs, "alarm")
-    assert (a["check"], a["step"], a["settled"], a["suspect_ranks"]) == ("weights", 4, True, [3])
+    assert (a["check"], a["step"], a["settled"], a["suspect_ranks"]) == ("weights", 3, True, [3])
     assert [n["node"] for n in a["suspect_nodes"]] == ["n2"]
     assert a["evidence"]["prompted_by"]["alarm"] == "ring_replay"
     assert a["evidence"]["prompted_by"]["suspects"] == [2, 3]  # what the referees said
     assert [(f["node"], f["check"], f["settled"]) for f in outs[0]["files"]] == [
         ("n2", "weights", True)]
-    assert all(o["steps_done"] == 4 for o in outs)
+    assert all(o["steps_done"] == 3 for o in outs)
 
 
 @pytest.mark.slow
@@ -111,7 +115,8 @@ PATTERNS = ["fsdp_every", "fsdp_no_sync", "hsdp_no_all_reduce", "ddp_every", "dd
 def test_every_accumulation_pattern_is_audited_without_an_alarm(accumulated, pattern):
     for o in accumulated[pattern]:
         assert (o["alarm"], o["numeric"], o["steps_done"]) == (None, None, 6), o
-        assert o["counters"]["audits"] == 2 and o["counters"].get("audits_skipped", 0) == 0
+        # audit_every=5, and every step of the first 20 of a start (cadence.py): all 6
+        assert o["counters"]["audits"] == 6 and o["counters"].get("audits_skipped", 0) == 0
         assert o["counters"]["self_checks"] == 1 and not o["files"]
 
 
@@ -124,3 +129,21 @@ def test_a_forward_fault_under_every_accumulation_pattern_is_pinned(accumulated,
     assert (a["check"], a["step"], a["settled"], a["suspect_ranks"]) == ("ring_replay", 5,
                                                                          True, [3])
     assert [f["node"] for f in outs[0]["files"]] == ["n2"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_fault_before_the_sentinel_is_warm_is_caught_by_the_guard_audits(tmp_path, persistent):
+    """Issue 34.6's scenario: the default 20-step warm-up, no audit due (audit_every=1000), an
+    exponent flip on rank 2 at step 6 (of a start at step 1). It used to pass unseen and end as a
+    NumericFailure at step 8 with no node named; the first 20 steps of a start are audit steps,
+    so the ring replay pins it at step 6."""
+    outs = run_ranks(sentinel_workers.train, ["n1", "n1", "n2", "n2", "n3", "n3"], timeout=240,
+                     alarm_dir=str(tmp_path), fault=True, persistent=persistent, warmup=20)
+    assert all(o["numeric"] is None for o in outs), [o["numeric"] for o in outs]
+    a = _one(outs, "alarm")
+    assert (a["check"], a["step"], a["settled"], a["suspect_ranks"]) == ("ring_replay", 6, True,
+                                                                         [2])
+    files = [json.loads(p.read_text()) for p in tmp_path.glob("*.json")]
+    assert [f["node"] for f in files] == ["n2"]
+    assert all(o["counters"]["audits"] == 5 for o in outs)  # steps 1-5 audited, clean

@@ -43,7 +43,9 @@ def test_example_flip_is_caught_and_the_job_exits_75(tmp_path):
     assert (rec.check, rec.step, rec.settled, rec.suspect_ranks, rec.node) == (
         "ring_replay", 5, True, (2,), node)
     assert rec.suspect_nodes[0].instance_id == "i-00000000000000003"
-    assert f"roll back to: {tmp_path / 'ckpt' / 'step000000.pt'}" in out  # last clean audit: 0
+    # last clean audit: step 4 (the first steps of a start are all audited, cadence.py), so
+    # the latest verified checkpoint before the fault
+    assert f"roll back to: {tmp_path / 'ckpt' / 'step000004.pt'}" in out
     assert "terminate called" not in proc.stderr
 
 

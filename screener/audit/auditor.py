@@ -197,6 +197,8 @@ class Auditor:
                                   f"{type(scaler).__name__}")
         self.scaler = scaler
         self.sentinel = Sentinel(sentinel)
+        # the first steps are audited while the sentinel has no baseline (cadence.py)
+        self._guard = self.sentinel.config.warmup if self.sentinel.config.enabled else 0
         if self.sentinel.config.on_data == "skip" and scaler is not None:
             raise AuditUsageError("screener.audit: SentinelConfig(on_data='skip') drops a step's "
                                   "gradients, which a GradScaler's step refuses (no inf checks "
@@ -251,7 +253,7 @@ class Auditor:
         self.reporter = Reporter(self.topology, self.rank, self.world_size, job=config.job,
                                  alarm_dir=config.alarm_dir)
         self.cadence = Cadence(config.audit_every, config.weights_every, config.self_check_every,
-                               self.can_replay, self.counters)
+                               self.can_replay, self.counters, guard=self._guard)
         self.nonfinite = NonFiniteCheck(self.replayer, self.reporter, self.history, self.counters,
                                         scaler=self.scaler, confirm=config.confirm_nonfinite,
                                         audits_on=self.cadence.audits_on())
@@ -309,6 +311,7 @@ class Auditor:
         if torch.compiler.is_compiling():
             self._compiled_around = True
             return
+        self._recorder.armed = True  # a training forward: its gradients count (hooks.py)
         if self._state is None:
             self._state = capture(self.device, self.scaler)
 
@@ -319,6 +322,7 @@ class Auditor:
         pre-hook captures otherwise); call it before anything of the step uses randomness.
         """
         self._state = capture(self.device, self.scaler)
+        self._recorder.armed = True
 
     def close(self) -> None:
         """Remove the forward pre-hook and drop the auditor's references to the model.
@@ -372,6 +376,7 @@ class Auditor:
         step = int(step)
         if self._compiled_around:  # every rank runs the same compiled code: all refuse here
             raise AuditUsageError(COMPILED_AROUND_DDP)
+        self.cadence.begin(step)
         self.history.note(step)
         loss = self._loss_tensor(loss)
         stats = self._recorder.take(self.device)

@@ -224,12 +224,15 @@ class GradientRecorder:
         # steps, and how many backwards of the step reduced
         self._sums: dict[int, torch.Tensor] = {}
         self._backwards = 0
+        # the tensor hooks fire for every gradient of the parameters, the auditor's own replays'
+        # too: they count only between the step's first forward (the auditor arms them) and take()
+        self.armed = False
         self._handles = [p.register_hook(self._local_hook(k))
                          for k, p in enumerate(self.params)] if accumulating else []
 
     def _local_hook(self, k: int) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
-            if self.record_step is None:
+            if self.record_step is None or not self.armed:
                 return
             with torch.no_grad():
                 seen = self._sums.get(k)
@@ -399,7 +402,7 @@ class GradientRecorder:
             bad, buckets, measured = self._bad, self._buckets, dict(self._reduced)
             sums, backwards = self._sums, self._backwards
             self._reset()
-            self._sums, self._backwards = {}, 0
+            self._sums, self._backwards, self.armed = {}, 0, False
         if backwards > 1 and fp is not None and self._handles:  # reduced on every micro-step
             fp = fingerprints([sums.get(k) for k in range(len(self.params))])
         self._last = (bad, buckets, measured)

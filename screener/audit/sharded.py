@@ -171,6 +171,9 @@ class ShardedAuditor:
         self.confirm_nonfinite = confirm_nonfinite
         self.job, self.alarm_dir = self.config.job, self.config.alarm_dir
         self.counters: Counter[str] = Counter()
+        guard_config = sentinel if sentinel is not None else SentinelConfig()
+        # the first steps are audited while the sentinel has no baseline (cadence.py)
+        self._guard = guard_config.warmup if guard_config.enabled else 0
         self._select(model)
         self._join(topology)
         self._assemble()
@@ -245,7 +248,7 @@ class ShardedAuditor:
         self.reporter = Reporter(self.topology, self.rank, self.world_size, job=config.job,
                                  alarm_dir=config.alarm_dir)
         self.cadence = Cadence(config.audit_every, config.weights_every, config.self_check_every,
-                               self.can_replay, self.counters)
+                               self.can_replay, self.counters, guard=self._guard)
         self.nonfinite = ShardedNonFinite(self.lockstep, self.reporter, self.counters,
                                           scaler=self.scaler, confirm=config.confirm_nonfinite,
                                           module_names=self.module_names)
@@ -313,6 +316,7 @@ class ShardedAuditor:
         the replayer only on audit steps. grad_norm is accepted for the DDP signature's sake.
         """
         step = int(step)
+        self.cadence.begin(step)
         self.history.note(step)
         loss_t = ring.loss_of(loss) if not isinstance(loss, (int, float)) else torch.tensor(
             float(loss), dtype=torch.float64)
