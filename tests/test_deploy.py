@@ -45,6 +45,9 @@ EXPECTED_BASE = {
     ("ValidatingAdmissionPolicy", "screener-configmaps"),
     ("ValidatingAdmissionPolicyBinding", "screener-configmaps"),
     ("Role", "screener-events"), ("RoleBinding", "screener-events"),
+    # Events only about the pod's own node (issue 36.5)
+    ("ValidatingAdmissionPolicy", "screener-events"),
+    ("ValidatingAdmissionPolicyBinding", "screener-events"),
 }
 EVENT_NAMESPACE = "default"  # where the Node Events go (the daemon's event_namespace)
 

@@ -269,7 +269,10 @@ NODE_OBJ = {
                "allocatable": {"cpu": "8"},
                "addresses": [{"type": "InternalIP", "address": "10.0.0.1"}],
                "daemonEndpoints": {"kubeletEndpoint": {"Port": 10250}},
-               "nodeInfo": {"kubeletVersion": "v1.30.0", "machineID": "m1"}},
+               "nodeInfo": {"kubeletVersion": "v1.30.0", "machineID": "m1"},
+               "images": [{"names": ["registry.k8s.io/pause:3.9"], "sizeBytes": 321520}],
+               "volumesInUse": ["kubernetes.io/csi/ebs^vol-1"],
+               "volumesAttached": [{"name": "kubernetes.io/csi/ebs^vol-1", "devicePath": ""}]},
 }
 OWNER = {"apiVersion": "v1", "kind": "ConfigMap", "name": "gone", "uid": "0000"}
 
@@ -308,6 +311,19 @@ def _changed(edit):
     (lambda n: n["status"].__setitem__("phase", "Terminated"), "phase"),
     (lambda n: n["spec"].__setitem__("podCIDR", "10.1.0.0/24"), "pod CIDRs"),
     (lambda n: n["spec"].__setitem__("configSource", {"configMap": {"name": "x"}}), "config source"),
+    # issue 36.5: status fields the policy did not name, admitted on a real server before
+    (lambda n: n["status"].__setitem__("volumesInUse", []), "volumes"),
+    (lambda n: n["status"]["volumesInUse"].append("kubernetes.io/csi/ebs^vol-2"), "volumes"),
+    (lambda n: n["status"].__setitem__("volumesAttached", []), "volumes"),
+    (lambda n: n["status"]["volumesAttached"].append(
+        {"name": "kubernetes.io/csi/ebs^vol-2", "devicePath": ""}), "volumes"),
+    (lambda n: n["status"]["images"].append(
+        {"names": ["registry.example/fake:1"], "sizeBytes": 99 * 10**9}), "images"),
+    (lambda n: n["status"]["images"][0].__setitem__("sizeBytes", 99 * 10**9), "images"),
+    (lambda n: n["status"].pop("images"), "images"),
+    (lambda n: n["status"].__setitem__("runtimeHandlers", [{"name": "evil"}]), "any other status"),
+    (lambda n: n["status"].__setitem__("features", {"supplementalGroupsPolicy": False}),
+     "any other status"),
 ])
 def test_admission_policy_lets_screener_change_only_its_own_fields(objs, edit, denied):
     spec = _admission(objs)
@@ -408,3 +424,177 @@ def test_a_burnin_jobs_gpu_count_says_it_must_match_the_node(name):
     comment = " ".join(line.strip().lstrip("#") for line in lines[max(0, at - 4):at]
                        if line.strip().startswith("#"))
     assert "node's GPU count" in comment and "set it for your node shape" in comment, comment
+
+
+# metadata.managedFields (issue 36.5): a real server let the account rewrite them. What the API
+# server itself does on the daemon's patch stays admitted: it re-stamps the writer's entry (here
+# the kubernetes client's default manager) and moves the fields the patch changed out of the
+# other entries, which may shrink or go.
+
+T0, T1 = "2024-05-01T10:00:00Z", "2024-05-02T11:00:00Z"
+KUBELET = {"manager": "kubelet", "operation": "Update", "apiVersion": "v1", "time": T0,
+           "fieldsType": "FieldsV1",
+           "fieldsV1": {"f:metadata": {"f:labels": {"f:kubernetes.io/hostname": {}}},
+                        "f:spec": {"f:providerID": {}, "f:taints": {}}}}
+KUBELET_STATUS = {"manager": "kubelet", "operation": "Update", "apiVersion": "v1", "time": T0,
+                  "subresource": "status", "fieldsType": "FieldsV1",
+                  "fieldsV1": {"f:status": {"f:conditions": {'k:{"type":"Ready"}': {
+                      ".": {}, "f:status": {}}}, "f:images": {}}}}
+KUBECTL_TAINT = {"manager": "kubectl-taint", "operation": "Update", "apiVersion": "v1",
+                 "time": T0, "fieldsType": "FieldsV1", "fieldsV1": {"f:spec": {"f:taints": {}}}}
+OURS = {"manager": "OpenAPI-Generator", "operation": "Update", "apiVersion": "v1", "time": T0,
+        "fieldsType": "FieldsV1",
+        "fieldsV1": {"f:metadata": {"f:labels": {f"f:{LABEL_STATE}": {}}}}}
+
+
+def _managed(*entries):
+    import copy
+
+    return _changed(lambda n: n["metadata"].__setitem__("managedFields", copy.deepcopy(list(entries))))
+
+
+def _with(entry, **changes):
+    return {**entry, **changes}
+
+
+MANAGED_OLD = _managed(KUBELET, KUBELET_STATUS, KUBECTL_TAINT, OURS)
+OURS_TAINTS = _with(OURS, time=T1, fieldsV1={"f:metadata": {"f:labels": {f"f:{LABEL_STATE}": {}}},
+                                             "f:spec": {"f:taints": {}}})
+KUBELET_NO_TAINTS = _with(KUBELET, fieldsV1={"f:metadata": KUBELET["fieldsV1"]["f:metadata"],
+                                             "f:spec": {"f:providerID": {}}})
+
+
+@pytest.mark.parametrize("entries,denied", [
+    # The label patch: our entry re-stamped, nobody else's touched.
+    ((KUBELET, KUBELET_STATUS, KUBECTL_TAINT, _with(OURS, time=T1)), ""),
+    # The taint patch (taints are an atomic list): ours takes f:taints from the kubelet's entry,
+    # and kubectl-taint's, left with nothing, goes.
+    ((KUBELET_NO_TAINTS, KUBELET_STATUS, OURS_TAINTS), ""),
+    # The first write by a new manager name (an upgrade with another client version).
+    ((KUBELET, KUBELET_STATUS, KUBECTL_TAINT, OURS, _with(OURS, manager="screener", time=T1)), ""),
+    # Kubernetes folds the oldest of more than ten writers into "ancient-changes".
+    ((KUBELET, KUBELET_STATUS, _with(KUBECTL_TAINT, manager="ancient-changes"),
+      _with(OURS, time=T1)), ""),
+    # Forbidden: stripped (managedFields: [{}]), re-timed, renamed, forged, grown.
+    ((), "managedFields"),
+    ((KUBELET, _with(KUBELET_STATUS, time=T1), KUBECTL_TAINT, _with(OURS, time=T1)), "managedFields"),
+    ((KUBELET, KUBELET_STATUS, _with(KUBECTL_TAINT, manager="kubeadm"), _with(OURS, time=T1)),
+     "managedFields"),
+    ((KUBELET, KUBELET_STATUS, KUBECTL_TAINT, _with(OURS, time=T1),
+      _with(KUBECTL_TAINT, manager="cluster-autoscaler", time=T1)), "managedFields"),
+    ((_with(KUBELET, fieldsV1={**KUBELET["fieldsV1"], "f:status": {"f:images": {}}}),
+      KUBELET_STATUS, KUBECTL_TAINT, _with(OURS, time=T1)), "managedFields"),
+    ((_with(KUBELET, fieldsV1={"f:metadata": {"f:labels": {"f:kubernetes.io/hostname": {},
+                                                            "f:team": {}}},
+                               "f:spec": KUBELET["fieldsV1"]["f:spec"]}),
+      KUBELET_STATUS, KUBECTL_TAINT, _with(OURS, time=T1)), "managedFields"),
+    ((KUBELET, _with(KUBELET_STATUS, fieldsV1={"f:status": {"f:conditions": {
+        'k:{"type":"Ready"}': {".": {}, "f:status": {}},
+        'k:{"type":"MemoryPressure"}': {}}, "f:images": {}}}),
+      KUBECTL_TAINT, _with(OURS, time=T1)), "managedFields"),
+])
+def test_admission_policy_keeps_managed_fields_to_what_the_server_records(objs, entries, denied):
+    spec = _admission(objs)
+    new = _managed(*entries)
+    new["metadata"]["labels"][LABEL_STATE] = "suspect"
+    messages = _admit(spec, MANAGED_OLD, new)
+    if denied:
+        assert len(messages) == 1 and denied in messages[0], messages
+    else:
+        assert messages == [], messages
+    # A node no one has written with managed fields yet gets its first entries.
+    assert _admit(spec, NODE_OBJ, _managed(_with(OURS, time=T1))) == []
+
+
+# Events (issue 36.5): the Role grants events create in `default`, about anything; the policy
+# admits only the store's Events about the pod's own node.
+
+def _events_policy(objs):
+    pol = by_kind(objs, "ValidatingAdmissionPolicy", "screener-events")
+    binding = by_kind(objs, "ValidatingAdmissionPolicyBinding", "screener-events")
+    assert pol["apiVersion"] == binding["apiVersion"] == "admissionregistration.k8s.io/v1"
+    assert binding["spec"] == {"policyName": "screener-events", "validationActions": ["Deny"]}
+    assert pol["spec"]["failurePolicy"] == "Fail"
+    return pol["spec"]
+
+
+def _admit_event(spec, event, *, user="system:serviceaccount:screener-system:screener",
+                 extra=OWN_NODE, operation="CREATE"):
+    """The messages of the validations that deny creating `event` ([] = admitted; None = not
+    matched), as the API server evaluates them (cel-python)."""
+    import celpy
+    from celpy import celtypes, json_to_cel
+
+    rules = spec["matchConstraints"]["resourceRules"]
+    assert any(operation in r["operations"] and "events" in r["resources"] for r in rules)
+    env = celpy.Environment()
+
+    def run(expr, act):
+        return env.program(env.compile(expr)).evaluate(act)
+
+    info = {"username": user}
+    if extra is not None:
+        info["extra"] = extra
+    act = {"object": json_to_cel(event), "oldObject": json_to_cel(None),
+           "request": json_to_cel({"userInfo": info, "operation": operation,
+                                   "namespace": "default", "name": event["metadata"]["name"]})}
+    if not all(run(m["expression"], act) for m in spec["matchConditions"]):
+        return None
+    variables = {}
+    for v in spec["variables"]:
+        variables[celtypes.StringType(v["name"])] = run(v["expression"],
+                                                        {**act, "variables": celtypes.MapType(variables)})
+    act["variables"] = celtypes.MapType(variables)
+    return [v["message"] for v in spec["validations"]
+            if run(v["expression"], act) != celtypes.BoolType(True)]
+
+
+def _store_event(node="n1", **changes):
+    """The Event the store really posts (NodeEvents.body, not retyped) about `node`."""
+    from screener.lifecycle.records import Transition
+    from screener.stores.kubeevents import NodeEvents
+    from screener.types import NodeState
+
+    t = Transition(node=node, from_state=NodeState.HEALTHY, to_state=NodeState.SUSPECT,
+                   reason="ring replay mismatch", actor="screener-daemon", time=1.7e9)
+    events = NodeEvents(None, namespace="default", component="screener",  # type: ignore[arg-type]
+                        instance=node, clock=lambda: 1.7e9)
+    body = events.body(t, {"metadata": {"uid": "u-1"}})
+    for k, v in changes.items():
+        body[k] = v
+    return body
+
+
+def test_events_policy_admits_the_stores_event_about_its_own_node(objs):
+    spec = _events_policy(objs)
+    assert _admit_event(spec, _store_event()) == []
+    # events.k8s.io/v1 names the object `regarding`
+    ev = _store_event()
+    ev["regarding"] = ev.pop("involvedObject")
+    assert _admit_event(spec, ev) == []
+    assert _admit_event(spec, _store_event("n2"), user="kubernetes-admin") is None
+
+
+@pytest.mark.parametrize("make", [
+    lambda: _store_event("n2"),                                       # another node's
+    lambda: _store_event(involvedObject={"apiVersion": "v1", "kind": "Node", "name": "n2"},
+                         metadata={"name": "n1.screener.x", "namespace": "default"}),
+    lambda: _store_event(involvedObject={"apiVersion": "v1", "kind": "Pod", "name": "n1",
+                                         "namespace": "default"}),  # not a Node
+    lambda: _store_event(involvedObject={"apiVersion": "v1", "kind": "Node", "name": "n1",
+                                         "namespace": "kube-system"}),
+    lambda: _store_event(involvedObject={"kind": "Node"}),            # about no one
+    lambda: _store_event(metadata={"name": "n1.kubelet.abc", "namespace": "default"}),
+    lambda: {k: v for k, v in _store_event().items() if k != "involvedObject"},
+])
+def test_events_policy_denies_events_about_anything_else(objs, make):
+    spec = _events_policy(objs)
+    messages = _admit_event(spec, make())
+    assert len(messages) == 1 and "only about the node it runs on" in messages[0], messages
+
+
+def test_events_policy_fails_closed_without_the_node_claim(objs):
+    spec = _events_policy(objs)
+    for extra in (None, {}, {NODE_CLAIM: ["n2"]}):
+        messages = _admit_event(spec, _store_event(), extra=extra)
+        assert len(messages) == 1 and "node claim" in messages[0], (extra, messages)
