@@ -105,6 +105,43 @@ MAX_ID_LEN = 128
 NODE_NAME_ENV = "NODE_NAME"
 EXIT_DIR_ENV = "SCREENER_EXIT_DIR"  # set by screener launch: run_guarded records its exit code there
 
+# --- text from outside ---------------------------------------------------------------------------
+#
+# The one rule for free text read from a file another party wrote (an alarm's job, a golden's
+# labels) and for what is printed of stored text: printable characters only. str.isprintable()
+# is Unicode's own line: it refuses the C0 and C1 controls and DEL (Cc), the format characters
+# with the bidi overrides and isolates U+202A..U+202E and U+2066..U+2069 (Cf), lone UTF-16
+# surrogates (Cs, which no UTF-8 stream can carry: printing one raises UnicodeEncodeError),
+# private-use and unassigned code points, and every separator but the ASCII space (U+2028 and
+# U+2029 break a log line as a newline does).
+
+def printable_text(value: Any, what: str, limit: int) -> str:
+    """`value` if it is a string of at most `limit` printable characters (see above); else
+    ValueError, one line, naming `what` and the first offending character by its code point."""
+    if not isinstance(value, str):
+        raise ValueError(f"{what} is not a string")
+    if len(value) > limit:
+        raise ValueError(f"{what} is {len(value)} characters long (at most {limit})")
+    for i, c in enumerate(value):
+        if not c.isprintable():
+            raise ValueError(f"{what} holds U+{ord(c):04X} at position {i}, which is not a "
+                             f"printable character (controls, bidi and format characters, "
+                             f"surrogates and line separators are refused)")
+    return value
+
+
+def shown(text: Any) -> str:
+    """`text` as it may be printed on a terminal or in a log line: every character that is not
+    printable (see printable_text) written as its Python escape (\\x1b, \\u202e, \\ud800),
+    so records stored before that rule, or text from elsewhere, can never reorder a line, start a
+    new one, or fail to encode."""
+    s = text if isinstance(text, str) else str(text)
+    if s.isprintable():
+        return s
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                   for c in s)
+
+
 class StrValue(str, enum.Enum):
     """A str enum that formats as its value on every Python (f-strings, str(), JSON, YAML).
 

@@ -203,7 +203,7 @@ def _alarm(**over: Any) -> dict[str, Any]:
     d = {"schema": 1, "alarm_id": "a-1", "check": "ring_replay", "step": 7, "settled": True,
          "suspect_ranks": [3], "suspect_nodes": [{"node": NODE, "hostname": NODE,
                                                   "instance_id": None}],
-         "node": NODE, "job": "train", "created": 1000.0, "evidence": {"rows": [1]}}
+         "node": NODE, "job": "train", "created": 1700000000.0, "evidence": {"rows": [1]}}
     d.update(over)
     return d
 
@@ -219,8 +219,8 @@ ALARM_CASES: dict[str, Callable[[Path], None]] = {
     "step-2**64": _alarm_text(step=2**64),
     "step-negative": _alarm_text(step=-1),
     "step-float": _alarm_text(step=7.0),
-    "created-NaN": _text(json.dumps(_alarm()).replace('"created": 1000.0', '"created": NaN')),
-    "created-Infinity": _text(json.dumps(_alarm()).replace('"created": 1000.0', '"created": Infinity')),
+    "created-NaN": _text(json.dumps(_alarm()).replace('"created": 1700000000.0', '"created": NaN')),
+    "created-Infinity": _text(json.dumps(_alarm()).replace('"created": 1700000000.0', '"created": Infinity')),
     "created-negative": _alarm_text(created=-1.0),
     "created-string": _alarm_text(created="yesterday"),
     "alarm_id-integer": _alarm_text(alarm_id=12345),
@@ -240,6 +240,35 @@ ALARM_CASES: dict[str, Callable[[Path], None]] = {
     "unknown-field": _alarm_text(action="repair"),
     "invalid-utf8": _text(b'{"schema": 1, "alarm_id": "\xff"}'),
     "not-object": _text("[1, 2, 3]"),
+    # issue 36.6: hostile alarm files that passed before
+    "job-lone-surrogate": _text(json.dumps(_alarm()).replace('"job": "train"',
+                                                             '"job": "tr\\ud800ain"')),
+    "job-bidi-override": _alarm_text(job="train\u202egnp.exe"),
+    "job-c1-control": _alarm_text(job="train\x9b31m"),
+    "job-del": _alarm_text(job="train\x7f"),
+    "job-line-separator": _alarm_text(job="train\u2028FORGED: healthy"),
+    "job-newline": _alarm_text(job="train\nFORGED"),
+    "evidence-lone-surrogate": _text(json.dumps(_alarm()).replace('"rows": [1]',
+                                                                  '"rows": ["\\udc80"]')),
+    "evidence-key-bidi": _alarm_text(evidence={"rows\u202e": [1]}),
+    "straggler-slowdown-1e308": _alarm_text(check="straggler", settled=False, suspect_ranks=[],
+                                            evidence={"slowdown": 1e308, "consecutive": 5}),
+    "straggler-slowdown-negative": _alarm_text(check="straggler", settled=False,
+                                               suspect_ranks=[], evidence={"slowdown": -0.5}),
+    "straggler-consecutive-object": _alarm_text(check="straggler", settled=False,
+                                                suspect_ranks=[],
+                                                evidence={"slowdown": 0.2,
+                                                          "consecutive": {"x": 1}}),
+    "straggler-consecutive-negative": _alarm_text(check="straggler", settled=False,
+                                                  suspect_ranks=[],
+                                                  evidence={"consecutive": -3}),
+    "straggler-consecutive-bool": _alarm_text(check="straggler", settled=False,
+                                              suspect_ranks=[], evidence={"consecutive": True}),
+    "created-year-5138": _alarm_text(created=99_999_999_999.0),
+    "created-next-week": _alarm_text(created=time.time() + 7 * 86400),
+    "created-1999": _alarm_text(created=915148800.0),
+    "other-json-file": _text(json.dumps({"name": "some-app", "version": "1.0", "node": NODE})),
+    "other-json-list": _text(json.dumps([{"alarm": "not ours"}])),
     "empty": _text(b""),
     "fifo": _fifo,
     "symlink-to-fifo": lambda p: (_fifo(p.parent.parent / "target-fifo"),
@@ -247,6 +276,9 @@ ALARM_CASES: dict[str, Callable[[Path], None]] = {
     "symlink-to-dev-zero": lambda p: p.symlink_to("/dev/zero"),
     "sparse-8MiB": lambda p: _sparse(p, 8 * 1024 * 1024),
 }
+
+
+NOT_ALARMS = {"not-object", "other-json-file", "other-json-list"}
 
 
 @pytest.mark.parametrize("case", sorted(ALARM_CASES))
@@ -264,8 +296,12 @@ def test_alarm_intake_moves_hostile_files_aside_and_goes_on(case, tmp_path):
     t0 = time.monotonic()
     result = AlarmIntake(alarms, NODE, lambda r: applied.append(r.alarm_id)).run()
     assert time.monotonic() - t0 < BOUND_S
-    assert result.rejected == [name], result
     assert applied == ["good"] and not result.stuck and not result.stalled
+    if case in NOT_ALARMS:  # JSON that is no alarm at all is not ours to move (issue 36.6)
+        assert result.not_ours == [name] and result.rejected == [], result
+        assert os.path.lexists(alarms / name)
+        return
+    assert result.rejected == [name], result
     assert os.path.lexists(alarms / "rejected" / name)
 
 

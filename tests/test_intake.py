@@ -37,7 +37,9 @@ def make_intake(directory, store, clock):
     def before(record):
         return applied_in_history(store.history(NODE), record.alarm_id)
 
-    return AlarmIntake(directory, NODE, apply, before)
+    # The intake reads `created` against the daemon's clock: the test's own (a time in 1970, as
+    # the alarms it drops).
+    return AlarmIntake(directory, NODE, apply, before, clock=clock)
 
 
 @pytest.fixture
@@ -98,7 +100,7 @@ def test_a_failed_apply_leaves_the_file_for_the_next_pass(tmp_path, store):
         calls.append(record.alarm_id)
         raise ConnectionError("API unreachable")
 
-    result = AlarmIntake(alarms, NODE, broken).run()
+    result = AlarmIntake(alarms, NODE, broken, clock=FakeClock(2000.0)).run()
     assert result.failed == ["a2.json"] and result.applied == []
     assert (alarms / "a2.json").exists()  # not moved: its transition was not stored
     result = make_intake(alarms, store, clock).run()
@@ -122,7 +124,7 @@ def test_a_store_outage_during_the_duplicate_check_does_not_shelve_the_alarm(tmp
             raise ConnectionError("API unreachable")
         return applied_in_history(store.history(NODE), record.alarm_id)
 
-    intake = AlarmIntake(alarms, NODE, apply, before)
+    intake = AlarmIntake(alarms, NODE, apply, before, clock=clock)
     result = intake.run()
     assert result.failed == ["a3.json"] and result.stuck == [] and result.applied == []
     assert (alarms / "a3.json").exists()
@@ -176,7 +178,7 @@ def test_in_a_shared_folder_files_about_other_nodes_are_left_and_not_read_again(
     alarms = tmp_path / "alarms"
     drop(alarms, alarm("other", node="gpu-node-2"))
     intake = AlarmIntake(alarms, NODE, lambda r: apply_event(store, NODE, r, now=clock()),
-                         foreign="leave")
+                         foreign="leave", clock=clock)
     first = intake.run()
     assert first.foreign == ["other.json"] and first.count == 0 and first.read_bytes > 0
     assert (alarms / "other.json").exists()

@@ -58,7 +58,7 @@ def test_a_pass_reads_within_its_byte_budget_and_takes_the_nodes_own_alarm_first
     size = bulky_foreign(alarms, 30)
     write_alarm_file(alarm("own", settled=False), alarms)  # the newest file, and a small one
     applied = []
-    intake = AlarmIntake(alarms, NODE, applied.append,
+    intake = AlarmIntake(alarms, NODE, applied.append, clock=FakeClock(2000.0),
                          limits=IntakeLimits(pass_bytes=4 * size, pass_s=3600.0))
     first = intake.run()
     assert [r.alarm_id for r in applied] == ["own"]  # before the bulky files, not after them
@@ -189,7 +189,7 @@ def test_an_aside_folder_a_writer_made_is_renamed_and_made_again(tmp_path, how):
     applied = []
     metrics = DaemonMetrics(NODE)
     metrics.ready = True
-    result = AlarmIntake(alarms, NODE, applied.append).run()
+    result = AlarmIntake(alarms, NODE, applied.append, clock=FakeClock(2000.0)).run()
     metrics.intake_pass(len(result.stuck), result.stalled, result.refused, result.deferred)
     assert [r.alarm_id for r in applied] == ["own"] and result.rejected == ["junk.json"]
     assert not result.stuck and not result.refused and metrics.readiness()[0]

@@ -18,7 +18,10 @@ the alarm is about (temp name, then rename). The daemon on that node reads them 
    is moved to `rejected/` once, known as foreign before the costly field-by-field validation,
    and never read again; with foreign="leave" (a folder simulated nodes share, as in the fire
    drill) it stays for its own daemon and is remembered, unread, while it is unchanged. A file of
-   another schema is rejected the same way;
+   another schema is rejected the same way. A JSON file that is not a screener alarm at all (not
+   an object with the alarm's `schema` or `alarm_id` field: another program's file, an
+   `alarm_dir` pointed at the wrong folder) is not ours to move: it is left where it is, logged
+   once and remembered, unread, while it is unchanged;
 4. an alarm is applied (handed to the lifecycle and its transition stored) and only then moved into
    `processed/`. A daemon that dies between the two finds the file again after a restart; the
    `already_applied` check (the alarm's id in the node's stored history), and the lifecycle itself
@@ -48,13 +51,14 @@ import math
 import os
 import re
 import stat
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from screener import boundedjson
 from screener.agent.clock import ClockLike, as_clock
-from screener.types import ALARM_CHECK_REASONS, MAX_ID_LEN, AlarmRecord
+from screener.types import ALARM_CHECK_REASONS, MAX_ID_LEN, AlarmRecord, printable_text
 
 # The name the daemon's JSON log lines have always carried (log queries filter on it), not the
 # module's path since the move into subpackages.
@@ -70,7 +74,22 @@ MAX_RANKS = 65536
 MAX_SUSPECT_NODES = 64
 SMALL_ALARM_BYTES = 96 * 1024  # an alarm with its largest evidence: taken before bulkier files
 PRUNE_EVERY_S = 3600.0  # the aside folders are pruned at least this often (files age out)
-MAX_CREATED = 1e11  # unix seconds, year 5138: a bound, not a clock check
+MAX_CREATED = 1e11  # unix seconds, year 5138: the bound when no clock is known
+MIN_CREATED = 946684800.0  # 2000-01-01: no alarm is older (unless the node's own clock is)
+MAX_CLOCK_SKEW_S = 600.0  # how far ahead of the daemon's clock an alarm's `created` may be
+# The straggler's figures (screener.audit.straggler), bounded by what they mean: a slowdown is
+# t_i / median - 1 (0.25 = 25% slower; 1000 = a thousand and one times slower is no straggler
+# but a stall), times are seconds of one step, k is a z-score threshold, w a count of steps.
+STRAGGLER_BOUNDS: Mapping[str, tuple[float, float, bool]] = {  # name: (lo, hi, integer)
+    "slowdown": (0.0, 1000.0, False),
+    "score": (0.0, 1e9, False),
+    "consecutive": (0, 2**31 - 1, True),
+    "window": (1, 2**31 - 1, True),
+    "median": (0.0, 86400.0, False),
+    "duration": (0.0, 86400.0, False),
+    "k": (0.0, 1e6, False),
+    "rank": (0, 2**31 - 1, True),
+}
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _FIELDS = frozenset({"schema", "alarm_id", "check", "step", "settled", "suspect_ranks",
                      "suspect_nodes", "node", "job", "created", "evidence"})
@@ -84,6 +103,7 @@ class IntakeResult:
     duplicates: list[str] = field(default_factory=list)  # alarm ids seen before: only moved aside
     rejected: list[str] = field(default_factory=list)  # file names moved to rejected/
     foreign: list[str] = field(default_factory=list)  # file names about another node
+    not_ours: list[str] = field(default_factory=list)  # JSON files that are no alarm: left there
     failed: list[str] = field(default_factory=list)  # apply raised: left in place for the next pass
     stuck: list[str] = field(default_factory=list)  # could not be moved aside: skipped, remembered
     stalled: str = ""  # why the pass could not look at the folder at all ("" when it could)
@@ -163,6 +183,7 @@ class AlarmIntake:
         self.uid = os.geteuid() if uid is None else uid
         self.clock = as_clock(clock)
         self._foreign_seen: dict[str, tuple[int, int]] = {}  # name -> ident, left unread
+        self._not_ours: dict[str, tuple[int, int]] = {}  # name -> ident: no alarm, left unread
         self._stuck: dict[str, tuple[int, int]] = {}  # name -> (inode, mtime_ns) when it stuck
         self._next_prune = 0.0  # monotonic
 
@@ -243,7 +264,7 @@ class AlarmIntake:
             return result
         self._take_within_budget(entries, result, apply, keep_going)
         present = {name for name, _, _, _ in entries}
-        for memo in (self._stuck, self._foreign_seen):  # gone (moved by hand): forget them
+        for memo in (self._stuck, self._foreign_seen, self._not_ours):  # gone: forget them
             for name in set(memo) - present:
                 del memo[name]
         self._prune_aside(result)
@@ -267,8 +288,12 @@ class AlarmIntake:
             if self._foreign_seen.get(name) == ident:
                 result.foreign.append(name)  # known, unchanged: not read again
                 continue
+            if self._not_ours.get(name) == ident:
+                result.not_ours.append(name)  # no alarm, unchanged: not read again
+                continue
             self._stuck.pop(name, None)
             self._foreign_seen.pop(name, None)
+            self._not_ours.pop(name, None)
             result.read_bytes += min(size, MAX_ALARM_BYTES + 1)
             self._take_one(name, path, ident, result, apply)
 
@@ -290,7 +315,14 @@ class AlarmIntake:
 
     def _take(self, path: Path, ident: tuple[int, int], result: IntakeResult,
               apply: ApplyFn) -> None:
-        record, why, other = _read(path, self.node)
+        record, why, other = _read(path, self.node, now=self.clock.wall())
+        if other is NOT_OURS:
+            self._not_ours[path.name] = ident
+            result.not_ours.append(path.name)
+            log.warning("file %s in the alarm folder is not a screener alarm (no schema or "
+                        "alarm_id field): left where it is, and not read again while it is "
+                        "unchanged", path.name)
+            return
         if other:
             self._foreign_file(path, ident, other, result)
             return
@@ -452,10 +484,21 @@ def _prune(folder: Path, keep: int, older_than: float) -> None:
                 pass
 
 
-def _read(path: Path, node: str = "") -> tuple[Optional[AlarmRecord], str, str]:
-    """(the record in a file or None, why not, the other node it names or ""). A file that names
-    another node under this schema is known as foreign before the field-by-field validation (the
-    costly part of a bulky file): it can never apply here, whatever else is in it."""
+NOT_OURS = "\0not ours"  # _read's `other` for a JSON file that is no screener alarm at all
+
+
+def is_ours(data: Any) -> bool:
+    """Whether parsed JSON claims to be a screener alarm: an object with the alarm's `schema` or
+    `alarm_id` field (a broken alarm of ours still has one; another program's file neither)."""
+    return isinstance(data, Mapping) and ("schema" in data or "alarm_id" in data)
+
+
+def _read(path: Path, node: str = "", *,
+          now: Optional[float] = None) -> tuple[Optional[AlarmRecord], str, str]:
+    """(the record in a file or None, why not, the other node it names or "", or NOT_OURS for
+    a JSON file that is no alarm). A file that names another node under this schema is known as
+    foreign before the field-by-field validation (the costly part of a bulky file): it can never
+    apply here, whatever else is in it. now: the daemon's wall clock, for `created`."""
     try:
         raw = boundedjson.read_regular(path, MAX_ALARM_BYTES, follow_symlinks=False)
     except OSError as e:
@@ -468,12 +511,14 @@ def _read(path: Path, node: str = "") -> tuple[Optional[AlarmRecord], str, str]:
         data = boundedjson.loads(raw, max_bytes=MAX_ALARM_BYTES, max_depth=MAX_DEPTH)
     except ValueError as e:
         return None, str(e), ""
+    if not is_ours(data):
+        return None, "", NOT_OURS
     other = data.get("node") if isinstance(data, Mapping) else None
     if node and isinstance(other, str) and other and other != node \
             and data.get("schema") == AlarmRecord.SCHEMA:
         return None, "", other
     try:
-        return validate(data), "", ""
+        return validate(data, now=now), "", ""
     except ValueError as e:
         return None, str(e), ""
 
@@ -494,11 +539,14 @@ def _int(v: Any, what: str, hi: int) -> int:
     return v
 
 
-def validate(d: Any) -> AlarmRecord:
+def validate(d: Any, *, now: Optional[float] = None) -> AlarmRecord:
     """An AlarmRecord from a parsed alarm file, every field checked; ValueError naming the first
     field that is wrong. Beyond AlarmRecord.from_dict: ids are bounded in length and charset,
-    numbers are finite and in range, evidence is small, and every suspect node named is the
-    alarm's own node (an alarm may only ever speak about the node it was dropped on)."""
+    the job is printable text (types.printable_text), numbers are finite and bounded by what
+    they mean (`created` no older than 2000 and at most MAX_CLOCK_SKEW_S ahead of `now`, the
+    daemon's wall clock, time.time() when not given; a straggler's figures, STRAGGLER_BOUNDS),
+    evidence is small and its strings encodable, and every suspect node named is the alarm's own
+    node (an alarm may only ever speak about the node it was dropped on)."""
     if not isinstance(d, Mapping):
         raise ValueError("alarm is not a JSON object")
     unknown = sorted(str(k)[:40] for k in set(d) - _FIELDS)
@@ -520,16 +568,8 @@ def validate(d: Any) -> AlarmRecord:
     _suspects(d["suspect_ranks"], d["suspect_nodes"], node)
     job = d.get("job")
     if job not in (None, ""):
-        _name(job, "job", MAX_NAME_LEN, pattern=False)
-        if any(ord(c) < 32 for c in job):
-            raise ValueError("alarm job holds control characters")
-    created = d.get("created", 0.0)
-    if created is None:
-        created = 0.0
-    if not isinstance(created, (int, float)) or isinstance(created, bool) \
-            or not math.isfinite(created) or not 0 <= created <= MAX_CREATED:
-        raise ValueError(f"alarm created {str(created)[:40]} is not a unix time in "
-                         f"0..{MAX_CREATED:.0f}")
+        printable_text(job, "alarm job", MAX_NAME_LEN)
+    created = _created(d.get("created", 0.0), time.time() if now is None else now)
     evidence = d.get("evidence")
     if evidence is None:
         evidence = {}
@@ -538,7 +578,64 @@ def validate(d: Any) -> AlarmRecord:
     size = len(json.dumps(evidence))
     if size > MAX_EVIDENCE_BYTES:
         raise ValueError(f"alarm evidence is {size} bytes of JSON (at most {MAX_EVIDENCE_BYTES})")
+    _encodable(evidence)
+    if d["check"] == "straggler":
+        _straggler_figures(evidence)
     return AlarmRecord.from_dict({**d, "created": float(created), "evidence": dict(evidence)})
+
+
+def _created(created: Any, now: float) -> float:
+    """`created` (0 or absent: not known) as a unix time between 2000 (0 while the daemon's own
+    clock is before then: a node whose clock was reset cannot judge) and now plus a small skew
+    (the writer ran on this node, on this clock)."""
+    if created is None:
+        return 0.0
+    if not isinstance(created, (int, float)) or isinstance(created, bool) \
+            or not math.isfinite(created):
+        raise ValueError(f"alarm created {str(created)[:40]} is not a unix time")
+    if created == 0:
+        return 0.0
+    lo = MIN_CREATED if now >= MIN_CREATED else 0.0
+    hi = min(MAX_CREATED, now + MAX_CLOCK_SKEW_S)
+    if not lo <= created <= hi:
+        raise ValueError(f"alarm created {created:.0f} is not a unix time in {lo:.0f}..{hi:.0f} "
+                         f"(not before 2000, at most {MAX_CLOCK_SKEW_S:.0f} s ahead of this "
+                         f"node's clock)")
+    return float(created)
+
+
+def _encodable(evidence: Mapping[str, Any]) -> None:
+    """Every key and string in the evidence can be written as UTF-8 (no lone surrogate, which
+    breaks every store, log line and terminal that meets it later); keys are printable text.
+    String values may hold newlines (an error message): whoever prints them escapes them."""
+    stack: list[Any] = [evidence]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, Mapping):
+            for k, x in v.items():
+                printable_text(k, "alarm evidence key", 256)
+                stack.append(x)
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"alarm evidence holds a lone surrogate (U+{ord(v[e.start]):04X})"
+                                 f", which no UTF-8 text can carry") from None
+
+
+def _straggler_figures(evidence: Mapping[str, Any]) -> None:
+    """A straggler's figures, when present, are numbers in the range of what they mean."""
+    for key, (lo, hi, integer) in STRAGGLER_BOUNDS.items():
+        if key not in evidence:
+            continue
+        v = evidence[key]
+        kind = (int,) if integer else (int, float)
+        if not isinstance(v, kind) or isinstance(v, bool) or not math.isfinite(v) \
+                or not lo <= v <= hi:
+            raise ValueError(f"alarm straggler {key} {str(v)[:40]} is not "
+                             f"{'an integer' if integer else 'a number'} in {lo:g}..{hi:g}")
 
 
 def _suspects(ranks: Any, nodes: Any, node: str) -> None:

@@ -18,7 +18,7 @@ import click
 from screener.commands._params import MAX_DAYS, MAX_FAILURES, positive
 from screener.commands.context import AppContext, pass_app
 from screener.commands.options import with_store
-from screener.types import ExitCode, NodeState
+from screener.types import ExitCode, NodeState, shown
 
 def _when(ts: Optional[float]) -> str:
     if ts is None:
@@ -27,7 +27,14 @@ def _when(ts: Optional[float]) -> str:
 
 
 def _emit(obj: Any) -> None:
-    click.echo(json.dumps(obj, indent=2, sort_keys=True))
+    click.echo(json.dumps(obj, indent=2, sort_keys=True))  # ASCII: every other character escaped
+
+
+def _say(line: str, *, err: bool = False) -> None:
+    """One line for people: stored text (a reason, a job, a node name from an old record or a
+    store another writer filled) printed with what is not printable escaped, so no record can
+    reorder or break a line, or end the command in a UnicodeEncodeError (issue 36.6)."""
+    click.echo(shown(line), err=err)
 
 
 @click.group("node")
@@ -75,23 +82,23 @@ def status_cmd(app: AppContext, node: Optional[str], as_json: bool, mtbi_days: f
         if as_json:
             _emit(result)
         else:
-            click.echo(f"{node}: {state.value if state else 'unknown (never screened)'}")
+            _say(f"{node}: {state.value if state else 'unknown (never screened)'}")
             if last:
-                click.echo(f"  since {_when(last.time)} ({_from_to(last)} by {last.actor})")
-                click.echo(f"  reason: {last.reason}")
+                _say(f"  since {_when(last.time)} ({_from_to(last)} by {last.actor})")
+                _say(f"  reason: {last.reason}")
                 if last.rollback:
-                    click.echo(f"  rollback to: {_rollback_text(last.rollback)}")
+                    _say(f"  rollback to: {_rollback_text(last.rollback)}")
                 if last.actions:
-                    click.echo(f"  actions: {', '.join(last.actions)}")
-            click.echo(f"  incidents in {mtbi_days:g} days: {result['incidents']}, "
-                       f"MTBI {format_mtbi(result['mtbi_s'])}")
+                    _say(f"  actions: {', '.join(last.actions)}")
+            _say(f"  incidents in {mtbi_days:g} days: {result['incidents']}, "
+                 f"MTBI {format_mtbi(result['mtbi_s'])}")
             if verdict:
-                click.echo(f"  last verdict: {verdict.get('outcome', '?')} "
-                           f"{verdict.get('reason', '')}".rstrip()
-                           + (f" ({_screen_text(last_screen(verdict))})"
-                              if verdict.get("kind") == "partial" else ""))
+                _say(f"  last verdict: {verdict.get('outcome', '?')} "
+                     f"{verdict.get('reason', '')}".rstrip()
+                     + (f" ({_screen_text(last_screen(verdict))})"
+                        if verdict.get("kind") == "partial" else ""))
                 for m in (last_screen(verdict) or {}).get("missing", []):
-                    click.echo(f"    missing for a full burn-in: {m}")
+                    _say(f"    missing for a full burn-in: {m}")
         return int(ExitCode.PASS)
 
     # One read of the fleet (SQLite: one query; Kubernetes: one paginated list of Node metadata,
@@ -107,20 +114,22 @@ def status_cmd(app: AppContext, node: Optional[str], as_json: bool, mtbi_days: f
         counts = {s.value: sum(1 for r in rows if r["state"] == s.value) for s in NodeState}
         _emit({"nodes": rows, "counts": counts})
     elif not rows:
-        click.echo("no nodes known to this store", err=True)
+        _say("no nodes known to this store", err=True)
     else:
         # Each column as wide as its header or its widest value (a name shorter than "NODE"
         # pushed every later column out of line).
-        screens = [_screen_text(r.get("last_screen")) for r in rows]
+        screens = [shown(_screen_text(r.get("last_screen"))) for r in rows]
+        rows = [{**r, "node": shown(r["node"]), "state": shown(r["state"]),
+                 "reason": shown(r["reason"])} for r in rows]  # widths as printed
         width = max([len("NODE")] + [len(r["node"]) for r in rows])
         swidth = max([len("LAST SCREEN")] + [len(t) for t in screens])
         head = f"{'MTBI':>8}  " if fleet_mtbi else ""
-        click.echo(f"{'NODE':<{width}}  {'STATE':<11}  {'SINCE':<20}  {head}"
-                   f"{'LAST SCREEN':<{swidth}}  REASON")
+        _say(f"{'NODE':<{width}}  {'STATE':<11}  {'SINCE':<20}  {head}"
+             f"{'LAST SCREEN':<{swidth}}  REASON")
         for r, screen in zip(rows, screens):
             column = f"{format_mtbi(r['mtbi_s']):>8}  " if fleet_mtbi else ""
-            click.echo(f"{r['node']:<{width}}  {r['state']:<11}  {_when(r['since']):<20}  "
-                       f"{column}{screen:<{swidth}}  {r['reason']}".rstrip())
+            _say(f"{r['node']:<{width}}  {r['state']:<11}  {_when(r['since']):<20}  "
+                 f"{column}{screen:<{swidth}}  {r['reason']}".rstrip())
     return int(ExitCode.PASS)
 
 
@@ -149,14 +158,14 @@ def history_cmd(app: AppContext, node: str, days: Optional[float], as_json: bool
         _emit({"node": node, "transitions": [t.to_dict() for t in hist]})
         return int(ExitCode.PASS)
     if not hist:
-        click.echo(f"{node}: no transitions recorded", err=True)
+        _say(f"{node}: no transitions recorded", err=True)
     for t in hist:
         line = f"{_when(t.time)}  {_from_to(t):<24} {t.actor:<8} {t.code or '-':<26} {t.reason}"
         if t.failure:
             line += "  [failure]"
-        click.echo(line)
+        _say(line)
         if t.rollback and t.to_state in (NodeState.SUSPECT, NodeState.QUARANTINED, NodeState.REPAIR):
-            click.echo(f"{'':20}  rollback to: {_rollback_text(t.rollback)}")
+            _say(f"{'':20}  rollback to: {_rollback_text(t.rollback)}")
     return int(ExitCode.PASS)
 
 
@@ -189,9 +198,9 @@ def set_cmd(app: AppContext, node: str, state: str, reason: str, as_json: bool,
     if as_json:
         _emit(t.to_dict())
     else:
-        click.echo(f"{node}: {_from_to(t)} ({t.reason})")
+        _say(f"{node}: {_from_to(t)} ({t.reason})")
         if t.actions:
-            click.echo(f"  next: {', '.join(t.actions)}")
+            _say(f"  next: {', '.join(t.actions)}")
     return int(ExitCode.PASS)
 
 
@@ -230,12 +239,12 @@ def lemons_cmd(app: AppContext, days: float, min_failures: int, as_json: bool,
         _emit({"window_days": days, "min_failures": min_failures, "nodes": nodes, "gpus": gpus})
         return int(ExitCode.PASS)
     if not nodes and not gpus:
-        click.echo(f"no node or GPU with {min_failures}+ failures in {days:g} days", err=True)
+        _say(f"no node or GPU with {min_failures}+ failures in {days:g} days", err=True)
     for n in nodes:
-        click.echo(f"node {n['node']}: {n['failures']} failures, now {n['state'] or 'unknown'}, "
-                   f"last {_when(n['last_failure'])}")
+        _say(f"node {n['node']}: {n['failures']} failures, now {n['state'] or 'unknown'}, "
+             f"last {_when(n['last_failure'])}")
     for g in gpus:
-        click.echo(f"gpu {g['serial']}: {g['failures']} failures on {', '.join(g['nodes'])}")
+        _say(f"gpu {g['serial']}: {g['failures']} failures on {', '.join(g['nodes'])}")
     return int(ExitCode.PASS)
 
 
