@@ -275,3 +275,28 @@ def test_verify_and_a_screen_refuse_a_nan_golden_with_exit_2(tmp_path):
         assert r.returncode == 2, (args, r.stdout, r.stderr)
         assert r.stderr.strip().splitlines()[-1].endswith("not a known answer"), r.stderr
         assert str(path) in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("job", ["gemm-fp32", "conv-fp32", "train-fp32"])
+def test_verify_refuses_a_golden_whose_steps_compare_nothing(tmp_path, job):
+    """Issue 36.6: a committed golden resealed with `tensors: []` in every step passed verify,
+    and compared nothing for gemm and conv jobs (which record no loss). Exit 2, one line."""
+    src = sorted((ROOT / "golden").glob(f"{job}.*.json"))[0]
+    path = tmp_path / src.name
+    path.write_text(_resealed(src.read_text(),
+                              lambda d: [s.__setitem__("tensors", []) for s in d["steps"]]))
+    r = _cli("golden", "verify", str(tmp_path))
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(path) in lines[0], r.stderr
+    assert "step 0 records no tensor: a golden must compare something in every step" in lines[0]
+    assert "Traceback" not in r.stderr
+
+
+def test_verify_refuses_a_golden_label_that_is_not_printable(tmp_path):
+    src = sorted((ROOT / "golden").glob("gemm-fp32.*.json"))[0]
+    path = tmp_path / src.name
+    path.write_text(_resealed(src.read_text(),
+                              lambda d: d["steps"][0].__setitem__("label", "mm\u202e0")))
+    r = _cli("golden", "verify", str(tmp_path))
+    assert r.returncode == 2 and "U+202E" in r.stderr and len(r.stderr.strip().splitlines()) == 1

@@ -43,6 +43,7 @@ from screener.known_answer.packagedata import data_dir
 from screener.known_answer.results import (Difference, JobResult, Step, canonical_json,
                                           first_difference, steps_digest)
 from screener.known_answer.specs import JobSpec, expected_steps
+from screener.types import printable_text, shown
 
 SCHEMA = 1
 SCHEMA_ALSO = 2  # a record that lists other platforms with the same bits (field "also")
@@ -225,6 +226,10 @@ def _steps_problem(steps: Any) -> str:
             return f"step {i} is numbered {str(s['step'])[:40]} (steps run 0..n-1 in order)"
         if not isinstance(s["label"], str) or len(s["label"]) > 200:
             return f"step {i} label is not a short string"
+        try:
+            printable_text(s["label"], f"step {i} label", 200)
+        except ValueError as e:
+            return str(e)
         problem = _loss_problem(s["loss"])
         if problem:
             return f"step {i} loss {problem}"
@@ -234,10 +239,17 @@ def _steps_problem(steps: Any) -> str:
         tensors = s["tensors"]
         if not isinstance(tensors, list) or len(tensors) > MAX_TENSORS:
             return f"step {i} tensors is not a list of at most {MAX_TENSORS}"
+        if not tensors:  # issue 36.6: a step of no tensors compares nothing (gemm, conv)
+            return (f"step {i} records no tensor: a golden must compare something in every "
+                    f"step")
         names = set()
         for t in tensors:
             if not isinstance(t, list) or len(t) != 3 or not isinstance(t[0], str) or not t[0]:
-                return f"step {i}: tensor entry {str(t)[:60]} is not [name, fp1, fp2]"
+                return f"step {i}: tensor entry {shown(str(t)[:60])} is not [name, fp1, fp2]"
+            try:
+                printable_text(t[0], f"step {i} tensor name", 200)
+            except ValueError as e:
+                return str(e)
             for v in t[1:]:
                 if type(v) is not int or not _I64[0] <= v <= _I64[1]:
                     return (f"step {i} tensor {t[0][:80]}: fingerprint {str(v)[:40]} is not a "
