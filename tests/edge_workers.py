@@ -39,7 +39,8 @@ def _refused(build: Any) -> dict[str, Any]:
 
 def tensor_parallel(rank: int, world: int) -> dict[str, Any]:
     """The issue's setup: (dp=2, tp=2), Colwise then Rowwise on a Sequential, then fully_shard
-    on the dp sub-mesh."""
+    on the dp sub-mesh; Auditor(audit_every=1, weights_every=1) and two healthy steps (it used
+    to be read as HSDP: a weights alarm on every node at step 0). Or the refusal."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, \
         parallelize_module
 
@@ -54,6 +55,27 @@ def tensor_parallel(rank: int, world: int) -> dict[str, Any]:
 
     out = _refused(lambda: Auditor(model, loss_fn=loss_fn, audit_every=1, weights_every=1,
                                    job="t"))
+    if out["refused"] is None:
+        auditor = Auditor(model, loss_fn=loss_fn, audit_every=1, weights_every=1, job="t",
+                          alarm_dir=None)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        dp = mesh["dp"].get_local_rank()
+        out.update(alarm=None, numeric=None)
+        try:
+            for step in range(2):
+                opt.zero_grad(set_to_none=True)
+                x = torch.full((2, 8), float(dp + 1 + step))
+                loss = loss_fn(model, x)
+                loss.backward()
+                auditor.check_gradients(step, loss, batch=x)
+                opt.step()
+                auditor.check_weights(step)
+        except SDCAlarm as a:
+            out["alarm"] = a.to_dict()
+        except NumericFailure as e:
+            out["numeric"] = e.reason
+        out["counters"] = dict(auditor.counters)
+        auditor.close()
     dist.barrier()  # every rank left the constructor: nobody waits in a gather
     return out
 
@@ -275,6 +297,40 @@ def campaign(rank: int, world: int, *, root: str, steps: int, faults_per_pattern
             note("fault", name, target, fn(rank, world, pattern=pattern, alarm_dir=d, steps=6,
                                            fault=fault), d)
     rows.extend(shard_flips(rank, world, root=root))
+    rows.extend(tensor_parallel_campaign(rank, world, root=root, steps=steps))
+    return rows
+
+
+def tensor_parallel_campaign(rank: int, world: int, *, root: str, steps: int
+                             ) -> list[dict[str, Any]]:
+    """FSDP2 x TP ((dp, tp=2), a TP group per node): `steps` healthy steps audited every 5th
+    (and the first 20), then on every rank in turn a forward fault (a mantissa bit of a Colwise
+    output) and a gradient fault (a backward matmul) at audit step 5, one run each."""
+    import os
+
+    rows: list[dict[str, Any]] = []
+
+    def one(name: str, target: Optional[int], **kwargs: Any) -> None:
+        d = os.path.join(root, f"tp_{name}_{target}")
+        os.makedirs(d, exist_ok=True)
+        out = tensor_parallel_train(rank, world, alarm_dir=d, **kwargs)
+        dist.barrier()
+        a = out["alarm"]
+        rows.append({"kind": "healthy" if target is None else "tp_fault", "setup": f"fsdp_tp "
+                     f"{name}", "target": target, "steps": out["steps_done"],
+                     "audits": out["counters"].get("audits", 0),
+                     "alarm": None if a is None else a["check"],
+                     "settled": bool(a and a["settled"]),
+                     "suspects": [] if a is None else a["suspect_ranks"],
+                     "numeric": out["numeric"] is not None,
+                     "file_nodes": sorted(f["node"] for f in _files(d))})
+
+    one("healthy", None, steps=steps, audit_every=5)
+    for target in range(world):
+        one("forward", target, steps=6, audit_every=5,
+            fault=fsdp_workers.flip(target, 5, op="addmm", call=1, bit=22))
+        one("gradient", target, steps=6, audit_every=5,
+            fault=fsdp_workers.flip(target, 5, op="mm", call=1, bit=22))
     return rows
 
 
@@ -324,4 +380,98 @@ def accumulation(rank: int, world: int, *, root: str) -> dict[str, Any]:
             dist.barrier()
             result["files"] = _files(directory)
             out[name] = result
+    return out
+
+
+def _tp_model(mesh: Any, sequence_parallel: bool = False) -> torch.nn.Module:
+    """Two tensor-parallel MLP blocks (Colwise then Rowwise), sharded with fully_shard on dp."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, \
+        parallelize_module
+
+    torch.manual_seed(fsdp_workers.SEED)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8),
+                                torch.nn.ReLU(), torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 8))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel(),
+                                           "4": ColwiseParallel(), "6": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+def _tp_batch(dp: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * dp + step)
+    return torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+
+
+def _tp_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def tensor_parallel_train(rank: int, world: int, *, alarm_dir: str, steps: int = 4,
+                          audit_every: int = 1, fault: Optional[fsdp_workers.flip] = None,
+                          fault_in_check: bool = False, warmup: int = 20
+                          ) -> dict[str, Any]:
+    """FSDP2 x TP on a (dp = world / 2, tp = 2) mesh, a TP group per node: the data-parallel
+    index picks the batch, so TP partners share it."""
+    from screener.audit.sentinel import SentinelConfig
+
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh["dp"].get_local_rank()
+    model = _tp_model(mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    auditor = Auditor(model, loss_fn=_tp_loss, audit_every=audit_every, weights_every=1,
+                      alarm_dir=alarm_dir, job="t", sentinel=SentinelConfig(warmup=warmup))
+
+    def run() -> int:
+        done = 0
+        for step in range(steps):
+            opt.zero_grad(set_to_none=True)
+            batch = _tp_batch(dp, step)
+            ctx = (fault(rank, step) if fault else None) or contextlib.nullcontext()
+            with ctx:
+                loss = _tp_loss(model, batch)
+                loss.backward()
+            again = (fault(rank, step) if fault and fault_in_check else None) \
+                or contextlib.nullcontext()
+            with again:
+                auditor.check_gradients(step, loss, batch=batch)
+            opt.step()
+            auditor.check_weights(step)
+            done += 1
+        return done
+
+    out = _loop_result(auditor, run)
+    out["files"] = _files(alarm_dir)
+    return out
+
+
+def tensor_parallel_scenarios(rank: int, world: int, *, root: str) -> dict[str, Any]:
+    """The TP scenarios of tests/test_audit_edges.py in one process group."""
+    import os
+
+    cases: dict[str, dict[str, Any]] = {
+        "healthy": dict(steps=6),
+        # a forward (Colwise output), a mantissa bit: the TP group computes it as one
+        "flip": dict(fault=fsdp_workers.flip(3, 2, op="addmm", call=1, bit=22)),
+        "persistent": dict(fault=fsdp_workers.flip(3, 2, op="addmm", call=1, bit=22,
+                                                   persistent=True), fault_in_check=True),
+        # a backward matmul (a weight gradient of rank 3's own TP shard)
+        "grad": dict(fault=fsdp_workers.flip(3, 2, op="mm", call=1, bit=22)),
+        "nan": dict(fault=fsdp_workers.flip(3, 1, op="addmm", call=1, bit=None, mode="nan")),
+        # between audits: one output element x 10,000, the sentinel's (warm after 3 steps)
+        "spike": dict(steps=8, audit_every=1000, warmup=3,
+                      fault=fsdp_workers.flip(3, 6, op="addmm", call=3, bit=None,
+                                              mode="scale")),
+        "spike_persistent": dict(steps=8, audit_every=1000, warmup=3, fault_in_check=True,
+                                 fault=fsdp_workers.flip(3, 6, op="addmm", call=3, bit=None,
+                                                         mode="scale", persistent=True)),
+    }
+    out: dict[str, Any] = {}
+    for name, kwargs in cases.items():
+        d = os.path.join(root, name)
+        os.makedirs(d, exist_ok=True)
+        out[name] = tensor_parallel_train(rank, world, alarm_dir=d, **kwargs)
+        dist.barrier()
+        out[name]["files"] = _files(d)
     return out

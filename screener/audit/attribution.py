@@ -84,10 +84,14 @@ def refuse_irreproducible(reporter: Reporter, step: int, suspect: int, odd: list
 def conclude_spike(reporter: Reporter, counters: Counter[str], step: int, spike: Spike,
                    suspect: int, helpers: tuple[Optional[int], Optional[int]],
                    original: tuple[int, int], rerun: Rerun, replays: list[Optional[Rerun]],
-                   others: list[int], rollback: tuple[Optional[int], Optional[str]]) -> str:
+                   others: list[int], rollback: tuple[Optional[int], Optional[str]],
+                   group: Sequence[int] = ()) -> str:
     """The verdict on a spike from the suspect's original (loss bits, magnitude bits), its own
     rerun and the replays of its confirmer and referee (`helpers`). Returns "data"; raises
-    SDCAlarm("spike_rerun") otherwise. rollback: (last verified step, the checkpoint it saved)."""
+    SDCAlarm("spike_rerun") otherwise. rollback: (last verified step, the checkpoint it saved).
+    group: the suspect's tensor-parallel group, which computes as one, so a fault anywhere in it
+    shows on every rank of it: a fault names the group (one node), not the rank that showed it
+    largest."""
     confirmer, referee = helpers
     verdict = rerun_verdict(original, rerun, replays)
     if verdict == "data":
@@ -102,7 +106,7 @@ def conclude_spike(reporter: Reporter, counters: Counter[str], step: int, spike:
                 "largest_gradient": {"original": ring.bits_to_float(original[1]),
                                      "rerun": ring.bits_to_float(rerun[1])},
                 "rollback_target": rollback[1], "last_verified_step": rollback[0]}
-    named = [suspect] if verdict in ("transient", "persistent") else []
+    named = sorted(set(group) | {suspect}) if verdict in ("transient", "persistent") else []
     settled = bool(named) and referee is not None and proven
     reporter.alarm(SDCAlarm("spike_rerun", step, named if settled else (),
                             reporter.topology.suspect_nodes(named) if settled else (), settled,
@@ -192,21 +196,31 @@ class LockstepRerun:
         confirmer = lockstep.confirmer(suspect, {suspect})
         referee = ring.referee_of(topo, suspect, confirmer)
         helpers = [r for r in (confirmer, referee) if r is not None]
-        received = lockstep.ship(walk, "rerun_ship", [(suspect, r) for r in helpers],
+        # who replays whose batch: the suspect's helpers, and under tensor parallel its TP
+        # partners' helpers too (the helpers' partners), so every TP group computes together
+        helped: dict[int, int] = {h: suspect for h in helpers}
+        tp = lockstep.tp
+        if tp is not None:
+            for h in helpers:
+                helped.update({p: m for m, p in tp.spread(suspect, h).items()})
+        received = lockstep.ship(walk, "rerun_ship", [(m, h) for h, m in sorted(helped.items())],
                                  offer.data, offer.sizes)
-        helping = lockstep.rank in helpers
+        owner = helped.get(lockstep.rank)
         rec = lockstep.replay(walk, "rerun_replay",
-                              received.get(suspect) if helping else offer.batch,
-                              offer.states[suspect if helping else lockstep.rank])
+                              received.get(owner) if owner is not None else offer.batch,
+                              offer.states[owner if owner is not None else lockstep.rank])
         full = walk.gather("rerun", rec)
         index = topo.index_of
         original = (int(got[index(suspect), H_LOSS]), int(got[index(suspect), H_LOCAL_MAG]))
         # The other ranks reran their own steps in the same round: they must reproduce them, or
-        # no rerun can judge anything.
-        others = [r for r in topo.ranks if r not in [suspect] + helpers]
+        # no rerun can judge anything. (The suspect's TP partners computed with it: a transient
+        # fault of the suspect's is gone from their reruns too, so they are no such witness.)
+        group = set(tp.group_of(suspect)) if tp is not None else {suspect}
+        others = [r for r in topo.ranks if r not in group and r not in helped]
         refuse_irreproducible(self.reporter, step, suspect, [
             r for r in others if int(full[index(r), 1, 0]) != int(got[index(r), H_LOCAL_MAG])])
         return conclude_spike(self.reporter, self.counters, step, spike, suspect,
                               (confirmer, referee), original, _rerun_key(full[index(suspect)]),
                               [None if r is None else _rerun_key(full[index(r)])
-                               for r in (confirmer, referee)], others, rollback)
+                               for r in (confirmer, referee)], others, rollback,
+                              group=sorted(group))

@@ -13,10 +13,14 @@ the gathered ones into one refusal line or none, the same on every rank.
 What is audited, by placement of every parameter:
 - DDP: plain tensors (no DTensor), the same on every rank of the DDP's process group;
 - FSDP2: DTensors placed (Shard(0),) on one 1-D mesh over every rank of the job;
-- HSDP: DTensors placed (Replicate(), Shard(0)) on one 2-D (replicate, shard) mesh over every rank.
-Anything else is refused: tensor parallel (a placement on a mesh dimension of its own, torch's
-_StridedShard for FSDP x TP), a sub-mesh (pipeline stages, each sharded on its data-parallel row),
-parameters on different meshes, ranks that hold different parameters.
+- HSDP: DTensors placed (Replicate(), Shard(0)) on one 2-D (replicate, shard) mesh over every rank;
+- FSDP2 x tensor parallel: DTensors on one 2-D (dp, tp) mesh over every rank, placed first by FSDP
+  on dp (Shard(0), or _StridedShard(0) where TP shards the same dim) and then by TP on tp
+  (Shard(k) or Replicate()), every parameter on that mesh (tensor_parallel.py says how it is
+  replayed).
+Anything else is refused: HSDP x TP (a 3-D mesh, not yet), a sub-mesh (pipeline stages, each
+sharded on their data-parallel row), parameters on different meshes (a TP model with parameters
+TP left alone), ranks that hold different parameters.
 
 describe and agreement are pure (parameters in, plain strings out); `join` runs the one gather.
 """
@@ -35,9 +39,10 @@ from screener.audit.topology import Topology, gather_topology
 
 __all__ = ["Layout", "describe", "agreement", "join", "SUPPORTED"]
 
-SUPPORTED = ("audited: DDP, FSDP2 (Shard(0) on a 1-D mesh) and HSDP ((Replicate(), Shard(0)) on "
-             "a 2-D mesh), each over every rank of the job; run this job without the Auditor "
-             "(the node screens still cover its nodes)")
+SUPPORTED = ("audited: DDP, FSDP2 (Shard(0) on a 1-D mesh), HSDP ((Replicate(), Shard(0)) on "
+             "a 2-D mesh) and FSDP2 x tensor parallel (FSDP's Shard(0) then the TP placement, on "
+             "a 2-D (dp, tp) mesh), each over every rank of the job; run this job without the "
+             "Auditor (the node screens still cover its nodes)")
 
 
 @dataclass(frozen=True)
@@ -102,7 +107,8 @@ def _refusal_ddp(named: Sequence[tuple[str, Any]]) -> str:
 
 
 def _sharded_kind(named: Sequence[tuple[str, Any]], world_size: int) -> tuple[str, str]:
-    """("fsdp" or "hsdp", "") for a sharding the audit knows, else (kind, the refusal)."""
+    """("fsdp", "hsdp" or "fsdp_tp", "") for a sharding the audit knows, else (kind, the
+    refusal)."""
     if not named:
         return "fsdp", "screener.audit: the model has no parameters to audit"
     first_name, first = named[0]
@@ -117,14 +123,19 @@ def _sharded_kind(named: Sequence[tuple[str, Any]], world_size: int) -> tuple[st
         if _mesh(p) != mesh:
             return "fsdp", (f"screener.audit: parameters {first_name} and {name} live on "
                             f"different device meshes ({dims or shape} and "
-                            f"{_mesh(p)[1] or _mesh(p)[0]}): tensor parallel or a "
-                            f"per-parameter mesh, not audited yet; {SUPPORTED}")
+                            f"{_mesh(p)[1] or _mesh(p)[0]}): parameters tensor parallel "
+                            f"left alone, or a per-parameter mesh, not audited yet; "
+                            f"{SUPPORTED}")
     kind = "hsdp" if len(shape) == 2 else "fsdp"
+    if len(shape) == 2 and all(_fsdp_then_tp(p) for _, p in named):
+        kind = "fsdp_tp"
     if len(ranks) != world_size:
         return kind, (f"screener.audit: the model's device mesh {dims or shape} spans "
                       f"{len(ranks)} of the job's {world_size} ranks (a sub-mesh, as pipeline "
                       f"stages each sharded on their data-parallel row have): pipeline parallel "
                       f"is not audited yet; {SUPPORTED}")
+    if kind == "fsdp_tp":
+        return kind, ""
     want = {1: "Shard(0)", 2: "Replicate(),Shard(0)"}.get(len(shape))
     for name, p in named:
         if _placement(p) != want:
@@ -134,6 +145,14 @@ def _sharded_kind(named: Sequence[tuple[str, Any]], world_size: int) -> tuple[st
                           f"{len(shape)}-D mesh {dims or shape}: {what} is not audited yet; "
                           f"{SUPPORTED}")
     return kind, ""
+
+
+def _fsdp_then_tp(p: Any) -> bool:
+    """FSDP's dp placement on mesh dim 0 (Shard(0), _StridedShard(0) when TP shards dim 0
+    too), then TP's on mesh dim 1 (Shard(k) or Replicate())."""
+    dp, tp = p.placements
+    return (type(dp).__name__ in ("Shard", "_StridedShard") and getattr(dp, "dim", None) == 0
+            and type(tp).__name__ in ("Shard", "Replicate"))
 
 
 def _spans(ranks: Sequence[int]) -> str:

@@ -617,9 +617,9 @@ class ShardedNonFinite:
             evidence["why"] = "no replay to confirm (no loss_fn, or a rank gave no batch)"
             self.reporter.alarm(SDCAlarm("nonfinite_local", step, (), (), False, evidence,
                                          candidate_ranks=flagged, key=key))
-        plan = {o: lockstep.confirmer(o, set(flagged)) for o in flagged}
+        plan = lockstep.confirm_plan(flagged)  # with TP partners, under tensor parallel
         received = lockstep.ship(walk, "confirm_ship", plan, offer.data, offer.sizes)
-        owners_here = [o for o in flagged if plan[o] == lockstep.rank]
+        owners_here = [o for o in sorted(plan) if plan[o] == lockstep.rank]
         rounds = max(Counter(r for r in plan.values() if r is not None).values(), default=0)
         results = torch.full((len(flagged),), -1, dtype=torch.int64)
         for i in range(rounds):
@@ -629,7 +629,7 @@ class ShardedNonFinite:
                                   offer.states[owner if owner is not None else lockstep.rank])
             loss = from_bits(int(rec[0, 0]))
             ok = math.isfinite(loss) and lockstep.tap.replay_finite
-            if owner is not None:
+            if owner is not None and owner in flagged:  # a TP partner is replayed, not judged
                 results[flagged.index(owner)] = int(ok)
         got = walk.gather("confirm", results).max(dim=0).values
         confirmed = [o for i, o in enumerate(flagged) if int(got[i]) == 1]

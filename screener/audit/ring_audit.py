@@ -17,7 +17,7 @@ batches travel to their replayers first, every rank runs one replay per round.
 from __future__ import annotations
 
 import logging
-from typing import Any, NoReturn, Optional, Protocol, Sequence
+from typing import Any, Callable, NoReturn, Optional, Protocol, Sequence
 
 import torch
 
@@ -63,17 +63,18 @@ def judge_self_check(reporter: Reporter, cadence: Cadence, step: int, own: torch
 
 def conclude(reporter: Reporter, history: History, step: int, mismatched: list[int],
              plan: dict[int, Optional[int]], suspects: set[int], unsettled: set[int],
-             evidence: dict[str, Any]) -> NoReturn:
+             evidence: dict[str, Any], unit: Callable[[int], Any] = lambda r: r) -> NoReturn:
     """The verdict on the settled mismatches: SDCAlarm("ring_replay"), or NumericFailure when
-    most owners disagree with their replayers (the setup, not a GPU)."""
+    most owners disagree with their replayers (the setup, not a GPU). unit: what one fault
+    reaches (a rank; under tensor parallel its TP group, which computes as one)."""
     topo = reporter.topology
     world = reporter.world_size
     named = sorted(suspects)
     # One faulty GPU spoils its own record and the replays it computes (2 of 3 owners in a
-    # world of three one-rank nodes): when one rank is in every mismatched pair, the referees
+    # world of three one-rank nodes): when one unit is in every mismatched pair, the referees
     # on the third nodes settle it.
-    one_gpu = len(topo.nodes) >= 3 and bool(set.intersection(
-        *({o, plan[o]} for o in mismatched)))
+    pairs = [{unit(o), unit(r)} for o in mismatched if (r := plan[o]) is not None]
+    one_gpu = len(topo.nodes) >= 3 and bool(pairs) and bool(set.intersection(*pairs))
     if 2 * len(mismatched) > world and not one_gpu:
         evidence["why"] = "most ranks disagree with their replayers"
         reporter.numeric(step, sorted(set(mismatched)), evidence, reason=(
@@ -297,7 +298,10 @@ class ShardedRingAudit:
         """Referees on a third node replay the mismatched owners in lockstep; full records."""
         topo, lockstep = self.topology, self.lockstep
         plan = lockstep.plan
-        referee = {o: ring.referee_of(topo, o, plan[o]) for o in mismatched}
+        # under tensor parallel a TP group replays together: the mismatched owners' partners
+        # are refereed too (replayed, not judged); the plan maps groups onto groups
+        refereed = lockstep.tp.close(mismatched) if lockstep.tp is not None else mismatched
+        referee = {o: ring.referee_of(topo, o, plan[o]) for o in refereed}
         received = lockstep.ship(walk, "referee_ship", referee, data, sizes)
         by_referee: dict[int, list[int]] = {}
         for o, r in referee.items():
@@ -336,8 +340,9 @@ class ShardedRingAudit:
             self.weights.check(walk, step,
                                context={"alarm": "ring_replay", "suspects": sorted(suspects),
                                         "mismatches": cases})
+        tp = lockstep.tp
         conclude(self.reporter, self.history, step, mismatched, plan, suspects, unsettled,
-                 evidence)
+                 evidence, unit=tp.group_of if tp is not None else lambda r: r)
 
     def _case(self, o: int, r: int, ref: Optional[int], a: torch.Tensor, b: torch.Tensor,
               c: Optional[torch.Tensor], suspects: set[int], unsettled: set[int]

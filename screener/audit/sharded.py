@@ -84,6 +84,7 @@ from screener.audit.refusals import refuse_placement, refuse_unreplayable
 from screener.audit.reporting import History, Reporter
 from screener.audit.ring_audit import ShardedRingAudit
 from screener.audit.sentinel import Sentinel, SentinelConfig
+from screener.audit.tensor_parallel import TPGroups
 from screener.audit.sharded_rounds import H_LOCAL_MAG, H_LOSS, H_REDUCED_MAG, NO_BATCH, \
     NOT_RECORDED, OK, Lockstep, encode_batch, from_bits, to_bits
 from screener.audit.topology import Topology, job_name
@@ -211,7 +212,11 @@ class ShardedAuditor:
         mesh = getattr(first, "device_mesh", None)
         self.mesh = mesh
         self.hsdp = self.layout.kind == "hsdp"
-        if mesh is not None and mesh.size(mesh.ndim - 1) < 2 and not refusal:
+        self.tp: Optional[TPGroups] = None
+        if self.layout.kind == "fsdp_tp" and mesh is not None:  # rows: the TP groups
+            self.tp = TPGroups([[int(x) for x in row] for row in mesh.mesh.tolist()])
+        shard_dim = 0 if self.tp is not None else (mesh.ndim - 1 if mesh is not None else 0)
+        if mesh is not None and mesh.size(shard_dim) < 2 and not refusal:
             refusal = ("screener.audit: the mesh shards over a single rank, so FSDP never "
                        "reduce-scatters and the audit would see nothing; shard over two or more "
                        "ranks (or use DDP for pure replication)")
@@ -242,7 +247,13 @@ class ShardedAuditor:
                                  batch_fn=self.batch_fn,
                                  accumulation_steps=config.accumulation_steps,
                                  audit_every=config.audit_every,
-                                 replicas=self._replicas() if self.hsdp else None)
+                                 replicas=self._replicas() if self.hsdp else None,
+                                 tp=self.tp)
+        if self.tp is not None:  # the same on every rank: gathered topology, agreed mesh
+            why = self.tp.check(self.lockstep.plan,
+                                lambda o, r: ring.referee_of(self.topology, o, r))
+            if why is not None:
+                raise AuditUsageError(f"screener.audit: FSDP2 x tensor parallel: {why}")
         self.can_replay = self.lockstep.can_replay
         self.history = History()
         self.reporter = Reporter(self.topology, self.rank, self.world_size, job=config.job,

@@ -29,6 +29,7 @@ from screener.audit import ring
 from screener.audit.capture import StateCodec, StepState, restored
 from screener.audit.fsdp_tap import Tap
 from screener.audit.protocol import Walk
+from screener.audit.tensor_parallel import TPGroups
 from screener.audit.topology import Topology
 
 __all__ = ["Lockstep", "Offer", "to_bits", "from_bits", "encode_batch", "H_LOSS", "H_LOCAL",
@@ -83,11 +84,14 @@ class Lockstep:
                  topology: Topology, rank: int, *, device: torch.device, codec: StateCodec,
                  counters: Counter[str], loss_fn: Optional[Callable[[torch.nn.Module, Any], Any]],
                  batch_fn: Optional[Callable[[int, int], Any]], accumulation_steps: int,
-                 audit_every: int, replicas: Optional[list[set[int]]] = None) -> None:
+                 audit_every: int, replicas: Optional[list[set[int]]] = None,
+                 tp: Optional[TPGroups] = None) -> None:
         self.model, self.root, self.params, self.tap = model, root, params, tap
         # HSDP: the ranks of each replica (a shard group, which all-gathers the same weights); a
         # confirmation must run in another one, or a corrupted shard corrupts it alike
         self.replica_of = {r: k for k, group in enumerate(replicas or []) for r in group}
+        # tensor parallel: who replays with whom (tensor_parallel.py); None without TP
+        self.tp = tp
         self.topology, self.rank, self.device = topology, rank, device
         self.codec, self.counters = codec, counters
         self.loss_fn, self.batch_fn = loss_fn, batch_fn
@@ -179,6 +183,24 @@ class Lockstep:
         assert total is not None
         return torch.cat([torch.tensor([[ring.loss_bits(total), 1], [to_bits(tap.replay_mag), 1]]),
                           tap.replay_fps.clone()])
+
+    def confirm_plan(self, flagged: list[int]) -> dict[int, Optional[int]]:
+        """owner -> the rank that replays it to confirm a NaN/Inf (confirmer); under tensor
+        parallel the flagged owners' TP partners come along, each replayed by the confirmer's
+        partner at its coordinate (a partner not flagged is replayed, not judged)."""
+        if self.tp is None:
+            return {o: self.confirmer(o, set(flagged)) for o in flagged}
+        owners = self.tp.close(flagged)
+        plan: dict[int, Optional[int]] = {}
+        for o in owners:
+            if o in plan:
+                continue
+            helper = self.confirmer(o, set(owners))
+            if helper is None or self.tp.group_of(helper) == self.tp.group_of(o):
+                plan.update({m: None for m in self.tp.group_of(o)})
+            else:
+                plan.update(self.tp.spread(o, helper))
+        return plan
 
     def _apart(self, a: int, b: int) -> bool:
         """Whether b computes independently of a: another node and, under HSDP, another

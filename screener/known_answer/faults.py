@@ -226,6 +226,8 @@ class FaultInjector(TorchDispatchMode):
                 target = out[spec.output]
             if not isinstance(target, Tensor) or target.device.type == "meta":
                 continue
+            # a DTensor (tensor parallel): the fault lands in this rank's own shard of it
+            target = getattr(target, "_local_tensor", target)
             if not _device_matches(spec.device, target):
                 continue
             if spec.predicate is not None and not spec.predicate(args, kwargs):
