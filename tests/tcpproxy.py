@@ -5,7 +5,9 @@ networks and overloaded API servers do:
     client sees from a dead load balancer or an API server stuck in its admission chain);
   * reset after: forward the request, let the server apply it, then reset the client's connection
     (RST) instead of passing the answer on: a write whose response was lost;
-  * reset before: reset the connection without forwarding (the request never arrived).
+  * reset before: reset the connection without forwarding (the request never arrived);
+  * drip: forward the request and pass the real answer on one byte every `drip_s` seconds (a
+    server, or a middlebox, that answers slowly enough to defeat a per-read timeout).
 
 Each applies to requests whose first line matches a pattern (b"^PATCH /api/v1/nodes/"), for the
 next `count` of them (None: until cleared). One request per connection, as the test server
@@ -25,18 +27,20 @@ from typing import Optional
 @dataclass
 class Rule:
     pattern: "re.Pattern[bytes]"
-    action: str  # "blackhole" | "reset-after" | "reset-before"
+    action: str  # "blackhole" | "reset-after" | "reset-before" | "drip"
     count: Optional[int]
 
 
 class TcpProxy:
     """Listen on 127.0.0.1:<port>, forward to target_port; see the module docstring."""
 
-    def __init__(self, target_port: int, hold_s: float = 20.0) -> None:
+    def __init__(self, target_port: int, hold_s: float = 20.0, drip_s: float = 2.0) -> None:
         """hold_s: how long a black-holed connection is held before the proxy closes it (so a
-        client without timeouts fails its test instead of hanging it)."""
+        client without timeouts fails its test instead of hanging it). drip_s: the pause before
+        each byte of a dripped answer (a drip ends when the client goes, or at clear())."""
         self.target = ("127.0.0.1", target_port)
         self.hold_s = hold_s
+        self.drip_s = drip_s
         self._release = threading.Event()
         self.rules: list[Rule] = []
         self.seen: list[tuple[bytes, str]] = []
@@ -132,6 +136,15 @@ class TcpProxy:
             _close(upstream)
             if action == "reset-after":
                 _reset(conn)
+                return
+            if action == "drip":
+                with self._lock:
+                    release = self._release
+                for k in range(len(answer)):
+                    if release.wait(self.drip_s):
+                        break
+                    conn.sendall(answer[k:k + 1])
+                _close(conn)
                 return
             conn.sendall(answer)
             _close(conn)

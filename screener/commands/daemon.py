@@ -44,6 +44,9 @@ def build_daemon(app: AppContext, config: Any, *, stop: threading.Event,
     store = app.store(choice)
     if kind == "kube":
         node = config.node
+        # With the API out of reach, alarms and findings are decided on what the store knows
+        # and spooled, from the first pass on (issue 36.4).
+        store.decide_offline()
         taint: Any = store
         gpu_pods: Any = lambda: store.gpu_pods(node)  # noqa: E731
         kwargs.update(publish=store.set_annotations,
@@ -200,6 +203,7 @@ def daemon_cmd(app: AppContext, config_path: Optional[str], once: bool, node: Op
                  extra={"event": "metrics", "port": server.port})
     try:
         daemon = build_daemon(app, config, stop=stop, metrics=metrics)
+        _wind_down_on(stop, daemon.store, config.kube_timeouts.stop_s)
         if once:
             report = daemon.tick(once=True)
             if as_json:
@@ -213,6 +217,22 @@ def daemon_cmd(app: AppContext, config_path: Optional[str], once: bool, node: Op
         # the store, NVML and the kernel-log reader close after this, when the command ends
         if server is not None:
             server.stop()
+
+
+def _wind_down_on(stop: threading.Event, store: Any, seconds: float) -> None:
+    """Once `stop` is set (SIGTERM), cap every API call of the store, the one in flight too, to
+    `seconds`: the pod ends within its grace period whatever the API server does. A thread, not
+    the signal handler: the handler may interrupt the very code that holds the caps' lock."""
+    wind_down = getattr(store, "wind_down", None)
+    if wind_down is None:
+        return
+
+    def wait() -> None:
+        stop.wait()
+        log.info("stopping: API calls end within %g s", seconds, extra={"event": "stopping"})
+        wind_down(seconds)
+
+    threading.Thread(target=wait, daemon=True, name="screener-wind-down").start()
 
 
 def _summary(report: Any) -> str:

@@ -227,7 +227,7 @@ class DaemonConfig:
             raise bad("ladder", "must be a table")
         if not isinstance(self.kube_timeouts, KubeTimeouts):
             raise bad("kube_timeouts", "must be a table (connect_s, read_s, call_s, "
-                                       "unreachable_s)")
+                                       "unreachable_s, stop_s)")
         if not self.alarm_dir:
             raise bad("alarm_dir", "must be a directory")
         if not self.metrics_host or any(c.isspace() for c in self.metrics_host):

@@ -36,13 +36,17 @@ class KubeTimeouts:
     """How long a request, and a call with its retries, may take. Unknown keys are an error.
 
     connect_s: to open a connection. read_s: for each read of an answer (a black-holed server
-    fails here). call_s: one call with all its retries. unreachable_s: after a call ran out of
-    time, how long later calls fail at once (0: never)."""
+    fails here). call_s: one call with all its retries, total time whatever the server sends (a
+    server dripping its answer cannot stretch it: screener.stores.kubedeadline). unreachable_s:
+    after a call ran out of time, how long later calls fail at once (0: never). stop_s: after
+    SIGTERM, every call (those in flight too) ends within this, so the daemon exits well inside
+    the pod's terminationGracePeriodSeconds (60)."""
 
     connect_s: float = 5.0
     read_s: float = 20.0
     call_s: float = 45.0
     unreachable_s: float = 30.0
+    stop_s: float = 10.0
 
     def __post_init__(self) -> None:
         strict.require_number("kube timeouts", "connect_s", self.connect_s, 0.0, 600.0,
@@ -53,6 +57,8 @@ class KubeTimeouts:
                                low_open=True, unit="seconds")
         strict.require_number("kube timeouts", "unreachable_s", self.unreachable_s, 0.0,
                                3600.0, unit="seconds")
+        strict.require_number("kube timeouts", "stop_s", self.stop_s, 0.0, 600.0,
+                               unit="seconds")
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any]) -> "KubeTimeouts":

@@ -2,9 +2,14 @@
 errors a caller sees.
 
 Every request carries a connect and a read timeout, and every logical call (its retries included)
-ends within `KubeTimeouts.call_s`, so an API server that accepts connections and never answers
-(black-holed, overloaded, a half-dead load balancer) costs a bounded wait, after which the caller
-spools what it was writing and the daemon's tick goes on. After a call ran out of time the API is
+ends within `KubeTimeouts.call_s` of total time, whatever the server does: each attempt's timeouts
+are cut to the time the call has left, and a watchdog shuts down the call's sockets at its
+deadline, so a server that drips its answer a byte at a time cannot stretch it (a read timeout
+alone is per recv; kubedeadline.py says why nothing less bounds total time). An API server that
+accepts connections and never answers (black-holed, overloaded, a half-dead load balancer) or
+answers too slowly costs a bounded wait, after which the caller spools what it was writing and the
+daemon's tick goes on. `wind_down(s)` caps every call, those in flight included, to s seconds
+from now: the daemon's SIGTERM, so the pod ends within its grace period. After a call ran out of time the API is
 taken as unreachable for `unreachable_s`: calls in that window fail at once instead of each
 waiting its own timeout, so one tick does not spend minutes on a dead server. Refused and reset
 connections fail fast by themselves and do not open that window.
@@ -28,6 +33,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import urllib3
 
 from screener.errors import BadInputError, ConfigError, ExternalServiceError
+from screener.stores import kubedeadline
 # The tables live in settings; re-exported, as they were defined here once.
 from screener.settings.stores import KubeTimeouts, RetryPolicy
 
@@ -68,40 +74,80 @@ class ApiCaller:
         self.sleep, self.rng, self.page_size = sleep, rng, page_size
         self._unreachable_until = 0.0  # time.monotonic(): a timed-out call opened the window
         self._guard = threading.Lock()
+        self._deadlines = kubedeadline.Owner()
+        # The client's connections enlist with the call on their thread, so the watchdog can end
+        # a call at its deadline however the server answers (kubedeadline.py).
+        client = getattr(getattr(api, "api_client", None), "rest_client", None)
+        self.watched = kubedeadline.install(getattr(client, "pool_manager", None))
+
+    def wind_down(self, seconds: float) -> None:
+        """No call, in flight or to come, runs past `seconds` from now (the daemon's SIGTERM)."""
+        self._deadlines.cap(seconds)
 
     def call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Call the API and return the parsed JSON body; retry transient errors with backoff,
-        all within timeouts.call_s."""
+        all within timeouts.call_s of total time (and the wind-down cap, when one is set)."""
         self._fail_fast(what)
         kwargs["_preload_content"] = False
-        kwargs["_request_timeout"] = (self.timeouts.connect_s, self.timeouts.read_s)
         started = time.monotonic()
+        deadline = started + self.timeouts.call_s
         last: Optional[BaseException] = None
+        timed_out = False
+        attempt = 0
         for attempt in range(self.retry.attempts):
             if attempt:
                 delay = self.retry.delay(attempt - 1, self.rng)
-                if time.monotonic() - started + delay >= self.timeouts.call_s:
+                if self._deadlines.left(deadline) - delay <= 0:
                     break  # no time left for another try
                 self.sleep(delay)
+            left = self._deadlines.left(deadline)
+            if left <= 0:
+                timed_out = timed_out or last is None
+                break
+            # Each attempt's timeouts within what the call has left; the watchdog ends it there.
+            kwargs["_request_timeout"] = (min(self.timeouts.connect_s, left),
+                                          min(self.timeouts.read_s, left))
+            watch = kubedeadline.begin(self._deadlines, deadline)
             try:
-                data = fn(*args, **kwargs).data
+                try:
+                    data = fn(*args, **kwargs).data
+                finally:
+                    fired = kubedeadline.end(watch)
+                if fired:  # an answer cut short by the deadline is no answer, whatever came
+                    raise TimeoutError(f"no whole answer within the call's "
+                                       f"{self.timeouts.call_s:g} s")
                 return json.loads(data) if data else None
             except self.api_exception as e:
-                if e.status not in TRANSIENT_STATUS:
+                if e.status not in TRANSIENT_STATUS or watch.fired:
+                    if watch.fired:
+                        last, timed_out = e, True
+                        break
                     raise KubeApiError(f"{what}: Kubernetes API answered {e.status} {e.reason}: "
                                        f"{_message(e)}", e.status) from e
                 last = e
                 log.info("%s: transient API error %s (attempt %d)", what, e.status, attempt + 1)
             except (urllib3.exceptions.HTTPError, OSError) as e:
                 last = e
+                if watch.fired:
+                    timed_out = True
+                    log.info("%s: no answer within the call's deadline (attempt %d)", what,
+                             attempt + 1)
+                    break
                 log.info("%s: API unreachable: %s (attempt %d)", what, e, attempt + 1)
-            if time.monotonic() - started >= self.timeouts.call_s:
+            if self._deadlines.left(deadline) <= 0:
                 break
-        if _timed_out(last) and self.timeouts.unreachable_s > 0:
+        timed_out = timed_out or _timed_out(last)
+        if timed_out and self.timeouts.unreachable_s > 0:
             with self._guard:
                 self._unreachable_until = time.monotonic() + self.timeouts.unreachable_s
-        brief = (f"{last.status} {last.reason}: {_message(last)}"
-                 if isinstance(last, self.api_exception) else str(last))
+        if last is None:
+            brief = "not sent: the screener is stopping" if self._deadlines.left(deadline) <= 0 \
+                else "no attempt made"
+        elif timed_out and not isinstance(last, self.api_exception):
+            brief = f"timed out: {last}"
+        else:
+            brief = (f"{last.status} {last.reason}: {_message(last)}"
+                     if isinstance(last, self.api_exception) else str(last))
         raise TransientKubeError(f"{what}: Kubernetes API unavailable after {attempt + 1} "
                                  f"attempts: {brief} ({time.monotonic() - started:.1f} s)") from last
 
