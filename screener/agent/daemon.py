@@ -12,7 +12,11 @@ Start-up (`start`): ends the screen workers a killed predecessor left running an
 folders (screening.reap_stale_screens), clears the screening taint, and makes the node known: a
 node with no state starts in burnin, unless the adoption rule says it was already serving (GPU pods
 running, or a Node object older than `adopt_min_age_s` / `adopt_created_before`): then it is
-adopted as healthy-but-unscreened and gets a quick screen at its next idle window.
+adopted as healthy-but-unscreened and gets a quick screen at its next idle window. A start-up
+that fails (the API server out of reach) does not hold the passes back (issue 36.4): every pass
+tries it again first, and until it succeeds a pass still probes and takes in alarms (the kube
+store then decides on what it knows and spools: KubeStore.decide_offline), only the budget, the
+ladder and screens wait for it.
 
 Each pass (`tick`):
   1. takes in alarm files (screener.agent.intake): each applied through the lifecycle exactly
@@ -245,14 +249,8 @@ class Daemon:
 
     def run(self) -> None:
         """Loop until `stop` is set (SIGTERM). Our own errors are logged and counted, never fatal."""
-        while not self.started and not self.stop.is_set():
-            try:
-                self.start()
-            except ScreenerError as e:  # e.g. the API server not reachable yet: not ready, retry
-                self.metrics.error("start")
-                log.error("start-up failed, retrying in %g s: %s", self.config.tick_s, e,
-                          extra={"event": "error", "where": "start"})
-                self.stop.wait(self.config.tick_s)
+        # A start-up that fails (the API server out of reach) is retried by every pass, and the
+        # passes go on meanwhile: alarms are spooled and the probes run (issue 36.4).
         try:
             while not self.stop.is_set():
                 self.tick()
@@ -268,11 +266,12 @@ class Daemon:
     def tick(self, *, once: bool = False) -> PassReport:
         """One pass (the module docstring's steps): intake, spool replay, the budget, a stale
         taint, probes when due, the repair ladder, a screen when due and idle."""
-        if not self.started:
-            self.start()
         now = self.clock.monotonic()
         report = PassReport(node=self.node, started=self.stamps.now())
         self.metrics.beat()
+        if not self.started and not self.stop.is_set():
+            # Retried on every pass; not started, the pass still probes and takes in alarms.
+            self._step(report, "start", self.start)
         if self.last_report is None:
             # The first pass probes before the intake: an alarm's GPU serials count only when
             # this node's NVML reports them, so the serials must be known first.
@@ -284,8 +283,9 @@ class Daemon:
         self._step(report, "intake", lambda: self._intake(report))
         if self.replay is not None:
             self._step(report, "replay", self.replay)
-        self._step(report, "budget", lambda: self.feed.reconsider_budget(report))
-        if self.window.taint_dirty:
+        if self.started:
+            self._step(report, "budget", lambda: self.feed.reconsider_budget(report))
+        if self.window.taint_dirty and not self.stop.is_set():  # stopping: run() removes it
             self._step(report, "untaint", self.window.clear_stale)
         if not probed_first and (once or now >= self.next_probe):
             self._step(report, "probe", lambda: self._probe_and_observe(report))
@@ -293,9 +293,9 @@ class Daemon:
         elif self.findings.needs_retry:
             # Findings whose transition could not be written: retried on every tick.
             self._step(report, "findings", lambda: self._apply_findings(report))
-        if self.ladder is not None and self.state == S.QUARANTINED and report.idle:
+        if self.ladder is not None and self.started and self.state == S.QUARANTINED and report.idle:
             self._step(report, "ladder", lambda: self._climb(report))
-        report.screen_due = self.screens.due(now)
+        report.screen_due = self.screens.due(now) if self.started else ""
         if report.screen_due and (report.idle or (once and report.activity is not None
                                                   and not report.activity.busy)):
             if not self.stop.is_set():

@@ -38,6 +38,7 @@ reads, and the node-level calls the daemon makes besides the protocol.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import os
@@ -110,6 +111,8 @@ class KubeStore:
         self.instance = instance or node_name()
         # False in the daemon's observe mode (observe_only): no screener taint is ever added.
         self.write_taints = True
+        # True in the daemon (decide_offline): with the API out of reach, decide and spool.
+        self.offline = False
         self._lock = threading.RLock()
         self.calls = ApiCaller(self.api, self.namespace, api_exception=ApiException, retry=retry,
                                timeouts=timeouts, sleep=sleep, rng=rng, page_size=page_size)
@@ -197,6 +200,21 @@ class KubeStore:
         """One transition, as one unit (kubewrite.py), with the taints this store's mode allows."""
         self.writer.write(t, check_from=check_from, write_taints=self.write_taints,
                           node_obj=node_obj, cm=cm, view=view)
+        self.spool.remember(t.node, t.to_state.value)
+
+    def decide_offline(self) -> None:
+        """The daemon's mode (issue 36.4): while the API server is out of reach, a decision is
+        made on what this store knows (the node's spooled or last known state) and spooled, so
+        an alarm or a finding is durable and its file or kernel-log position can move on. A
+        failure decided so cannot claim a budget slot: it is held in suspect (tainted, no new
+        work) and takes a slot through the budget's release once the API answers
+        (lifecycle.apply.release_held), so the budget stays exact. Other callers (`node set`,
+        burn-in) keep failing: their spool has no daemon to replay it."""
+        self.offline = True
+
+    def wind_down(self, seconds: float) -> None:
+        """No API call, in flight or to come, runs past `seconds` from now (SIGTERM)."""
+        self.calls.wind_down(seconds)
 
     def replay(self) -> int:
         """Write spooled transitions oldest first; stop at the first that still cannot be written.
@@ -239,8 +257,14 @@ class KubeStore:
         return len(self.spool)
 
     def history(self, node: str, since: Optional[float] = None) -> list[Transition]:
-        obj = self.calls.read_node(node)
-        return self.histories.of_node(node, obj, self.histories.configmap(node), since)
+        try:
+            obj = self.calls.read_node(node)
+            return self.histories.of_node(node, obj, self.histories.configmap(node), since)
+        except TransientKubeError:
+            if not self.offline:
+                raise
+            # Out of reach in the daemon: what this store has decided and not written yet.
+            return [t for _, t in self.spool.entries(node) if since is None or t.time >= since]
 
     def all_states(self) -> dict[str, NodeState]:
         """Every node with a screener state: one paginated, label-selected list of Node metadata."""
@@ -282,7 +306,13 @@ class KubeStore:
     def begin(self, node: str) -> Iterator["KubeTxn"]:
         """One read-decide-write of `node` against the budget (see NodeTxn)."""
         with self._lock:
-            yield KubeTxn(self, node)
+            try:
+                txn: Any = KubeTxn(self, node)
+            except TransientKubeError as e:
+                if not self.offline:
+                    raise
+                txn = OfflineTxn(self, node, e)
+            yield txn
 
     def set_verdict(self, node: str, verdict: Mapping[str, Any]) -> None:
         self.set_annotations(node, {ANNOTATION_VERDICT: json.dumps(json_safe(dict(verdict)),
@@ -386,6 +416,7 @@ class KubeTxn:
         self._view = store.budget.view()
         pending = store.spool.entries(node)
         labelled = state_of(self._obj)
+        store.spool.remember(node, labelled.value if labelled is not None else None)
         self.state: Optional[NodeState] = pending[-1][1].to_state if pending else labelled
         self.history = store.histories.of_node(node, self._obj, self._cm)
         self.fleet_total = self._view.fleet + (0 if labelled is not None or pending else 1)
@@ -425,6 +456,48 @@ class KubeTxn:
                     store._release_unless_out(self.node)
                 raise
             first = False
+
+
+class OfflineTxn:
+    """The NodeTxn of a KubeStore in the daemon's offline mode (decide_offline) while the API
+    server is out of reach: the node's state is the last spooled one, else the last one this
+    store read or wrote (the spool remembers it across restarts); a node it never saw is not
+    decided (the read's error stands, and the alarm waits). The history is what the spool holds. The budget cannot be claimed, so every automatic move
+    out of service is held in suspect (the lifecycle's own budget path) until a slot is claimed
+    online. Everything decided goes to the spool; the replay writes it in order."""
+
+    def __init__(self, store: KubeStore, node: str, cause: TransientKubeError) -> None:
+        self._store, self.node, self.cause = store, node, cause
+        pending = store.spool.entries(node)
+        known = store.spool.known(node)
+        self.state: Optional[NodeState] = (pending[-1][1].to_state if pending
+                                           else NodeState(known) if known else None)
+        if self.state is None:
+            # Never seen by this store (a fresh state disk): a guess could put a serving node
+            # in burnin, or undo its adoption. It waits for the API, as before.
+            raise cause
+        self.history = [t for _, t in pending]
+        # No slot can be claimed: counts that hold every automatic quarantine in suspect.
+        self.fleet_total = 1
+        self.out_of_service = 1
+
+    def failures_for(self, serials: Sequence[str], since: float) -> list[Transition]:
+        return [t for t in self.history if t.failure and t.time >= since
+                and set(t.gpu_serials) & set(serials)]
+
+    def commit(self, transitions: Sequence[Transition]) -> None:
+        for t in transitions:
+            if t.node != self.node:
+                raise ValueError(f"a decision about {self.node} cannot record a transition of {t.node}")
+            if t.evidence.get("budget") is not None:
+                t = dataclasses.replace(
+                    t, reason=(f"{t.reason} (decided while the Kubernetes API was out of reach: "
+                               "the budget is claimed once it answers)")[:1024],
+                    evidence={**t.evidence, "budget": {"offline": str(self.cause)[:300]}})
+            self._store.spool.append(t)
+            log.warning("transition of %s to %s decided while the API is out of reach, spooled "
+                        "(%d waiting): %s", t.node, t.to_state.value, len(self._store.spool),
+                        self.cause)
 
 
 def _parsed(raw: Optional[str]) -> Any:

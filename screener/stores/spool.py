@@ -3,6 +3,10 @@
 KubeStore appends here when the API server stays unreachable after its retries, and replays the
 entries oldest first once it answers again, so a transition is never lost and never reordered. One
 SQLite file (WAL, one transaction per append or removal); ":memory:" for tests.
+
+It also remembers each node's last known state (`known`, `remember`): what the daemon decides on
+while the API server is out of reach, from its first pass on (issue 36.4), when nothing is
+spooled for the node yet.
 """
 
 from __future__ import annotations
@@ -39,10 +43,35 @@ class Spool:
             self._db.execute("PRAGMA synchronous = FULL")
             self._db.execute("CREATE TABLE IF NOT EXISTS spool (seq INTEGER PRIMARY KEY AUTOINCREMENT,"
                              " id TEXT NOT NULL, node TEXT NOT NULL, record TEXT NOT NULL)")
+            self._db.execute("CREATE TABLE IF NOT EXISTS known (node TEXT PRIMARY KEY,"
+                             " state TEXT NOT NULL)")
             self._db.execute(f"PRAGMA user_version = {SPOOL_SCHEMA_VERSION}")
         except (OSError, sqlite3.Error) as e:
             raise BadInputError(f"{self.path}: cannot open the transition spool: {e}") from e
         self._lock = threading.Lock()
+        self._known: dict[str, str] = {}
+
+    def remember(self, node: str, state: Optional[str]) -> None:
+        """The node's state as last read or written (written only when it changed)."""
+        if state is None or self._known.get(node) == state:
+            return
+        with self._lock:
+            try:
+                self._db.execute("INSERT OR REPLACE INTO known (node, state) VALUES (?, ?)",
+                                 (node, state))
+            except sqlite3.Error:
+                return  # a hint for the offline decision only; the next read tries again
+            self._known[node] = state
+
+    def known(self, node: str) -> Optional[str]:
+        """The node's last remembered state (None: never seen by this spool)."""
+        if node in self._known:
+            return self._known[node]
+        with self._lock:
+            row = self._db.execute("SELECT state FROM known WHERE node = ?", (node,)).fetchone()
+        if row is not None:
+            self._known[node] = str(row[0])
+        return self._known.get(node)
 
     def append(self, t: Transition) -> None:
         payload = json.dumps(t.to_dict(), sort_keys=True)
