@@ -474,4 +474,101 @@ def tensor_parallel_scenarios(rank: int, world: int, *, root: str) -> dict[str, 
         out[name] = tensor_parallel_train(rank, world, alarm_dir=d, **kwargs)
         dist.barrier()
         out[name]["files"] = _files(d)
+    grad = fsdp_workers.flip(3, 2, op="mm", call=1, bit=22)
+    for name, lp, fault in (("sp_healthy", False, None), ("sp_grad", False, grad),
+                            ("lp_healthy", True, None), ("lp_grad", True, grad)):
+        d = os.path.join(root, name)
+        os.makedirs(d, exist_ok=True)
+        out[name] = sequence_parallel_train(rank, world, alarm_dir=d, loss_parallel=lp,
+                                            fault=fault)
+        dist.barrier()
+        out[name]["files"] = _files(d)
     return out
+
+
+class _SPBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(8)
+        self.up = torch.nn.Linear(8, 16)
+        self.down = torch.nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class _SPNet(torch.nn.Module):
+    """A token model for sequence parallel: embedding, two residual MLP blocks, the head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, 8)
+        self.blocks = torch.nn.ModuleList([_SPBlock(), _SPBlock()])
+        self.norm = torch.nn.LayerNorm(8)
+        self.out = torch.nn.Linear(8, 32, bias=False)
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        x = self.emb(t)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(self.norm(x))
+
+
+def sequence_parallel_train(rank: int, world: int, *, alarm_dir: str, loss_parallel: bool,
+                            fault: Optional[fsdp_workers.flip] = None, steps: int = 4
+                            ) -> dict[str, Any]:
+    """FSDP2 x TP with sequence parallel (the norms SequenceParallel, activations sharded on the
+    sequence between blocks, torchtitan's plan in small) and, with loss_parallel, the head's
+    logits left sharded on the vocabulary and the cross-entropy under loss_parallel()."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, \
+        SequenceParallel, parallelize_module
+    from torch.distributed.tensor.parallel import loss_parallel as lp
+
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh["dp"].get_local_rank()
+    torch.manual_seed(0)
+    model = _SPNet()
+    parallelize_module(model, mesh["tp"], {
+        "emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "out": ColwiseParallel(input_layouts=Shard(1),
+                               output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                               use_local_output=not loss_parallel)})
+    for b in model.blocks:
+        parallelize_module(b, mesh["tp"], {"norm": SequenceParallel(),
+                                           "up": ColwiseParallel(input_layouts=Shard(1)),
+                                           "down": RowwiseParallel(output_layouts=Shard(1))})
+        fully_shard(b, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    ctx_lp = lp if loss_parallel else contextlib.nullcontext
+
+    def loss_fn(m: torch.nn.Module, batch: Any) -> torch.Tensor:
+        t, y = batch
+        logits = m(t)
+        with ctx_lp():
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    auditor = Auditor(model, loss_fn=loss_fn, audit_every=1, weights_every=1,
+                      alarm_dir=alarm_dir, job="t")
+
+    def run() -> int:
+        done = 0
+        for step in range(steps):
+            opt.zero_grad(set_to_none=True)
+            g = torch.Generator().manual_seed(100 * dp + step)
+            batch = (torch.randint(0, 32, (2, 8), generator=g),
+                     torch.randint(0, 32, (2, 8), generator=g))
+            ctx = (fault(rank, step) if fault else None) or contextlib.nullcontext()
+            with ctx:
+                loss = loss_fn(model, batch)
+                with ctx_lp():
+                    loss.backward()
+            auditor.check_gradients(step, loss, batch=batch)
+            opt.step()
+            auditor.check_weights(step)
+            done += 1
+        return done
+
+    return _loop_result(auditor, run)

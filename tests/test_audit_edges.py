@@ -56,6 +56,13 @@ def test_fsdp_x_tp_healthy_steps_are_audited_without_an_alarm(tensor_parallel_ru
         assert (o["alarm"], o["numeric"], o["steps_done"]) == (None, None, 6), o
         assert o["counters"]["audits"] == 6 and o["counters"]["weight_checks"] == 6
         assert not o["files"]
+    # sequence parallel (norms SequenceParallel, activations sharded on the sequence), and with
+    # loss parallel (the cross-entropy on vocabulary-sharded logits, its backward under
+    # loss_parallel() in the replays too)
+    for name in ("sp_healthy", "lp_healthy"):
+        for o in tensor_parallel_runs[name]:
+            assert (o["alarm"], o["numeric"], o["steps_done"]) == (None, None, 4), (name, o)
+            assert o["counters"]["audits"] == 4 and not o["files"]
 
 
 @pytest.mark.slow
@@ -66,6 +73,8 @@ def test_fsdp_x_tp_healthy_steps_are_audited_without_an_alarm(tensor_parallel_ru
     ("nan", "nonfinite_local", 1, [2, 3]),
     ("spike", "spike_rerun", 6, [2, 3]),
     ("spike_persistent", "spike_rerun", 6, [2, 3]),
+    ("sp_grad", "ring_replay", 2, [3]),  # sequence parallel
+    ("lp_grad", "ring_replay", 2, [3]),  # sequence parallel and loss parallel
 ])
 def test_fsdp_x_tp_faults_are_settled_on_the_tp_group_and_its_node_only(
         tensor_parallel_runs, scenario, check, step, ranks):

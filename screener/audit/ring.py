@@ -258,6 +258,14 @@ def replay(module: torch.nn.Module, params: Sequence[torch.nn.Parameter],
         return _by_backward(module, params, loss_fn, micro, scale)
 
 
+def scalar_of(loss: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain detached tensor: a DTensor's (loss parallel's, replicated) full value,
+    else the tensor itself."""
+    value = loss.detach()
+    full = getattr(value, "full_tensor", None)
+    return full() if callable(full) else value
+
+
 def loss_bits(loss: torch.Tensor | float) -> int:
     """The loss as the bits of a float64 (exact for float16/bfloat16/float32/float64 losses)."""
     value = loss.detach().double().reshape(()) if isinstance(loss, torch.Tensor) \

@@ -329,8 +329,8 @@ class ShardedAuditor:
         step = int(step)
         self.cadence.begin(step)
         self.history.note(step)
-        loss_t = ring.loss_of(loss) if not isinstance(loss, (int, float)) else torch.tensor(
-            float(loss), dtype=torch.float64)
+        loss_t = ring.scalar_of(ring.loss_of(loss)) if not isinstance(loss, (int, float)) \
+            else torch.tensor(float(loss), dtype=torch.float64)
         tap = self._tap
         reduced_ok = tap.reduced_finite
         state = self._state if self._state is not None else StepState(None, None,

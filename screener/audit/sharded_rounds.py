@@ -60,6 +60,17 @@ def encode_batch(batch: Any) -> torch.Tensor:
     return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
 
 
+def _loss_parallel_backward(loss: Any, scale: Optional[float]) -> None:
+    """The backward of a loss computed under tensor parallel's loss_parallel (a DTensor): it
+    runs under the same context, as the loop's own backward must (the vocabulary-sharded
+    cross-entropy's backward is loss_parallel's)."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    with loss_parallel():
+        out = loss if scale is None else loss * scale
+        out.backward()
+
+
 def _decode_batch(data: torch.Tensor, device: torch.device) -> Any:
     return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), map_location=device,
                       weights_only=False)
@@ -168,7 +179,11 @@ class Lockstep:
                     # reduce-scatter on the micro-steps the step did: every one, or the last
                     self.root.set_requires_gradient_sync(tap.sync_at(i, len(micro)))
                     loss = ring.loss_of(self.loss_fn(self.model, mb))
-                    total = loss.detach() if total is None else total + loss.detach()
+                    value = ring.scalar_of(loss)
+                    total = value if total is None else total + value
+                    if hasattr(loss, "placements"):  # a DTensor loss: loss parallel's backward
+                        _loss_parallel_backward(loss, state.scale)
+                        continue
                     out = loss if state.scale is None else loss * torch.full(
                         (1,), state.scale, dtype=torch.float32, device=loss.device)
                     out.reshape(()).backward()
