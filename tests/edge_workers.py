@@ -572,3 +572,38 @@ def sequence_parallel_train(rank: int, world: int, *, alarm_dir: str, loss_paral
         return done
 
     return _loop_result(auditor, run)
+
+
+def fsdp_shard_drift(rank: int, world: int, *, alarm_dir: str, target: Optional[int],
+                     every_rank: bool = False, bit: int = 30, steps: int = 5) -> dict[str, Any]:
+    """Pure FSDP (a 1-D mesh, no replicas to vote); after check_weights(2), one bit of element
+    0 of `target`'s first shard flips (or, every_rank, the loop scales every rank's weights in
+    place after check_weights: a loop bug, not hardware)."""
+    torch.manual_seed(fsdp_workers.SEED)
+    model = fsdp_workers.build(world)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    auditor = Auditor(model, loss_fn=fsdp_workers.compute_loss, audit_every=0, weights_every=1,
+                      alarm_dir=alarm_dir, job="t")
+
+    def run() -> int:
+        done = 0
+        for step in range(steps):
+            opt.zero_grad(set_to_none=True)
+            batch = fsdp_workers.batch_for(rank, step)
+            loss = fsdp_workers.compute_loss(model, batch)
+            loss.backward()
+            auditor.check_gradients(step, loss, batch=batch)
+            opt.step()
+            auditor.check_weights(step)
+            if step == 2 and every_rank:
+                with torch.no_grad():
+                    next(model.parameters()).to_local().mul_(0.999)
+            elif step == 2 and rank == target:
+                faults.apply_to_tensor(next(model.parameters()).to_local().data, 0,
+                                       mode="flip", bit=bit)
+            done += 1
+        return done
+
+    out = _loop_result(auditor, run)
+    out["files"] = _files(alarm_dir)
+    return out

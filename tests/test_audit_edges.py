@@ -204,3 +204,29 @@ def test_a_fault_before_the_sentinel_is_warm_is_caught_by_the_guard_audits(tmp_p
     files = [json.loads(p.read_text()) for p in tmp_path.glob("*.json")]
     assert [f["node"] for f in files] == ["n2"]
     assert all(o["counters"]["audits"] == 5 for o in outs)  # steps 1-5 audited, clean
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bit", [30, 0])  # an exponent bit, the lowest mantissa bit
+def test_a_pure_fsdp_shard_that_changes_after_the_weight_check_is_pinned_to_its_rank(
+        tmp_path, bit):
+    """Pure FSDP has no replica to vote: a bit flipped in rank 4's shard after check_weights(2)
+    reaches every rank through the all-gather alike. The rank's own record of its shards, taken
+    at the weight check and compared at the next check_gradients, names it, settled."""
+    outs = run_ranks(edge_workers.fsdp_shard_drift, ["n1", "n1", "n2", "n2", "n3", "n3"],
+                     timeout=240, alarm_dir=str(tmp_path), target=4, bit=bit)
+    assert all(o["numeric"] is None for o in outs), [o["numeric"] for o in outs]
+    a = _one(outs, "alarm")
+    assert (a["check"], a["step"], a["settled"], a["suspect_ranks"]) == ("weights", 3, True, [4])
+    assert [f["node"] for f in outs[0]["files"]] == ["n3"]
+
+
+@pytest.mark.slow
+def test_a_loop_that_writes_to_the_weights_after_the_weight_check_is_no_hardware_verdict(
+        tmp_path):
+    outs = run_ranks(edge_workers.fsdp_shard_drift, ["n1", "n1", "n2", "n2", "n3", "n3"],
+                     timeout=240, alarm_dir=str(tmp_path), target=None, every_rank=True)
+    assert all(o["alarm"] is None for o in outs)
+    assert all("writes to the weights after check_weights" in (o["numeric"] or "")
+               for o in outs), [o["numeric"] for o in outs]
+    assert not outs[0]["files"]

@@ -7,6 +7,7 @@ import math
 import multiprocessing as mp
 import os
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -209,8 +210,13 @@ def test_monitor_reports_stragglers_with_their_nodes_over_gloo(tmp_path):
     from fakes.daemon import DaemonRig, ScriptedRunner, outcome
     from screener.types import NodeState, Outcome
 
+    from fakes.clock import FakeClock
+
+    # the daemon's clock where the job's was: an alarm from past the node's clock plus its skew
+    # allowance is refused (intake.MAX_CLOCK_SKEW_S)
     rig = DaemonRig(tmp_path / "daemon", ScriptedRunner(outcome(Outcome.PASS), outcome(Outcome.PASS)),
-                    node=NODES[2], alarm_dir=str(files[0].parent), idle_window_s=0.0)
+                    node=NODES[2], alarm_dir=str(files[0].parent), idle_window_s=0.0,
+                    clock=FakeClock(time.time()))
     try:
         rig.nvml.gpus[0].utilization = (90, 50)  # the job is still running: no screen yet
         first = rig.tick()

@@ -85,8 +85,8 @@ from screener.audit.reporting import History, Reporter
 from screener.audit.ring_audit import ShardedRingAudit
 from screener.audit.sentinel import Sentinel, SentinelConfig
 from screener.audit.tensor_parallel import TPGroups
-from screener.audit.sharded_rounds import H_LOCAL_MAG, H_LOSS, H_REDUCED_MAG, NO_BATCH, \
-    NOT_RECORDED, OK, Lockstep, encode_batch, from_bits, to_bits
+from screener.audit.sharded_rounds import H_DRIFT, H_LOCAL_MAG, H_LOSS, H_REDUCED_MAG, \
+    NO_BATCH, NOT_RECORDED, OK, Lockstep, encode_batch, from_bits, to_bits
 from screener.audit.topology import Topology, job_name
 from screener.audit.weight_check import ShardedWeightCheck
 
@@ -347,13 +347,17 @@ class ShardedAuditor:
         data = encode_batch(batch) if (audit and batch is not None) else None
         status = OK if data is not None and recorded else (
             NO_BATCH if data is None else NOT_RECORDED)
+        drifted = self.weights.drifted()  # this rank's shards since the last weight check
         head = torch.tensor([ring.loss_bits(loss_t), int(local_ok and bool(torch.isfinite(
             loss_t.detach().double()).all())), int(reduced_ok), status,
-            0 if data is None else data.numel(), to_bits(mags[0]), to_bits(mags[1])],
-            dtype=torch.int64)
+            0 if data is None else data.numel(), to_bits(mags[0]), to_bits(mags[1]),
+            int(bool(drifted))], dtype=torch.int64)
         walk = FSDP_STEP.walk(None, self._comm, step)
         got = walk.gather("head", head)  # the same width on every step
         rows = walk.gather("audit_states", self._codec.encode(state)) if audit else None
+        if bool(got[:, H_DRIFT].any()):  # a shard changed by itself: before anything it explains
+            self.weights.report_drift(step, [self.topology.ranks[k] for k in range(got.shape[0])
+                                             if int(got[k, H_DRIFT])], drifted)
         skipped = self.nonfinite.judge(walk, step, got, state, batch, data)
         if not skipped:
             losses = [abs(from_bits(x)) for x in got[:, H_LOSS]]

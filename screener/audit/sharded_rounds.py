@@ -33,15 +33,17 @@ from screener.audit.tensor_parallel import TPGroups
 from screener.audit.topology import Topology
 
 __all__ = ["Lockstep", "Offer", "to_bits", "from_bits", "encode_batch", "H_LOSS", "H_LOCAL",
-           "H_REDUCED", "H_STATUS", "H_BYTES", "H_LOCAL_MAG", "H_REDUCED_MAG", "HEAD", "OK",
+           "H_REDUCED", "H_STATUS", "H_BYTES", "H_LOCAL_MAG", "H_REDUCED_MAG", "H_DRIFT", "HEAD",
+           "OK",
            "NO_BATCH", "NOT_RECORDED"]
 
 log = logging.getLogger("screener.audit")
 
 # The head's columns: loss bits, local finite, reduced finite, audit status, batch bytes, local
-# and reduced magnitude bits; on audit steps every rank's step state follows.
-H_LOSS, H_LOCAL, H_REDUCED, H_STATUS, H_BYTES, H_LOCAL_MAG, H_REDUCED_MAG = range(7)
-HEAD = 7
+# and reduced magnitude bits, whether this rank's weight shards changed since the last weight
+# check (weight_check.ShardedWeightCheck.drifted).
+H_LOSS, H_LOCAL, H_REDUCED, H_STATUS, H_BYTES, H_LOCAL_MAG, H_REDUCED_MAG, H_DRIFT = range(8)
+HEAD = 8
 OK, NO_BATCH, NOT_RECORDED = 0, 1, 2  # a rank's status on an audit step
 
 

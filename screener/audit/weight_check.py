@@ -17,6 +17,7 @@ the checkpoint with the digest of the weights just checked, so rollback_target c
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import Counter
 from typing import Any, Callable, Optional, Sequence
@@ -122,6 +123,8 @@ class ShardedWeightCheck:
         self.passed: Optional[tuple[int, str]] = None  # (step, digest) of the last pass
         self.saved: Optional[tuple[int, Optional[str]]] = None  # (step, path) of the last save
         self.voted_at: Optional[int] = None  # the step of the last vote check 2 asked for
+        # this rank's shards as the last weight check left them: (step, fingerprints)
+        self.stored: Optional[tuple[int, torch.Tensor]] = None
 
     def _shard_groups(self) -> list[list[int]]:
         """HSDP: the global ranks that hold the same shard (one per replica), for every shard."""
@@ -190,6 +193,8 @@ class ShardedWeightCheck:
                 outliers.append(r)
         if not outliers and not unsettled:
             self.history.last_clean_weights = step
+            if context is None:  # check_weights, after the optimizer step: the shards to keep
+                self.stored = (step, fingerprints([p.to_local() for p in self.params]))
             # the same on every rank: the gathered fingerprints of the weights just checked
             n = len(self.params)
             flat = full.reshape(-1, 2).tolist()
@@ -213,6 +218,44 @@ class ShardedWeightCheck:
                                      candidate_ranks=sorted(set(outliers) | {
                                          r for g in unsettled for r in g}),
                                      first_suspect_step=first, key=key))
+
+    def drifted(self) -> list[str]:
+        """The parameters whose shard on this rank changed since the last weight check passed
+        (and forget it: one look per weight check). Between the optimizer step and the next one
+        nothing may write to the stored shards; a bit that flips there in a pure FSDP shard
+        reaches every rank through the all-gather, so no comparison between ranks can see it,
+        only the rank's own memory of what it held (issue 34.3). Costs one read of the shards
+        on the step after each weight check."""
+        if self.stored is None:
+            return []
+        _, before = self.stored
+        self.stored = None
+        now = fingerprints([p.to_local() for p in self.params])
+        return [self.names[k] for k in (now != before).any(dim=1).nonzero().flatten().tolist()]
+
+    def report_drift(self, step: int, flagged: list[int], mine: list[str]) -> None:
+        """Raise for the ranks whose shards changed between the weight check and this step:
+        their own memory (settled: one node), or, on ranks of several nodes, the loop writing
+        to the weights after check_weights (NumericFailure)."""
+        topo = self.reporter.topology
+        if mine:  # rank-local: the alarm every rank raises holds gathered data only
+            self.reporter.log(logging.ERROR, "weights_drift", step=step,
+                              parameters=mine[:MAX_NAMES])
+        evidence = {"changed_on_ranks": flagged,
+                    "last_clean_weights": self.history.last_clean_weights,
+                    "why": "a weight shard changed between the weight check after the optimizer "
+                           "step and its next use, with no optimizer step between"}
+        if len({topo.node_of(r) for r in flagged}) > 1 or 2 * len(flagged) > topo.world_size:
+            self.reporter.numeric(step, flagged, evidence, reason=(
+                f"the weights changed on {len(flagged)} ranks of several nodes between "
+                f"check_weights and step {step}: something in the loop writes to the weights "
+                f"after check_weights (an EMA in place, a clamp, a reload); call check_weights "
+                f"after every change to the weights"))
+        self.reporter.alarm(SDCAlarm("weights", step, flagged, topo.suspect_nodes(flagged), True,
+                                     evidence, candidate_ranks=flagged,
+                                     first_suspect_step=self.history.window_start(
+                                         self.history.last_clean_weights, step),
+                                     key=self.reporter.key("weights", step)))
 
     def save(self, save_fn: Callable[[], Any], step: int) -> Any:
         """save_fn() after a check that passed at `step` (forced by the caller), with its marker."""
