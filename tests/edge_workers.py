@@ -304,8 +304,9 @@ def campaign(rank: int, world: int, *, root: str, steps: int, faults_per_pattern
 def tensor_parallel_campaign(rank: int, world: int, *, root: str, steps: int
                              ) -> list[dict[str, Any]]:
     """FSDP2 x TP ((dp, tp=2), a TP group per node): `steps` healthy steps audited every 5th
-    (and the first 20), then on every rank in turn a forward fault (a mantissa bit of a Colwise
-    output) and a gradient fault (a backward matmul) at audit step 5, one run each."""
+    (and the first 20), then on every rank in turn a forward fault (a mantissa bit of the last
+    Rowwise output, which no ReLU can mask) and a gradient fault (a backward matmul) at audit
+    step 5, one run each."""
     import os
 
     rows: list[dict[str, Any]] = []
@@ -328,7 +329,7 @@ def tensor_parallel_campaign(rank: int, world: int, *, root: str, steps: int
     one("healthy", None, steps=steps, audit_every=5)
     for target in range(world):
         one("forward", target, steps=6, audit_every=5,
-            fault=fsdp_workers.flip(target, 5, op="addmm", call=1, bit=22))
+            fault=fsdp_workers.flip(target, 5, op="addmm", call=3, bit=22))
         one("gradient", target, steps=6, audit_every=5,
             fault=fsdp_workers.flip(target, 5, op="mm", call=1, bit=22))
     return rows
