@@ -44,3 +44,18 @@ def test_kat_run_with_a_fault_that_never_fires_prints_what_it_exits(cpu_goldens)
                        "reached them): op=mm,call=3000"], r.stderr
     r = screener(*args, "--json")
     assert r.returncode == 2 and json.loads(r.stdout)["exit_code"] == 2, r.stdout
+
+
+@pytest.mark.slow
+def test_burnin_with_a_fault_that_never_fires_prints_what_it_exits(tmp_path, cpu_goldens):
+    """The table's last line said "(exit 4)" above an exit 2 (issue 35 item 4, for burnin)."""
+    args = ("burnin", "--quick", "-n", "1", "--no-hbm", "--no-collective", "--no-probes",
+            "--golden-dir", cpu_goldens("gemm-fp32"), "-j", "gemm-fp32",
+            "--inject", "device=cpu,op=mm,call=3000")
+    r = screener(*args)
+    assert r.returncode == 2, r.stdout + r.stderr
+    last = r.stdout.strip().splitlines()[-1]
+    assert last.startswith("not a test (exit 2): injected fault(s) never fired"), r.stdout
+    assert "(exit 0)" not in r.stdout and "(exit 4)" not in r.stdout, r.stdout
+    r = screener(*args, "--json")
+    assert r.returncode == 2 and json.loads(r.stdout)["exit_code"] == 2, r.stdout

@@ -17,11 +17,12 @@ from typing import Any, Callable, Optional
 import click
 
 from screener.commands._known_answer import (DEVICE_HELP, INJECT_HELP, MAX_ITERATIONS, echo_json,
-                                             parse_faults, unfired_exit)
+                                             parse_faults, unfired_exit, unfired_warnings)
 from screener.commands._params import Duration, FiniteFloat, positive
 from screener.commands.context import AppContext, pass_app
 from screener.commands.options import store_options
 from screener.errors import BadInputError
+from screener.types import ExitCode
 from screener.settings.durations import YEAR_S
 from screener.settings.stores import StoreChoice
 
@@ -141,6 +142,12 @@ def burnin_cmd(app: AppContext, devices: tuple[str, ...], jobs: tuple[str, ...],
     full.wall_s = wall.elapsed()  # the summary's time: the wall time since the command started
     rep = replace(full.kat, extra=full.extra())
     d = rep.to_dict()
+    # A fault that never fired tested nothing: exit 2, and the printed verdict says so too, as
+    # kat run's does (the table's last line said "(exit 4)" above an exit 2)
+    unfired = unfired_warnings(full.kat.screen if full.kat else None, inject)
+    code = int(ExitCode.USAGE) if unfired else int(full.exit_code)
+    if unfired:
+        d.update(exit_code=code, unfired=unfired)
     if report:
         try:
             Path(report).write_text(json.dumps(d, indent=2, default=str) + "\n")
@@ -149,10 +156,14 @@ def burnin_cmd(app: AppContext, devices: tuple[str, ...], jobs: tuple[str, ...],
     if as_json:
         echo_json(d)
     else:
-        click.echo(full.table())
+        lines = full.table().splitlines()
+        if unfired and lines:
+            lines[-1] = (f"not a test (exit {code}): injected fault(s) never fired, so this "
+                         f"burn-in proves nothing about the devices they were meant for")
+        click.echo("\n".join(lines))
     if full.store_error is not None:
         click.echo(f"screener: the node's state was not recorded: {full.store_error}", err=True)
-    sys.exit(unfired_exit(full.kat.screen if full.kat else None, int(full.exit_code)))
+    sys.exit(unfired_exit(full.kat.screen if full.kat else None, code, inject))
 
 
 def _refuse_with_quick(duration: Optional[float], store: StoreChoice) -> None:
