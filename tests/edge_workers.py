@@ -608,3 +608,41 @@ def fsdp_shard_drift(rank: int, world: int, *, alarm_dir: str, target: Optional[
     out = _loop_result(auditor, run)
     out["files"] = _files(alarm_dir)
     return out
+
+
+def hsdp_tensor_parallel(rank: int, world: int, *, alarm_dir: str,
+                         fault: Optional[fsdp_workers.flip] = None, steps: int = 4
+                         ) -> dict[str, Any]:
+    """HSDP x TP on a 3-D (replicate = 2, shard = 2, tp = 2) mesh of 8 ranks, a TP group per
+    node; the batch follows the (replicate, shard) index."""
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
+    dp = mesh["replicate"].get_local_rank() * 2 + mesh["shard"].get_local_rank()
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, \
+        parallelize_module
+
+    torch.manual_seed(fsdp_workers.SEED)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["replicate", "shard"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    auditor = Auditor(model, loss_fn=_tp_loss, audit_every=1, weights_every=1,
+                      alarm_dir=alarm_dir, job="t")
+
+    def run() -> int:
+        done = 0
+        for step in range(steps):
+            opt.zero_grad(set_to_none=True)
+            batch = _tp_batch(dp, step)
+            ctx = (fault(rank, step) if fault else None) or contextlib.nullcontext()
+            with ctx:
+                loss = _tp_loss(model, batch)
+                loss.backward()
+            auditor.check_gradients(step, loss, batch=batch)
+            opt.step()
+            auditor.check_weights(step)
+            done += 1
+        return done
+
+    out = _loop_result(auditor, run)
+    out["files"] = _files(alarm_dir)
+    return out

@@ -230,3 +230,29 @@ def test_a_loop_that_writes_to_the_weights_after_the_weight_check_is_no_hardware
     assert all("writes to the weights after check_weights" in (o["numeric"] or "")
                for o in outs), [o["numeric"] for o in outs]
     assert not outs[0]["files"]
+
+
+HSDP_TP_NODES = ["n1", "n1", "n2", "n2", "n3", "n3", "n4", "n4"]  # a TP group per node
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault, ranks", [
+    (None, None),
+    (edge_workers.fsdp_workers.flip(5, 2, op="addmm", call=1, bit=22), [4, 5]),  # forward
+    (edge_workers.fsdp_workers.flip(5, 2, op="mm", call=1, bit=22), [5]),  # a weight gradient
+])
+def test_hsdp_x_tp_on_a_3d_mesh_is_audited(tmp_path, fault, ranks):
+    """(replicate 2, shard 2, tp 2) on 8 ranks: healthy steps pass, a forward fault on rank 5 is
+    settled on its TP group (node n3), a gradient fault on rank 5 alone; file on n3 only."""
+    outs = run_ranks(edge_workers.hsdp_tensor_parallel, HSDP_TP_NODES, timeout=300,
+                     alarm_dir=str(tmp_path), fault=fault)
+    assert all(o["numeric"] is None for o in outs), [o["numeric"] for o in outs]
+    if fault is None:
+        for o in outs:
+            assert (o["alarm"], o["steps_done"]) == (None, 4) and not o["files"], o
+            assert o["counters"]["audits"] == 4 and o["counters"]["weight_checks"] == 4
+        return
+    a = _one(outs, "alarm")
+    assert (a["check"], a["step"], a["settled"], a["suspect_ranks"]) == ("ring_replay", 2, True,
+                                                                         ranks)
+    assert [f["node"] for f in outs[0]["files"]] == ["n3"]

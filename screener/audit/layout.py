@@ -18,8 +18,9 @@ What is audited, by placement of every parameter:
   on dp (Shard(0), or _StridedShard(0) where TP shards the same dim) and then by TP on tp
   (Shard(k) or Replicate()), every parameter on that mesh (tensor_parallel.py says how it is
   replayed).
-Anything else is refused: HSDP x TP (a 3-D mesh, not yet), a sub-mesh (pipeline stages, each
-sharded on their data-parallel row), parameters on different meshes (a TP model with parameters
+- HSDP x TP: the same on a 3-D (replicate, shard, tp) mesh, Replicate() first; its weight vote
+  runs per shard and TP coordinate across the replicas.
+Anything else is refused: a sub-mesh (pipeline stages, each sharded on their data-parallel row), parameters on different meshes (a TP model with parameters
 TP left alone), ranks that hold different parameters.
 
 describe and agreement are pure (parameters in, plain strings out); `join` runs the one gather.
@@ -40,9 +41,10 @@ from screener.audit.topology import Topology, gather_topology
 __all__ = ["Layout", "describe", "agreement", "join", "SUPPORTED"]
 
 SUPPORTED = ("audited: DDP, FSDP2 (Shard(0) on a 1-D mesh), HSDP ((Replicate(), Shard(0)) on "
-             "a 2-D mesh) and FSDP2 x tensor parallel (FSDP's Shard(0) then the TP placement, on "
-             "a 2-D (dp, tp) mesh), each over every rank of the job; run this job without the "
-             "Auditor (the node screens still cover its nodes)")
+             "a 2-D mesh), FSDP2 x tensor parallel (FSDP's Shard(0) then the TP placement, on "
+             "a 2-D (dp, tp) mesh) and HSDP x TP (on a 3-D (replicate, shard, tp) mesh), each "
+             "over every rank of the job; run this job without the Auditor (the node screens "
+             "still cover its nodes)")
 
 
 @dataclass(frozen=True)
@@ -107,8 +109,8 @@ def _refusal_ddp(named: Sequence[tuple[str, Any]]) -> str:
 
 
 def _sharded_kind(named: Sequence[tuple[str, Any]], world_size: int) -> tuple[str, str]:
-    """("fsdp", "hsdp" or "fsdp_tp", "") for a sharding the audit knows, else (kind, the
-    refusal)."""
+    """("fsdp", "hsdp", "fsdp_tp" or "hsdp_tp", "") for a sharding the audit knows, else
+    (kind, the refusal)."""
     if not named:
         return "fsdp", "screener.audit: the model has no parameters to audit"
     first_name, first = named[0]
@@ -129,12 +131,14 @@ def _sharded_kind(named: Sequence[tuple[str, Any]], world_size: int) -> tuple[st
     kind = "hsdp" if len(shape) == 2 else "fsdp"
     if len(shape) == 2 and all(_fsdp_then_tp(p) for _, p in named):
         kind = "fsdp_tp"
+    if len(shape) == 3 and all(_hsdp_then_tp(p) for _, p in named):
+        kind = "hsdp_tp"
     if len(ranks) != world_size:
         return kind, (f"screener.audit: the model's device mesh {dims or shape} spans "
                       f"{len(ranks)} of the job's {world_size} ranks (a sub-mesh, as pipeline "
                       f"stages each sharded on their data-parallel row have): pipeline parallel "
                       f"is not audited yet; {SUPPORTED}")
-    if kind == "fsdp_tp":
+    if kind in ("fsdp_tp", "hsdp_tp"):
         return kind, ""
     want = {1: "Shard(0)", 2: "Replicate(),Shard(0)"}.get(len(shape))
     for name, p in named:
@@ -152,6 +156,15 @@ def _fsdp_then_tp(p: Any) -> bool:
     too), then TP's on mesh dim 1 (Shard(k) or Replicate())."""
     dp, tp = p.placements
     return (type(dp).__name__ in ("Shard", "_StridedShard") and getattr(dp, "dim", None) == 0
+            and type(tp).__name__ in ("Shard", "Replicate"))
+
+
+def _hsdp_then_tp(p: Any) -> bool:
+    """HSDP x TP on a (replicate, shard, tp) mesh: Replicate() on the replicas, FSDP's shard on
+    dim 0, then TP's placement."""
+    rep, dp, tp = p.placements
+    return (type(rep).__name__ == "Replicate"
+            and type(dp).__name__ in ("Shard", "_StridedShard") and getattr(dp, "dim", None) == 0
             and type(tp).__name__ in ("Shard", "Replicate"))
 
 

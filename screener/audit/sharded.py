@@ -211,11 +211,13 @@ class ShardedAuditor:
         first = self._params[0]
         mesh = getattr(first, "device_mesh", None)
         self.mesh = mesh
-        self.hsdp = self.layout.kind == "hsdp"
+        kind = self.layout.kind
+        self.hsdp = kind in ("hsdp", "hsdp_tp")
         self.tp: Optional[TPGroups] = None
-        if self.layout.kind == "fsdp_tp" and mesh is not None:  # rows: the TP groups
-            self.tp = TPGroups([[int(x) for x in row] for row in mesh.mesh.tolist()])
-        shard_dim = 0 if self.tp is not None else (mesh.ndim - 1 if mesh is not None else 0)
+        if kind in ("fsdp_tp", "hsdp_tp") and mesh is not None:  # the last dim: TP groups
+            width = mesh.mesh.shape[-1]
+            self.tp = TPGroups(mesh.mesh.reshape(-1, width).tolist())
+        shard_dim = 1 if self.hsdp else 0  # (replicate, shard[, tp]) or (dp[, tp])
         if mesh is not None and mesh.size(shard_dim) < 2 and not refusal:
             refusal = ("screener.audit: the mesh shards over a single rank, so FSDP never "
                        "reduce-scatters and the audit would see nothing; shard over two or more "
@@ -279,7 +281,8 @@ class ShardedAuditor:
         """HSDP: the ranks of each replica (a row of the replicate x shard mesh)."""
         assert self.mesh is not None
         mesh = self.mesh.mesh
-        return [{int(x) for x in mesh[i, :].tolist()} for i in range(mesh.shape[0])]
+        flat = mesh.reshape(mesh.shape[0], -1)  # a replica: its shards (and TP coordinates)
+        return [{int(x) for x in flat[i, :].tolist()} for i in range(flat.shape[0])]
 
     def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
         if self._tap.replaying:

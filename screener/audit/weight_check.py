@@ -126,10 +126,17 @@ class ShardedWeightCheck:
         # this rank's shards as the last weight check left them: (step, fingerprints)
         self.stored: Optional[tuple[int, torch.Tensor]] = None
 
+    def _replicas(self) -> Any:
+        """HSDP: the mesh as (replica, rank within it): one row per replica, whose columns are
+        (shard, TP coordinate) under HSDP x TP."""
+        mesh = self.mesh.mesh  # (replicate, shard) or (replicate, shard, tp) of global ranks
+        return mesh.reshape(mesh.shape[0], -1)
+
     def _shard_groups(self) -> list[list[int]]:
-        """HSDP: the global ranks that hold the same shard (one per replica), for every shard."""
-        mesh = self.mesh.mesh  # (replicate, shard) tensor of global ranks
-        return [sorted(int(x) for x in mesh[:, j].tolist()) for j in range(mesh.shape[1])]
+        """HSDP: the global ranks that hold the same shard (one per replica), for every shard
+        (and TP coordinate)."""
+        flat = self._replicas()
+        return [sorted(int(x) for x in flat[:, j].tolist()) for j in range(flat.shape[1])]
 
     def confined(self, ranks: set[int]) -> bool:
         """HSDP: whether these ranks all lie in one replica (a row of the mesh: the shard group
@@ -138,8 +145,8 @@ class ShardedWeightCheck:
         this vote before its blast-radius rule (issue 32)."""
         if not self.hsdp or not ranks:
             return False
-        mesh = self.mesh.mesh
-        rows = [{int(x) for x in mesh[i, :].tolist()} for i in range(mesh.shape[0])]
+        flat = self._replicas()
+        rows = [{int(x) for x in flat[i, :].tolist()} for i in range(flat.shape[0])]
         return any(ranks <= g for g in rows + [set(c) for c in self._shard_groups()])
 
     def vote_first(self, step: int, ranks: Sequence[int], settled: bool,
