@@ -19,7 +19,8 @@
     sys.exit(shutdown(run_guarded(main)))  # SDCAlarm -> 75, numeric -> 76, peer lost -> 77,
                                            # a setup it refuses -> 2, its own failure -> 1
 
-The same Auditor takes a model sharded with fully_shard (FSDP2, HSDP); pass the loop's batch
+The same Auditor takes a model sharded with fully_shard (FSDP2, HSDP, and either over a tensor-
+parallel model: tensor_parallel); pass the loop's batch
 instead of a batch_fn: `auditor.check_gradients(step, loss, batch=batch)` (screener.audit.sharded).
 
 Modules, one job each. The entry points: auditor (the DDP Auditor, and the one entry point that
@@ -31,7 +32,9 @@ How they run: protocol (the round protocol: the collectives of each entry point 
 code), cadence (which step runs which check), reporting (how a verdict ends: alarm file, log line,
 History), ddp_replay (DDP's local replays), fsdp_tap (the reduce-scatter recorders inside FSDP),
 sharded_rounds (FSDP's lockstep replays and the batches they ship), reduction (the rule that says
-whom a reduction that went bad names, for both). The parts below them: topology
+whom a reduction that went bad names, for both), layout (what every rank holds, agreed at
+construction: audited or refused alike), tensor_parallel (which ranks replay together under
+TP). The parts below them: topology
 (rank -> node, host, instance), hooks (the DDP comm hook recording local gradients), ring (replay
 assignment and recomputation), sentinel (the spike test and the verdict of its rerun), vote
 (majority over replicas), blast (the blast-radius rule), capture (RNG states and loss scale a
