@@ -379,6 +379,29 @@ def test_replace_refuses_more_than_the_budget(client, store):
     assert "replace 3 nodes at once: the quarantine budget allows 2" in str(r.exception)
 
 
+def test_replace_is_capped_by_the_configured_budget_not_the_default(client, store, tmp_path):
+    """Issue 37: the cap was the default 10 % whatever the daemons' config said. With
+    quarantine_budget = 0.2 in the file, 4 of 20 may go at once; with 0.05, only 1."""
+    fleet(store, 20, quarantined=(0, 1, 2), repair=(3,))
+    wide = tmp_path / "wide.toml"
+    wide.write_text("[lifecycle]\nquarantine_budget = 0.2\n")
+    for i in range(3):
+        expect_describe(client, IDS[i])
+    r = invoke(["hyperpod", "replace", *("hyperpod-" + IDS[i] for i in range(3)), "--cluster",
+                CLUSTER, "--config", str(wide), "--json"], sagemaker=client, store=store)
+    assert r.exception is None, r.output
+    assert json.loads(r.output)["budget"] == 4
+    narrow = tmp_path / "narrow.toml"
+    narrow.write_text("[lifecycle]\nquarantine_budget = 0.05\n")
+    for i in range(2):
+        expect_describe(client, IDS[i])
+    r = invoke(["hyperpod", "replace", *("hyperpod-" + IDS[i] for i in range(2)), "--cluster",
+                CLUSTER, "--yes"], sagemaker=client, store=store,
+               environ={"SCREENER_CONFIG": str(narrow)})
+    assert isinstance(r.exception, hp.ReplaceRefused)
+    assert "replace 2 nodes at once: the quarantine budget allows 1" in str(r.exception)
+
+
 def test_replace_dry_run_then_for_real_records_history(client, store):
     fleet(store, 20, quarantined=(0,), repair=(2,))
     a, b = "hyperpod-" + IDS[0], "hyperpod-" + IDS[2]

@@ -217,12 +217,16 @@ def _report_batch(result: Any, as_json: bool, yes: bool, extra: Optional[dict[st
 @_aws_options
 @click.option("--yes", is_flag=True, help="Really replace; without it, print what would happen.")
 @click.option("--reason", default="", help="Why, for the node's history (default: a generic line).")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=str),
+              help="The daemon's config file, whose [lifecycle] quarantine budget caps how many "
+                   "nodes are replaced at once (default $SCREENER_CONFIG; else the default "
+                   "budget).")
 @store_options(create=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON results on stdout.")
 @pass_app
 def replace_cmd(app: AppContext, nodes: tuple[str, ...], cluster: str, region: Optional[str],
                 profile: Optional[str], endpoint_url: Optional[str], yes: bool, reason: str,
-                store_choice: StoreChoice, as_json: bool) -> None:
+                config_path: Optional[str], store_choice: StoreChoice, as_json: bool) -> None:
     """Replace NODE... through BatchReplaceClusterNodes (a dry run unless --yes).
 
     Refuses (exit 2) a node that screener has not taken out of service (quarantined or repair), and
@@ -232,13 +236,17 @@ def replace_cmd(app: AppContext, nodes: tuple[str, ...], cluster: str, region: O
     Replacement is never automatic.
     """
     from screener.remediation import hyperpod
-    from screener.lifecycle.machine import DEFAULT_POLICY, Action
+    from screener.lifecycle.machine import Action
+    from screener.settings.daemon import DaemonConfig
 
+    # the budget the fleet's daemons keep (issue 37: this used the default 10 % whatever the
+    # config said); read before any call, so a bad file is one line and nothing is asked
+    policy = DaemonConfig.load(config_path, environ=app.environ).lifecycle
     client = _client(app, region, profile, endpoint_url)
     resolved = hyperpod.resolve_nodes(client, cluster, list(nodes))
     store = app.store(store_choice)
     names = {n.instance_id: _store_name(store, n) for n in resolved}
-    budget = DEFAULT_POLICY.budget_limit(len(store.all_states()))
+    budget = policy.budget_limit(len(store.all_states()))
     result = hyperpod.replace_nodes(client, resolved, state_of=lambda n: names[n.instance_id][1],
                                     budget=budget, dry_run=not yes)
     recorded: list[str] = []
