@@ -12,11 +12,11 @@ never imports torch.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sys
 from typing import Any, Mapping, Optional, Sequence
 
+from screener.atomicfile import write_atomic
 from screener.agent import burnin
 from screener.errors import ScreenerError
 from screener.known_answer import screen as kat
@@ -97,10 +97,7 @@ def _worker(result_path: str, mode: str = "screen") -> int:
     except ScreenerError as e:
         print(f"screener: {e}", file=sys.stderr)
         return int(e.exit_code)
-    tmp = result_path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, default=str)
-    os.replace(tmp, result_path)
+    write_atomic(result_path, json.dumps(data, default=str))
     return code
 
 

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional, Protocol, Sequence
 
+from screener.atomicfile import write_atomic
 from screener import boundedjson
 # The worker process's code (first_is_final is imported from here by callers).
 from screener.agent.screen_worker import first_is_final  # noqa: F401
@@ -375,8 +376,7 @@ class KatProcessRunner:
             record = {"id": screen_id, "pid": proc.pid,
                       "create_time": worker.create_time if worker is not None else None,
                       "started": time.time(), "node": request.node, "kind": request.kind}
-            (tmp / (WORKER_RECORD + ".tmp")).write_text(json.dumps(record))
-            os.replace(tmp / (WORKER_RECORD + ".tmp"), tmp / WORKER_RECORD)
+            write_atomic(tmp / WORKER_RECORD, json.dumps(record))
             try:
                 assert proc.stdin is not None
                 proc.stdin.write(json.dumps({**self.options.to_dict(),
@@ -426,9 +426,7 @@ class KatProcessRunner:
         for line in conflicts:
             log.warning("known-answer digests: %s", line)
         try:
-            tmp = self.work_dir / (KNOWN_DIGESTS + ".tmp")
-            tmp.write_text(json.dumps(known, sort_keys=True))
-            os.replace(tmp, self.work_dir / KNOWN_DIGESTS)
+            write_atomic(self.work_dir / KNOWN_DIGESTS, json.dumps(known, sort_keys=True))
         except OSError as e:
             log.warning("could not keep the known-answer digests in %s: %s", self.work_dir, e)
 

@@ -19,7 +19,7 @@ node only ever gets a file about itself (`AlarmRecord.node` is that node):
   reduction the ranks the redo of that reduction points to (reduction.py; none for a one-off
   every rank saw, every node of the group when it cannot be redone).
 
-Files are written atomically (temp file in the same directory, fsync, os.replace, fsync of the
+Files are written atomically (screener.atomicfile: temp file in the same directory, fsync, os.replace, fsync of the
 directory) as `<alarm_id>.json`, where alarm_id = `<key>-<node>-<random>`: unique per file, so files
 of simulated nodes sharing one directory, and of a re-run that fails at the same step, never collide.
 A directory that cannot be written is logged and never hides the alarm.
@@ -33,12 +33,12 @@ import json
 import logging
 import os
 import re
-import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
+from screener.atomicfile import write_atomic
 from screener.types import ALARM_DIR_ENV, DEFAULT_ALARM_DIR, MAX_ID_LEN, AlarmRecord, SuspectNode
 
 __all__ = ["SDCAlarm", "NumericFailure", "AuditError", "AuditUsageError", "CHECKS", "alarm_dir",
@@ -199,32 +199,6 @@ def node_records(alarm: SDCAlarm, node_of: Mapping[int, str],
             suspect_nodes=(node_info[node],), node=node, job=job, created=created,
             evidence=evidence)
     return records
-
-
-def write_atomic(final: Path, data: bytes) -> None:
-    """Write a file so readers see all of it or nothing: temp file in the same directory, fsync,
-    os.replace, then fsync of the directory. Raises OSError."""
-    fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    try:  # make the rename itself durable; not every filesystem lets a directory be opened
-        dfd = os.open(final.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass
 
 
 def write_alarm_file(record: AlarmRecord, directory: str | os.PathLike[str]) -> Path:

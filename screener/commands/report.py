@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import click
 
+from screener.atomicfile import write_atomic
 from screener.commands._params import MAX_DAYS, MAX_FAILURES, positive
 from screener.commands.context import AppContext, pass_app
 from screener.commands.options import with_store
@@ -23,13 +22,7 @@ def _write(out: str, page: str) -> None:
     if p.is_dir():
         raise BadInputError(f"{p}: is a folder; --out takes a file name")
     try:
-        fd, tmp = tempfile.mkstemp(prefix=".report-", suffix=".html", dir=p.parent or Path("."))
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(page)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a report is an ordinary file
-        os.replace(tmp, p)
+        write_atomic(p, page, public=True)  # a report is an ordinary file, readable by all
     except OSError as e:
         raise BadInputError(f"{p}: cannot write: {e.strerror or e}") from None
     click.echo(str(p))

@@ -39,6 +39,7 @@ import stat
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
+from screener.atomicfile import write_atomic
 from screener import boundedjson
 from screener.errors import BadInputError, ScreenerError
 from screener.health.snapshot import XidEvent, normalize_pci
@@ -153,14 +154,11 @@ class _State:
     def save(self, path: Optional[str]) -> None:
         if not path:
             return
-        tmp = f"{path}.tmp.{os.getpid()}"
         d = {"kind": self.kind, "boot_id": self.boot_id, "seq": self.seq, "inode": self.inode,
              "device": self.device, "offset": self.offset}
         try:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(d, f)
-            os.replace(tmp, path)
+            write_atomic(path, json.dumps(d))
         except OSError as e:
             raise ScreenerError(f"cannot write kernel-log state {path}: {e}") from e
 

@@ -57,6 +57,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+from screener.atomicfile import write_atomic
 from screener.errors import BadInputError, ScreenerError
 from screener.known_answer.coverage import (KIND_ATEN, KIND_KERNEL, Census, OpStat,
                                             least_disturbed)
@@ -224,10 +225,7 @@ def main(argv: Sequence[str]) -> int:
         result = {"error": f"{type(e).__name__}: {e}", "whose": "ours"}
     # Written whole under a temporary name, then renamed: a child killed half-way leaves no file
     # rather than a truncated one that reads as a bad census.
-    tmp = f"{out}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(result, f)
-    os.replace(tmp, out)
+    write_atomic(out, json.dumps(result))
     return 0
 
 

@@ -31,12 +31,12 @@ import json
 import os
 import re
 import socket
-import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
+from screener.atomicfile import write_atomic
 from screener import __version__, boundedjson
 from screener.errors import GoldenError
 from screener.known_answer.packagedata import data_dir
@@ -450,17 +450,8 @@ def format_record(record: GoldenRecord) -> str:
 
 
 def write(record: GoldenRecord, golden_dir: str | os.PathLike[str]) -> Path:
-    """Write the record to its file in golden_dir (temp file, then rename); returns the path."""
+    """Write the record to its file in golden_dir (screener.atomicfile); returns the path."""
     d = Path(golden_dir)
     d.mkdir(parents=True, exist_ok=True)
     p = golden_path(d, record.job, record.platform_hash)
-    text = format_record(record)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=d)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, p)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return p
+    return write_atomic(p, format_record(record), public=True)
