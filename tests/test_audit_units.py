@@ -321,7 +321,7 @@ def test_rollback_target_takes_the_newest_verified_checkpoint_before_the_suspect
 # ---- import contract ---------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_audit_imports_nothing_of_ours_but_types_and_fingerprint():
+def test_audit_imports_nothing_of_ours_but_the_vocabulary_and_fingerprint():
     code = ("import sys, json; import screener.audit; "
             "print(json.dumps(sorted(m for m in sys.modules if m.startswith('screener'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
@@ -329,4 +329,6 @@ def test_audit_imports_nothing_of_ours_but_types_and_fingerprint():
     # screener.kernels is fingerprint's implementation (its compiled/vectorised paths).
     ours = {m for m in json.loads(out.stdout) if not m.startswith(("screener.audit",
                                                                    "screener.kernels"))}
-    assert ours <= {"screener", "screener.types", "screener.fingerprint"}, ours
+    # screener.atomicfile: the one way a file is written (alarm files, checkpoint markers)
+    assert ours <= {"screener", "screener.types", "screener.fingerprint", "screener.atomicfile"}, \
+        ours

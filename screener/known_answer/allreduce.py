@@ -14,6 +14,7 @@ the fire drill use it too (with simulated nodes on the CPU).
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import pickle
 import socket
@@ -67,6 +68,10 @@ def _entry(rank: int, fn: Callable[..., Any], nodes: Sequence[str], devices: Seq
         try:
             result = ("ok", fn(rank, world, device, **dict(kwargs)))
         finally:
+            # the reference cycles of a DDP model, its comm hook and an Auditor hold the gloo
+            # group alive past its destroy, which then aborts the process at exit ("terminate
+            # called without an active exception"): collected first (see docs/audit.md, Teardown)
+            gc.collect()
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - handed back to the parent
         result = ("error", traceback.format_exc())

@@ -158,6 +158,8 @@ def peer_rank(rank: int, world: int, device: str, *, options: PeerOptions) -> di
         out["numeric"] = {"step": e.step, "ranks": list(e.ranks)}
     out["stopped_at"] = step
     dist.barrier()
+    auditor.close()  # the teardown order of docs/audit.md: the Auditor, then the model, then
+    del auditor, ddp, opt, model  # the group (run_group collects the cycles before its destroy)
     return out
 
 
