@@ -17,7 +17,7 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["write_atomic"]
+__all__ = ["write_atomic", "fsync_dir"]
 
 
 def write_atomic(final: str | os.PathLike[str], data: bytes | str, *,
@@ -44,12 +44,20 @@ def write_atomic(final: str | os.PathLike[str], data: bytes | str, *,
         except OSError:
             pass
         raise
-    try:  # make the rename itself durable; not every filesystem lets a directory be opened
-        dfd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+    fsync_dir(path.parent)
+    return path
+
+
+def fsync_dir(folder: str | os.PathLike[str]) -> None:
+    """Make a rename in `folder` durable (best effort: not every filesystem lets a directory be
+    opened or fsync'ed)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
     except OSError:
         pass
-    return path
+    finally:
+        os.close(fd)

@@ -56,6 +56,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+from screener.atomicfile import fsync_dir
 from screener import boundedjson
 from screener.agent.clock import ClockLike, as_clock
 from screener.types import ALARM_CHECK_REASONS, MAX_ID_LEN, AlarmRecord, printable_text
@@ -436,8 +437,8 @@ class AlarmIntake:
             pass  # already moved by an earlier attempt
         except OSError as e:
             raise _Stuck(f"cannot move it to {folder.name}/: {e.strerror or e}") from None
-        _fsync_dir(folder)
-        _fsync_dir(path.parent)
+        fsync_dir(folder)
+        fsync_dir(path.parent)
 
     def _prune_aside(self, result: IntakeResult) -> None:
         """Keep processed/ and rejected/ within their count and age: after a pass that moved
@@ -656,20 +657,6 @@ def _suspects(ranks: Any, nodes: Any, node: str) -> None:
         if named != node:
             raise ValueError(f"alarm names node {named[:60]} as suspect but was dropped for "
                              f"node {node}: an alarm acts only on its own node")
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make a rename durable (not every filesystem lets a directory be opened)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def applied_in_history(history: Sequence[Any], alarm_id: str) -> bool:
