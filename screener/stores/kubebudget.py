@@ -17,8 +17,25 @@ shard's contention is a fraction of the fleet's). One label-selected list reads 
 shards and the slots. The record is counted again when it is `recount_s` old (or its shards fill
 up), by the one daemon that takes its lease (a write with the record's resourceVersion); the
 others use the record as it is. The count also frees slots whose node shows no such state (a
-writer that died between its claim and its node write) and gives a slot to a node labelled out of
-service without one.
+writer that died between its claim and its node write, a node back in service or gone) and
+ConfigMaps under a slot's name that are no claim (hand-made), and gives a slot to a node labelled
+out of service without one.
+
+Stray slots (issue 36.2): a leftover slot of a node back in service or gone, a slot past the
+limit, a hand-made one, or a rewritten record's out-of-service list take names or count as out
+without a node out of service, so a mass failure would stop one short of the budget, and a name
+that is no claim was picked again and again (one stray made one node do 2,790 requests). Now a
+create refused by a name that is no claim marks it taken for every later pick, and an automatic
+claim that finds no free name below its limit looks once at which nodes really are out (two
+label-selected lists of Node metadata); if a holder is not, it counts the record again at once
+(taking the lease), which frees the strays, and picks again. Names are only ever freed by
+their holder's release or by that count, so the bound (no more automatic claims than names
+below the limit) holds throughout.
+
+Who may write what is held by the admission policies (manifests/admission-policy.yaml): a daemon
+creates and deletes only slots naming its own node and adds only its own registration; the lease
+holder, the daemon the record names as `counter`, may also free or give others' slots and prune
+the shards, and only it may change the count, by at most kf.RECORD_MAX_RAISE nodes up per write.
 
 API calls: configmaps list (label-selected), create, update, delete in the screener namespace;
 nodes list (metadata) for the count.
@@ -28,11 +45,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Optional
+from datetime import datetime
+from typing import Any, Callable, Mapping, Optional
 
 from screener.lifecycle.records import BUDGET_STATES, BudgetConflict, Transition
 from screener.stores import kubeformat as kf
-from screener.stores.kubecalls import ApiCaller, TransientKubeError
+from screener.stores.kubecalls import ApiCaller, KubeApiError, TransientKubeError
 from screener.stores.kubenode import state_of
 from screener.types import LABEL_STATE, NodeState
 
@@ -40,6 +58,8 @@ log = logging.getLogger("screener.stores.kube")
 
 FLEET_SHARDS = 8
 MAX_REGISTERED = 256  # registrations since the count that make the record count again
+STRAY_RECHECK_S = 30.0  # a look at who is really out that found no stray holds this long
+CLOCK_SKEW_S = 300.0  # a record counted further in the future than this is counted again
 
 
 @dataclass
@@ -49,6 +69,10 @@ class BudgetView:
     record: kf.BudgetRecord
     claims: dict[int, kf.Claim] = field(default_factory=dict)  # slot index -> claim
     shards: dict[int, tuple[dict[str, float], Optional[str]]] = field(default_factory=dict)
+    # slot index -> (uid, creation time): ConfigMaps under a slot's name that are no claim
+    # (hand-made, or of no screener format): their names are taken, but nobody is out.
+    foreign: dict[int, tuple[str, float]] = field(default_factory=dict)
+    shard_data: dict[int, dict[str, str]] = field(default_factory=dict)  # as read, for the add
 
     @property
     def registered(self) -> set[str]:
@@ -92,6 +116,10 @@ class KubeBudget:
         self.recount_s, self.claim_grace_s, self.lease_s = recount_s, claim_grace_s, lease_s
         self.shards, self.max_registered = max(1, shards), max_registered
         self._jitter = rng()  # each store's own extra wait before a record counts as stale
+        # Slot names a create found taken by something that is no claim, and not labelled as the
+        # budget's (so no list shows them): remembered, so no pick takes them again.
+        self._foreign: dict[int, tuple[str, float]] = {}
+        self._no_strays: tuple[Any, float] = (None, 0.0)  # what the last look found no stray in
 
     # --- reading ----------------------------------------------------------------------------
 
@@ -108,6 +136,8 @@ class KubeBudget:
         record: Optional[kf.BudgetRecord] = None
         claims: dict[int, kf.Claim] = {}
         shards: dict[int, tuple[dict[str, float], Optional[str]]] = {}
+        foreign: dict[int, tuple[str, float]] = {}
+        shard_data: dict[int, dict[str, str]] = {}
         for cm in self.calls.cm_list("list the quarantine budget", f"{kf.LABEL_BUDGET}=true",
                                      cached=True):
             name = str((cm.get("metadata") or {}).get("name") or "")
@@ -117,10 +147,18 @@ class KubeBudget:
                 claim = kf.parse_slot(cm)
                 if claim is not None:
                     claims[claim.index] = claim
+                elif _slot_index(name) is not None:
+                    foreign[_slot_index(name) or 0] = _foreign(cm)
             elif name.startswith(kf.SHARD_PREFIX) and name[len(kf.SHARD_PREFIX):].isdigit():
-                shards[int(name[len(kf.SHARD_PREFIX):])] = (
-                    kf.parse_shard(cm), cm["metadata"].get("resourceVersion"))
-        return BudgetView(record, claims, shards) if record is not None else None
+                index = int(name[len(kf.SHARD_PREFIX):])
+                shards[index] = (kf.parse_shard(cm), cm["metadata"].get("resourceVersion"))
+                shard_data[index] = {str(k): str(v) for k, v in (cm.get("data") or {}).items()}
+        if record is None:
+            return None
+        for index, what in self._foreign.items():
+            if index not in claims:
+                foreign.setdefault(index, what)
+        return BudgetView(record, claims, shards, foreign, shard_data)
 
     def view(self) -> BudgetView:
         """The budget; the record created when missing, counted again when stale (by at most one
@@ -138,7 +176,10 @@ class KubeBudget:
 
     def _stale(self, v: BudgetView) -> bool:
         now = self.clock()
+        # A count stamped in the future (a rewritten record, or a clock far off) would otherwise
+        # never grow stale: it is counted again.
         due = (now - v.record.counted > self.recount_s * (1 + 0.25 * self._jitter)
+               or v.record.counted > now + CLOCK_SKEW_S
                or len(v.registered) > self.max_registered)
         held = v.record.counter not in ("", self.instance) and v.record.counting_until > now
         return due and not held
@@ -166,8 +207,10 @@ class KubeBudget:
         return self._count(v)
 
     def _count(self, v: BudgetView) -> BudgetView:
-        """Count the fleet and who is out from the Nodes' labels, write the record (releasing the
-        lease), then tidy the shards and the slots. Holds the lease: only one daemon is here."""
+        """Count the fleet and who is out from the Nodes' labels, write the record, tidy the
+        shards and the slots, then release the lease. Holds the lease throughout: only one daemon
+        is here, and the admission policy lets only the record's counter free others' slots and
+        prune the shards."""
         start = self.clock()
         fleet, out = 0, {}
         for obj in self.calls.node_meta(LABEL_STATE):
@@ -176,36 +219,79 @@ class KubeBudget:
                 fleet += 1
                 if state in BUDGET_STATES:
                     out[obj["metadata"]["name"]] = state
-        rec = kf.BudgetRecord(fleet=fleet, out={}, counted=start,
-                        resource_version=v.record.resource_version)
-        if self.calls.cm_write(rec.configmap(self.calls.namespace)) is None:
+        written_fleet = fleet
+        if v.record.counted > 0 and fleet > v.record.fleet + kf.RECORD_MAX_RAISE:
+            # The policy admits no larger step; the next counts reach the rest (see kubeformat).
+            written_fleet = v.record.fleet + kf.RECORD_MAX_RAISE
+            log.warning("quarantine budget: the fleet grew from %d to %d nodes within one count; "
+                        "recorded %d, the next counts add the rest", v.record.fleet, fleet,
+                        written_fleet)
+        rec = kf.BudgetRecord(fleet=written_fleet, out={}, counted=start,
+                              resource_version=v.record.resource_version, counter=self.instance,
+                              counting_until=self.clock() + self.lease_s)
+        try:
+            written = self.calls.cm_write(rec.configmap(self.calls.namespace))
+        except KubeApiError as e:
+            if e.status != 403:
+                raise
+            log.error("quarantine budget: the count was refused (%s); the record stays as it is",
+                      e)
+            return self.read() or v
+        if written is None:
             return self.read() or v  # someone rewrote the record meanwhile: theirs stands
         self._prune_shards(v, start)
         self._reconcile_claims(v, out, start)
+        released = replace(kf.BudgetRecord.from_configmap(written), counter="", counting_until=0.0)
+        self.calls.cm_write(released.configmap(self.calls.namespace))  # a conflict: theirs stands
         log.info("quarantine budget counted: %d nodes, %d out of service", fleet, len(out))
         return self.read() or v
 
     def _prune_shards(self, v: BudgetView, counted: float) -> None:
         for index, (nodes, rv) in v.shards.items():
             keep = {n: t for n, t in nodes.items() if t >= counted}
-            if len(keep) != len(nodes):
+            if len(keep) != len(nodes) or set(v.shard_data.get(index, {})) != set(keep):
                 # A conflict: a registration just landed; the next count prunes it.
-                self.calls.cm_write(kf.shard_configmap(index, keep, namespace=self.calls.namespace,
-                                                       resource_version=rv))
+                self._tidy(self.calls.cm_write, kf.shard_configmap(
+                    index, keep, namespace=self.calls.namespace, resource_version=rv))
+
+    def _tidy(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """A count's write about others (a freed or given slot, a pruned shard): one the API
+        server refuses (403: the policy did not see this daemon as the lease holder yet) is left
+        for the next count, not an error of the node's own transition."""
+        try:
+            return fn(*args)
+        except KubeApiError as e:
+            if e.status != 403:
+                raise
+            log.warning("quarantine budget count: %s", e)
+            return None
 
     def _reconcile_claims(self, v: BudgetView, out: dict[str, NodeState], now: float) -> None:
         """Free slots whose node is not out of service (past the grace a claimer needs between
         its claim and its node write); give a slot to each node out of service without one."""
         for claim in list(v.claims.values()):
             if claim.node not in out and now - claim.since > self.claim_grace_s:
-                if self.calls.cm_delete(claim.name, claim.uid):
+                if self._tidy(self.calls.cm_delete, claim.name, claim.uid):
                     log.warning("budget slot %s of %s freed: the node is not out of service",
                                 claim.name, claim.node)
                 v.claims.pop(claim.index, None)
+        for index, (uid, created) in list(v.foreign.items()):
+            # Under a slot's name but no claim (hand-made, or of no format screener writes):
+            # nobody is out by it, and the name is the budget's.
+            if now - created > self.claim_grace_s and uid:
+                if self._tidy(self.calls.cm_delete, kf.slot_name(index), uid):
+                    log.warning("budget slot %s freed: it holds no claim", kf.slot_name(index))
+                v.foreign.pop(index, None)
+                self._foreign.pop(index, None)
         held = {c.node for c in v.claims.values()}
         for node, state in sorted(out.items()):
             if node not in held:
-                v = self.claim(v, node, state, limit=None)
+                try:
+                    v = self.claim(v, node, state, limit=None)
+                except KubeApiError as e:
+                    if e.status != 403:
+                        raise
+                    log.warning("quarantine budget count: %s", e)
 
     # --- claims -----------------------------------------------------------------------------
 
@@ -215,10 +301,17 @@ class KubeBudget:
         free slot below it, else BudgetConflict: decide again); None for a decision the budget
         does not limit (a person's), which takes the lowest free slot."""
         taken: set[int] = set()  # slots a create found taken that the cache may not show yet
+        looked = False
         for _ in range(self.conflict_attempts * 3):
             if v.claims_of(node):
                 return v  # ours already (a retry whose first answer was lost, or a replay)
             index = self._pick(v, node, limit, taken)
+            if index is None and limit is not None and not looked:
+                looked = True  # once per claim: are the holders that fill the budget out?
+                counted = self._free_strays(v)
+                if counted is not None:
+                    v = counted
+                    continue
             if index is None:
                 raise BudgetConflict(f"no quarantine budget slot free for {node} "
                                      f"({v.others_out(node)} of {limit} out of service)")
@@ -237,14 +330,50 @@ class KubeBudget:
             v = self.read() or v
             if mine is not None and mine.node == node:
                 v.claims[index] = mine
-            elif mine is not None:
+            elif cm is not None:
+                # Someone else's claim, or a ConfigMap under the slot's name that is no claim at
+                # all: taken either way (it was picked again on every try before, issue 36.2).
                 taken.add(index)
+                if mine is None:
+                    self._foreign[index] = v.foreign[index] = _foreign(cm)
         raise BudgetConflict(f"budget slots for {node}: still taken after "
                              f"{self.conflict_attempts * 3} tries")
 
+    def _free_strays(self, v: BudgetView) -> Optional[BudgetView]:
+        """The budget counted again now if a holder that fills it is not out of service (a
+        leftover slot of a node back in service or gone, one past the limit, one that is no
+        claim, or a rewritten record's out-of-service list); None when every holder is out,
+        or another daemon holds the lease (its count frees them; the claim decides again).
+
+        Only for an automatic claim that found no free name, and at most one look per
+        STRAY_RECHECK_S at an unchanged set of holders: two label-selected lists of Node
+        metadata (the nodes out of service, a share of the fleet), and a count only when it
+        finds a stray."""
+        now = self.clock()
+        old = [c for c in v.claims.values() if now - c.since > self.claim_grace_s]
+        aged = [i for i, (_, created) in v.foreign.items() if now - created > self.claim_grace_s]
+        if not old and not aged and not v.record.out:
+            return None
+        key = (frozenset((c.index, c.uid) for c in old), frozenset(aged),
+               frozenset(v.record.out))
+        if self._no_strays[0] == key and now - self._no_strays[1] < STRAY_RECHECK_S:
+            return None
+        out = {str(obj["metadata"]["name"]) for state in sorted(s.value for s in BUDGET_STATES)
+               for obj in self.calls.node_meta(f"{LABEL_STATE}={state}")}
+        strays = ([c.name for c in old if c.node not in out] + [kf.slot_name(i) for i in aged]
+                  + [f"{n} (record)" for n in v.record.out if n not in out])
+        if not strays:
+            self._no_strays = (key, now)
+            return None
+        if v.record.counter not in ("", self.instance) and v.record.counting_until > now:
+            return None
+        log.warning("quarantine budget: %s hold the budget but no node out of service; counting "
+                    "it again", ", ".join(sorted(strays)[:5]))
+        return self._recount(v)
+
     def _pick(self, v: BudgetView, node: str, limit: Optional[int],
               also_taken: set[int]) -> Optional[int]:
-        taken = set(v.claims) | also_taken
+        taken = set(v.claims) | set(v.foreign) | also_taken
         if limit is None:
             return next(k for k in range(len(taken) + 1) if k not in taken)
         if v.others_out(node) + 1 > limit:
@@ -290,6 +419,9 @@ class KubeBudget:
             self.release(self.view(), node)
 
     def _drop_legacy(self, node: str) -> None:
+        """Take `node` out of an earlier version's out-of-service list in the record. Only the
+        lease holder may change that list (the admission policy), so this takes the lease, and
+        leaves it to the holder's count (which empties the list) when another holds it."""
         for _ in range(self.conflict_attempts):
             cm = self.calls.cm_get(kf.BUDGET_CONFIGMAP)
             if cm is None:
@@ -297,7 +429,17 @@ class KubeBudget:
             rec = kf.BudgetRecord.from_configmap(cm)
             if node not in rec.out:
                 return
+            if rec.counter not in ("", self.instance) and rec.counting_until > self.clock():
+                return
+            if rec.counter != self.instance:
+                leased = self.calls.cm_write(replace(
+                    rec, counter=self.instance,
+                    counting_until=self.clock() + self.lease_s).configmap(self.calls.namespace))
+                if leased is None:
+                    continue
+                rec = kf.BudgetRecord.from_configmap(leased)
             del rec.out[node]
+            rec = replace(rec, counter="", counting_until=0.0)
             if self.calls.cm_write(rec.configmap(self.calls.namespace)) is not None:
                 return
         raise TransientKubeError(f"budget record: {node} still listed after "
@@ -312,21 +454,44 @@ class KubeBudget:
             return
         index = kf.shard_of(node, self.shards)
         nodes, rv = v.shards.get(index, ({}, None))
+        base = v.shard_data.get(index)  # None: no such shard yet, created
         for attempt in range(self.conflict_attempts * 3):
             if node in nodes:
                 return
-            body = kf.shard_configmap(index, {**nodes, node: when},
-                                      namespace=self.calls.namespace, resource_version=rv)
+            # Our key added to the shard as read, nothing else changed (what the policy admits).
+            body = kf.shard_configmap(index, {node: when}, namespace=self.calls.namespace,
+                                      resource_version=rv, base=base)
             written = self.calls.cm_write(body)
             if written is not None:
                 v.shards[index] = (kf.parse_shard(written), written["metadata"].get("resourceVersion"))
+                v.shard_data[index] = dict(written.get("data") or {})
                 return
             self.sleep(min(0.2, 0.005 * 2 ** min(attempt, 5)) * (0.5 + self.rng()))
             cm = self.calls.cm_get(kf.shard_name(index))
             nodes, rv = ((kf.parse_shard(cm), cm["metadata"].get("resourceVersion")) if cm
                          else ({}, None))
+            base = dict(cm.get("data") or {}) if cm else None
         raise TransientKubeError(f"fleet shard {index}: {node} not registered after "
                                  f"{self.conflict_attempts * 3} conflicting writes")
+
+
+def _slot_index(name: str) -> Optional[int]:
+    """k of `screener-budget-slot-<k>` (at most 7 digits, as parse_slot reads), else None."""
+    tail = name[len(kf.SLOT_PREFIX):]
+    return int(tail) if name.startswith(kf.SLOT_PREFIX) and tail.isdigit() and len(tail) <= 7 \
+        and tail.isascii() else None
+
+
+def _foreign(cm: Mapping[str, Any]) -> tuple[str, float]:
+    """(uid, creation time) of a ConfigMap under a slot's name that is no claim; an unreadable
+    creation time reads as long ago."""
+    meta = cm.get("metadata") or {}
+    try:
+        created = datetime.fromisoformat(str(meta.get("creationTimestamp") or "")
+                                         .replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        created = 0.0
+    return str(meta.get("uid") or ""), created
 
 
 def decided_limit(t: Transition, view: BudgetView) -> int:

@@ -319,38 +319,74 @@ def shard_of(node: str, shards: int) -> int:
 
 
 def shard_configmap(index: int, nodes: Mapping[str, float], *, namespace: str,
-                    resource_version: Optional[str] = None) -> dict[str, Any]:
-    """A registration shard: node -> when it got its first state, since the record's count."""
+                    resource_version: Optional[str] = None,
+                    base: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
+    """A registration shard: one data key per node (its name), whose value is when it got its
+    first state, since the record's count.
+
+    One key per node, not one JSON document, so the admission policy (screener-configmaps) can
+    tell a daemon's own registration added from anyone else's removed or changed: CEL in
+    admission cannot parse JSON. base: the shard's data as read; a registration adds its key to
+    it and keeps everything else as it is, even what does not parse (only the lease holder's
+    count may take keys away)."""
     meta: dict[str, Any] = {"name": shard_name(index), "namespace": namespace,
                             "labels": budget_labels("shard")}
     if resource_version:
         meta["resourceVersion"] = resource_version
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta,
-            "data": {"nodes": json.dumps(dict(sorted(nodes.items())), separators=(",", ":"))}}
+    # A new or pruned shard keeps the earlier versions' key, empty: a daemon of an earlier version
+    # still running in a rolling upgrade reads it (and so counts no node twice).
+    data = dict(base) if base is not None else {SHARD_LEGACY_KEY: "{}"}
+    data.update({node: repr(float(when)) for node, when in sorted(nodes.items())})
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data}
 
 
 def parse_shard(cm: Mapping[str, Any]) -> dict[str, float]:
     """The registrations a shard holds; entries out of shape are skipped (a hand-edited shard can
-    at most make the fleet look smaller until the next count, which is the safe direction)."""
-    raw = (cm.get("data") or {}).get("nodes")
-    try:
-        items = boundedjson.loads(raw, max_bytes=RECORD_MAX_BYTES, max_depth=2) if raw else {}
-    except ValueError:
-        return {}
-    if not isinstance(items, dict):
-        return {}
+    at most make the fleet look smaller until the next count, which is the safe direction).
+
+    Reads both formats: one key per node (this version) and the JSON object under `nodes` that
+    earlier versions wrote (kept until the next count rewrites the shard)."""
+    data = cm.get("data") or {}
     out: dict[str, float] = {}
-    for node, when in list(items.items())[:SHARD_MAX_NODES]:
-        if isinstance(node, str) and isinstance(when, (int, float)) and not isinstance(when, bool) \
-                and math.isfinite(when):
-            out[node] = float(when)
+    raw = data.get(SHARD_LEGACY_KEY)
+    if isinstance(raw, str) and raw.lstrip().startswith("{"):
+        try:
+            items = boundedjson.loads(raw, max_bytes=RECORD_MAX_BYTES, max_depth=2)
+        except ValueError:
+            items = {}
+        if isinstance(items, dict):
+            for node, when in list(items.items())[:SHARD_MAX_NODES]:
+                if isinstance(node, str) and isinstance(when, (int, float)) \
+                        and not isinstance(when, bool) and math.isfinite(when):
+                    out[node] = float(when)
+    for node, text in list(data.items())[:SHARD_MAX_NODES]:
+        if len(out) >= SHARD_MAX_NODES:
+            break
+        if not isinstance(node, str) or not isinstance(text, str) or len(node) > 253 \
+                or len(text) > 32 or (node == SHARD_LEGACY_KEY and text.lstrip().startswith("{")):
+            continue
+        try:
+            when = float(text)
+        except ValueError:
+            continue
+        if math.isfinite(when):
+            out[node] = when
     return out
+
+
+SHARD_LEGACY_KEY = "nodes"  # earlier versions: one JSON object of every registration
 
 
 # Bounds of a budget record written by screener: no fleet is larger, and the out-of-service set
 # holds at most every node of it.
 RECORD_MAX_FLEET = 1_000_000
 RECORD_MAX_BYTES = 16 * 1024 * 1024
+# How far one count may raise the record's fleet above the count before it (the admission
+# policy screener-configmaps holds every write to it; kubebudget clamps its count to it, and a
+# fleet that grew more than this within one count reaches its size over the next counts: a
+# smaller budget meanwhile, the safe direction). A record never counted (counted 0) may take
+# any size: its first count.
+RECORD_MAX_RAISE = 4096
 
 
 def _record_fleet(text: Any) -> int:
