@@ -96,6 +96,9 @@ CONDITION_TYPE = "GPUHardwareSuspect"
 ANNOTATION_VERDICT = "screener.io/verdict"
 ANNOTATION_HISTORY = "screener.io/history"
 ANNOTATION_DIGESTS = "screener.io/kat-digests"
+# the results a node's devices reproduced, which other nodes of its platform count towards a
+# quorum where the platform has no golden (screener.known_answer.quorum, stores/kubequorum.py)
+ANNOTATION_CANDIDATES = "screener.io/kat-candidates"
 
 ALARM_DIR_ENV = "SCREENER_ALARM_DIR"
 DEFAULT_ALARM_DIR = "/var/run/screener/alarms"
@@ -370,6 +373,10 @@ class KatReason(StrValue):
     INCOMPLETE = "incomplete"  # the job produced no result on the device
     # reproduced itself on another result than this node's earlier screens kept (no golden)
     EARLIER_SCREENS_DIFFER = "earlier_screens_differ"
+    # no golden: the result differs from what a quorum of other nodes of the platform gave
+    # (screener.known_answer.quorum), or too few of them agree yet to be a reference
+    QUORUM_MISMATCH = "quorum_mismatch"
+    AWAITING_QUORUM = "awaiting_quorum"
     # the engine's other comparisons (screener.known_answer.crosscheck, allreduce, peer_training;
     # a peer burn-in's alarm gives "peer_<check>", made from the alarm's check)
     FLEET_DIGEST_MISMATCH = "fleet_digest_mismatch"  # a platform's digest differs across nodes

@@ -17,9 +17,9 @@ from typing import Any, Mapping, Optional, Sequence, TextIO
 
 from screener.errors import BadInputError
 from screener.known_answer.golden import default_golden_dir
+from screener.known_answer.quorum import FleetView
 from screener.known_answer.screen import (DEFAULT_TIMEOUT, DeviceFault, Known, Progress,
-                                          ScreenResult,
-                                          execute, golden_lookup, judge, prevalidate_goldens,
+                                          ScreenResult, execute, judge_runs, prevalidate_goldens,
                                           resolve_devices, resolve_jobs)
 from screener.types import ExitCode, Outcome
 
@@ -127,13 +127,15 @@ def run_burnin(devices: Optional[Sequence[str]] = None, jobs: Optional[Sequence[
                golden_dir: Optional[str] = None, jobs_dir: Optional[str] = None,
                timeout: float = DEFAULT_TIMEOUT, progress: Optional[Progress] = None,
                faults: Optional[Mapping[str, Sequence[DeviceFault]]] = None,
-               known: Optional[Known] = None) -> BurninReport:
+               known: Optional[Known] = None,
+               fleet: Optional[FleetView] = None) -> BurninReport:
     """Burn in devices (default: every local GPU, or the CPU) with jobs (default: all).
 
     Runs for `duration` seconds (finishing the iteration under way) or `iterations` times
     (default DEFAULT_ITERATIONS when neither is given; both: whichever ends first, at least one
     iteration). known: what this node's earlier screens produced, as for run_screen (the
-    daemon's full burn-in passes its known-digests). Raises GoldenError / ScreenerError as
+    daemon's full burn-in passes its known-digests); fleet: the other nodes' results and the
+    promoted goldens, as for run_screen. Raises GoldenError / ScreenerError as
     run_screen does.
     """
     if duration is not None and duration <= 0:
@@ -151,8 +153,8 @@ def run_burnin(devices: Optional[Sequence[str]] = None, jobs: Optional[Sequence[
     t0 = time.monotonic()
     runs = execute(specs, devs, iterations=iterations, duration=duration, timeout=timeout,
                    faults=faults, progress=progress)
-    screen = judge(runs, specs, golden_lookup(golden_dir), golden_dir=golden_dir,
-                   seconds=time.monotonic() - t0, known=known)
+    screen = judge_runs(runs, specs, golden_dir, seconds=time.monotonic() - t0, known=known,
+                        fleet=fleet)
     return BurninReport(screen=screen, rows=_rows(screen), started=started, finished=time.time(),
                         duration=duration, iterations=iterations)
 

@@ -33,7 +33,7 @@ import sys
 import threading
 from collections import OrderedDict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Iterable, Optional, Sequence, cast
+from typing import Any, Iterable, Mapping, Optional, Sequence, cast
 
 from screener._optional import require
 
@@ -93,6 +93,7 @@ class DaemonMetrics:
         self.registry = registry or CollectorRegistry(auto_describe=True)
         self._declare(self.registry)
         self.intake_problem = ""
+        self._awaiting_seen: dict[tuple[str, str], bool] = {}
         self._seed(node)
         # Every node the daemon knows has a "last screened" or a "never screened since" series.
         self.registry.register(NeverScreened(node, self.clock.wall(), self.last_success))
@@ -162,6 +163,17 @@ class DaemonMetrics:
                           "in the last mtbi_days days (screener.lifecycle.incidents); absent with "
                           "fewer than two incidents.", ["node"], registry=r)
 
+        # The fleet quorum (screener.known_answer.quorum): a platform with no golden waits for
+        # other nodes to agree; the series says so per platform instead of a silent burnin.
+        self.awaiting_quorum = Gauge("screener_awaiting_quorum", "Jobs the node's last screen "
+                                     "found waiting for a fleet quorum, per platform hash (no "
+                                     "golden, and too few other nodes of the platform agree "
+                                     "yet); 0 once settled.", ["node", "platform"], registry=r)
+        self.promotions = Counter("screener_quorum_promotions", "Goldens this node promoted "
+                                  "from a fleet quorum, by what the store did (stored, same: "
+                                  "already there, kept: another record is there).",
+                                  ["node", "result"], registry=r)
+
     def _seed(self, node: str) -> None:
         """Make every labelled series exist from the start: a rate() over a counter that appears
         only at its first increment misses that increment."""
@@ -188,6 +200,8 @@ class DaemonMetrics:
         self.screen_duration.labels(node)
         for rung in RUNGS:
             self.ladder_rungs.labels(node, rung)
+        for result in ("stored", "same", "kept"):
+            self.promotions.labels(node, result)
 
     # --- updates ------------------------------------------------------------------------------
 
@@ -210,6 +224,17 @@ class DaemonMetrics:
         self.screen_duration.labels(self.node).observe(max(0.0, seconds))
         if outcome == Outcome.PASS and passed_at is not None:
             self.last_success.labels(self.node).set(passed_at)
+
+    def set_awaiting(self, waiting: Mapping[str, int]) -> None:
+        """The platforms a screen found waiting for a quorum (platform -> jobs); a platform
+        seen before that no longer waits goes to 0 (a series that vanished would hide the
+        moment it settled)."""
+        for (node, platform), _ in list(self._awaiting_seen.items()):
+            if platform not in waiting:
+                self.awaiting_quorum.labels(node, platform).set(0)
+        for platform, jobs in waiting.items():
+            self.awaiting_quorum.labels(self.node, platform).set(jobs)
+            self._awaiting_seen[(self.node, platform)] = True
 
     def set_incidents(self, times: Sequence[float]) -> None:
         """The node's incident times in the window: their count, and their MTBI when there are

@@ -20,6 +20,7 @@ from screener.atomicfile import write_atomic
 from screener.agent import burnin
 from screener.errors import ScreenerError
 from screener.known_answer import screen as kat
+from screener.known_answer.quorum import FleetView
 from screener.lifecycle.machine import KIND_FULL
 from screener.types import Outcome
 
@@ -41,8 +42,10 @@ def _burnin_stages(opts: Mapping[str, Any], faults: Any) -> dict[str, Any]:
     specs = kat.resolve_jobs(opts.get("jobs") or None, opts.get("jobs_dir"), quick_only=False)
     seconds = float(opts.get("burnin_seconds") or 0.0)
     iterations = int(opts.get("burnin_min_iterations") or 2)
-    # What this node's earlier screens produced: a burn-in judges with it as a screen does.
+    # What this node's earlier screens produced, and what the fleet says: a burn-in judges with
+    # them as a screen does.
     known = opts.get("known") or None
+    fleet = _fleet(opts)
 
     def rounds() -> burnin.BurninReport:
         # Both: keep going for the duration, but never fewer than the required repeats.
@@ -51,13 +54,13 @@ def _burnin_stages(opts: Mapping[str, Any], faults: Any) -> dict[str, Any]:
                                       golden_dir=opts.get("golden_dir"),
                                       jobs_dir=opts.get("jobs_dir"),
                                       timeout=float(opts.get("job_timeout_s") or kat.DEFAULT_TIMEOUT),
-                                      faults=faults, known=known)
+                                      faults=faults, known=known, fleet=fleet)
             if first_is_final(first, iterations):
                 return first
         return burnin.run_burnin(devices, specs, iterations=iterations,
                                  golden_dir=opts.get("golden_dir"), jobs_dir=opts.get("jobs_dir"),
                                  timeout=float(opts.get("job_timeout_s") or kat.DEFAULT_TIMEOUT),
-                                 faults=faults, known=known)
+                                 faults=faults, known=known, fleet=fleet)
 
     plan = burnin.BurninPlan(probes=False, crosscheck=False, lifecycle=False,
                              hbm_fraction=float(opts.get("hbm_fraction") or 0.5),
@@ -71,6 +74,12 @@ def _burnin_stages(opts: Mapping[str, Any], faults: Any) -> dict[str, Any]:
     d["outcome"] = rep.outcome.value
     d["exit_code"] = int(rep.exit_code)
     return d
+
+
+def _fleet(opts: Mapping[str, Any]) -> Optional[FleetView]:
+    """The fleet view the daemon passed (screener.known_answer.quorum), or None without one."""
+    raw = opts.get("fleet")
+    return FleetView.from_dict(raw) if isinstance(raw, Mapping) else None
 
 
 def _worker(result_path: str, mode: str = "screen") -> int:
@@ -92,7 +101,8 @@ def _worker(result_path: str, mode: str = "screen") -> int:
                                     golden_dir=opts.get("golden_dir"), jobs_dir=opts.get("jobs_dir"),
                                     repeat=int(opts.get("repeat") or 1),
                                     timeout=float(opts.get("job_timeout_s") or kat.DEFAULT_TIMEOUT),
-                                    faults=faults or None, known=opts.get("known") or None)
+                                    faults=faults or None, known=opts.get("known") or None,
+                                    fleet=_fleet(opts))
             data, code = result.to_dict(), int(result.exit_code)
     except ScreenerError as e:
         print(f"screener: {e}", file=sys.stderr)

@@ -65,6 +65,9 @@ class ScreenRequest:
     deadline: float  # on the window's clock
     clock: Callable[[], float] = time.time
     kind: str = KIND_QUICK
+    # the fleet quorum's view (screener.agent.fleet) and the runs per job it asks for, or None
+    fleet: Optional[Mapping[str, Any]] = None
+    repeat: Optional[int] = None
 
     def cancelled(self) -> bool:
         return self.cancel.is_set() or self.clock() >= self.deadline
@@ -95,6 +98,8 @@ class ScreenOutcome:
     taint_removed: bool = True
     kind: str = KIND_QUICK
     stages: tuple[Mapping[str, Any], ...] = ()
+    # platform hash -> job -> golden record text the screen promotes from a fleet quorum
+    promote: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
 
     @classmethod
     def inconclusive(cls, stopped: str, detail: str, *, code: ExitCode = ExitCode.INCONCLUSIVE,
@@ -112,7 +117,9 @@ class ScreenOutcome:
                    platforms={k: dict(v) for k, v in (d.get("platforms") or {}).items()},
                    seconds=float(d.get("seconds") or 0.0),
                    kind=str(d.get("screen_kind") or KIND_QUICK),
-                   stages=tuple(dict(x) for x in d.get("stages") or ()))
+                   stages=tuple(dict(x) for x in d.get("stages") or ()),
+                   promote={str(p): {str(j): str(t) for j, t in jobs.items()}
+                            for p, jobs in (d.get("promote") or {}).items()})
 
     def to_dict(self) -> dict[str, Any]:
         return {"outcome": self.outcome.value, "exit_code": int(self.exit_code),
@@ -218,10 +225,11 @@ class ScreeningWindow:
         return False
 
     def run(self, kind: str = KIND_QUICK, time_cap_s: Optional[float] = None,
-            job_check: Optional[JobCheck] = None) -> ScreenOutcome:
+            job_check: Optional[JobCheck] = None, *, fleet: Optional[Mapping[str, Any]] = None,
+            repeat: Optional[int] = None) -> ScreenOutcome:
         """Taint, screen (`kind`, capped at `time_cap_s`, default the window's; watching for jobs
-        with `job_check`, default the window's), untaint. Never raises for a runner failure (that
-        is an outcome)."""
+        with `job_check`, default the window's), untaint. fleet/repeat: for the runner
+        (ScreenRequest). Never raises for a runner failure (that is an outcome)."""
         started = self.clock()
         try:
             self.taint.set_screening_taint(self.node, True)
@@ -235,18 +243,19 @@ class ScreeningWindow:
         try:
             outcome = self._screen(started, kind,
                                    self.time_cap_s if time_cap_s is None else float(time_cap_s),
-                                   job_check or self.job_check)
+                                   job_check or self.job_check, fleet, repeat)
         finally:
             removed = self._untaint()
             self.active = False
         seconds = self.clock() - started
         return _with(outcome, started=started, seconds=seconds, taint_removed=removed)
 
-    def _screen(self, started: float, kind: str, time_cap_s: float,
-                job_check: JobCheck) -> ScreenOutcome:
+    def _screen(self, started: float, kind: str, time_cap_s: float, job_check: JobCheck,
+                fleet: Optional[Mapping[str, Any]] = None,
+                repeat: Optional[int] = None) -> ScreenOutcome:
         cancel = threading.Event()
         request = ScreenRequest(node=self.node, cancel=cancel, deadline=started + time_cap_s,
-                                clock=self.clock, kind=kind)
+                                clock=self.clock, kind=kind, fleet=fleet, repeat=repeat)
         box: dict[str, Any] = {}
 
         def work() -> None:
@@ -379,8 +388,12 @@ class KatProcessRunner:
             write_atomic(tmp / WORKER_RECORD, json.dumps(record))
             try:
                 assert proc.stdin is not None
-                proc.stdin.write(json.dumps({**self.options.to_dict(),
-                                             "known": self._known()}).encode())
+                opts = {**self.options.to_dict(), "known": self._known()}
+                if request.fleet is not None:
+                    opts["fleet"] = dict(request.fleet)
+                if request.repeat is not None:
+                    opts["repeat"] = max(int(opts.get("repeat") or 1), request.repeat)
+                proc.stdin.write(json.dumps(opts).encode())
                 proc.stdin.close()
                 while proc.poll() is None:
                     if request.cancelled():

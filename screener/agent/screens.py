@@ -20,6 +20,7 @@ from screener.agent.burnin import (BurninRequirement, crosscheck_digests_stage, 
                                    probe_report_stage)
 from screener.agent.clock import StampClock
 from screener.agent.feed import LifecycleFeed
+from screener.agent.fleet import FleetQuorum
 from screener.agent.findings import FindingsTracker
 from screener.agent.metrics import DaemonMetrics
 from screener.agent.passreport import PassReport
@@ -66,6 +67,8 @@ class DaemonScreens:
         self.requirement = BurninRequirement(min_seconds=config.burnin_duration_s,
                                              min_iterations=config.burnin_min_iterations,
                                              jobs=tuple(config.jobs))
+        self.fleet = FleetQuorum(ports.store if config.quorum_nodes else None, config.node,
+                                 metrics, need=config.quorum_nodes or 1)
         self.last_end: Optional[float] = None  # monotonic
         self.last_stopped = ""
         self.last_outcome: Optional[Outcome] = None
@@ -88,6 +91,7 @@ class DaemonScreens:
         except ValueError:
             self.last_outcome = None
         self.last_stopped = str(last.get("stopped") or "")
+        self.fleet.restore(last)
         if self.last_outcome == Outcome.PASS:
             self.metrics.last_success.labels(self.node).set(float(last["time"]))
 
@@ -109,6 +113,10 @@ class DaemonScreens:
             return "the node is suspect: confirming screen"
         if last is None:
             return "never screened"
+        if self.fleet.waiting:
+            # A platform waiting for its quorum settles as its nodes repeat their jobs: at the
+            # retry delay, not a screen interval (a day) per round.
+            return "the platform waits for a fleet quorum: screening again"
         if now - last >= self.config.screen_interval_s:
             return f"last screen {now - last:.0f} s ago"
         return ""
@@ -161,6 +169,9 @@ class DaemonScreens:
             "detail": outcome.detail, "exit_code": int(outcome.exit_code),
             "verdicts": [v.to_dict() for v in verdicts]})
         self._publish_digests(outcome)
+        if not outcome.stopped:
+            self.fleet.after({"verdicts": [v.to_dict() for v in outcome.verdicts]},
+                             outcome.promote)
         if outcome.stopped and outcome.exit_code == ExitCode.USAGE:
             raise BadInputError(f"screen failed: {outcome.detail}")
         if outcome.stopped and outcome.exit_code == ExitCode.SCREENER_ERROR:
@@ -174,8 +185,11 @@ class DaemonScreens:
         log.info("opening a screening window on %s (%s): %s", self.node,
                  "full burn-in" if kind == KIND_FULL else "quick screen", report.screen_due,
                  extra={"event": "screen_start", "kind": kind})
+        fleet = self.fleet.view(full=kind == KIND_FULL)
         try:
-            outcome = self.window.run(kind, cap, job_check=lambda: self.job_landed(report))
+            outcome = self.window.run(kind, cap, job_check=lambda: self.job_landed(report),
+                                      fleet=fleet,
+                                      repeat=self.fleet.repeat() if fleet is not None else None)
         finally:
             self.metrics.screening.labels(self.node).set(0)
         report.screen = outcome

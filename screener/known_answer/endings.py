@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional, Sequence
 
 from screener.errors import BadInputError, ScreenerError
+from screener.known_answer.quorum import FleetView
 from screener.known_answer.reference import Known, NamedJob, known_digest
 from screener.known_answer.runs import DeviceRun
 from screener.known_answer.screen_result import Issue
@@ -40,7 +41,7 @@ def raise_for_failures_of_ours(runs: Mapping[str, DeviceRun]) -> None:
 
 def ending_issues(device: str, run: DeviceRun, runs: Mapping[str, DeviceRun],
                   specs: Sequence[NamedJob], goldens: Mapping[tuple[str, str], Any],
-                  known: Known) -> list[Issue]:
+                  known: Known, fleet: Optional[FleetView] = None) -> list[Issue]:
     """What the way a device's child ended says (nothing when it finished)."""
     job = run.current[0] if run.current else None
     if run.status == RunStatus.KILLED:
@@ -49,10 +50,10 @@ def ending_issues(device: str, run: DeviceRun, runs: Mapping[str, DeviceRun],
             f"nothing about the device"))]
     if run.status == RunStatus.TIMEOUT:
         return [_hang(device, run, runs, specs, goldens)]
-    raised = [_raised(device, run, runs, goldens, known, j, r.detail, r.count)
+    raised = [_raised(device, run, runs, goldens, known, fleet, j, r.detail, r.count)
               for j, r in run.raised.items()]
     if run.status == RunStatus.JOB_ERROR:  # a child that ended on a job's raise
-        raised.append(_raised(device, run, runs, goldens, known, job, run.detail, 1))
+        raised.append(_raised(device, run, runs, goldens, known, fleet, job, run.detail, 1))
     if run.status not in (RunStatus.OK, RunStatus.JOB_ERROR):
         # crash or device_error (ours and bad input raised before)
         raised.append(Issue(Outcome.SUSPECT, KatReason(run.status), job, detail=run.detail))
@@ -60,15 +61,16 @@ def ending_issues(device: str, run: DeviceRun, runs: Mapping[str, DeviceRun],
 
 
 def _raised(device: str, run: DeviceRun, runs: Mapping[str, DeviceRun],
-            goldens: Mapping[tuple[str, str], Any], known: Known, job: Optional[str],
-            detail: str, count: int) -> Issue:
+            goldens: Mapping[tuple[str, str], Any], known: Known, fleet: Optional[FleetView],
+            job: Optional[str], detail: str, count: int) -> Issue:
     """A job that raised in `count` runs on this device is a crash of the device (suspect)
     when something shows the job completes: another run on this device, a peer of the platform
-    in this run, its golden, or this node's earlier screens; with none of these it is
+    in this run, its golden, other nodes of the platform (the fleet's candidates) or this node's
+    earlier screens; with none of these it is
     inconclusive, never our bug: exceptions of ours are reported as ours by the child."""
     done = run.jobs[job].runs if job in run.jobs else 0
     times = f"it raised in {count} of {count + done} run(s)"
-    why = _completes(device, run, runs, goldens, known, job)
+    why = _completes(device, run, runs, goldens, known, fleet, job)
     if why is None:
         return Issue(Outcome.INCONCLUSIVE, KatReason.CRASH, job, detail=(
             f"{detail}; {times}, and nothing shows the job completes on this platform (no "
@@ -80,7 +82,7 @@ def _raised(device: str, run: DeviceRun, runs: Mapping[str, DeviceRun],
 
 def _completes(device: str, run: DeviceRun, runs: Mapping[str, DeviceRun],
                goldens: Mapping[tuple[str, str], Any], known: Known,
-               job: Optional[str]) -> Optional[str]:
+               fleet: Optional[FleetView], job: Optional[str]) -> Optional[str]:
     """What shows a job completes where it raised on `device`, or None."""
     if job is None:
         return None
@@ -93,6 +95,10 @@ def _completes(device: str, run: DeviceRun, runs: Mapping[str, DeviceRun],
     record = goldens.get((job, run.platform_hash or ""))
     if record is not None:
         return f"its golden {getattr(record, 'path', '')} records completed runs on this platform"
+    if run.platform_hash and fleet is not None:
+        q = fleet.quorum_for(run.platform_hash, job, None)
+        if q.reporting:
+            return f"{q.reporting} other node(s) of the platform completed it"
     if run.platform_hash and known_digest(known, run.platform_hash, job, None):
         return "this node's earlier screens completed it on this platform"
     return None

@@ -50,9 +50,10 @@ from typing import Any, Mapping, Optional, Sequence
 
 from screener.known_answer.endings import (HANG_FACTOR, ending_issues,
                                            raise_for_failures_of_ours)
+from screener.known_answer.quorum import FleetView
 from screener.known_answer.reference import (GoldenLookup, JobGroup, Known, NamedJob,
                                              job_groups, known_digest, lookup_goldens)
-from screener.known_answer.results import JobResult, first_difference
+from screener.known_answer.results import Difference, JobResult, first_difference
 from screener.known_answer.runs import DeviceRun
 from screener.known_answer.self_mismatch import self_mismatch_issue
 from screener.known_answer.screen_result import (Issue, ScreenResult, record_command,
@@ -68,13 +69,15 @@ __all__ = ["HANG_FACTOR", "MIN_PEERS", "GoldenLookup", "Known", "NamedJob", "Scr
 
 def judge(runs: Mapping[str, DeviceRun], specs: Sequence[NamedJob], golden: GoldenLookup, *,
           golden_dir: Optional[str] = None, seconds: float = 0.0,
-          known: Optional[Known] = None) -> ScreenResult:
+          known: Optional[Known] = None, fleet: Optional[FleetView] = None) -> ScreenResult:
     """Compare the runs with goldens, peers and themselves; one Verdict per device.
 
     A device that does not reproduce its reference (golden, sibling golden, a majority of its
     platform, or `known`: what this node's earlier screens produced) is suspect, whatever its
     repeats did among themselves; one whose repeats disagree with nothing to say the job is
-    deterministic on its platform is inconclusive. Raises ScreenerError only when a child
+    deterministic on its platform is inconclusive. fleet: the other nodes' results
+    (screener.known_answer.quorum); without a golden, a quorum of them is the reference, and a
+    platform with none is waiting for one (awaiting_quorum). Raises ScreenerError only when a child
     reported a failure of our own code, and BadInputError when a child was given bad input (a
     missing device).
     """
@@ -83,8 +86,8 @@ def judge(runs: Mapping[str, DeviceRun], specs: Sequence[NamedJob], golden: Gold
     # wrong answer and then crashed is judged on both.
     judged = {d: r for d, r in runs.items() if r.status == RunStatus.OK or r.jobs}
     goldens = lookup_goldens(runs, specs, golden)
-    groups = list(job_groups(judged, specs, goldens, golden, known or {}))
-    issues = {d: ending_issues(d, run, runs, specs, goldens, known or {})
+    groups = list(job_groups(judged, specs, goldens, golden, known or {}, fleet))
+    issues = {d: ending_issues(d, run, runs, specs, goldens, known or {}, fleet)
               for d, run in runs.items()}
     matched: dict[str, dict[str, dict[str, Any]]] = {d: {} for d in runs}
     for group in groups:
@@ -116,6 +119,9 @@ def _device_issues(g: JobGroup, d: str,
         issue = _golden_issue(g, ref)
         return out + ([issue] if issue else []), {"golden": g.record.path,
                                                    "platform_hash": g.phash}
+    if g.quorum is not None and g.quorum.digest is not None:
+        return out + [i for i in (_quorum_issue(g, d),) if i is not None], {
+            "quorum": g.quorum.to_dict(), "platform_hash": g.phash}
     if g.kin:
         same = next((r for r in g.kin if r.compare(ref) is None), None)
         if same is not None:
@@ -131,6 +137,25 @@ def _device_issues(g: JobGroup, d: str,
     conflict = _memory_conflict(g, d, golden_dir)
     peer = _peer_issue(g, ref, golden_dir, sibling_differs=bool(g.kin))
     return out + [i for i in (conflict, peer) if i is not None], None
+
+
+def _quorum_issue(g: JobGroup, d: str) -> Optional[Issue]:
+    """A device whose result is not the quorum's: suspect (quorum_mismatch). Several other nodes
+    of the platform, each of which reproduced itself, agree on another result. A device whose
+    runs disagree has its self_mismatch issue already; only one wrong in every run is named here."""
+    q = g.quorum
+    assert q is not None and q.digest is not None
+    runs = g.results[d]
+    if not runs.consistent or runs.reference.digest == q.digest:
+        return None
+    ref = g.reference
+    diff = (first_difference(ref.steps, runs.reference.steps)
+            if ref is not None and ref.steps is not None else None)
+    if diff is None:  # no run here reproduced it: the quorum is known by its digest only
+        diff = Difference(0, "digest", "digest", q.digest, runs.reference.digest)
+    return Issue(Outcome.SUSPECT, KatReason.QUORUM_MISMATCH, g.job, diff, detail=(
+        f"no golden for platform {g.phash}; {q.describe()}; this device gave "
+        f"{runs.reference.digest} in all {runs.runs} run(s)"))
 
 
 def _memory_conflict(g: JobGroup, d: str, golden_dir: Optional[str]) -> Optional[Issue]:
@@ -185,6 +210,11 @@ def _peer_issue(g: JobGroup, ref: JobResult, golden_dir: Optional[str], *,
         return Issue(Outcome.SUSPECT, KatReason.PEER_SPLIT, g.job,
                      detail=f"{have} devices of one platform give {len(g.counts)} different "
                             f"results and no strict majority agrees")
+    if g.quorum is not None and g.counts[ref.digest] < MIN_PEERS:
+        return Issue(Outcome.INCONCLUSIVE, KatReason.AWAITING_QUORUM, g.job, detail=(
+            f"no golden for platform {g.phash}, and no quorum of other nodes yet: "
+            f"{g.quorum.describe()}; it settles itself as more nodes of the platform are "
+            f"screened, or record a golden: {record_command([g.job], g.members, golden_dir)}"))
     if g.counts[ref.digest] < MIN_PEERS and not sibling_differs:
         return Issue(Outcome.INCONCLUSIVE, KatReason.NO_GOLDEN, g.job,
                      detail=f"no golden for platform {g.phash} and only {g.counts[ref.digest]} "

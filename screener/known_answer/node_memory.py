@@ -8,7 +8,8 @@ than none: a persistently bad lane that overwrote the good digest made the next 
 the healthy run (expected = the faulty value). So:
 
 - only a result the device reproduced (two or more runs, one result) with nothing found against
-  the job (no issue but a missing golden) on a device that is not suspect is kept;
+  the job (no issue but a missing reference) on a device that is not suspect is kept (the rule
+  is screener.known_answer.quorum.reproduced, the same one for what a node tells the fleet);
 - a kept digest is never replaced by a different one for the same platform and spec: that is a
   conflict (one of the two results is wrong, and nothing here says which), reported and left
   as it was; the screen's verdict says it too (reason earlier_screens_differ, inconclusive);
@@ -23,11 +24,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from screener.known_answer.quorum import reproduced
 from screener.known_answer.reference import known_digest
-from screener.types import KatReason, Outcome
-
-# Issues that say nothing against the job's result: only the golden is missing.
-_HARMLESS = frozenset({KatReason.NO_GOLDEN.value})
 
 
 def remember(known: Mapping[str, Any], screen: Mapping[str, Any]
@@ -37,24 +35,13 @@ def remember(known: Mapping[str, Any], screen: Mapping[str, Any]
     out: dict[str, dict[str, Any]] = {p: dict(jobs) for p, jobs in known.items()
                                       if isinstance(p, str) and isinstance(jobs, Mapping)}
     conflicts: list[str] = []
-    for v in screen.get("verdicts") or ():
-        phash = v.get("platform_hash")
-        if v.get("outcome") == Outcome.SUSPECT.value or not phash:
+    for device, phash, job, digest, spec_hash in reproduced(screen):
+        kept = known_digest(out, phash, job, spec_hash)
+        if kept is not None and kept != digest:
+            conflicts.append(
+                f"{device} reproduced digest {digest} for {job} on platform "
+                f"{phash}, but this node's earlier screens kept {kept}: kept the earlier "
+                f"one (one of the two is wrong; a golden of the platform settles it)")
             continue
-        evidence = v.get("evidence") or {}
-        against = {i.get("job") for i in evidence.get("issues") or ()
-                   if i.get("reason") not in _HARMLESS}
-        for job, info in (evidence.get("jobs") or {}).items():
-            digest, spec_hash = info.get("digest"), info.get("spec_hash")
-            if job in against or not isinstance(digest, str) \
-                    or int(info.get("runs") or 0) < 2 or info.get("results") != 1:
-                continue
-            kept = known_digest(out, phash, job, spec_hash)
-            if kept is not None and kept != digest:
-                conflicts.append(
-                    f"{v.get('device')} reproduced digest {digest} for {job} on platform "
-                    f"{phash}, but this node's earlier screens kept {kept}: kept the earlier "
-                    f"one (one of the two is wrong; a golden of the platform settles it)")
-                continue
-            out.setdefault(phash, {})[job] = {"digest": digest, "spec_hash": spec_hash}
+        out.setdefault(phash, {})[job] = {"digest": digest, "spec_hash": spec_hash}
     return out, conflicts

@@ -2,9 +2,12 @@
 
 The judgment (screener.known_answer.judgment) compares, job by job and platform by platform, the
 results of a screen's devices: a JobGroup holds one job on the devices of one platform, with the
-platform's golden, the goldens of sibling platforms and what this node's earlier screens gave;
-its Reference is, in this order, the golden, a sibling golden one of the runs reproduces, the
+platform's golden, what a quorum of other nodes of the platform gave (screener.known_answer.quorum),
+the goldens of sibling platforms and what this node's earlier screens gave; its Reference is, in
+this order, the golden, the quorum's answer, a sibling golden one of the runs reproduces, the
 result a strict majority (two or more) of the devices gave in every run, or the earlier screens'.
+The quorum comes before this node's own devices: each of its nodes reproduced itself on
+independent hardware, while a node's devices share its software and can share its fault.
 
 Pure: goldens come through a lookup function, specs are only named.
 """
@@ -15,6 +18,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Sequence
 
+from screener.known_answer.quorum import FleetView, Quorum
 from screener.known_answer.results import JobResult
 from screener.known_answer.runs import DeviceRun, JobRuns
 
@@ -44,7 +48,7 @@ class Reference:
     of two or more devices produced, or what this node's earlier screens produced. `steps` is
     None when only the digest is known (an earlier screen whose result no run reproduced)."""
 
-    source: str  # "golden", "sibling golden", "majority", "earlier screens"
+    source: str  # "golden", "quorum", "sibling golden", "majority", "earlier screens"
     steps: Optional[tuple[Any, ...]]
     digest: Optional[str]
     record: Any = None  # the golden, for its own comparison
@@ -67,6 +71,7 @@ class JobGroup:
     record: Any  # the platform's golden, or None
     kin: Sequence[Any]  # sibling platforms' goldens (only without a golden of its own)
     known: Optional[str] = None  # the digest this node's earlier screens gave on the platform
+    quorum: Optional[Quorum] = None  # what the other nodes of the platform say (fleet view given)
     refs: dict[str, JobResult] = field(init=False)
     counts: "Counter[str]" = field(init=False)
     majority: Optional[str] = field(init=False)  # the digest a strict majority agrees on
@@ -87,6 +92,11 @@ class JobGroup:
     def _reference(self) -> Optional[Reference]:
         if self.record is not None:
             return Reference("golden", tuple(self.record.steps), None, self.record)
+        if self.quorum is not None and self.quorum.digest is not None:
+            # Steps only when a run reproduces it: the other nodes publish digests, not steps.
+            same = next((r for r in self._all_results() if r.digest == self.quorum.digest), None)
+            return Reference("quorum", same.steps if same is not None else None,
+                             self.quorum.digest)
         for r in self.kin:
             if any(r.compare(res) is None for res in self._all_results()):
                 return Reference("sibling golden", tuple(r.steps), None, r)
@@ -140,8 +150,9 @@ def lookup_goldens(runs: Mapping[str, DeviceRun], specs: Sequence[NamedJob],
 
 def job_groups(ok: Mapping[str, DeviceRun], specs: Sequence[NamedJob],
                goldens: Mapping[tuple[str, str], Any], golden: GoldenLookup,
-               known: Known) -> Iterator[JobGroup]:
-    """Every (job, platform) of the OK runs, job by job, platforms in order of first device."""
+               known: Known, fleet: Optional[FleetView] = None) -> Iterator[JobGroup]:
+    """Every (job, platform) of the OK runs, job by job, platforms in order of first device;
+    with a fleet view, each without a golden carries the quorum of the other nodes."""
     platforms: dict[str, list[str]] = {}
     for device, run in ok.items():
         platforms.setdefault(run.platform_hash or "", []).append(device)
@@ -153,5 +164,9 @@ def job_groups(ok: Mapping[str, DeviceRun], specs: Sequence[NamedJob],
                    if record is None and siblings is not None and phash else [])
             results = {d: ok[d].jobs[spec.name] for d in members if spec.name in ok[d].jobs}
             spec_hash = next((r.reference.spec_hash for r in results.values()), None)
+            quorum = (fleet.quorum_for(phash, spec.name, spec_hash)
+                      if fleet is not None and record is None and phash else None)
+            if quorum is not None and quorum.digest is not None:
+                kin = []  # the platform's own fleet says; a sibling's bits are no evidence
             yield JobGroup(spec.name, phash, members, results, record, kin,
-                           known_digest(known, phash, spec.name, spec_hash))
+                           known_digest(known, phash, spec.name, spec_hash), quorum)

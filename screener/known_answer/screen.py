@@ -25,14 +25,18 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from screener.errors import BadInputError
 from screener.known_answer import golden as _golden
+from screener.known_answer import promotion
 from screener.known_answer.fault_spec import DeviceFault
 from screener.known_answer.judgment import GoldenLookup, Known, ScreenResult, judge
 from screener.known_answer.protocol import DEFAULT_THREADS
+from screener.known_answer.quorum import FleetView
+from screener.known_answer.runs import DeviceRun
 from screener.known_answer.recording import RecordResult, write_goldens
 from screener.known_answer.supervise import DEFAULT_TIMEOUT, Progress, execute
 from screener.known_answer.specs import JobSpec, select_jobs
@@ -83,8 +87,11 @@ def resolve_devices(devices: Optional[Sequence[str]]) -> list[str]:
     return out
 
 
-def golden_lookup(golden_dir: Optional[str]) -> GoldenLookup:
-    """The golden records of a folder (default: golden.default_golden_dir())."""
+def golden_lookup(golden_dir: Optional[str],
+                  promoted: Optional[Mapping[str, Mapping[str, str]]] = None) -> GoldenLookup:
+    """The golden records of a folder (default: golden.default_golden_dir()), then the goldens
+    the fleet promoted from a quorum (screener.known_answer.promotion; the folder's come first:
+    a person's record is never overridden by the fleet's)."""
     d = golden_dir or str(_golden.default_golden_dir())
     cache: dict[tuple[str, str], Any] = {}
 
@@ -92,6 +99,8 @@ def golden_lookup(golden_dir: Optional[str]) -> GoldenLookup:
         key = (spec.name, platform_hash)
         if key not in cache:
             cache[key] = _golden.find(d, spec, platform_hash)
+            if cache[key] is None and promoted:
+                cache[key] = promotion.load(promoted, spec, platform_hash)
             log.debug("golden for %s on platform %s: %s", spec.name, platform_hash,
                       getattr(cache[key], "path", None) or f"none in {d}")
         return cache[key]
@@ -122,13 +131,15 @@ def run_screen(jobs: Optional[Sequence[str | JobSpec]] = None,
                duration: Optional[float] = None, timeout: float = DEFAULT_TIMEOUT,
                faults: Optional[Mapping[str, Sequence[DeviceFault]]] = None,
                progress: Optional[Progress] = None,
-               known: Optional[Known] = None) -> ScreenResult:
+               known: Optional[Known] = None,
+               fleet: Optional[FleetView] = None) -> ScreenResult:
     """Screen devices with known-answer jobs (default: the quick screen) and judge the results.
 
     repeat: runs of each job per device (>= 2 adds the self-consistency check); duration: keep
     repeating for that many seconds instead. known: what this node's earlier screens produced
     (platform hash -> job -> digest): where no golden or majority exists it says which of a
-    device's disagreeing repeats is right (screener.known_answer.judgment). Raises GoldenError
+    device's disagreeing repeats is right (screener.known_answer.judgment). fleet: the other
+    nodes' results and the promoted goldens (see judge_runs). Raises GoldenError
     (bad golden, exit 2) or ScreenerError (exit 1, a failure of ours); a bad device is a
     Verdict, never an exception.
     """
@@ -142,8 +153,24 @@ def run_screen(jobs: Optional[Sequence[str | JobSpec]] = None,
     t0 = time.monotonic()
     runs = execute(specs, devs, iterations=repeat, duration=duration, timeout=timeout,
                    faults=faults, progress=progress)
-    return judge(runs, specs, golden_lookup(golden_dir), golden_dir=golden_dir,
-                 seconds=time.monotonic() - t0, known=known)
+    return judge_runs(runs, specs, golden_dir, seconds=time.monotonic() - t0, known=known,
+                      fleet=fleet)
+
+
+def judge_runs(runs: Mapping[str, DeviceRun], specs: Sequence[JobSpec], golden_dir: str, *,
+               seconds: float, known: Optional[Known] = None,
+               fleet: Optional[FleetView] = None) -> ScreenResult:
+    """Judge a screen's runs (screener.known_answer.judgment.judge) against the folder's goldens,
+    then the fleet's promoted ones, a quorum of other nodes, and this node's earlier screens;
+    with a fleet view, the result carries the goldens this screen promotes
+    (ScreenResult.promote: screener.known_answer.promotion), for the caller to store."""
+    lookup = golden_lookup(golden_dir, fleet.promoted if fleet is not None else None)
+    result = judge(runs, specs, lookup, golden_dir=golden_dir, seconds=seconds, known=known,
+                   fleet=fleet)
+    if fleet is None:
+        return result
+    promote = promotion.promotions(result, runs, specs, fleet)
+    return replace(result, promote=promote) if promote else result
 
 
 def record_goldens(specs: Sequence[JobSpec], devices: Sequence[str], *,

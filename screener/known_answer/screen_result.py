@@ -34,6 +34,9 @@ class ScreenResult:
     seconds: float = 0.0
     # device -> {"requested", "fired", "unfired"}: the faults a drill or `--inject` asked for
     faults: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # platform hash -> job -> golden record text: what this screen promotes from a fleet quorum
+    # (screener.known_answer.promotion), for the daemon to store
+    promote: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
 
     @property
     def unfired_faults(self) -> dict[str, list[dict[str, Any]]]:
@@ -65,7 +68,9 @@ class ScreenResult:
                 "seconds": round(self.seconds, 3),
                 **({"faults": {d: dict(f) for d, f in self.faults.items()},
                     "faults_fired": {d: list(f["fired"]) for d, f in self.faults.items()},
-                    "warnings": self.warnings()} if self.faults else {})}
+                    "warnings": self.warnings()} if self.faults else {}),
+                **({"promote": {p: dict(j) for p, j in self.promote.items()}}
+                   if self.promote else {})}
 
 
 def record_command(jobs: Iterable[str], devices: Iterable[str], golden_dir: Optional[str]) -> str:
@@ -101,15 +106,18 @@ class Issue:
 # Which issue names a device's verdict when it has several: the most specific evidence first.
 _REASON_RANK = {KatReason.TIMEOUT: 0, KatReason.CRASH: 0, KatReason.KILLED: 0,
                 KatReason.DEVICE_ERROR: 0, KatReason.SELF_MISMATCH: 1,
-                KatReason.GOLDEN_MISMATCH: 2, KatReason.PEER_MISMATCH: 3,
+                KatReason.GOLDEN_MISMATCH: 2, KatReason.QUORUM_MISMATCH: 2,
+                KatReason.PEER_MISMATCH: 3,
                 KatReason.PEER_SPLIT: 4, KatReason.GOLDEN_DISAGREES_WITH_PEERS: 5,
                 KatReason.EARLIER_SCREENS_DIFFER: 5,
                 KatReason.SIBLING_GOLDEN_DIFFERS: 6, KatReason.NO_GOLDEN: 6,
+                KatReason.AWAITING_QUORUM: 5,
                 KatReason.INCOMPLETE: 6}
 # Inconclusive reasons that a golden of the platform would settle: their verdict names the
 # command that records it (a self-mismatch, a raise or a split with nothing to say which
 # result is right, a conflict with the node's earlier screens, no golden at all).
-_NEEDS_GOLDEN = (KatReason.NO_GOLDEN, KatReason.SIBLING_GOLDEN_DIFFERS, KatReason.SELF_MISMATCH,
+_NEEDS_GOLDEN = (KatReason.NO_GOLDEN, KatReason.AWAITING_QUORUM, KatReason.SIBLING_GOLDEN_DIFFERS,
+                 KatReason.SELF_MISMATCH,
                  KatReason.CRASH, KatReason.PEER_SPLIT, KatReason.EARLIER_SCREENS_DIFFER)
 
 

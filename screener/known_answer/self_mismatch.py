@@ -5,8 +5,8 @@ data corruption, so the verdict never depends on the device's own majority (a un
 wrong in four runs of five is as bad as one wrong in one of five). What decides is whether the
 job is shown deterministic on the device's platform by something other than the device itself:
 
-- a reference (screener.known_answer.reference): the platform's golden, a sibling golden a run
-  reproduces, a majority of the platform's devices that each reproduced themselves, or this
+- a reference (screener.known_answer.reference): the platform's golden, a quorum of other nodes
+  of the platform (screener.known_answer.quorum), a sibling golden a run reproduces, a majority of the platform's devices that each reproduced themselves, or this
   node's earlier screens reproduced today;
 - another device of the platform in this screen that reproduced itself (two or more runs, one
   result);
@@ -68,9 +68,10 @@ def _against_reference(g: JobGroup, runs: JobRuns) -> Issue:
     right = sum(c for dg, c in runs.counts.items()
                 if any(r.digest == dg and ref.matches(r) for _, r in results))
     it, bad = wrong[0]
-    # Wrong in every run is a golden (or majority) mismatch, told by its own name.
+    # Wrong in every run is a golden (quorum, majority) mismatch, told by its own name.
     reason = (KatReason.SELF_MISMATCH if right else
               KatReason.GOLDEN_MISMATCH if ref.record is not None else
+              KatReason.QUORUM_MISMATCH if ref.source == "quorum" else
               KatReason.PEER_MISMATCH)
     return Issue(Outcome.SUSPECT, reason, g.job, first_difference(ref.steps, bad.steps),
                  detail=f"{runs.runs - right} of {runs.runs} runs differ from the "
@@ -91,6 +92,8 @@ def _evidence(g: JobGroup, device: str) -> Optional[str]:
         r = g.results[peers[0]]
         return (f"{len(peers)} other device(s) reproduced themselves (e.g. {peers[0]}, "
                 f"{r.runs} runs, digest {r.reference.digest})")
+    if g.quorum is not None and g.quorum.digest is not None:
+        return g.quorum.describe()
     if g.known is not None:
         return (f"this node's earlier screens reproduced digest {g.known} on it"
                 + ("" if _reproduces(g.results[device], g.known) else ", which no run reproduces"))

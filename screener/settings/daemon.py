@@ -77,6 +77,7 @@ _NUMBERS: dict[str, tuple[float, float, bool, bool]] = {
     "intake_pass_bytes": (1, 2**40, False, True),
     # a repeat is compared with the first, so at least 2
     "burnin_min_iterations": (2, 10_000, False, True),
+    "quorum_nodes": (0, 10_000, False, True),
     "mtbi_days": (0.0, 3650.0, True, False),
 }
 _PATH_FIELDS = ("db", "kubeconfig", "spool", "jobs_dir", "golden_dir", "work_dir")  # None or a string
@@ -128,6 +129,10 @@ class DaemonConfig:
         drill and a probe-only deployment want).
     publish_digests: after a passing screen, publish its known-answer digests on the Node (kube)
         so burn-in of other nodes of the same platform can cross-check them.
+    quorum_nodes: where a platform has no golden, how many other nodes of it must have reproduced
+        the same result before it is the reference (screener.known_answer.quorum: a node that
+        agrees passes, one that differs is suspect, the result is promoted to the platform's
+        golden); 0 turns the fleet quorum off (no golden: inconclusive, as before).
     burnin_duration_s, burnin_min_iterations: a full burn-in (the only way a burnin node becomes
         healthy) keeps every job running this long, and at least this many times on every device.
     adopt: "auto" adopts a node with no state that already runs GPU pods, or whose Node object is
@@ -176,6 +181,7 @@ class DaemonConfig:
     publish_digests: bool = True
     burnin_duration_s: float = 3600.0
     burnin_min_iterations: int = 2
+    quorum_nodes: int = 3
     adopt: str = "auto"
     adopt_min_age_s: float = 3600.0
     adopt_created_before: float = 0.0

@@ -69,6 +69,7 @@ from screener.stores.kubeconfig import check_kubeconfig, check_loaded
 from screener.stores.kubeevents import NodeEvents
 from screener.stores.kubeformat import EVIDENCE_BYTES, shrink_evidence  # noqa: F401 (re-exported)
 from screener.stores.kubehistory import NodeHistories
+from screener.stores.kubequorum import KubeQuorum
 from screener.stores.kubenode import (GPU_RESOURCE, WARNING_STATES,  # noqa: F401 (re-exported)
                                       annotation, condition_status, gpus_requested, screening_patch,
                                       state_of)
@@ -126,6 +127,7 @@ class KubeStore:
         events = NodeEvents(self.calls, namespace=event_namespace, component=component,
                             instance=self.instance, clock=clock)
         self.writer = TransitionWriter(self.calls, self.histories, self.budget, events, clock=clock)
+        self.quorum = KubeQuorum(self.calls, self.set_annotations)
 
     @classmethod
     def from_config(cls, *, kubeconfig: Optional[str] = None, context: Optional[str] = None,
@@ -370,6 +372,26 @@ class KubeStore:
         """Set (or, with None, remove) our annotations; a merge patch leaves all others alone."""
         if self.calls.patch_node(node, {"metadata": {"annotations": dict(values)}}) is None:
             raise KubeApiError(f"node {node}: unexpected conflict setting annotations", 409)
+
+    # --- the fleet quorum (kubequorum.py) ----------------------------------------------------
+
+    def publish_candidates(self, node: str,
+                           candidates: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> None:
+        """The results the node's devices reproduced, for other nodes' quorums."""
+        self.quorum.publish_candidates(node, candidates)
+
+    def fleet_candidates(self) -> dict[str, dict[str, dict[str, dict[str, Any]]]]:
+        """Every node's published candidates (one paginated list of Node metadata)."""
+        return self.quorum.candidates()
+
+    def promote_golden(self, phash: str, job: str, text: str) -> Optional[str]:
+        """Store a golden promoted from a quorum (add-only): None when stored, else the record
+        already there."""
+        return self.quorum.promote(phash, job, text)
+
+    def promoted_goldens(self) -> dict[str, dict[str, str]]:
+        """Platform hash -> job -> record text of the promoted goldens (one list)."""
+        return self.quorum.promoted()
 
     def observe_only(self) -> None:
         """From now on add no taint of ours (the daemon's observe mode, issue 24.2): transitions

@@ -23,6 +23,7 @@ import os
 import sqlite3
 import secrets
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional, Sequence
@@ -67,6 +68,28 @@ CREATE TABLE IF NOT EXISTS verdicts (
     verdict TEXT NOT NULL
 );
 """
+# The fleet quorum's tables (screener.known_answer.quorum), added to a store of schema 1 when it
+# is opened for writing: a screener that predates them neither needs nor sees them, so the
+# schema version stays. candidates: the results each node's devices reproduced; promoted: the
+# goldens promoted from a quorum, add-only (the primary key keeps the first record).
+_FLEET_SCHEMA = """
+CREATE TABLE IF NOT EXISTS kat_candidates (
+    node TEXT NOT NULL,
+    platform TEXT NOT NULL,
+    job TEXT NOT NULL,
+    digest TEXT NOT NULL,
+    spec_hash TEXT,
+    time REAL NOT NULL,
+    PRIMARY KEY (node, platform, job)
+);
+CREATE TABLE IF NOT EXISTS kat_promoted (
+    platform TEXT NOT NULL,
+    job TEXT NOT NULL,
+    record TEXT NOT NULL,
+    time REAL NOT NULL,
+    PRIMARY KEY (platform, job)
+);
+"""
 
 
 def _mount_point(path: str) -> str:
@@ -109,7 +132,7 @@ def _create_schema(db: sqlite3.Connection) -> None:
     """Our tables, the application id and the schema version, in one transaction."""
     db.execute("BEGIN IMMEDIATE")
     try:
-        for stmt in _SCHEMA.split(";"):
+        for stmt in (_SCHEMA + _FLEET_SCHEMA).split(";"):
             if stmt.strip():
                 db.execute(stmt)
         db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
@@ -243,6 +266,9 @@ class LocalStore:
             raise BadInputError(f"{self.path}: cannot switch the database to WAL (got {mode})")
         # FULL: a committed transition survives power loss too; transitions are rare, so it is cheap.
         db.execute("PRAGMA synchronous = FULL")
+        for stmt in _FLEET_SCHEMA.split(";"):
+            if stmt.strip():
+                db.execute(stmt)
         if app_id == 0:  # a store of the first schema, from before the id: stamp it as ours
             db.execute("BEGIN IMMEDIATE")
             try:
@@ -428,6 +454,62 @@ class LocalStore:
             raise BadInputError(f"{self.path}: table verdicts, node {node[:128]!r}: the verdict "
                                 f"is not a JSON object ({str(e)[:200]})") from None
         return verdict
+
+    # --- the fleet quorum (screener.known_answer.quorum) -------------------------------------
+
+    def publish_candidates(self, node: str,
+                           candidates: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> None:
+        """The results the node's devices reproduced (platform -> job -> entry), replacing the
+        node's earlier entries for the same platform and job."""
+        rows = [(node, str(p), str(j), str(e["digest"]), e.get("spec_hash"), time.time())
+                for p, jobs in candidates.items() for j, e in jobs.items()]
+        if not rows:
+            return
+        with self._write(f"publish the candidates of {node}"):
+            self._db.executemany(
+                "INSERT INTO kat_candidates (node, platform, job, digest, spec_hash, time) "
+                "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(node, platform, job) DO UPDATE SET "
+                "digest = excluded.digest, spec_hash = excluded.spec_hash, time = excluded.time",
+                rows)
+
+    def fleet_candidates(self) -> dict[str, dict[str, dict[str, dict[str, Any]]]]:
+        """Every node's candidates: node -> platform -> job -> {"digest", "spec_hash"}."""
+        out: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
+        for node, platform, job, digest, spec_hash in self._fleet_query(
+                "SELECT node, platform, job, digest, spec_hash FROM kat_candidates"):
+            out.setdefault(node, {}).setdefault(platform, {})[job] = {
+                "digest": digest, "spec_hash": spec_hash}
+        return out
+
+    def promote_golden(self, phash: str, job: str, text: str) -> Optional[str]:
+        """Store a golden promoted from a quorum (add-only): None when stored, else the record
+        already there (it stays)."""
+        with self._write(f"store the promoted golden {job} of platform {phash}"):
+            row = self._db.execute("SELECT record FROM kat_promoted WHERE platform = ? AND "
+                                   "job = ?", (phash, job)).fetchone()
+            if row is not None:
+                return str(row[0])
+            self._db.execute("INSERT INTO kat_promoted (platform, job, record, time) VALUES "
+                             "(?, ?, ?, ?)", (phash, job, text, time.time()))
+        return None
+
+    def promoted_goldens(self) -> dict[str, dict[str, str]]:
+        """Platform hash -> job -> record text of the promoted goldens."""
+        out: dict[str, dict[str, str]] = {}
+        for platform, job, record in self._fleet_query(
+                "SELECT platform, job, record FROM kat_promoted"):
+            out.setdefault(platform, {})[job] = record
+        return out
+
+    def _fleet_query(self, sql: str) -> list[tuple[Any, ...]]:
+        """A read of the quorum's tables; none in a read-only store of a screener before them."""
+        try:
+            with self._lock:
+                return self._db.execute(sql).fetchall()
+        except sqlite3.OperationalError as e:
+            if "no such table" in str(e):
+                return []
+            raise self._error("read the store", e) from e
 
     def close(self) -> None:
         with self._lock:
