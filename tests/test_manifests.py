@@ -375,7 +375,7 @@ def test_admission_policy_keeps_a_pod_bound_token_to_its_own_node(objs):
     # issue 36.1: the repair ladder's reboot slots are the store's too; a slot number is a number
     ("CREATE", "screener-reboot-slot-0", ""),
     ("DELETE", "screener-reboot-slot-0", ""),
-    ("CREATE", "screener-reboot-slot-999999", "read-only"),
+    ("CREATE", "screener-reboot-slot-999999", "at most 5 digits"),
     ("CREATE", "screener-budget-slot-x", "read-only"),
     ("DELETE", "screener-reboot-slot-", "read-only"),
 ])
