@@ -29,7 +29,8 @@ from screener import cli
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
-TOP_DIRS = ("screener", "tests", "benchmarks", "manifests", "examples", "jobs", "golden", "docs")
+TOP_DIRS = ("screener", "tests", "benchmarks", "manifests", "examples", "jobs", "golden", "docs",
+            "charts")
 SUBPACKAGES = sorted(p.name for p in (ROOT / "screener").iterdir()
                      if p.is_dir() and (p / "__init__.py").exists())
 
