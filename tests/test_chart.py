@@ -365,3 +365,15 @@ def test_the_ladder_schema_names_every_ladder_setting():
 
     schema = json.loads((CHART / "values.schema.json").read_text())
     assert set(schema["properties"]["ladder"]["properties"]) == {f.name for f in fields(LadderConfig)}
+
+
+@pytest.mark.parametrize("version", ["1.30.0", "1.37.0"])
+def test_what_the_values_render_meets_the_kubernetes_schema(changed, version):
+    """Each value lands where the API accepts it (strict: an unknown or misplaced field is an
+    error), at the oldest and newest Kubernetes docs/deploy.md names."""
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    seeded = template("--set", "golden.create=true", "--set-string", "golden.data.a\\.json=x")
+    objs = changed + [o for o in seeded if o["metadata"]["name"] == "screener-golden"]
+    assert {"DaemonSet", "Job", "ConfigMap", "NetworkPolicy"} <= {o["kind"] for o in objs}
+    for o in objs:
+        kubernetes_validate.validate(o, version, strict=True)
