@@ -301,3 +301,31 @@ def test_the_kube_store_keeps_candidates_on_the_node_and_goldens_in_configmaps(c
         finally:
             a.close()
             b.close()
+
+
+def test_golden_list_fleet_shows_the_promoted_goldens_with_their_provenance(spec, clean,
+                                                                             tmp_path):
+    from cli_util import screener
+
+    fleet = _fleet({"a": clean.digest, "b": clean.digest, "c": clean.digest})
+    promote = _judge(spec, {"cpu": _device("cpu", [clean, clean])}, fleet, tmp_path).promote
+    db = tmp_path / "fleet.db"
+    with LocalStore(db) as s:
+        s.promote_golden(PH, JOB, promote[PH][JOB])
+        s.promote_golden(PH, "conv-fp32", "{broken")
+    empty = tmp_path / "none"
+    empty.mkdir()
+    ran = screener("golden", "list", str(empty), "--fleet", "--store", "local", "--db", str(db),
+                   "--json")
+    assert ran.returncode == 2  # the broken record is a problem, said in one line
+    out = json.loads(ran.stdout)
+    (row,) = out["records"]
+    assert row["source"] == "quorum" and row["platform_hash"] == PH
+    assert row["provenance"]["nodes"] == ["a", "b", "c"] and row["provenance"]["promoted_by"] == "me"
+    assert len(out["problems"]) == 1 and "conv-fp32" in out["problems"][0]
+    text = screener("golden", "list", str(empty), "--fleet", "--store", "local", "--db", str(db))
+    assert "promoted from a quorum of 3 node(s) (a, b, c) by me" in text.stdout
+    assert "Traceback" not in text.stderr
+    # without --fleet no store is read
+    plain = screener("golden", "list", str(empty), "--json", "--db", str(tmp_path / "absent.db"))
+    assert plain.returncode == 0 and json.loads(plain.stdout)["records"] == []

@@ -39,6 +39,7 @@ def exported() -> dict[str, set[str]]:
     m.screen_done(Outcome.PASS, [Outcome.PASS], 12.0, passed_at=1000.0)
     m.error("screen")  # errors_total has no series until the first error
     m.alarm_applied("weights", True)  # labelled by check: no series until the first alarm
+    m.set_awaiting({"00000000000000aa": 2})  # labelled by platform: none until one waits
     return _names(m.exposition(), names)
 
 
@@ -146,7 +147,8 @@ def test_dashboard_ships_in_a_configmap_for_the_grafana_sidecar():
 
 ALERTS = {"ScreenerNodeQuarantined", "ScreenerQuarantineBudgetNearlySpent",
           "ScreenerQuarantineBudgetSpent", "ScreenerDaemonDown", "ScreenerDaemonStalled",
-          "ScreenerNotScreening", "ScreenerAlarmIntakeStalled", "ScreenerAlarmFilesStuck"}
+          "ScreenerNotScreening", "ScreenerAlarmIntakeStalled", "ScreenerAlarmFilesStuck",
+          "ScreenerPlatformAwaitingQuorum"}
 
 
 def test_rules_twin_names_labels_and_annotations():
@@ -240,6 +242,16 @@ def test_promtool_fires_every_alert_on_made_up_series(tmp_path):
             {"eval_time": "50h", "alertname": "ScreenerNotScreening",
              "exp_alerts": [{"exp_labels": {"node": "node-s", "severity": "warning"}}]},
             {"eval_time": "47h", "alertname": "ScreenerNotScreening", "exp_alerts": []}]},
+        # Platform "p1" waits for 7 hours on two nodes; "p2" settled after 2 hours.
+        {"interval": "1m", "input_series": [
+            {"series": 'screener_awaiting_quorum{node="node-a",platform="p1"}', "values": "1x480"},
+            {"series": 'screener_awaiting_quorum{node="node-b",platform="p1"}', "values": "2x480"},
+            {"series": 'screener_awaiting_quorum{node="node-c",platform="p2"}',
+             "values": "1x120 0x360"}],
+         "alert_rule_test": [
+            {"eval_time": "7h", "alertname": "ScreenerPlatformAwaitingQuorum",
+             "exp_alerts": [{"exp_labels": {"platform": "p1", "severity": "warning"}}]},
+            {"eval_time": "5h", "alertname": "ScreenerPlatformAwaitingQuorum", "exp_alerts": []}]},
     ]}
     t = tmp_path / "tests.yaml"
     t.write_text(yaml.safe_dump(tests, sort_keys=False))

@@ -36,7 +36,7 @@ from screener.known_answer.results import JobResult
 from screener.known_answer.runs import DeviceRun
 from screener.stores.kube import KubeStore
 from screener.stores.local import LocalStore
-from screener.types import KatReason, NodeState
+from screener.types import CONDITION_TYPE, KatReason, NodeState
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = "gemm-fp32"
@@ -109,10 +109,12 @@ def _fleet(tmp_path: Path, spec: w.JobSpec, answers: dict[str, JobResult], n: in
     return nodes
 
 
-def _roll(nodes: list[tuple[str, DaemonRig, DeviceBoundary]], bad: int) -> dict[str, Any]:
+def _roll(nodes: list[tuple[str, DaemonRig, DeviceBoundary]], bad: int,
+          after_first: Callable[[], None] = lambda: None) -> dict[str, Any]:
     """Nodes come up on the new platform one by one, then the waiting ones retry."""
     for name, rig, _ in nodes:
         rig.tick()
+    after_first()
     first = {name: rig.store.get_state(name) for name, rig, _ in nodes}
     waiting_seen = [name for name, rig, _ in nodes
                     if rig.metrics.awaiting_quorum.labels(rig.metrics.node, NEW)._value.get() > 0]
@@ -170,9 +172,17 @@ def test_a_rolling_upgrade_on_the_kubernetes_store_settles_without_a_person(tmp_
             cfg.host, cfg.retries = api.url, False
             return KubeStore(kubernetes.client.ApiClient(cfg), namespace=NS, instance=name)
 
+        def reason(name: str) -> str:
+            conds = api.node(name).get("status", {}).get("conditions") or []
+            return next((c["reason"] for c in conds if c["type"] == CONDITION_TYPE), "")
+
+        waited: dict[str, str] = {}
         nodes = _fleet(tmp_path, spec, answers, 6, 1, store_for)
         try:
-            seen = _roll(nodes, 1)
+            seen = _roll(nodes, 1, lambda: waited.update({n: reason(n) for n, _, _ in nodes}))
+            # what `kubectl describe node` showed while the platform waited, and after
+            assert waited["gpu-00"] == "AwaitingQuorum" and waited["gpu-05"] != "AwaitingQuorum"
+            assert "AwaitingQuorum" not in {reason(n) for n, _, _ in nodes}
             _check(nodes, 1, seen, nodes[0][1].store.promoted_goldens())
             cm = api.configmap(NS, f"screener-quorum-{NEW}")
             assert cm is not None and list(cm["data"]) == [f"{JOB}.json"]

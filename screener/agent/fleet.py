@@ -32,6 +32,8 @@ from screener.known_answer.quorum import DEFAULT_NEED, FleetView, awaiting, cand
 log = logging.getLogger("screener.daemon")
 
 QUORUM_REPEAT = 2  # runs of each job in a screen that may add to a quorum
+REASON_AWAITING = "AwaitingQuorum"  # the node condition's reason while the platform waits
+REASON_SETTLED = "QuorumSettled"
 
 
 @runtime_checkable
@@ -85,8 +87,10 @@ class FleetQuorum:
     def after(self, screen: Mapping[str, Any],
               promote: Mapping[str, Mapping[str, str]]) -> None:
         """After a screen that ran to its end (its JSON form: verdicts with their evidence)."""
+        was = self.waiting
         self.waiting = awaiting(screen)
         self.metrics.set_awaiting(self.waiting)
+        self._condition(was)
         if self.waiting:
             log.info("platform(s) waiting for a fleet quorum: %s",
                      ", ".join(f"{p} ({n} job(s))" for p, n in sorted(self.waiting.items())),
@@ -112,6 +116,23 @@ class FleetQuorum:
         except (ScreenerError, OSError, ValueError) as e:
             log.warning("cannot publish this screen's results to the fleet: %s", e)
             self.metrics.errors.labels(self.node, "fleet_quorum").inc()
+
+    def _condition(self, was: Mapping[str, int]) -> None:
+        """The node condition's reason while its platform waits (kube: what `kubectl describe
+        node` shows), and once it no longer does; the state itself does not move."""
+        note = getattr(self.store, "note_condition", None)
+        if note is None or (not self.waiting and not was):
+            return
+        try:
+            if self.waiting:
+                note(self.node, REASON_AWAITING, "the known-answer screen waits for a fleet "
+                     "quorum: no golden for platform(s) " + ", ".join(sorted(self.waiting))
+                     + ", and too few other nodes of it agree yet")
+            else:
+                note(self.node, REASON_SETTLED, "the platform's known-answer reference is "
+                     "settled (a golden or a fleet quorum)", only_if=REASON_AWAITING)
+        except (ScreenerError, OSError) as e:
+            log.warning("cannot set the node condition's reason: %s", e)
 
 
 def _stored(there: Optional[str], ours: str) -> str:

@@ -18,6 +18,9 @@ import click
 from screener.commands._known_answer import (DEVICE_HELP, INJECT_HELP, MAX_REPEAT, echo_json,
                                              parse_faults, unfired_exit, unfired_warnings)
 from screener.commands._params import positive
+from screener.commands.context import AppContext
+from screener.commands.options import store_options
+from screener.settings.stores import StoreChoice
 from screener.output import wall
 from screener.types import ExitCode
 
@@ -347,22 +350,44 @@ def golden_verify(golden_dir: Optional[str], golden_dir_opt: Optional[str],
 @golden_group.command("list")
 @click.argument("golden_dir", required=False, type=click.Path(file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout.")
-def golden_list(golden_dir: Optional[str], as_json: bool) -> None:
+@click.option("--fleet", is_flag=True,
+              help="Also list the goldens the fleet promoted from a quorum of nodes (where a "
+                   "platform had no golden), with their provenance, read from the store "
+                   "(--store, --db, --kubeconfig, --context).")
+@store_options(spool=False)
+def golden_list(golden_dir: Optional[str], as_json: bool, fleet: bool,
+                store_choice: StoreChoice) -> None:
     """List the golden records in GOLDEN_DIR (default: golden/); '*' marks records for a
-    platform of this machine. Broken files are listed as problems (exit 2)."""
-    from screener.known_answer.golden import default_golden_dir, load_dir
+    platform of this machine. With --fleet, also the goldens the fleet promoted from a quorum
+    (source 'quorum': which nodes agreed, who promoted it, when, with which screener). Broken
+    files are listed as problems (exit 2); a broken promoted record is listed as a problem too."""
+    from screener.known_answer.golden import GoldenError, default_golden_dir, load_dir, parse
+    from screener.known_answer.promotion import describe, store_path
     from screener.known_answer.screen import local_platform, resolve_devices
 
     d = Path(golden_dir) if golden_dir else default_golden_dir()
     records, errors = load_dir(d) if d.is_dir() else ([], [])
+    promoted: list[Any] = []
+    if fleet:
+        app = click.get_current_context().ensure_object(AppContext)
+        store = app.store(store_choice)
+        lister = getattr(store, "promoted_goldens", None)
+        for phash, jobs in sorted((lister() if lister is not None else {}).items()):
+            for job, text in sorted(jobs.items()):
+                try:
+                    promoted.append(parse(store_path(job, phash), text))
+                except GoldenError as bad:
+                    errors.append(bad)
     local = {local_platform(dev).numeric_hash for dev in resolve_devices(["all"])}
     local.add(local_platform("cpu").numeric_hash)
     rows: list[dict[str, Any]] = [{"job": r.job, "platform_hash": r.platform_hash,
              "platform": r.platform.get("name"), "devices": r.recorded.get("devices"),
              "repeats": r.recorded.get("repeats"), "time": r.recorded.get("time"),
              "digest": r.digest, "local": bool(local & set(r.platform_hashes)),
-             "platform_hashes": list(r.platform_hashes), "path": r.path}
-            for r in records]
+             "platform_hashes": list(r.platform_hashes), "path": r.path,
+             "source": "folder" if r in records else "quorum",
+             **({"provenance": describe(r)} if r not in records else {})}
+            for r in (*records, *promoted)]
     if as_json:
         echo_json({"folder": str(d), "records": rows, "problems": [str(e) for e in errors]})
     else:
@@ -370,6 +395,11 @@ def golden_list(golden_dir: Optional[str], as_json: bool) -> None:
         for r in rows:
             click.echo(f"{'*' if r['local'] else ' '} {r['job']:14s} {r['platform_hash']:16s} "
                        f"{r['time']:20s} {','.join(r['devices'] or []):18s} {r['platform']}")
+            if r["source"] == "quorum":
+                p = r["provenance"]
+                click.echo(f"    promoted from a quorum of {p['agreeing']} node(s) "
+                           f"({', '.join(p['nodes'])}) by {p['promoted_by']} at "
+                           f"{p['promoted_at']}, screener {p['screener_version']}")
         for e in errors:
             click.echo(f"screener: {e}", err=True)
     sys.exit(int(ExitCode.USAGE if errors else ExitCode.PASS))

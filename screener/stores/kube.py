@@ -71,7 +71,8 @@ from screener.stores.kubeformat import EVIDENCE_BYTES, shrink_evidence  # noqa: 
 from screener.stores.kubehistory import NodeHistories
 from screener.stores.kubequorum import KubeQuorum
 from screener.stores.kubenode import (GPU_RESOURCE, WARNING_STATES,  # noqa: F401 (re-exported)
-                                      annotation, condition_status, gpus_requested, screening_patch,
+                                      annotation, condition_status, gpus_requested, reason_patch,
+                                      screening_patch,
                                       state_of)
 from screener.stores.kubewrite import Superseded, TransitionWriter
 from screener.lifecycle.records import (ACTOR_SCREENER, BUDGET_STATES, StaleTransition, Transition,
@@ -392,6 +393,14 @@ class KubeStore:
     def promoted_goldens(self) -> dict[str, dict[str, str]]:
         """Platform hash -> job -> record text of the promoted goldens (one list)."""
         return self.quorum.promoted()
+
+    def note_condition(self, node: str, reason: str, message: str, *,
+                       only_if: Optional[str] = None) -> None:
+        """Give the node's GPUHardwareSuspect condition a reason without a transition (what a
+        person sees in `kubectl describe node`): its status stays. only_if: only in place of
+        this reason."""
+        self.calls.update_node(node, lambda o: reason_patch(o, reason, message, self.clock(),
+                                                            only_if=only_if), status=True)
 
     def observe_only(self) -> None:
         """From now on add no taint of ours (the daemon's observe mode, issue 24.2): transitions

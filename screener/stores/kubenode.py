@@ -102,6 +102,30 @@ def screening_patch(obj: Mapping[str, Any], on: bool) -> Optional[dict[str, Any]
     return None if new == taints else {"spec": {"taints": new}}
 
 
+def reason_patch(obj: Mapping[str, Any], reason: str, message: str, now: float, *,
+                 only_if: Optional[str] = None) -> Optional[dict[str, Any]]:
+    """The status patch giving GPUHardwareSuspect another reason and message without a
+    transition (a platform waiting for its fleet quorum: screener.agent.fleet), its status and
+    transition time kept; None when it already says so. The status follows the node's state
+    label when the condition is not there yet. only_if: change it only from this reason (a
+    reason a transition wrote since is left as it is)."""
+    conditions = list((obj.get("status") or {}).get("conditions") or [])
+    old = next((c for c in conditions if c.get("type") == CONDITION_TYPE), None)
+    if only_if is not None and (old is None or old.get("reason") != only_if):
+        return None
+    if old is not None and old.get("reason") == reason and old.get("message") == message[:1024]:
+        return None
+    state = state_of(obj)
+    status = (old.get("status") if old is not None and old.get("status") in ("True", "False")
+              else condition_status(state) if state is not None else "False")
+    cond = {"type": CONDITION_TYPE, "status": status, "reason": reason,
+            "message": message[:1024], "lastHeartbeatTime": iso(now),
+            "lastTransitionTime": (old.get("lastTransitionTime") if old is not None
+                                   and old.get("lastTransitionTime") else iso(now))}
+    rest = [c for c in conditions if c.get("type") != CONDITION_TYPE]
+    return {"status": {"conditions": rest + [cond]}}
+
+
 def condition_patch(obj: Mapping[str, Any], t: Transition, now: float) -> dict[str, Any]:
     """The status patch setting GPUHardwareSuspect for `t`, every other condition kept (a merge
     patch replaces the list, so all are sent; the resourceVersion makes that safe). The
