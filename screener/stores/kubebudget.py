@@ -73,6 +73,7 @@ class BudgetView:
     # (hand-made, or of no screener format): their names are taken, but nobody is out.
     foreign: dict[int, tuple[str, float]] = field(default_factory=dict)
     shard_data: dict[int, dict[str, str]] = field(default_factory=dict)  # as read, for the add
+    record_data: dict[str, str] = field(default_factory=dict)  # the record as read, for a lease
 
     @property
     def registered(self) -> set[str]:
@@ -138,11 +139,13 @@ class KubeBudget:
         shards: dict[int, tuple[dict[str, float], Optional[str]]] = {}
         foreign: dict[int, tuple[str, float]] = {}
         shard_data: dict[int, dict[str, str]] = {}
+        record_data: dict[str, str] = {}
         for cm in self.calls.cm_list("list the quarantine budget", f"{kf.LABEL_BUDGET}=true",
                                      cached=True):
             name = str((cm.get("metadata") or {}).get("name") or "")
             if name == kf.BUDGET_CONFIGMAP:
                 record = kf.BudgetRecord.from_configmap(cm)
+                record_data = {str(k): str(x) for k, x in (cm.get("data") or {}).items()}
             elif name.startswith(kf.SLOT_PREFIX):
                 claim = kf.parse_slot(cm)
                 if claim is not None:
@@ -158,7 +161,7 @@ class KubeBudget:
         for index, what in self._foreign.items():
             if index not in claims:
                 foreign.setdefault(index, what)
-        return BudgetView(record, claims, shards, foreign, shard_data)
+        return BudgetView(record, claims, shards, foreign, shard_data, record_data)
 
     def view(self) -> BudgetView:
         """The budget; the record created when missing, counted again when stale (by at most one
@@ -198,13 +201,23 @@ class KubeBudget:
     def _recount(self, v: BudgetView) -> BudgetView:
         """Take the lease (a write with the record's version); a conflict means another daemon
         has it, and the record is used as it is."""
-        leased = replace(v.record, counter=self.instance,
-                         counting_until=self.clock() + self.lease_s)
-        written = self.calls.cm_write(leased.configmap(self.calls.namespace))
+        written = self.calls.cm_write(self._leased(v.record, v.record_data))
         if written is None:
             return self.read() or v
         v.record = kf.BudgetRecord.from_configmap(written)
         return self._count(v)
+
+    def _leased(self, rec: kf.BudgetRecord, data: Mapping[str, Any]) -> dict[str, Any]:
+        """The record with our lease on it and every other field as read, byte for byte: the
+        admission policy lets a daemon that does not hold the lease change nothing else (a
+        record re-serialised from a hand-written one would differ)."""
+        body = replace(rec, counter=self.instance,
+                       counting_until=self.clock() + self.lease_s).configmap(self.calls.namespace)
+        if data:
+            body["data"] = {**{str(k): str(x) for k, x in data.items()},
+                            "counter": body["data"]["counter"],
+                            "countingUntil": body["data"]["countingUntil"]}
+        return body
 
     def _count(self, v: BudgetView) -> BudgetView:
         """Count the fleet and who is out from the Nodes' labels, write the record, tidy the
@@ -432,9 +445,7 @@ class KubeBudget:
             if rec.counter not in ("", self.instance) and rec.counting_until > self.clock():
                 return
             if rec.counter != self.instance:
-                leased = self.calls.cm_write(replace(
-                    rec, counter=self.instance,
-                    counting_until=self.clock() + self.lease_s).configmap(self.calls.namespace))
+                leased = self.calls.cm_write(self._leased(rec, cm.get("data") or {}))
                 if leased is None:
                     continue
                 rec = kf.BudgetRecord.from_configmap(leased)
