@@ -24,6 +24,8 @@ from typing import Iterator, Optional
 import pytest
 import yaml
 
+from screener.stores import kubeformat as kf
+
 ROOT = Path(__file__).resolve().parents[1]
 NAMESPACE = "screener-system"
 ADMIN_TOKEN = "screener-test-admin"
@@ -128,7 +130,7 @@ def _manifests() -> str:
     """The RBAC, the policies, the namespace, service account and ConfigMap of manifests/."""
     files = ("namespace.yaml", "serviceaccount.yaml", "clusterrole.yaml",
              "clusterrolebinding.yaml", "role.yaml", "rbac-events.yaml", "admission-policy.yaml",
-             "configmap.yaml")
+             "configmap.yaml", "resourcequota.yaml")
     return "\n---\n".join((ROOT / "manifests" / f).read_text() for f in files)
 
 
@@ -146,6 +148,10 @@ def _set_up(cluster: Cluster) -> dict[str, str]:
     cluster.admin("apply", "-f", "-", stdin=_manifests())
     cluster.admin("-n", NAMESPACE, "create", "configmap", "screener-golden",
                   "--from-literal=gemm.p1.json={}")
+    # The budget record (counted, nobody's lease: the lease policy's parameter) and a slot of n2.
+    for body in (RECORD.configmap(NAMESPACE),
+                 kf.slot_configmap(2, "n2", "quarantined", T, namespace=NAMESPACE)):
+        cluster.admin("create", "-f", "-", stdin=json.dumps(body))
     for name in ("n1", "n2"):
         node = json.loads(json.dumps(NODE))
         node["metadata"]["name"] = name
@@ -235,10 +241,31 @@ CASES = [
     ("no node claim", ["patch", "node", "n1", "--type=merge", "-p", LABEL], "unbound",
      "only the node it runs on"),
     ("delete a node", ["delete", "node", "n2"], "bound", "forbidden"),
-    ("history", ["-n", NAMESPACE, "create", "configmap", "screener-history-n1",
-                 "--from-literal=k=v"], "bound", ""),
-    ("budget slot", ["-n", NAMESPACE, "create", "configmap", "screener-budget-slot-0",
-                     "--from-literal=k=v"], "bound", ""),
+    # issue 36.1: every object a daemon writes is bound to its node (bodies: BODIES below)
+    ("history", ["create", "-f", "-"], "bound", ""),
+    ("history update", ["replace", "-f", "-"], "bound", ""),
+    ("another node's history", ["create", "-f", "-"], "bound", "only its own node's history"),
+    ("900 KB history of no node", ["create", "-f", "-"], "bound", "only its own node's history"),
+    ("history without the claim", ["replace", "-f", "-"], "unbound", "node claim"),
+    ("budget slot", ["create", "-f", "-"], "bound", ""),
+    ("slot naming another node", ["create", "-f", "-"], "bound", "only the budget's lease holder"),
+    ("slot 999999", ["create", "-f", "-"], "bound", "at most 5 digits"),
+    ("delete another node's slot", ["-n", NAMESPACE, "delete", "configmap",
+                                    "screener-budget-slot-2"], "bound",
+     "only the budget's lease holder"),
+    ("reboot slot", ["create", "-f", "-"], "bound", ""),
+    ("delete own budget slot", ["-n", NAMESPACE, "delete", "configmap",
+                                "screener-budget-slot-0"], "bound", ""),
+    ("record raising the count", ["replace", "-f", "-"], "bound", "only the budget's lease holder"),
+    ("take the lease", ["replace", "-f", "-"], "bound", ""),
+    ("raise past the step", ["replace", "-f", "-"], "bound", "at most 4,096"),
+    ("own registration", ["create", "-f", "-"], "bound", ""),
+    ("another's registration", ["replace", "-f", "-"], "bound", "only its own registration"),
+    ("quorum golden", ["create", "-f", "-"], "bound", ""),
+    ("quorum key added", ["replace", "-f", "-"], "bound", ""),
+    ("quorum key changed", ["replace", "-f", "-"], "bound", "only ever added"),
+    ("quorum delete", ["-n", NAMESPACE, "delete", "configmap",
+                       "screener-quorum-0123456789abcdef"], "bound", "delete only slots"),
     ("screener-config", ["-n", NAMESPACE, "patch", "configmap", "screener-config",
                          "--type=merge", "-p", '{"data":{"x":"1"}}'], "bound", "read-only"),
     ("screener-golden", ["-n", NAMESPACE, "delete", "configmap", "screener-golden"], "bound",
@@ -246,21 +273,64 @@ CASES = [
     ("another ConfigMap", ["-n", NAMESPACE, "create", "configmap", "other",
                            "--from-literal=k=v"], "bound", "read-only"),
     ("delete a history", ["-n", NAMESPACE, "delete", "configmap", "screener-history-n1"],
-     "bound", "delete only budget slots"),
+     "bound", "delete only slots"),
     ("event in default", ["-n", "default", "create", "-f", "-"], "bound", ""),
     ("event elsewhere", ["-n", "kube-system", "create", "-f", "-"], "bound", "forbidden"),
 ]
 EVENT = _json({"apiVersion": "v1", "kind": "Event",
-               "metadata": {"generateName": "n1."},
+               "metadata": {"name": "n1.screener.0123456789abcdef"},
                "involvedObject": {"kind": "Node", "name": "n1", "apiVersion": "v1"},
                "reason": "KnownAnswerMismatch", "message": "m", "type": "Warning",
                "source": {"component": "screener"}})
 
 
+T = 1.7e9
+RECORD = kf.BudgetRecord(fleet=2, counted=T)
+_ENTRY = {"id": "t1", "node": "n1", "time": T, "from": None, "to": "burnin", "reason": "new"}
+_HISTORY = kf.history_configmap("n1", [_ENTRY], namespace=NAMESPACE)
+_GHOST = kf.history_configmap("ghost", [], namespace=NAMESPACE)
+_GHOST["data"]["history"] = "x" * 900_000
+_REBOOT = {"apiVersion": "v1", "kind": "ConfigMap",
+           "metadata": {"name": "screener-reboot-slot-0", "namespace": NAMESPACE,
+                        "labels": {**kf.MANAGED_BY, "screener.io/slot-pool": "reboot"}},
+           "data": {"node": "n1", "since": repr(T)}}
+_QUORUM = {"apiVersion": "v1", "kind": "ConfigMap",
+           "metadata": {"name": "screener-quorum-0123456789abcdef", "namespace": NAMESPACE,
+                        "labels": {**kf.MANAGED_BY, "screener.io/quorum": "true"}},
+           "data": {"gemm-fp32.json": "{}"}}
+_SHARD = kf.shard_configmap(0, {"n1": T}, namespace=NAMESPACE)
+BODIES = {
+    "history": _HISTORY,
+    "history update": kf.history_configmap("n1", [_ENTRY, {**_ENTRY, "id": "t2"}],
+                                           namespace=NAMESPACE),
+    "another node's history": kf.history_configmap("n2", [], namespace=NAMESPACE),
+    "900 KB history of no node": _GHOST,
+    "history without the claim": _HISTORY,
+    "budget slot": kf.slot_configmap(0, "n1", "quarantined", T, namespace=NAMESPACE),
+    "slot naming another node": kf.slot_configmap(1, "n2", "quarantined", T, namespace=NAMESPACE),
+    "slot 999999": kf.slot_configmap(999999, "n1", "quarantined", T, namespace=NAMESPACE),
+    "reboot slot": _REBOOT,
+    "record raising the count": kf.BudgetRecord(fleet=100_000, counted=T, counter="n1",
+                                                counting_until=T + 120).configmap(NAMESPACE),
+    "take the lease": kf.BudgetRecord(fleet=2, counted=T, counter="n1",
+                                      counting_until=T + 120).configmap(NAMESPACE),
+    "raise past the step": kf.BudgetRecord(fleet=2 + 4097, counted=T, counter="n1",
+                                           counting_until=T + 120).configmap(NAMESPACE),
+    "own registration": _SHARD,
+    "another's registration": kf.shard_configmap(0, {"n2": T}, namespace=NAMESPACE,
+                                                 base=_SHARD["data"]),
+    "quorum golden": _QUORUM,
+    "quorum key added": {**_QUORUM, "data": {**_QUORUM["data"], "conv-fp16.json": "{}"}},
+    "quorum key changed": {**_QUORUM, "data": {"gemm-fp32.json": '{"x": 1}',
+                                               "conv-fp16.json": "{}"}},
+}
+
+
 @pytest.mark.parametrize("what,args,token,denied", CASES, ids=[c[0] for c in CASES])
 def test_the_api_server_enforces_what_the_screener_may_do(cluster, what, args, token, denied):
     c, tokens = cluster
-    r = c.kubectl(*args, token=tokens[token], stdin=EVENT if "event" in what else None)
+    stdin = json.dumps(BODIES[what]) if what in BODIES else EVENT if "event" in what else None
+    r = c.kubectl(*args, token=tokens[token], stdin=stdin)
     if not denied:
         assert r.returncode == 0, (what, r.stderr)
         return
