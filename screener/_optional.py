@@ -24,6 +24,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "boto3": ("boto3", "hyperpod"),
     "botocore": ("boto3", "hyperpod"),
     "safetensors": ("safetensors", "safetensors"),
+    "grpc": ("grpcio", "nvrx"),
 }
 
 

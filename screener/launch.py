@@ -23,7 +23,17 @@ Any other command (`screener launch -- python train.py`, `bash -c ...`) runs as 
 with SIGTERM/SIGINT passed on; its exit code is combined with the codes recorded in the directory
 the same way. A code above 128 is a signal (128 + N, as a shell reports it).
 
-Exit codes: the combined code; 0 when everything exited 0; 2 for a bad command line.
+Before it starts any worker, the launcher asks the screener DaemonSet on its node for the node's
+health answer (screener.node_answer: a Unix socket in the alarm folder, which job pods mount) and
+refuses to start on a node that may not run jobs: one line saying why, exit 75 (hardware
+suspect), so a podFailurePolicy that acts on the in-job audit's 75 acts on this too. An answer
+that cannot be had (no socket: not on a screener node; a daemon that has not started or whose
+loop is stuck; a socket not the daemon's) is one warning line, and the workers start, unless
+`if_unavailable="refuse"` (`--if-unavailable refuse`), which refuses with exit 1 (the screener
+itself failed: never a hardware verdict). `--no-health-check` skips the question.
+
+Exit codes: the combined code; 0 when everything exited 0; 2 for a bad command line; 75 or 1
+for a launch refused by the health check (above).
 """
 
 from __future__ import annotations
@@ -37,9 +47,12 @@ import tempfile
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
+from screener.node_answer import AnswerUnavailable, ask, default_socket
 from screener.types import EXIT_DIR_ENV, ExitCode
 
-__all__ = ["combine", "recorded_codes", "main", "is_torchrun"]
+__all__ = ["combine", "recorded_codes", "main", "is_torchrun", "health_gate", "IF_UNAVAILABLE"]
+
+IF_UNAVAILABLE = ("run", "refuse")  # what to do when the node's health answer cannot be had
 
 log = logging.getLogger("screener.launch")
 
@@ -156,13 +169,46 @@ def launch(cmd: Sequence[str]) -> int:
     return code
 
 
+def health_gate(socket_path: Optional[str] = None, *, if_unavailable: str = "run",
+                timeout_s: float = 2.0) -> Optional[int]:
+    """Ask the node's health answer (socket_path: default node_answer.default_socket()). None:
+    start the workers; else the exit code to refuse with, its one line already on stderr."""
+    if if_unavailable not in IF_UNAVAILABLE:
+        raise ValueError(f"if_unavailable must be one of {IF_UNAVAILABLE}")
+    path = socket_path or default_socket()
+    try:
+        answer = ask(path, timeout_s=timeout_s)
+        if answer.state is None or not answer.alive:
+            raise AnswerUnavailable(f"{answer.line()}" if answer.state is None else
+                                    f"node {answer.node}: the daemon's loop is not making "
+                                    f"progress, its answer may be stale")
+    except AnswerUnavailable as e:
+        if if_unavailable == "refuse":
+            print(f"screener launch: refusing to start workers: no health answer: {e} "
+                  f"(--if-unavailable run starts without one)", file=sys.stderr, flush=True)
+            return int(ExitCode.SCREENER_ERROR)
+        print(f"screener launch: warning: no health answer ({e}): starting the workers "
+              f"unchecked", file=sys.stderr, flush=True)
+        return None
+    if not answer.may_run_jobs:
+        print(f"screener launch: refusing to start workers: {answer.line()} (the screener "
+              f"daemon's answer on {path}; --no-health-check starts anyway)", file=sys.stderr,
+              flush=True)
+        return int(ExitCode.HARDWARE_SUSPECT)
+    log.info("health answer: %s", answer.line())
+    return None
+
+
 USAGE = ("usage: screener launch [--] torchrun [torchrun options] script [args]\n"
          "       screener launch [--] command [args]\n"
          "       python -m screener.launch [torchrun options] script [args]")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """`python -m screener.launch`: the arguments are torchrun's (or `-- command ...`)."""
+def main(argv: Optional[Sequence[str]] = None, *, health_check: bool = True,
+         health_socket: Optional[str] = None, if_unavailable: str = "run") -> int:
+    """`python -m screener.launch`: the arguments are torchrun's (or `-- command ...`); the
+    health check with its defaults (see the module docstring; the socket from
+    $SCREENER_HEALTH_SOCKET, else the alarm folder's)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["--"]:
         args = args[1:]
@@ -171,6 +217,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2 if not args else 0
     if is_torchrun(args) is None and (args[0].startswith("-") or args[0].endswith(".py")):
         args = ["torchrun", *args]  # torchrun's options and script, as python -m takes them
+    if health_check:
+        refused = health_gate(health_socket, if_unavailable=if_unavailable)
+        if refused is not None:
+            return refused
     return launch(args)
 
 

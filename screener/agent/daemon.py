@@ -65,6 +65,7 @@ from screener.agent.adoption import adoption_reason
 from screener.agent.clock import StampClock, as_clock
 from screener.agent.feed import BUDGET_LOOK_S, LifecycleFeed
 from screener.agent.findings import FindingsTracker
+from screener.agent.health_answer import AnswerBoard
 from screener.agent.intake import AlarmIntake, IntakeLimits, applied_in_history
 # The names below were defined in this module before it was split; callers import them from here.
 from screener.agent.jsonlog import JsonFormatter, setup_json_logging  # noqa: F401
@@ -163,6 +164,12 @@ class Daemon:
                                      idle=self.idle, metrics=self.metrics, stamps=self.stamps,
                                      monotonic=self.clock.monotonic, probe=self._probe,
                                      job_landed=self._job_landed)
+        # The node-local health answer (screener.agent.health_answer): what this loop holds,
+        # published after start-up and every pass, never read from the store per request.
+        self.answer = ports.answer or AnswerBoard(
+            self.node, mode=config.mode, clock=self.clock,
+            alive=lambda: self.metrics.alive(config.liveness_s))
+        self._newest: Optional[dict[str, Any]] = None  # the newest transition read at start
         self.last_report: Optional[ProbeReport] = None
         self.next_probe = 0.0  # monotonic
         self.started = False
@@ -218,6 +225,9 @@ class Daemon:
         self.started = True
         self.metrics.ready = True
         self.metrics.beat()
+        moved = ({"time": decision.transitions[-1].time, "reason": decision.transitions[-1].reason,
+                  "code": decision.transitions[-1].code} if decision.transitions else self._newest)
+        self._publish(moved)
         log.info("screener daemon started on %s in state %s", self.node,
                  self.state.value if self.state else None,
                  extra={"event": "started", "state": self.state.value if self.state else None})
@@ -230,9 +240,11 @@ class Daemon:
         except ScreenerError as e:  # start-up goes on; this run's own stamps stay ordered
             log.warning("cannot read the history of %s for its newest stamp: %s", self.node, e)
             return
-        newest = max((t.time for t in history), default=None)
+        newest = max(history, key=lambda t: t.time, default=None)
         if newest is not None:
-            self.stamps.floor(newest)
+            self.stamps.floor(newest.time)
+            # The health answer's "since" and "reason" until this run records a transition.
+            self._newest = {"time": newest.time, "reason": newest.reason, "code": newest.code}
         # The same read seeds the incident times the MTBI metric counts (issue 24.4).
         self.feed.seed_incidents(history)
 
@@ -304,8 +316,14 @@ class Daemon:
         report.state = self.state
         self.metrics.set_state(self.state)
         self.feed.update_mtbi()  # the window slides: an old incident leaves it without an event
+        self._publish(report.transitions[-1] if report.transitions else None)
         self.metrics.beat()
         return report
+
+    def _publish(self, moved: Optional[dict[str, Any]]) -> None:
+        """The node-local health answer from what the loop holds now (no store read)."""
+        self.answer.update(state=self.state, started=self.started, moved=moved,
+                           verdict=self.screens.last_verdict)
 
     def _climb(self, report: PassReport) -> None:
         """One look at the repair ladder (screener.remediation.ladder); a rung taken goes through
@@ -332,6 +350,9 @@ class Daemon:
         except Exception as e:  # noqa: BLE001 - a bug must not kill the DaemonSet; it is counted
             log.exception("%s failed", where)
             self._failed(report, where, e, ExitCode.SCREENER_ERROR)
+        # After every step, not only at the pass's end: an alarm that makes the node suspect
+        # must show in the health answer before the confirming screen of the same pass runs.
+        self._publish(report.transitions[-1] if report.transitions else None)
 
     def _failed(self, report: PassReport, where: str, e: BaseException, code: ExitCode) -> None:
         report.errors.append(f"{where}: {type(e).__name__}: {e}")

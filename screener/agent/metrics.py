@@ -1,4 +1,4 @@
-"""The daemon's Prometheus metrics and its one HTTP port: /metrics, /healthz and /readyz.
+"""The daemon's Prometheus metrics and its one HTTP port: /metrics, /healthz, /readyz and /node.
 
 Metrics live in a registry of their own (not prometheus_client's global one), so a test or a
 second daemon in one process starts from zero. Names follow Prometheus conventions (a unit suffix,
@@ -14,6 +14,7 @@ Health:
     intake is stalled (the alarm folder cannot be listed, or alarm files sit in it that can be
     neither taken nor moved aside) or refuses the folder (not the daemon's own), with the reason
     in the body.
+  /node: the node-local health answer (screener.node_answer), when the server is given one.
 
 Exposure: the server binds the address it is given (the pod IP in the manifests, not 0.0.0.0),
 reads a request within `read_timeout_s` and holds at most `max_connections` connections: a new
@@ -33,7 +34,7 @@ import sys
 import threading
 from collections import OrderedDict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Iterable, Mapping, Optional, Sequence, cast
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, cast
 
 from screener._optional import require
 
@@ -357,13 +358,16 @@ class MetricsServer:
 
     def __init__(self, metrics: DaemonMetrics, host: str = "0.0.0.0", port: int = 9500, *,
                  liveness_s: float = 300.0, max_connections: int = MAX_CONNECTIONS,
-                 read_timeout_s: float = READ_TIMEOUT_S) -> None:
+                 read_timeout_s: float = READ_TIMEOUT_S,
+                 node_answer: Optional[Callable[[], tuple[int, bytes]]] = None) -> None:
+        """node_answer(): (status, JSON body) for GET /node (health_answer.AnswerBoard.render)."""
         if not isinstance(host, str):
             raise ConfigError(f"metrics_host {host!r} is not an address")
         if max_connections < 1 or not read_timeout_s > 0:
             raise ConfigError("metrics server: max_connections and read_timeout_s must be > 0")
         self.metrics = metrics
         self.liveness_s = liveness_s
+        self.node_answer = node_answer
         server_self = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -383,9 +387,13 @@ class MetricsServer:
                 elif path == "/readyz":
                     ok, body = server_self.metrics.readiness()
                     self._json(200 if ok else 503, body)
+                elif path == "/node" and server_self.node_answer is not None:
+                    code, data = server_self.node_answer()
+                    self._send(code, data, "application/json")
                 else:
                     self._json(404, {"error": f"no such path {path}",
-                                     "paths": ["/metrics", "/healthz", "/readyz"]})
+                                     "paths": ["/metrics", "/healthz", "/readyz"]
+                                     + (["/node"] if server_self.node_answer else [])})
 
             def _json(self, code: int, body: Any) -> None:
                 self._send(code, (json.dumps(body) + "\n").encode(), "application/json")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
 from screener.agent.clock import ClockLike
+from screener.agent.health_answer import AnswerBoard
 from screener.agent.metrics import DaemonMetrics
 from screener.agent.screening import ScreenRunner, TaintControl
 from screener.health import host
@@ -55,6 +56,8 @@ class DaemonPorts:
     repair_slots: the fleet-wide reboot slots (screener.stores.slots) and repairs: the reboot and
         replace calls (screener.remediation.repairs), for a ladder that reboots or replaces;
         boot_id(): the kernel's boot id (host.boot_id), which proves a reboot where it can be read.
+    answer: the node-local health answer the daemon publishes into (health_answer.AnswerBoard;
+        default: a fresh one), which the command serves on the socket and the HTTP port.
     """
 
     store: Store
@@ -78,4 +81,5 @@ class DaemonPorts:
     tool_env: Optional[Mapping[str, str]] = None
     repair_slots: Optional[Slots] = None
     repairs: Optional[Repairs] = None
+    answer: Optional[AnswerBoard] = None
     boot_id: Optional[Callable[[], Optional[str]]] = None

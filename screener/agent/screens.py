@@ -72,6 +72,8 @@ class DaemonScreens:
         self.last_end: Optional[float] = None  # monotonic
         self.last_stopped = ""
         self.last_outcome: Optional[Outcome] = None
+        # The last verdict written or read at start-up, as the health answer shows it.
+        self.last_verdict: Optional[dict[str, Any]] = None
 
     def restore(self) -> None:
         """At start-up: when the node was last screened, and how, from its stored verdict."""
@@ -80,6 +82,7 @@ class DaemonScreens:
         except ScreenerError as e:
             log.warning("cannot read the last verdict of %s: %s", self.node, e)
             last = {}
+        self.last_verdict = last if isinstance(last, dict) and last else None
         if not isinstance(last.get("time"), (int, float)):
             return
         # Its age by the stamp clock (never negative: a verdict stamped "in the future" by a
@@ -162,12 +165,13 @@ class DaemonScreens:
             self.feed.apply(machine.KatScreen(verdicts, kind=screen_kind,
                                               conditions=self.findings.conditions),
                             "known-answer screen", report)
-        self.ports.store.set_verdict(self.node, {
+        self.last_verdict = {
             "time": end, "outcome": outcome.outcome.value, "stopped": outcome.stopped,
             "kind": screen_kind if not outcome.stopped else kind, "missing": missing,
             "stages": [{"name": st.get("name"), "outcome": st.get("outcome")} for st in stages],
             "detail": outcome.detail, "exit_code": int(outcome.exit_code),
-            "verdicts": [v.to_dict() for v in verdicts]})
+            "verdicts": [v.to_dict() for v in verdicts]}
+        self.ports.store.set_verdict(self.node, self.last_verdict)
         self._publish_digests(outcome)
         if not outcome.stopped:
             self.fleet.after({"verdicts": [v.to_dict() for v in outcome.verdicts]},

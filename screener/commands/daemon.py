@@ -26,7 +26,7 @@ log = logging.getLogger("screener.daemon")
 
 
 def build_daemon(app: AppContext, config: Any, *, stop: threading.Event,
-                 metrics: Any = None) -> Any:
+                 metrics: Any = None, answer: Any = None) -> Any:
     """The real Daemon for a config, wired from the AppContext (store, NVML, SageMaker client);
     what it opens is closed when the command ends."""
     from screener.agent.daemon import Daemon, DaemonPorts
@@ -88,7 +88,7 @@ def build_daemon(app: AppContext, config: Any, *, stop: threading.Event,
         kwargs.update(_repair_ports(app, config, store, kind))
     return Daemon(config, DaemonPorts(store=store, probe=probe, runner=runner, taint=taint,
                                       gpu_pods=gpu_pods, own_pids=own_pids, stop=stop,
-                                      metrics=metrics, **kwargs))
+                                      metrics=metrics, answer=answer, **kwargs))
 
 
 def _repair_ports(app: AppContext, config: Any, store: Any, kind: str) -> dict[str, Any]:
@@ -194,15 +194,24 @@ def daemon_cmd(app: AppContext, config_path: Optional[str], once: bool, node: Op
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
+    from screener.agent.health_answer import AnswerBoard
+
     metrics = DaemonMetrics(config.node)
+    # The node-local health answer (docs/daemonset.md): served from memory on a Unix socket,
+    # on the HTTP port at /node and, when configured, in NVRx's protocol.
+    board = AnswerBoard(config.node, mode=config.mode,
+                        alive=lambda: metrics.alive(config.liveness_s))
     server = None
+    servers: list[Any] = []
     if config.metrics_port >= 0 and not once:
         server = MetricsServer(metrics, config.metrics_host, config.metrics_port,
-                               liveness_s=config.liveness_s).start()
-        log.info("serving /metrics, /healthz and /readyz on %s:%d", server.host, server.port,
-                 extra={"event": "metrics", "port": server.port})
+                               liveness_s=config.liveness_s, node_answer=board.render).start()
+        log.info("serving /metrics, /healthz, /readyz and /node on %s:%d", server.host,
+                 server.port, extra={"event": "metrics", "port": server.port})
+    if not once:
+        servers = _answer_servers(config, board, metrics)
     try:
-        daemon = build_daemon(app, config, stop=stop, metrics=metrics)
+        daemon = build_daemon(app, config, stop=stop, metrics=metrics, answer=board)
         _wind_down_on(stop, daemon.store, config.kube_timeouts.stop_s)
         if once:
             report = daemon.tick(once=True)
@@ -217,6 +226,37 @@ def daemon_cmd(app: AppContext, config_path: Optional[str], once: bool, node: Op
         # the store, NVML and the kernel-log reader close after this, when the command ends
         if server is not None:
             server.stop()
+        for s in servers:
+            s.stop()
+
+
+def _answer_servers(config: Any, board: Any, metrics: Any) -> list[Any]:
+    """The health answer's Unix sockets. One that cannot be served is an error line and a
+    counted error, not the end of the daemon: screening goes on, and /node still answers."""
+    from screener.agent.health_answer import HealthSocket
+    from screener.errors import ScreenerError
+
+    out: list[Any] = []
+    path = config.health_socket_path()
+    if path:
+        try:
+            out.append(HealthSocket(board, path).start())
+            log.info("serving the node health answer on %s", path,
+                     extra={"event": "health_socket", "path": path})
+        except ScreenerError as e:
+            metrics.error("health_socket")
+            log.error("%s", e, extra={"event": "error", "where": "health_socket"})
+    if config.nvrx_socket and config.nvrx_socket != "off":
+        try:
+            from screener.agent.nvrx_health import NvhcdServer
+
+            out.append(NvhcdServer(board, config.nvrx_socket).start())
+            log.info("serving the NVRx node health check (nvhcd) on %s", config.nvrx_socket,
+                     extra={"event": "nvrx_socket", "path": config.nvrx_socket})
+        except ScreenerError as e:  # MissingExtra (no grpcio) too: one line that names the extra
+            metrics.error("nvrx_socket")
+            log.error("%s", e, extra={"event": "error", "where": "nvrx_socket"})
+    return out
 
 
 def _wind_down_on(stop: threading.Event, store: Any, seconds: float) -> None:

@@ -26,6 +26,7 @@ from typing import Any, Mapping, Optional
 from screener import boundedjson
 from screener.settings import strict
 from screener.errors import ConfigError
+from screener.node_answer import SOCKET_NAME
 from screener.settings.health import ProbeConfig
 from screener.settings.hyperpod import HyperPodConfig
 from screener.settings.ladder import LadderConfig
@@ -49,7 +50,7 @@ MODE_CHOICES = (MODE_ENFORCE, MODE_OBSERVE)
 
 
 _STR_FIELDS = ("node", "alarm_dir", "store", "event_namespace", "own_pod", "metrics_host",
-               "foreign_alarms")
+               "foreign_alarms", "health_socket", "nvrx_socket")
 FOREIGN_CHOICES = ("reject", "leave")
 _HOUR, _DAY = 3600.0, 86400.0
 _YEAR = 365 * _DAY
@@ -112,6 +113,13 @@ class DaemonConfig:
     metrics_host, metrics_port: the one HTTP port serving /metrics, /healthz and /readyz;
         port 0 picks a free port, -1 serves nothing.
     liveness_s: /healthz fails when the loop has not made progress for this long.
+    health_socket: the Unix socket serving the node-local health answer (GET /node, the node's
+        state and last verdict for launchers: screener.agent.health_answer); "" (the default)
+        is health.sock in alarm_dir, which job pods already mount; "off" serves none. The HTTP
+        port serves the same answer at /node.
+    nvrx_socket: a second Unix socket answering NVRx's published node health check protocol
+        (the nvhcd gRPC service: screener.agent.nvrx_health) for ft_launcher's
+        --ft-node-health-check-endpoint; "" (the default) serves none. Needs screener[nvrx].
     processed_keep, rejected_keep: how many alarm files processed/ (applied) and rejected/ (bad or
         not for this node) keep, the oldest removed first; aside_max_age_s: files moved there
         longer ago than this go too.
@@ -170,6 +178,8 @@ class DaemonConfig:
     metrics_host: str = "0.0.0.0"
     metrics_port: int = 9500
     liveness_s: float = 300.0
+    health_socket: str = ""
+    nvrx_socket: str = ""
     processed_keep: int = 1000
     rejected_keep: int = 1000
     aside_max_age_s: float = 14 * _DAY
@@ -236,6 +246,9 @@ class DaemonConfig:
                                        "unreachable_s, stop_s)")
         if not self.alarm_dir:
             raise bad("alarm_dir", "must be a directory")
+        for name in ("health_socket", "nvrx_socket"):
+            if getattr(self, name) not in ("", "off") and not os.path.isabs(getattr(self, name)):
+                raise bad(name, 'must be an absolute path, "" or "off"')
         if not self.metrics_host or any(c.isspace() for c in self.metrics_host):
             raise bad("metrics_host", "must be an address to bind (the pod IP in a cluster)")
 
@@ -296,6 +309,12 @@ class DaemonConfig:
         d["kube_timeouts"] = dataclasses.asdict(self.kube_timeouts)
         d["jobs"], d["devices"] = list(self.jobs), list(self.devices)
         return d
+
+    def health_socket_path(self) -> Optional[str]:
+        """Where the health answer's socket is (None: off); see the class docstring."""
+        if self.health_socket == "off":
+            return None
+        return self.health_socket or str(Path(self.alarm_dir) / SOCKET_NAME)
 
     def resolved_store(self, environ: Optional[Mapping[str, str]] = None) -> str:
         """"local" or "kube": what "auto" means here (see the class docstring). The daemon
