@@ -560,3 +560,35 @@ def test_thirty_claimers_race_with_a_stray_and_the_budget_is_exact(twin, stray):
         assert denials(api) == [], denials(api)
         for s in stores.values():
             s.close()
+
+
+def test_the_issues_mass_failure_with_its_stray_slot_is_exact_and_nobody_spins():
+    """Issue 36.2 as reported: one leftover `screener-budget-slot-7` (made with `kubectl create
+    configmap --from-literal=k=v`) during 150 of 1,500 failing at once made one node do 2,790
+    requests and 900 conflicts, fail after 198 s and stay healthy, and only 149 of 150 were
+    taken out. Now: all 150 out, the stray freed, a handful of requests per node."""
+    now = time.time()
+    with KubeAPI() as api:
+        names = healthy_fleet(api, 1500, counted=now)
+        failing = names[::10][:150]
+        _stray(api, "no claim", [n for n in names if n not in failing], now)
+        stores = {n: daemon_store(api, n) for n in failing}
+        api.clear_calls()
+        started = time.monotonic()
+        errors = _at_once(failing, lambda n: apply_event(stores[n], n, BAD, now=time.time()))
+        wall = time.monotonic() - started
+        assert not errors, errors
+        states = Counter(api.node(n)["metadata"]["labels"][LABEL_STATE] for n in failing)
+        assert states == Counter({"quarantined": 150}), states
+        assert kf.parse_slot(api.configmap(NS, "screener-budget-slot-7") or {}) is not None
+        requests = Counter(c.agent for c in api.calls)
+        conflicts = Counter(c.agent for c in api.calls if c.status == 409)
+        agents = [f"daemon/{n}" for n in failing]
+        print(f"\n150 of 1,500 with the stray: {wall:.1f} s, requests per node median "
+              f"{statistics.median(requests[a] for a in agents)} max "
+              f"{max(requests[a] for a in agents)}, conflicts max "
+              f"{max(conflicts[a] for a in agents)}")
+        assert statistics.median(requests[a] for a in agents) <= 12
+        assert max(requests[a] for a in agents) <= 60 and max(conflicts[a] for a in agents) <= 10
+        for s in stores.values():
+            s.close()

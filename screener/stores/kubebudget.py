@@ -59,6 +59,7 @@ log = logging.getLogger("screener.stores.kube")
 FLEET_SHARDS = 8
 MAX_REGISTERED = 256  # registrations since the count that make the record count again
 STRAY_RECHECK_S = 30.0  # a look at who is really out that found no stray holds this long
+STRAY_POLLS = 12  # reads of the budget while another daemon's count frees strays (~10 s)
 CLOCK_SKEW_S = 300.0  # a record counted further in the future than this is counted again
 
 
@@ -121,6 +122,7 @@ class KubeBudget:
         # budget's (so no list shows them): remembered, so no pick takes them again.
         self._foreign: dict[int, tuple[str, float]] = {}
         self._no_strays: tuple[Any, float] = (None, 0.0)  # what the last look found no stray in
+        self._legacy_count = float("-inf")  # when a record's out-of-service list made us count
 
     # --- reading ----------------------------------------------------------------------------
 
@@ -184,6 +186,12 @@ class KubeBudget:
         due = (now - v.record.counted > self.recount_s * (1 + 0.25 * self._jitter)
                or v.record.counted > now + CLOCK_SKEW_S
                or len(v.registered) > self.max_registered)
+        if v.record.out and now - self._legacy_count > STRAY_RECHECK_S:
+            # An out-of-service list in the record (an earlier version's, or a rewritten record)
+            # counts nodes out that the decisions read before any claim: counted now, which
+            # moves its entries into slots or drops them (issue 36.2), at most once a while.
+            due = True
+            self._legacy_count = now
         held = v.record.counter not in ("", self.instance) and v.record.counting_until > now
         return due and not held
 
@@ -379,10 +387,27 @@ class KubeBudget:
             self._no_strays = (key, now)
             return None
         if v.record.counter not in ("", self.instance) and v.record.counting_until > now:
-            return None
+            return self._await_count()
         log.warning("quarantine budget: %s hold the budget but no node out of service; counting "
                     "it again", ", ".join(sorted(strays)[:5]))
         return self._recount(v)
+
+    def _await_count(self) -> Optional[BudgetView]:
+        """The budget once the lease holder's count is done (its lease released or expired):
+        several claimers find the same stray in a mass failure, one counts, and the others
+        wait for it rather than give up a place the count is freeing (150 of 1,500 left one
+        held in suspect until its next look). None after STRAY_POLLS reads without it."""
+        delay = 0.1
+        for _ in range(STRAY_POLLS):
+            self.sleep(delay * (0.5 + self.rng()))
+            delay = min(1.0, delay * 2)
+            fresh = self.read()
+            if fresh is None:
+                return None
+            rec = fresh.record
+            if rec.counter in ("", self.instance) or rec.counting_until <= self.clock():
+                return fresh
+        return None
 
     def _pick(self, v: BudgetView, node: str, limit: Optional[int],
               also_taken: set[int]) -> Optional[int]:
