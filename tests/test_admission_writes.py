@@ -592,3 +592,22 @@ def test_the_issues_mass_failure_with_its_stray_slot_is_exact_and_nobody_spins()
         assert max(requests[a] for a in agents) <= 60 and max(conflicts[a] for a in agents) <= 10
         for s in stores.values():
             s.close()
+
+
+def test_a_node_whose_name_is_too_long_for_its_history_name_writes_its_hashed_history(twin):
+    """history_configmap_name hashes a node name that does not fit after the prefix; CEL has no
+    hash, so the policy admits the hashed form only to a node with so long a name (bound to it
+    by the annotation), and never to another."""
+    long_name = ".".join(["a" * 60] * 4)  # 243 characters, a valid DNS subdomain
+    with AdmittingAPI(twin) as api:
+        api.add_node(long_name)
+        api.add_node("gpu-a")
+        store = daemon_store(api, long_name)
+        apply_event(store, long_name, NodeSeen(), now=time.time())
+        name = kf.history_configmap_name(long_name)
+        assert name != kf.HISTORY_PREFIX + long_name and api.configmap(NS, name) is not None
+        assert denials(api) == []
+        other = daemon_store(api, "gpu-a")
+        cm = api.configmap(NS, name)
+        _forbidden(api, other, "write", {**cm, "data": {"history": "[]"}},
+                   "only its own node's history")

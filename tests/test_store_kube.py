@@ -632,3 +632,34 @@ def test_a_missing_namespace_is_named_with_how_to_create_it(api, tmp_path):
     lines = p.stderr.strip().splitlines()
     assert p.returncode != 0 and len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
     assert "kubectl create namespace screener-nowhere" in lines[0], p.stderr
+
+
+# --- the budget record's bounds (issue 36.1, 36.2) ---------------------------------------------
+
+
+def test_a_count_raises_the_record_by_at_most_the_policys_step_and_a_future_stamp_is_counted():
+    """The admission policy admits a count that raises the fleet by at most RECORD_MAX_RAISE a
+    write: a fleet that grew by more within one count is recorded that far, the rest at the next
+    counts (a smaller budget meanwhile, the safe direction). A record counted in the future
+    (rewritten, or a clock far off) is counted again at once instead of never growing stale."""
+    from screener.stores import kubeformat as kf
+
+    step = kf.RECORD_MAX_RAISE
+    with KubeAPI() as server:
+        for k in range(step + 20):
+            server.add_node(f"n-{k:05d}", labels={LABEL_STATE: "healthy"})
+        rec = kf.BudgetRecord(fleet=10, counted=NOW - 7200)
+        server._store_configmap("screener-system", kf.BUDGET_CONFIGMAP,
+                                rec.configmap("screener-system"), None)
+        store = make_store(server)
+        assert store.budget_view().fleet == 10 + step
+        written = kf.BudgetRecord.from_configmap(server.configmap("screener-system",
+                                                                  kf.BUDGET_CONFIGMAP))
+        assert written.fleet == 10 + step and written.counter == "" and written.counted == NOW + 5
+        # Stamped a day ahead: counted again now, all of the fleet this time (10 + step is the
+        # record's count, so the rest is within one step).
+        with server._lock:
+            server.configmaps[("screener-system", kf.BUDGET_CONFIGMAP)]["data"]["counted"] = \
+                repr(NOW + 86400)
+        assert store.budget_view().fleet == step + 20
+        store.close()
