@@ -174,6 +174,10 @@ class HealthSocket:
     def stop(self) -> None:
         self._stop.set()
         if self._listener is not None:
+            try:  # wakes the accept at once (close alone leaves it to its 0.5 s timeout)
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             self._listener.close()
         if self._thread is not None:
             self._thread.join(timeout=2.0)
