@@ -177,3 +177,19 @@ def test_gemm_is_sized_from_the_sms():
     assert (n // p["tile"]) ** 2 >= p["tiles_per_sm"] * sms
     a, b = w.run_job(spec, "cuda:0"), w.run_job(spec, "cuda:0")
     assert a.digest == b.digest
+
+
+@pytest.mark.parametrize("sms", [1, 56, 108, 114, 132, 144, 148])  # A100: 108, H100 SXM: 132
+def test_the_sm_sizing_gives_every_sm_its_tiles_and_a_ragged_edge(sms):
+    """The CPU twin of test_gemm_is_sized_from_the_sms: the GEMM jobs' CUDA shapes (issue
+    33.1) give at least tiles_per_sm output tiles to every SM, no more than one row of tiles
+    beyond that, and a second problem whose last tile row is partial."""
+    spec = next(s for s in w.load_jobs(ROOT / "jobs") if s.name == "gemm-bf16")
+    p = spec.params_for("cuda")
+    tile, per = int(p["tile"]), int(p["tiles_per_sm"])
+    (n, k), (m2, k2) = w.sm_sized_shapes(sms, tile, per)
+    assert n == k == k2 and n % tile == 0
+    tiles = (n // tile) ** 2
+    assert tiles >= per * sms
+    assert ((n // tile) - 1) ** 2 < per * sms  # the smallest square that does
+    assert m2 % tile not in (0,) and m2 > n

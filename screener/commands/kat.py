@@ -173,8 +173,11 @@ def kat_list(jobs_dir: Optional[str], golden_dir: Optional[str], as_json: bool) 
               help="Device to measure on: cpu, cuda:N, or auto (cuda:0 when there is a GPU, else "
                    "the CPU). The jobs run there; the script finds it in $SCREENER_DEVICE.")
 @click.option("--job", "-j", "jobs", multiple=True,
-              help="Job to count (repeatable); default: the quick screen, the jobs `kat run` "
-                   "runs.")
+              help="Job to count (repeatable); default: every job, as a full burn-in runs them "
+                   "(--quick: the quick screen's).")
+@click.option("--quick", is_flag=True,
+              help="Count the quick screen's jobs (the ones `kat run` and the daemon's daily "
+                   "screen run) instead of every job.")
 @click.option("--jobs-dir", type=click.Path(file_okay=False), default=None,
               help="Folder of job specs (default: $SCREENER_JOBS_DIR or jobs/).")
 @click.option("--timeout", type=positive(max=7 * 86400.0), default=600.0, show_default=True,
@@ -185,8 +188,9 @@ def kat_list(jobs_dir: Optional[str], golden_dir: Optional[str], as_json: bool) 
 @click.option("--warmup", type=click.IntRange(min=0, max=100), default=1, show_default=True,
               help="Runs of the script before the counted ones, not counted (one-time costs).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
-def kat_coverage(script: str, device: str, jobs: tuple[str, ...], jobs_dir: Optional[str],
-                 timeout: float, runs: int, warmup: int, as_json: bool) -> None:
+def kat_coverage(script: str, device: str, jobs: tuple[str, ...], quick: bool,
+                 jobs_dir: Optional[str], timeout: float, runs: int, warmup: int,
+                 as_json: bool) -> None:
     """Which of a training step's ops the known-answer jobs run, by share of the step's time.
 
     SCRIPT is a Python file that runs one training step of your model when run as a program:
@@ -200,8 +204,9 @@ def kat_coverage(script: str, device: str, jobs: tuple[str, ...], jobs_dir: Opti
 
     The census is torch.profiler's: on the CPU every aten op with its self time, on CUDA every
     kernel with its device time; each op's time is its smallest over the counted runs (the
-    least disturbed by other processes). Then the jobs run under the same census, once each,
-    through the screen's own runner. An op is covered when a job runs an op of the same name
+    least disturbed by other processes). Then the jobs (every job, as a full burn-in runs them;
+    --quick: the quick screen's) run under the same census, once each, through the screen's own
+    runner. An op is covered when a job runs an op of the same name
     (the same kernel on CUDA). The report lists the ops no job runs (a fault there cannot be
     seen), the covered ones with the jobs that run them, and covered_share: the covered ops'
     share of the step's self time.
@@ -214,7 +219,9 @@ def kat_coverage(script: str, device: str, jobs: tuple[str, ...], jobs_dir: Opti
     from screener.known_answer.screen import resolve_devices, resolve_jobs
 
     check_script(script)  # before anything is said about running it
-    specs = resolve_jobs(list(jobs), jobs_dir)
+    if jobs and quick:
+        raise click.UsageError("--quick and --job: give one (--quick is the quick screen's jobs)")
+    specs = resolve_jobs(list(jobs), jobs_dir, quick_only=quick)
     # One device: every GPU of a node runs the same kernels, so auto takes the first (cuda:0).
     devs = resolve_devices(["all"] if device == "auto" else [device])
     if device != "auto" and len(devs) != 1:

@@ -220,10 +220,15 @@ class FaultInjector(TorchDispatchMode):
             if name not in self._names[i]:
                 continue
             target = out
-            if isinstance(out, (tuple, list)):
-                if spec.output >= len(out):
+            if out is None and name.endswith("_") and args:
+                # An in-place op that returns nothing (the foreach and fused optimizer kernels:
+                # _fused_adamw_, _foreach_lerp_): the fault lands in what it wrote, its first
+                # argument (output picks the tensor of a list), as a wrong update would.
+                target = args[0]
+            if isinstance(target, (tuple, list)):
+                if spec.output >= len(target):
                     continue
-                target = out[spec.output]
+                target = target[spec.output]
             if not isinstance(target, Tensor) or target.device.type == "meta":
                 continue
             # a DTensor (tensor parallel): the fault lands in this rank's own shard of it

@@ -64,8 +64,9 @@ _LOSS_RE = re.compile(r"^0x(?:[0-9a-f]{4}|[0-9a-f]{8}|[0-9a-f]{16})$")
 _EXPONENT_MASK = {8: 0x7F800000, 16: 0x7FF0000000000000}
 # The loss width (bits) each kind records, from screener.known_answer.workloads: train and replay
 # take synthetic.compute_loss, a cross-entropy over float32 logits (also under bf16/fp16
-# autocast), so their loss is float32; gemm, conv and selftest record no loss (None).
-LOSS_BITS: Mapping[str, Optional[int]] = {"train": 32, "replay": 32}
+# autocast), llm its own over float32 logits (screener.known_answer.llm), so their loss is
+# float32; gemm, conv and selftest record no loss (None).
+LOSS_BITS: Mapping[str, Optional[int]] = {"train": 32, "replay": 32, "llm": 32}
 
 
 def default_golden_dir() -> Path:

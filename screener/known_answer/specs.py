@@ -40,6 +40,9 @@ JOBS_DIR_ENV = "SCREENER_JOBS_DIR"
 MAX_SPEC_VERSION = 1_000_000
 SPEC_FIELDS = ("name", "version", "kind", "description", "quick", "params", "cpu", "cuda")
 DTYPES = ("float32", "float16", "bfloat16")
+# scaled_dot_product_attention's backends (screener.known_answer.llm, which imports torch: named
+# here too so a spec is checked without it)
+_SDPA_BACKENDS = ("math", "flash", "efficient", "cudnn")
 
 # kind -> (implementation version, {param: (type(s), default)}).
 # Bump a kind's implementation version whenever its code changes the bits it produces.
@@ -58,6 +61,15 @@ KINDS: dict[str, tuple[int, dict[str, tuple[Any, Any]]]] = {
     "replay": (1, {"seed": (_INT, 0), "ranks": (_INT, 2), "steps": (_INT, 2), "batch": (_INT, 4),
                    "seq": (_INT, 16), "vocab": (_INT, 64), "d_model": (_INT, 32),
                    "n_heads": (_INT, 4), "d_ff": (_INT, 64), "n_layers": (_INT, 1)}),
+    "llm": (1, {"seed": (_INT, 0), "steps": (_INT, 3), "batch": (_INT, 2), "seq": (_INT, 32),
+                "vocab": (_INT, 256), "d_model": (_INT, 64), "n_heads": (_INT, 4),
+                "d_ff": (_INT, 172), "n_layers": (_INT, 4), "lr": (_FLOAT, 1e-3),
+                "weight_decay": (_FLOAT, 0.1), "autocast": (_STR, "none"),
+                "max_norm": (_FLOAT, 1.0), "z_loss": (_FLOAT, 1e-4),
+                "rope_theta": (_FLOAT, 10000.0),
+                "attention": (_LIST, ["math:causal", "flash:causal", "math:full", "flash:full"]),
+                "optimizers": (_LIST, ["foreach", "fused"]),
+                "probe_attention": (_LIST, [])}),
     "selftest": (1, {"sleep": (_FLOAT, 0.0), "exit": (_INT, -1), "abort": (_BOOL, False),
                      "raise": (_STR, ""), "signal": (_INT, 0)}),
 }
@@ -220,10 +232,27 @@ def _validate_values(kind: str, p: Mapping[str, Any], where: str) -> None:
     if kind == "conv":
         need(min(p["batch"], p["channels"], p["size"], p["layers"]) >= 1,
              "batch, channels, size and layers must be >= 1")
-    if kind in ("train", "replay"):
+    if kind in ("train", "replay", "llm"):
         need(min(p["steps"], p["batch"], p["seq"], p["vocab"], p["d_model"], p["n_heads"],
                  p["d_ff"], p["n_layers"]) >= 1, "sizes and steps must be >= 1")
         need(p["d_model"] % p["n_heads"] == 0, "d_model must be divisible by n_heads")
+    if kind == "llm":
+        need((p["d_model"] // p["n_heads"]) % 2 == 0, "d_model / n_heads must be even (rotary)")
+        need(p["max_norm"] > 0 and p["rope_theta"] > 1 and p["z_loss"] >= 0,
+             "max_norm and z_loss must be >= 0 (max_norm > 0) and rope_theta > 1")
+        need(p["autocast"] in ("none", "bfloat16", "float16"),
+             f"autocast {p['autocast']!r} is not none, bfloat16 or float16")
+        need(bool(p["attention"]) and len(p["attention"]) <= 64,
+             "attention must list 1 to 64 entries")
+        need(len(p["probe_attention"]) <= 64, "probe_attention lists more than 64 entries")
+        for a in [*p["attention"], *p["probe_attention"]]:
+            backend, _, mask = str(a).partition(":")
+            need(isinstance(a, str) and backend in _SDPA_BACKENDS and mask in ("causal", "full"),
+                 f"attention entry {str(a)[:60]!r} is not <backend>:<mask> (backend "
+                 f"{', '.join(_SDPA_BACKENDS)}; mask causal or full)")
+        need(bool(p["optimizers"]) and len(p["optimizers"]) <= 64
+             and all(o in ("foreach", "fused") for o in p["optimizers"]),
+             "optimizers must list foreach and/or fused")
     if kind == "train":
         need(p["autocast"] in ("none", "bfloat16", "float16"),
              f"autocast {p['autocast']!r} is not none, bfloat16 or float16")
@@ -261,13 +290,13 @@ def estimate(kind: str, p: Mapping[str, Any],
         nbytes = (4.0 * b * c * s * s + layers * c * c * 9) * _elt(p)
         flops = layers * 2.0 * b * c * c * 9 * s * s
         return nbytes, flops, "batch, channels, size and layers"
-    if kind in ("train", "replay"):
+    if kind in ("train", "replay", "llm"):
         b, t, v, d, h, f, n = (float(p[k]) for k in ("batch", "seq", "vocab", "d_model",
                                                        "n_heads", "d_ff", "n_layers"))
         params = 2 * v * d + t * d + n * (4 * d * d + 2 * d * f + 8 * d)
         tokens = b * t
         acts = tokens * (n * (12 * d + 2 * f) + 3 * v) + n * b * h * t * t * 3
-        copies = 4 if kind == "train" else 2  # weights, grads (+ Adam moments)
+        copies = 2 if kind == "replay" else 4  # weights, grads (+ Adam moments)
         nbytes = 4.0 * (copies * params + acts)
         runs = float(p["steps"]) * (float(p["ranks"]) if kind == "replay" else 1.0)
         flops = runs * (6.0 * tokens * params + 6.0 * n * b * h * t * t * (d / h))
@@ -282,7 +311,7 @@ def expected_steps(spec: "JobSpec", device: str) -> int:
         return int(p["chain"])
     if spec.kind == "conv":
         return int(p["layers"])
-    if spec.kind == "train":
+    if spec.kind in ("train", "llm"):
         return int(p["steps"])
     if spec.kind == "replay":
         return int(p["ranks"]) * int(p["steps"])

@@ -102,8 +102,15 @@ def gemm_shapes(p: Mapping[str, Any], device: str) -> list[tuple[int, int]]:
     if not device.startswith("cuda"):
         return [(256, 256)]
     sms = torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
-    tile = int(p["tile"])
-    n = tile * math.ceil(math.sqrt(int(p["tiles_per_sm"]) * sms))
+    return sm_sized_shapes(sms, int(p["tile"]), int(p["tiles_per_sm"]))
+
+
+def sm_sized_shapes(sms: int, tile: int, tiles_per_sm: int) -> list[tuple[int, int]]:
+    """The CUDA GEMM shapes for a GPU of `sms` SMs (pure, so the CPU tests it): a square n x n
+    product with n = tile * ceil(sqrt(tiles_per_sm * sms)), so its (n / tile)^2 output tiles are
+    at least tiles_per_sm per SM and every SM runs (a GEMM too small to occupy every SM leaves a
+    faulty SM unexercised), plus a ragged (n + tile/2 + 1) x n one whose edge tiles are partial."""
+    n = tile * math.ceil(math.sqrt(tiles_per_sm * sms))
     return [(n, n), (n + tile // 2 + 1, n)]
 
 
@@ -317,6 +324,12 @@ def run_job(spec: JobSpec, device: str = "cpu", *, injector: Optional[ContextMan
         steps, values = _run_train(spec, p, device, injector, keep_values, after_step)
     elif spec.kind == "replay":
         steps, values = _run_replay(spec, p, device, injector, keep_values)
+    elif spec.kind == "llm":
+        from screener.known_answer import llm
+
+        steps, values = llm.run(p, device, lambda: _fault_ctx(injector),
+                                None if p["autocast"] == "none" else _dtype(p["autocast"]),
+                                loss_bits, keep_values)
     elif spec.kind == "selftest":
         steps, values = _run_selftest(p)
     else:  # pragma: no cover - JobSpec validation rejects unknown kinds
