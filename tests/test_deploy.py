@@ -48,6 +48,11 @@ EXPECTED_BASE = {
     # Events only about the pod's own node (issue 36.5)
     ("ValidatingAdmissionPolicy", "screener-events"),
     ("ValidatingAdmissionPolicyBinding", "screener-events"),
+    # The budget count's writes about other nodes only by its lease holder; a bound on how
+    # many ConfigMaps the namespace holds (issue 36.1)
+    ("ValidatingAdmissionPolicy", "screener-budget-lease"),
+    ("ValidatingAdmissionPolicyBinding", "screener-budget-lease"),
+    ("ResourceQuota", "screener-configmaps"),
 }
 EVENT_NAMESPACE = "default"  # where the Node Events go (the daemon's event_namespace)
 
