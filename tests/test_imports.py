@@ -66,6 +66,7 @@ def _importers(name: str) -> set[str]:
     ("prometheus_client", {"screener/agent/metrics.py"}),
     ("safetensors", {"screener/tensorfile.py"}),
     ("psutil", {"screener/health/host.py"}),
+    ("grpc", {"screener/agent/nvrx_health.py"}),
 ])
 def test_each_vendor_client_has_one_importer(client, allowed):
     assert _importers(client) <= allowed

@@ -50,7 +50,8 @@ from screener.agent.health_answer import SOCKET_MODE, AnswerBoard
 from screener.errors import ConfigError
 from screener.types import ExitCode
 
-grpc: Any = require("grpc", "the NVRx node health check adapter (nvrx_socket)")
+require("grpc", "the NVRx node health check adapter (nvrx_socket)")
+import grpc  # noqa: E402 - after require, which names the extra when grpcio is missing
 
 log = logging.getLogger("screener.nvrx_health")
 
