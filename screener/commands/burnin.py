@@ -60,10 +60,11 @@ from screener.settings.stores import StoreChoice
 @click.option("--peer", "peer_names", multiple=True, metavar="NAME",
               help="A simulated peer node's name for --peers (default: peer-a, peer-b).")
 @click.option("--quick", is_flag=True,
-              help="A quick screen instead of a burn-in: every stage as usual (10 runs of every "
-                   "job unless --iterations), but no node state is kept (no store, no cluster), "
-                   "so a pass exits 0 and says what a full burn-in would add. The README's "
-                   "quick start; not with --duration or the store options.")
+              help="A quick screen instead of a burn-in: every stage as usual (10 runs of the "
+                   "quick screen's jobs unless --job or --iterations; the full burn-in's llm jobs "
+                   "are left out), but no node state is kept (no store, no cluster), so a pass "
+                   "exits 0 and says what a full burn-in would add. The README's quick start; "
+                   "not with --duration or the store options.")
 @click.option("--no-progress", is_flag=True, help="No progress bar on stderr.")
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")
 @pass_app
@@ -108,7 +109,9 @@ def burnin_cmd(app: AppContext, devices: tuple[str, ...], jobs: tuple[str, ...],
         from screener.agent.burnin import DEFAULT_ITERATIONS, run_burnin
         from screener.known_answer.screen import resolve_devices, resolve_jobs
 
-        specs = resolve_jobs(list(jobs), jobs_dir, quick_only=False)
+        # The quick screen's jobs for --quick (the committed goldens cover them on every x86-64
+        # path), every job for a burn-in.
+        specs = resolve_jobs(list(jobs), jobs_dir, quick_only=quick)
         devs = resolve_devices(list(devices))
     except BaseException:
         prog.close()
