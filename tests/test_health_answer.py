@@ -102,6 +102,26 @@ def test_the_daemon_answers_its_state_and_last_verdict_on_the_socket_and_the_htt
     assert not path.exists()  # removed on stop: a launcher then sees "no socket"
 
 
+def test_the_socket_in_the_alarm_folder_is_left_alone_by_the_intake(rig):
+    path = Path(rig.config.alarm_dir) / "health.sock"
+    if len(str(path)) > 100:
+        pytest.skip("the test's folder is too deep for a Unix socket path")
+    Path(rig.config.alarm_dir).mkdir(parents=True, exist_ok=True)
+    sock = _serve(rig.daemon.answer, path)
+    try:
+        rig.tick()
+        rig.drop_alarm("a-2", settled=False)
+        report = rig.tick(advance=5.0)
+        assert report.state == NodeState.SUSPECT and not report.errors
+        assert not rig.metrics.intake_problem and rig.metrics.readiness()[0]
+        assert stat.S_ISSOCK(os.lstat(path).st_mode)
+        rejected = Path(rig.config.alarm_dir) / "rejected"
+        assert not rejected.exists() or not any(rejected.iterdir())
+        assert ask(str(path)).state == NodeState.SUSPECT
+    finally:
+        sock.stop()
+
+
 def test_a_restarted_daemon_answers_from_the_history_it_read_at_start(rig, sockdir, tmp_path):
     rig.tick()
     rig.drop_alarm("a-1", settled=False)
