@@ -75,6 +75,11 @@ def _text(value: Any) -> str:
     return "".join(c if c.isprintable() else " " for c in text)
 
 
+def _as_said(state: NodeState) -> str:
+    """"suspect", "quarantined", but "in burnin", "in repair": the why is read by people."""
+    return f"in {state.value}" if state in (NodeState.BURNIN, NodeState.REPAIR) else state.value
+
+
 def answer_body(*, node: str, state: Optional[NodeState], since: Optional[float], reason: str,
                 code: str, last_screen: Optional[Mapping[str, Any]], started: bool, alive: bool,
                 mode: str, age_s: float) -> dict[str, Any]:
@@ -85,9 +90,10 @@ def answer_body(*, node: str, state: Optional[NodeState], since: Optional[float]
     elif state == NodeState.HEALTHY:
         may, why = True, "the node is healthy"
     elif observe:
-        may, why = True, f"the node is {state.value}, but the daemon runs in observe mode"
+        may, why = True, f"the node is {_as_said(state)}, but the daemon runs in observe mode"
     else:
-        may, why = False, f"the node is {state.value}" + (f": {_text(reason)}" if reason else "")
+        may, why = False, f"the node is {_as_said(state)}" + (f": {_text(reason)}" if reason
+                                                                else "")
     screen: Optional[dict[str, Any]] = None
     if last_screen:
         screen = {}

@@ -131,7 +131,8 @@ def test_a_node_that_may_not_run_jobs_is_an_explicit_failure(served, state):
     output = json.loads(response.output)
     assert output["fail_count"] == 1
     assert output["failed_checks"] == [f"screener.io/state={state.value}"]
-    assert response.error.startswith(f"the node is {state.value}")
+    said = f"in {state.value}" if state in (NodeState.BURNIN, NodeState.REPAIR) else state.value
+    assert response.error.startswith(f"the node is {said}: an alarm")
     assert nvrx_says_healthy(path) is False
 
 
