@@ -663,3 +663,20 @@ def test_a_count_raises_the_record_by_at_most_the_policys_step_and_a_future_stam
                 repr(NOW + 86400)
         assert store.budget_view().fleet == step + 20
         store.close()
+
+
+def test_a_lease_longer_than_any_the_store_takes_holds_nobody_off():
+    """A record rewritten with a lease far in the future (admission has no clock to refuse it)
+    would stop every honest count for ever; the store counts a stale record anyway."""
+    from screener.stores import kubeformat as kf
+
+    with KubeAPI() as server:
+        for k in range(3):
+            server.add_node(f"n-{k}", labels={LABEL_STATE: "healthy"})
+        rec = kf.BudgetRecord(fleet=500, counted=NOW - 7200, counter="gpu-hostile",
+                              counting_until=NOW + 10**6)
+        server._store_configmap("screener-system", kf.BUDGET_CONFIGMAP,
+                                rec.configmap("screener-system"), None)
+        store = make_store(server)
+        assert store.budget_view().fleet == 3
+        store.close()

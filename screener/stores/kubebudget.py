@@ -192,8 +192,15 @@ class KubeBudget:
             # moves its entries into slots or drops them (issue 36.2), at most once a while.
             due = True
             self._legacy_count = now
-        held = v.record.counter not in ("", self.instance) and v.record.counting_until > now
+        held = self._held(v.record, now)
         return due and not held
+
+    def _held(self, rec: kf.BudgetRecord, now: float) -> bool:
+        """Another daemon holds the lease: named as counter, until a time to come. A lease
+        longer than any this code takes (a rewritten record: admission has no clock to refuse
+        one) holds nobody off."""
+        return (rec.counter not in ("", self.instance) and now < rec.counting_until
+                <= now + 2 * self.lease_s)
 
     def _create_record(self) -> Optional[BudgetView]:
         """Create the record with our lease on its first count; None when someone else did."""
@@ -394,7 +401,7 @@ class KubeBudget:
         if not strays:
             self._no_strays = (key, now)
             return None
-        if v.record.counter not in ("", self.instance) and v.record.counting_until > now:
+        if self._held(v.record, now):
             return self._await_count()
         log.warning("quarantine budget: %s hold the budget but no node out of service; counting "
                     "it again", ", ".join(sorted(strays)[:5]))
@@ -475,7 +482,7 @@ class KubeBudget:
             rec = kf.BudgetRecord.from_configmap(cm)
             if node not in rec.out:
                 return
-            if rec.counter not in ("", self.instance) and rec.counting_until > self.clock():
+            if self._held(rec, self.clock()):
                 return
             if rec.counter != self.instance:
                 leased = self.calls.cm_write(self._leased(rec, cm.get("data") or {}))
