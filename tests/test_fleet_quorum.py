@@ -329,3 +329,17 @@ def test_golden_list_fleet_shows_the_promoted_goldens_with_their_provenance(spec
     # without --fleet no store is read
     plain = screener("golden", "list", str(empty), "--json", "--db", str(tmp_path / "absent.db"))
     assert plain.returncode == 0 and json.loads(plain.stdout)["records"] == []
+
+
+def test_one_other_node_that_reproduced_the_job_makes_a_self_mismatch_suspect(spec, clean,
+                                                                               tmp_path):
+    """Issue 33.4: a device that disagrees with itself is suspect wherever something shows the
+    job deterministic on its platform, another node that reproduced it included, even with no
+    quorum yet; with no other node at all it stays inconclusive."""
+    flaky = _bad(spec, persistent=False)
+    runs = {"cpu": _device("cpu", [clean, flaky, clean])}
+    alone = _judge(spec, runs, _fleet({}), tmp_path).verdict("cpu")
+    assert alone.outcome == Outcome.INCONCLUSIVE and alone.reason == KatReason.SELF_MISMATCH
+    one = _judge(spec, runs, _fleet({"a": clean.digest}), tmp_path).verdict("cpu")
+    assert one.outcome == Outcome.SUSPECT and one.reason == KatReason.SELF_MISMATCH
+    assert "1 other node(s) of the platform reproduced it (e.g. a" in one.evidence["detail"]

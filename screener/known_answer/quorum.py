@@ -61,6 +61,7 @@ class Quorum:
     digest: Optional[str]
     nodes: tuple[str, ...] = ()
     reporting: int = 0
+    leader: Optional[str] = None  # the digest the most other nodes gave (settled or not)
 
     @property
     def waiting(self) -> bool:
@@ -148,7 +149,8 @@ class FleetView:
         leader, agreeing = max(counts.items(), key=lambda kv: (kv[1], kv[0]))
         nodes = tuple(sorted(n for n, dg in votes.items() if dg == leader))
         settled = agreeing >= self.need and agreeing * 2 > len(votes)
-        return Quorum(phash, job, self.need, leader if settled else None, nodes, len(votes))
+        return Quorum(phash, job, self.need, leader if settled else None, nodes, len(votes),
+                      leader)
 
 
 def reproduced(screen: Mapping[str, Any]) -> Iterator[tuple[str, str, str, str, Optional[str]]]:

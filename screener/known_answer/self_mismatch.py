@@ -9,7 +9,8 @@ job is shown deterministic on the device's platform by something other than the 
   of the platform (screener.known_answer.quorum), a sibling golden a run reproduces, a majority of the platform's devices that each reproduced themselves, or this
   node's earlier screens reproduced today;
 - another device of the platform in this screen that reproduced itself (two or more runs, one
-  result);
+  result), or another node of the platform that did (its published candidates, even fewer than a
+  quorum);
 - this node's earlier screens of the platform (known-digests.json): a device that reproduced
   itself there, even when no run of today reproduces its digest.
 
@@ -94,6 +95,11 @@ def _evidence(g: JobGroup, device: str) -> Optional[str]:
                 f"{r.runs} runs, digest {r.reference.digest})")
     if g.quorum is not None and g.quorum.digest is not None:
         return g.quorum.describe()
+    if g.quorum is not None and g.quorum.nodes:
+        # Fewer than a quorum, but another node's device reproduced the job on the platform
+        # (only reproduced results are published): the job is deterministic there.
+        return (f"{len(g.quorum.nodes)} other node(s) of the platform reproduced it (e.g. "
+                f"{g.quorum.nodes[0]}, digest {g.quorum.leader})")
     if g.known is not None:
         return (f"this node's earlier screens reproduced digest {g.known} on it"
                 + ("" if _reproduces(g.results[device], g.known) else ", which no run reproduces"))
