@@ -241,20 +241,21 @@ def healthy_fleet(store, names, when=NOW - 1000):
 
 def test_a_node_held_by_the_budget_takes_the_slot_when_it_frees(tmp_path):
     from screener.lifecycle.machine import Remediation
-    from screener.lifecycle.apply import reconsider_held
+    from screener.lifecycle.apply import SlotLooks, reconsider_held
 
     store = LocalStore(tmp_path / "budget.db")
     healthy_fleet(store, [f"n{k}" for k in range(10)])  # budget: 1 node
+    looks = SlotLooks(min_interval_s=30.0)  # the caller's, not the lifecycle's: no module state
     assert apply_event(store, "n0", confirmed(), now=NOW).state == S.QUARANTINED
     held = apply_event(store, "n1", confirmed(), now=NOW + 1)
     assert held.state == S.SUSPECT and held.transition.evidence["held_by_budget"] is True
     # No slot: reconsidering changes nothing (and costs nothing for a node not suspect).
-    assert reconsider_held(store, "n1", S.SUSPECT, now=NOW + 2) == S.SUSPECT
-    assert reconsider_held(store, "n2", S.HEALTHY, now=NOW + 2) == S.HEALTHY
+    assert reconsider_held(store, "n1", S.SUSPECT, now=NOW + 2, looks=looks) == S.SUSPECT
+    assert reconsider_held(store, "n2", S.HEALTHY, now=NOW + 2, looks=looks) == S.HEALTHY
     apply_event(store, "n0", Remediation(passed=True), now=NOW + 3)  # n0 leaves quarantine
     # Looked at most every 30 s per node: too soon, then the slot is taken.
-    assert reconsider_held(store, "n1", S.SUSPECT, now=NOW + 4) == S.SUSPECT
-    assert reconsider_held(store, "n1", S.SUSPECT, now=NOW + 40) == S.QUARANTINED
+    assert reconsider_held(store, "n1", S.SUSPECT, now=NOW + 4, looks=looks) == S.SUSPECT
+    assert reconsider_held(store, "n1", S.SUSPECT, now=NOW + 40, looks=looks) == S.QUARANTINED
     last = store.history("n1")[-1]
     assert (last.from_state, last.to_state, last.code) == (S.SUSPECT, S.QUARANTINED,
                                                            "QuarantineBudgetExhausted")

@@ -65,12 +65,11 @@ class LifecycleFeed:
         mono = self.monotonic()
         if mono < self.next_budget_look:
             return
-        # Looked at most every BUDGET_LOOK_S on the monotonic clock (release_held's own limit
-        # compares wall stamps, which a stepped clock would defeat).
+        # Looked at most every BUDGET_LOOK_S on the monotonic clock (release_held's SlotLooks
+        # compares wall stamps, which a stepped clock would defeat: the feed holds none).
         self.next_budget_look = mono + BUDGET_LOOK_S
         self.state, released = release_held(self.ports.store, self.node, self.state,
-                                            now=self.stamps.now(), policy=self.config.lifecycle,
-                                            min_interval_s=0.0)
+                                            now=self.stamps.now(), policy=self.config.lifecycle)
         if released is not None:
             self.note((released,), "a quarantine budget slot freed", report)
 

@@ -21,7 +21,7 @@ from screener.commands.context import AppContext, pass_app
 from screener.commands.options import store_options
 from screener.settings.stores import StoreChoice
 from screener.errors import BadInputError
-from screener.types import ExitCode, NodeState, Reason
+from screener.types import ExitCode, NodeState
 
 log = logging.getLogger(__name__)
 
@@ -147,8 +147,10 @@ def check_cmd(app: AppContext, nodes: tuple[str, ...], cluster: str, region: Opt
 
 def _record_remediation(app: AppContext, results: Sequence[Any],
                         store_choice: StoreChoice) -> dict[str, str]:
-    """Feed finished checks of quarantined nodes to the lifecycle and record its decision."""
-    from screener.lifecycle.machine import Remediation, decide
+    """Feed finished checks of quarantined nodes to the lifecycle and record its decision
+    (apply_event: decided on the state it reads, recorded atomically)."""
+    from screener.lifecycle.apply import apply_event
+    from screener.lifecycle.machine import Remediation
 
     store = app.store(store_choice)
     now = app.clock()
@@ -163,9 +165,7 @@ def _record_remediation(app: AppContext, results: Sequence[Any],
         event = Remediation(passed=r.outcome == "passed",
                             detail=f"SageMaker HyperPod deep health check {r.outcome}",
                             evidence={"hyperpod": r.to_dict()})
-        decision = decide(name, state, event, now=now, history=store.history(name))
-        for t in decision.transitions:
-            store.record(t)
+        decision = apply_event(store, name, event, now=now)
         last, after = decision.transition, decision.state
         done[name] = (f"{last.from_state.value if last.from_state else '(new)'} -> {after.value}"
                       if last is not None and after is not None else decision.note)
@@ -236,7 +236,8 @@ def replace_cmd(app: AppContext, nodes: tuple[str, ...], cluster: str, region: O
     Replacement is never automatic.
     """
     from screener.remediation import hyperpod
-    from screener.lifecycle.machine import Action
+    from screener.lifecycle.apply import apply_event
+    from screener.lifecycle.machine import Replaced
     from screener.settings.daemon import DaemonConfig
 
     # the budget the fleet's daemons keep (issue 37: this used the default 10 % whatever the
@@ -251,20 +252,19 @@ def replace_cmd(app: AppContext, nodes: tuple[str, ...], cluster: str, region: O
                                     budget=budget, dry_run=not yes)
     recorded: list[str] = []
     if not result.dry_run:
-        from screener.lifecycle.records import ACTOR_HUMAN, Transition
-
         now = app.clock()
         why = reason.strip() or "replaced after review"
         for n in resolved:
             if n.instance_id not in result.successful:
                 continue
-            name, state = names[n.instance_id]
-            store.record(Transition(
-                node=name, time=now, from_state=state, to_state=NodeState.REPAIR,
+            name = names[n.instance_id][0]
+            # A person's move to repair, decided on the state the store holds when it records
+            # (the table's check, as for `node set`), not the one read before SageMaker's call.
+            apply_event(store, name, Replaced(
                 reason=f"{why}: SageMaker HyperPod BatchReplaceClusterNodes accepted instance "
-                       f"{n.instance_id}", actor=ACTOR_HUMAN, code=Reason.REPLACED,
-                evidence={"hyperpod": {"action": "replace", **n.to_dict()}},
-                actions=(Action.REQUEST_REPAIR.value,)))
+                       f"{n.instance_id}",
+                evidence={"hyperpod": {"action": "replace", **n.to_dict()}}), now=now,
+                policy=policy)
             recorded.append(name)
     _report_batch(result, as_json, yes, {"budget": budget, "recorded": recorded})
     if not as_json:

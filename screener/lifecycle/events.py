@@ -109,6 +109,29 @@ class RepairStep:
 
 
 @dataclass(frozen=True)
+class Replaced:
+    """A person's replacement of the node's instance, accepted by the provider (`screener hyperpod
+    replace`): the node goes to repair, by a person, with `reason` and the provider's `evidence`.
+
+    Recorded after the provider accepted it, so it is refused only where the table refuses a
+    person's move to repair; a node already in repair records it too (its history names the
+    replaced instance).
+    """
+
+    reason: str
+    evidence: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class BudgetLook:
+    """A look whether a quarantine-budget slot is free for a node the budget holds in suspect.
+
+    The held node takes the slot (the move it was denied, into quarantine or repair); anything
+    else (a node not held, no slot free) changes nothing.
+    """
+
+
+@dataclass(frozen=True)
 class HumanCommand:
     """A person's decision: move the node to `to_state` for `reason`."""
 
@@ -117,8 +140,8 @@ class HumanCommand:
     user: str = ""  # who, if known; the actor is always "human"
 
 
-Event = Union[NodeSeen, Adopted, KatScreen, Findings, Remediation, RepairStep, HumanCommand,
-              AlarmRecord, Verdict, Sequence[Verdict], Sequence[Finding]]
+Event = Union[NodeSeen, Adopted, KatScreen, Findings, Remediation, RepairStep, Replaced, BudgetLook,
+              HumanCommand, AlarmRecord, Verdict, Sequence[Verdict], Sequence[Finding]]
 
 
 @dataclass(frozen=True)

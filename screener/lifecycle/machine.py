@@ -25,7 +25,11 @@ Inputs and what they do:
     unscreened; its first quick screen follows at its next idle window;
   * in-job alarms: settled -> quarantined; unsettled -> suspect;
   * remediation of a quarantined node (deep health check, GPU reset): passed -> burnin, failed -> repair;
-  * a person's command, checked against the same table; repair is left only this way.
+  * a person's command, checked against the same table; repair is left only this way;
+  * a person's replacement of the instance (Replaced, from `screener hyperpod replace`) -> repair,
+    by a person, as the table allows a person's move there (a node in repair records it too);
+  * a look for a free budget slot (BudgetLook): a node held in suspect by the quarantine budget
+    takes the move it was denied, into quarantine or repair, once the budget has room.
 
 Policy: a confirmed failure that makes `lemon_min_failures` within `lemon_window_days` for the node,
 or for any GPU serial it blames (counted across nodes), sends the node to repair even when every
@@ -43,15 +47,15 @@ from screener.lifecycle.events import (EVIDENCE_CONFIRMED, EVIDENCE_GPU_SERIAL, 
                                        EVIDENCE_GPU_SERIALS, EVIDENCE_HELD_BY_BUDGET,
                                        EVIDENCE_SERIAL, KIND_FULL, KIND_PARTIAL, KIND_QUICK,
                                        REPAIR_CODES, RESET_CODES, SCREEN_KINDS, STRAGGLER_CHECK,
-                                       Adopted, Decision, Event, FleetCounts, Findings,
-                                       HumanCommand, KatScreen, NodeSeen, Remediation,
-                                       RepairStep)
+                                       Adopted, BudgetLook, Decision, Event, FleetCounts,
+                                       Findings, HumanCommand, KatScreen, NodeSeen, Remediation,
+                                       Replaced, RepairStep)
 from screener.lifecycle.records import ACTOR_HUMAN, ACTOR_SCREENER, Transition
 from screener.lifecycle.signals import (SignalKind, _classify, _held_by_budget,  # noqa: F401
                                         _rollback, _Signal, camel, earned_healthy,
                                         local_serials)
 from screener.lifecycle.table import (_ENTRY_ACTIONS, TRANSITIONS, A, Action, H,  # noqa: F401
-                                      Trigger, refusal)
+                                      Trigger, allows, refusal)
 from screener.settings.lifecycle import DEFAULT_POLICY, LifecyclePolicy
 from screener.types import BUDGET_STATES, NodeState, Reason, Severity
 
@@ -60,9 +64,10 @@ S = NodeState
 __all__ = [
     "EVIDENCE_CONFIRMED", "EVIDENCE_GPU_SERIAL", "EVIDENCE_GPU_SERIALS", "EVIDENCE_HELD_BY_BUDGET",
     "EVIDENCE_SERIAL", "KIND_FULL", "KIND_PARTIAL", "KIND_QUICK", "REPAIR_CODES", "RESET_CODES",
-    "SCREEN_KINDS", "STRAGGLER_CHECK", "DEFAULT_POLICY", "TRANSITIONS", "Action", "Adopted", "Decision", "Event", "FleetCounts",
+    "SCREEN_KINDS", "STRAGGLER_CHECK", "DEFAULT_POLICY", "TRANSITIONS", "Action", "Adopted",
+    "BudgetLook", "Decision", "Event", "FleetCounts",
     "Findings", "HumanCommand", "KatScreen", "LifecyclePolicy", "NodeSeen", "Remediation",
-    "RepairStep",
+    "Replaced", "RepairStep",
     "Trigger", "camel", "decide", "earned_healthy", "local_serials", "refusal",
 ]
 
@@ -85,6 +90,12 @@ def decide(node: str, current: Optional[NodeState], event: Any, *, now: float,
         return _human(node, current, event, now)
     if isinstance(event, Adopted):
         return _adopt(node, current, event, now)
+    if isinstance(event, Replaced):
+        return _replaced(node, current, event, now)
+    if isinstance(event, BudgetLook):
+        # Before a new node would start in burnin: a look changes nothing but a held node.
+        return _on_budget_look(node, current, list(history), now,
+                               fleet or FleetCounts(total=1, out_of_service=0), policy)
     d = _Deciding(node, current, list(history), now)
     if current is None:
         d.enter_burnin()
@@ -123,6 +134,51 @@ def _human(node: str, current: Optional[NodeState], event: HumanCommand, now: fl
                    reason=event.reason.strip(), actor=ACTOR_HUMAN, code=Reason.MANUAL,
                    evidence=evidence, actions=actions)
     return Decision(state=event.to_state, transitions=(t,), actions=actions)
+
+
+def _replaced(node: str, current: Optional[NodeState], event: Replaced, now: float) -> Decision:
+    """A person's replacement of the instance: repair, where the table allows a person the move.
+
+    Not `refusal`: a node already in repair records its replacement (the table's repair ->
+    repair row), where a person's command to repair would be "already"."""
+    if not allows(current, S.REPAIR, H):
+        raise TransitionRefused(f"node {node}: {current.value if current else '(new)'} -> repair "
+                                f"refused: {refusal(current, S.REPAIR, H)}")
+    if not event.reason.strip():
+        raise TransitionRefused(f"node {node}: a person's replacement needs a reason")
+    actions = tuple(a.value for a in _ENTRY_ACTIONS[S.REPAIR])
+    t = Transition(node=node, time=now, from_state=current, to_state=S.REPAIR,
+                   reason=event.reason, actor=ACTOR_HUMAN, code=Reason.REPLACED,
+                   evidence=dict(event.evidence), actions=actions)
+    return Decision(state=S.REPAIR, transitions=(t,), actions=actions)
+
+
+def _on_budget_look(node: str, current: Optional[NodeState], history: list[Transition],
+                    now: float, fleet: FleetCounts, policy: LifecyclePolicy) -> Decision:
+    """A node held in suspect by the budget takes a slot another node freed: the move it was
+    denied (the state it wanted is in the held transition's evidence), counted as any quarantine.
+
+    Its failure was counted when it was held, so this move is not one; its blamed serials and
+    rollback hint are the held transition's."""
+    if current != S.SUSPECT or not _held_by_budget(history):
+        return Decision(state=current, note="not held by the quarantine budget")
+    held = history[-1]
+    try:
+        wanted = NodeState(held.evidence.get("wanted") or S.QUARANTINED.value)
+    except ValueError:  # a hand-edited record: the quarantine a confirmed failure makes
+        wanted = S.QUARANTINED
+    limit = policy.budget_limit(fleet.total)
+    if wanted not in BUDGET_STATES or fleet.out_of_service + 1 > limit:
+        return Decision(state=current, note=f"held: the quarantine budget ({limit} of "
+                                            f"{fleet.total} nodes) is still used up")
+    evidence = {"released_by_budget": {"held_transition": held.id, "limit": limit,
+                                       "fleet": fleet.total,
+                                       "out_of_service": fleet.out_of_service}}
+    reason = (f"a quarantine budget slot is free ({fleet.out_of_service + 1} of {limit}); "
+              f"held since {held.time:.0f}: {held.reason}")[:1024]
+    return _Deciding(node, current, history, now).move(
+        wanted, reason, Reason.BUDGET, evidence, failure=False, serials=held.gpu_serials,
+        rollback=held.rollback)
 
 
 def _adopt(node: str, current: Optional[NodeState], event: Adopted, now: float) -> Decision:
@@ -168,6 +224,10 @@ class _Deciding:
     def record(self, to: NodeState, reason: str, code: str, evidence: Mapping[str, Any], *,
                failure: bool, serials: tuple[str, ...], rollback: Optional[Mapping[str, Any]],
                actions: tuple[Action, ...]) -> Decision:
+        """Record a move (a self-move too: `move` refuses those) that the table lists."""
+        if not allows(self.current, to, A):  # a bug here, as in `move`
+            raise AssertionError(f"lifecycle policy produced a move the table does not list: "
+                                 f"{self.current} -> {to.value}")
         acts = tuple(a.value for a in actions)
         self.transitions.append(Transition(
             node=self.node, time=self.now, from_state=self.current, to_state=to, reason=reason,

@@ -1,6 +1,14 @@
 """The lifecycle's transition table: which moves exist, who may make them, what each entry asks for.
 
-Every decision of screener.lifecycle.machine, and every person's command, is checked against it.
+Every decision of screener.lifecycle.machine, and every person's command, is checked against it:
+the machine asks `refusal` before it makes a move, and the one way a transition is recorded
+(screener.lifecycle.apply.apply_event) asks `allows` again of every transition it commits, so a
+transition the table does not list is never recorded, whichever input it came from.
+
+A row from a state to itself is a step recorded on a node that stays where it is (a held failure,
+a repair step, a replacement of a node already in repair). `refusal` speaks of changes of state: a
+person's command to the state the node is in is refused ("already"); `allows` reads the rows as
+they are.
 """
 
 from __future__ import annotations
@@ -8,6 +16,7 @@ from __future__ import annotations
 import enum
 from typing import Mapping, Optional
 
+from screener.lifecycle.records import ACTOR_HUMAN
 from screener.types import NodeState
 
 S = NodeState
@@ -59,6 +68,8 @@ TRANSITIONS: Mapping[tuple[Optional[NodeState], NodeState], frozenset[Trigger]] 
     # A repair step that keeps the node out (the repair ladder's reboot request and its end).
     (S.QUARANTINED, S.QUARANTINED): frozenset({A}),
     (S.REPAIR, S.BURNIN): frozenset({H}),
+    # A person's replacement of a node already in repair (`hyperpod replace`) is on file too.
+    (S.REPAIR, S.REPAIR): frozenset({H}),
 }
 
 _ENTRY_ACTIONS: Mapping[NodeState, tuple[Action, ...]] = {
@@ -87,3 +98,13 @@ def refusal(from_state: Optional[NodeState], to_state: NodeState, trigger: Trigg
         return f"{name} -> {to_state.value} is made only by the screener, not by a person"
     return f"{name} -> {to_state.value} is not a move the lifecycle allows"
 
+
+
+def trigger_of(actor: str) -> Trigger:
+    """Who made a recorded transition, as the table names them (a person, or the screener)."""
+    return H if actor == ACTOR_HUMAN else A
+
+
+def allows(from_state: Optional[NodeState], to_state: NodeState, trigger: Trigger) -> bool:
+    """Whether the table lists this move (a self-move included) for this trigger."""
+    return trigger in TRANSITIONS.get((from_state, to_state), frozenset())
