@@ -193,3 +193,31 @@ def test_the_sm_sizing_gives_every_sm_its_tiles_and_a_ragged_edge(sms):
     assert tiles >= per * sms
     assert ((n // tile) - 1) ** 2 < per * sms  # the smallest square that does
     assert m2 % tile not in (0,) and m2 > n
+
+
+def test_the_fp8_gemm_job_reproduces_its_bits_and_sees_a_fault_in_scaled_mm():
+    """gemm-fp8 (issue 33.1): FP8 e4m3 products through torch._scaled_mm, the CPU's kernel
+    here (the FP8 tensor cores on a GPU of compute capability 8.9+)."""
+    from screener.known_answer.faults import FaultSpec, inject
+
+    spec = next(s for s in w.load_jobs(ROOT / "jobs") if s.name == "gemm-fp8")
+    assert w.fp8_gemm_available("cpu")
+    a, b = w.run_job(spec, "cpu"), w.run_job(spec, "cpu")
+    assert a.digest == b.digest and len(a.steps) == 4
+    assert a.steps[0].tensors[0][0] == "fp8_product[64x128x128]"
+    inj = inject(FaultSpec("_scaled_mm", call=3, element=7, bit=5))
+    assert w.run_job(spec, "cpu", injector=inj).digest != a.digest and inj.fired
+
+
+def test_fp8_shapes_must_be_multiples_of_16(tmp_path):
+    text = (ROOT / "jobs" / "gemm-fp8.toml").read_text().replace("[48, 96]", "[47, 96]")
+    p = tmp_path / "gemm-fp8.toml"
+    p.write_text(text)
+    with pytest.raises(ConfigError, match="multiples of 16 for float8_e4m3fn"):
+        w.load_job(p)
+
+
+@pytest.mark.parametrize("sms", [108, 114, 132])
+def test_the_fp8_sizing_keeps_rows_a_multiple_of_16_and_a_partial_tile(sms):
+    (n, _), (m2, _) = w.sm_sized_shapes(sms, 128, 8, multiple=16)
+    assert n % 128 == 0 and m2 % 16 == 0 and m2 % 128 != 0 and m2 > n

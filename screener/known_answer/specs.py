@@ -40,6 +40,7 @@ JOBS_DIR_ENV = "SCREENER_JOBS_DIR"
 MAX_SPEC_VERSION = 1_000_000
 SPEC_FIELDS = ("name", "version", "kind", "description", "quick", "params", "cpu", "cuda")
 DTYPES = ("float32", "float16", "bfloat16")
+GEMM_DTYPES = (*DTYPES, "float8_e4m3fn")  # FP8 through torch._scaled_mm (gemm only)
 # scaled_dot_product_attention's backends (screener.known_answer.llm, which imports torch: named
 # here too so a spec is checked without it)
 _SDPA_BACKENDS = ("math", "flash", "efficient", "cudnn")
@@ -220,8 +221,14 @@ def _validate_values(kind: str, p: Mapping[str, Any], where: str) -> None:
                 f"shape {str(s)[:60]} must be [rows, cols] of integers 1..{MAX_DIM}")
 
     if kind in ("gemm", "conv"):
-        need(p["dtype"] in DTYPES, f"dtype {p['dtype']!r} is not one of {', '.join(DTYPES)}")
+        allowed = GEMM_DTYPES if kind == "gemm" else DTYPES
+        need(p["dtype"] in allowed, f"dtype {p['dtype']!r} is not one of {', '.join(allowed)}")
         need(not p["tf32"] or p["dtype"] == "float32", "tf32 = true needs dtype float32")
+    if kind == "gemm" and p["dtype"] == "float8_e4m3fn":
+        for s in p["shapes"]:
+            need(isinstance(s, list) and all(isinstance(v, int) and v % 16 == 0 for v in s),
+                 f"shape {str(s)[:60]} must be multiples of 16 for float8_e4m3fn "
+                 f"(torch._scaled_mm)")
     if kind == "gemm":
         need(p["chain"] >= 1, "chain must be >= 1")
         need(p["tile"] >= 1 and p["tiles_per_sm"] >= 1, "tile and tiles_per_sm must be >= 1")
@@ -272,7 +279,7 @@ def _static_shapes(p: Mapping[str, Any]) -> list[tuple[int, int]]:
 
 
 def _elt(p: Mapping[str, Any]) -> int:
-    return 2 if p.get("dtype") in ("float16", "bfloat16") else 4
+    return {"float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}.get(str(p.get("dtype")), 4)
 
 
 def estimate(kind: str, p: Mapping[str, Any],

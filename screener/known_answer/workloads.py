@@ -79,7 +79,21 @@ def _fault_ctx(injector: Optional[ContextManager[Any]]) -> ContextManager[Any]:
 def _dtype(name: str) -> Any:
     import torch
 
-    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+            "float8_e4m3fn": torch.float8_e4m3fn}[name]
+
+
+FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with FP8 tensor cores
+
+
+def fp8_gemm_available(device: str) -> bool:
+    """Whether torch._scaled_mm runs FP8 GEMMs on the device: the CPU kernel (torch 2.13 has
+    one), or a GPU of compute capability 8.9 or later."""
+    import torch
+
+    if not device.startswith("cuda"):
+        return hasattr(torch, "_scaled_mm")
+    return tuple(torch.cuda.get_device_capability(torch.device(device))) >= FP8_MIN_CAPABILITY
 
 
 def _pow2_scale(fan_in: int) -> float:
@@ -102,16 +116,22 @@ def gemm_shapes(p: Mapping[str, Any], device: str) -> list[tuple[int, int]]:
     if not device.startswith("cuda"):
         return [(256, 256)]
     sms = torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
-    return sm_sized_shapes(sms, int(p["tile"]), int(p["tiles_per_sm"]))
+    return sm_sized_shapes(sms, int(p["tile"]), int(p["tiles_per_sm"]),
+                           multiple=16 if p["dtype"] == "float8_e4m3fn" else 1)
 
 
-def sm_sized_shapes(sms: int, tile: int, tiles_per_sm: int) -> list[tuple[int, int]]:
+def sm_sized_shapes(sms: int, tile: int, tiles_per_sm: int,
+                    multiple: int = 1) -> list[tuple[int, int]]:
     """The CUDA GEMM shapes for a GPU of `sms` SMs (pure, so the CPU tests it): a square n x n
     product with n = tile * ceil(sqrt(tiles_per_sm * sms)), so its (n / tile)^2 output tiles are
     at least tiles_per_sm per SM and every SM runs (a GEMM too small to occupy every SM leaves a
-    faulty SM unexercised), plus a ragged (n + tile/2 + 1) x n one whose edge tiles are partial."""
+    faulty SM unexercised), plus a ragged (n + tile/2 + 1) x n one whose edge tiles are partial.
+    multiple: the row count the kernel needs a multiple of (16 for FP8's _scaled_mm): the ragged
+    one then has n + tile/2 rows, still a partial last tile."""
     n = tile * math.ceil(math.sqrt(tiles_per_sm * sms))
-    return [(n, n), (n + tile // 2 + 1, n)]
+    ragged = n + tile // 2 + (1 if multiple == 1 else 0)
+    ragged += (-ragged) % multiple
+    return [(n, n), (ragged, n)]
 
 
 def _run_gemm(spec: JobSpec, p: Mapping[str, Any], device: str, injector: Any,
@@ -124,6 +144,8 @@ def _run_gemm(spec: JobSpec, p: Mapping[str, Any], device: str, injector: Any,
     dtype = _dtype(p["dtype"])
     shapes = gemm_shapes(p, device)
     chain = int(p["chain"])
+    if p["dtype"] == "float8_e4m3fn":
+        return _run_gemm_fp8(p, device, shapes, chain, injector, keep_values)
     xs, ws = [], []
     for i, (m, k) in enumerate(shapes):
         xs.append(uniform(mix_key(p["seed"], 1, i), (m, k), device=device).to(dtype))
@@ -143,6 +165,50 @@ def _run_gemm(spec: JobSpec, p: Mapping[str, Any], device: str, injector: Any,
             xs[i] = products[i] * _pow2_scale(k)  # outside the injector: not a product
         steps.append(Step(j, f"link {j}", None,
                           tuple((names[i], (r[0], r[1])) for i, r in enumerate(rows))))
+    return steps, values
+
+
+def _run_gemm_fp8(p: Mapping[str, Any], device: str, shapes: list[tuple[int, int]], chain: int,
+                  injector: Any, keep_values: bool) -> tuple[list[Step], dict[str, Any]]:
+    """Chained FP8 (e4m3) GEMMs through torch._scaled_mm, bfloat16 out, unit scales: the FP8
+    tensor cores on CUDA (compute capability 8.9+), the CPU's FP8 kernel on the CPU. Each link's
+    input is the previous product scaled by a power of two and cast back to FP8 (outside the
+    injector: not a product). On a GPU without FP8 GEMMs the job says so in every step's label
+    and checks the FP8 casts alone (what the GPU does have), never a quiet substitute GEMM."""
+    import torch
+
+    from screener.fingerprint import fingerprints
+    from screener.known_answer.synthetic import mix_key, uniform
+
+    fp8 = torch.float8_e4m3fn
+    available = fp8_gemm_available(device)
+    one = torch.ones((), dtype=torch.float32, device=device)
+    xs, ws = [], []
+    for i, (m, k) in enumerate(shapes):
+        xs.append(uniform(mix_key(p["seed"], 1, i), (m, k), device=device).to(fp8))
+        # _scaled_mm takes its second operand column-major: the transpose of a row-major one
+        ws.append([uniform(mix_key(p["seed"], 2, i, j), (k, k), device=device).to(fp8)
+                   .t().contiguous().t() for j in range(chain)])
+    names = [f"fp8_product[{m}x{k}x{k}]" if available else f"fp8_cast[{m}x{k}]"
+             for m, k in shapes]
+    label = "link {}" if available else "link {} (no FP8 GEMM on this GPU: casts only)"
+    steps, values = [], {}
+    for j in range(chain):
+        products = []
+        with torch.no_grad(), _fault_ctx(injector):
+            for i in range(len(shapes)):
+                if available:
+                    products.append(torch._scaled_mm(xs[i], ws[i][j], scale_a=one, scale_b=one,
+                                                     out_dtype=torch.bfloat16))
+                else:
+                    products.append((xs[i].to(torch.bfloat16) * 1.5).to(fp8).to(torch.bfloat16))
+        rows = fingerprints(products).tolist()
+        for i, (m, k) in enumerate(shapes):
+            if keep_values:
+                values[f"{j}/{names[i]}"] = products[i].detach().float().cpu()
+            xs[i] = (products[i].float() * _pow2_scale(k)).to(fp8)
+        steps.append(Step(j, label.format(j),
+                          None, tuple((names[i], (r[0], r[1])) for i, r in enumerate(rows))))
     return steps, values
 
 
