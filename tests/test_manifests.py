@@ -472,6 +472,10 @@ KUBELET_NO_TAINTS = _with(KUBELET, fieldsV1={"f:metadata": KUBELET["fieldsV1"]["
     ((KUBELET_NO_TAINTS, KUBELET_STATUS, OURS_TAINTS), ""),
     # The first write by a new manager name (an upgrade with another client version).
     ((KUBELET, KUBELET_STATUS, KUBECTL_TAINT, OURS, _with(OURS, manager="screener", time=T1)), ""),
+    # A second write by the same manager within the same second (the label patch, then the
+    # taint patch of one pass, as a real kube-apiserver 1.28.7 stamped them): its entry grows in
+    # place, with the same time.
+    ((KUBELET_NO_TAINTS, KUBELET_STATUS, _with(OURS_TAINTS, time=T0)), ""),
     # Kubernetes folds the oldest of more than ten writers into "ancient-changes".
     ((KUBELET, KUBELET_STATUS, _with(KUBECTL_TAINT, manager="ancient-changes"),
       _with(OURS, time=T1)), ""),
