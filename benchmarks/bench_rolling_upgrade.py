@@ -16,6 +16,14 @@ promoted (once per job), and on Kubernetes the API requests per node per pass.
 
     python benchmarks/bench_rolling_upgrade.py                 # 20 nodes, kube and sqlite
     python benchmarks/bench_rolling_upgrade.py --nodes 50 --stores kube
+    python benchmarks/bench_rolling_upgrade.py --stores real --apiserver https://127.0.0.1:6443 \
+        --token ADMIN_TOKEN                                    # a real kube-apiserver
+
+With --apiserver (a real kube-apiserver with manifests/ applied: the namespace, RBAC and the
+admission policies), the admin token creates the Nodes and each node's daemon acts as the
+DaemonSet's service account with its node claim, by impersonation (Impersonate-User and
+Impersonate-Extra-authentication.kubernetes.io/node-name), so every write goes through the RBAC
+and the policies as a pod's would. Run it against a fresh server: it leaves its Nodes there.
 """
 
 from __future__ import annotations
@@ -56,21 +64,51 @@ def answers() -> tuple[w.JobSpec, dict[str, Any]]:
     return spec, {"clean": clean, "bad": bad}
 
 
+SA_USER = f"system:serviceaccount:{NS}:screener"
+
+
+def _quiet_tls() -> None:
+    """The test server's self-signed certificate is not verified: no warning per request."""
+    import urllib3
+
+    urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
+
+
+def real_client(url: str, token: str, node: str = "") -> Any:
+    """A client of a real API server: the admin, or (node given) the service account of that
+    node's daemon pod, with its node claim."""
+    cfg = kubernetes.client.Configuration()
+    cfg.host, cfg.verify_ssl, cfg.retries = url, False, False
+    cfg.api_key = {"authorization": f"Bearer {token}"}
+    client = kubernetes.client.ApiClient(cfg)
+    if node:
+        client.set_default_header("Impersonate-User", SA_USER)
+        client.set_default_header("Impersonate-Extra-authentication.kubernetes.io%2fnode-name",
+                                  node)
+        client.user_agent = f"daemon/{node}"
+    return client
+
+
 def run_side(store_kind: str, quorum: int, n: int, bad: int, rounds: int, seed: int,
-             spec: w.JobSpec, results: dict[str, Any]) -> dict[str, Any]:
+             spec: w.JobSpec, results: dict[str, Any], real: Any = None) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="bench-rolling-"))
     goldens = tmp / "golden"
     goldens.mkdir()
     api = KubeAPI().start() if store_kind == "kube" else None
+    admin = kubernetes.client.CoreV1Api(real_client(*real)) if store_kind == "real" else None
     shared = tmp / "fleet.db"
     nodes = []
     t0 = time.perf_counter()
     try:
         for k in range(n):
-            name = f"gpu-{k:03d}"
+            name = f"gpu-{k:03d}" if admin is None else f"q{quorum}-gpu-{k:03d}"
             folder = tmp / name
             folder.mkdir()
-            if api is not None:
+            if admin is not None:
+                admin.create_node({"apiVersion": "v1", "kind": "Node",
+                                   "metadata": {"name": name}})
+                store = KubeStore(real_client(*real, node=name), namespace=NS, instance=name)
+            elif api is not None:
                 api.add_node(name)
                 cfg = kubernetes.client.Configuration()
                 cfg.host, cfg.retries = api.url, False
@@ -80,7 +118,8 @@ def run_side(store_kind: str, quorum: int, n: int, bad: int, rounds: int, seed: 
             else:
                 store = LocalStore(shared)
             runner = DeviceBoundary(spec, results["bad" if k == bad else "clean"], goldens)
-            rig = DaemonRig(folder, runner, store=store, taint=store if api is not None else None,
+            rig = DaemonRig(folder, runner, store=store,
+                            taint=store if isinstance(store, KubeStore) else None,
                             node=name, idle_window_s=0.0, golden_dir=str(goldens), jobs=[JOB],
                             quorum_nodes=quorum)
             nodes.append((name, rig, runner))
@@ -133,13 +172,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6, help="retry rounds after the roll-out")
     ap.add_argument("--stores", default="kube,sqlite")
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--apiserver", default="", help="a real kube-apiserver's URL (--stores real)")
+    ap.add_argument("--token", default="", help="its admin bearer token")
     args = ap.parse_args()
+    real = (args.apiserver, args.token) if args.apiserver else None
+    if real:
+        _quiet_tls()
     spec, results = answers()
     bad = args.nodes // 3
     rows = []
     for store in args.stores.split(","):
         for quorum in (0, 3):
-            row = run_side(store, quorum, args.nodes, bad, args.rounds, args.seed, spec, results)
+            row = run_side(store, quorum, args.nodes, bad, args.rounds, args.seed, spec, results,
+                           real)
             rows.append(row)
             print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
     print()
