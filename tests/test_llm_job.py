@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from screener.determinism import preserved
 from screener.errors import ConfigError
@@ -142,3 +143,15 @@ def test_kat_run_of_the_llm_jobs_through_the_children(tmp_path):
     d = json.loads(r.stdout)
     assert r.returncode == (0 if covered else 3), r.stderr[-2000:]
     assert {v["outcome"] for v in d["verdicts"]} == {"pass" if covered else "inconclusive"}
+
+
+def test_a_probe_backend_the_device_has_no_kernel_for_is_said_not_replaced():
+    """cuDNN attention has no CPU kernel: the probe records it as unavailable under its own
+    name (a property of the platform), the same on every run; the training layers' backends
+    must run (a spec listing one the device lacks fails)."""
+    from screener.known_answer import llm
+
+    p = {"seed": 1, "batch": 1, "seq": 8, "d_model": 16, "n_heads": 2,
+         "probe_attention": ["cudnn:causal", "flash:full"]}
+    names = [n for n, _ in llm._probe(p, "cpu", 0, torch.float32)]
+    assert names == ["sdpa/cudnn:causal:unavailable", "sdpa/flash:full"]

@@ -20,9 +20,10 @@ the flash and memory-efficient backward kernels accumulate with atomics where to
 promise otherwise, and a job compared bit for bit must give the same bits on healthy hardware.
 Those backends, and cuDNN's, run instead in `probe_attention` ("backend:mask"): each step, the
 forward kernel alone on inputs from the hash, in the job's dtype (flash and cuDNN take float16
-or bfloat16 only), its output fingerprinted. A backend the device cannot run for the inputs
-raises and the job fails: the spec is wrong for the device, which the screen reports, never a
-quiet fallback.
+or bfloat16 only), its output fingerprinted. A probe backend the device has no kernel for (cuDNN
+attention on an older GPU) is recorded as such in the tensor's name (a property of the platform,
+so every device of it says the same), never replaced by another backend's result; a training
+layer's backend the device cannot run raises, and the job fails: its spec is wrong for the device.
 
 The optimizer: step s runs `optimizers[s % len]`, "foreach" (AdamW written with torch._foreach_*
 ops, the arithmetic of torch.optim.AdamW(foreach=True)) or "fused" (torch._fused_adamw_, the
@@ -217,9 +218,19 @@ def _probe(p: Mapping[str, Any], device: str, step: int, dtype: Any) -> list[tup
         backend, causal = parse_attention(str(entry))
         q, k, v = (uniform(mix_key(int(p["seed"]), _TAG, 1000 + step, i, j), (b, h, t, d // h),
                            device=device).to(dtype) for j in range(3))
-        with torch.no_grad(), sdpa_kernel([_sdpa_backend(backend)]):
-            out.append((f"sdpa/{entry}", F.scaled_dot_product_attention(q, k, v,
-                                                                         is_causal=causal)))
+        try:
+            with torch.no_grad(), sdpa_kernel([_sdpa_backend(backend)]):
+                out.append((f"sdpa/{entry}", F.scaled_dot_product_attention(
+                    q, k, v, is_causal=causal)))
+        except RuntimeError as e:
+            # torch's words for "no kernel of this backend takes these inputs" (CUDA, CPU)
+            if not any(w in str(e) for w in ("No available kernel", "No viable backend")):
+                raise
+            # The backend does not run these inputs on this GPU (cuDNN attention on a GPU or
+            # cuDNN too old for it): a property of the platform, decided on the host before any
+            # arithmetic, so every device of the platform says the same. Said in the tensor's
+            # name, never replaced by another backend's result.
+            out.append((f"sdpa/{entry}:unavailable", torch.zeros(1, device=device)))
     return out
 
 
