@@ -14,6 +14,13 @@ the real wire protocol. This server speaks it for the handful of resources scree
   GET|PUT|PATCH|DELETE /api/v1/namespaces/NS/configmaps/NAME, POST .../configmaps
                                                             (DELETE honours preconditions uid /
                                                             resourceVersion: 409 on a mismatch)
+  GET    /apis/resource.k8s.io/v1/resourceslices[?fieldSelector=spec.nodeName=..,spec.driver=..]
+         [&labelSelector=..][&limit=&continue=], .../resourceslices/NAME     list / get
+  POST   /apis/resource.k8s.io/v1/devicetaintrules          create (409 AlreadyExists; the body
+                                                            validated against the published 1.37
+                                                            schema, strict: 422 when it fails)
+  GET    /apis/resource.k8s.io/v1/devicetaintrules[?labelSelector=..][&limit=&continue=], .../NAME
+  DELETE /apis/resource.k8s.io/v1/devicetaintrules/NAME     (preconditions uid / resourceVersion)
 
 Semantics kept from the real API server: a global resourceVersion that increases on every write; a
 PATCH or PUT that carries a stale metadata.resourceVersion gets 409 Conflict (nodes and
@@ -27,6 +34,14 @@ metadata; label selectors take `k=v`, `k!=v`, `k` and `!k`; Status objects as er
 with resourceVersion=0 is served "from the cache", as kube-apiserver (through v1.32) serves it:
 any version, `limit` ignored, everything in one page without a continue token (Call.cached records
 it).
+
+DRA (resource.k8s.io/v1, as Kubernetes 1.37 serves it): ResourceSlices are cluster-scoped and
+listed with the field selectors spec.nodeName and spec.driver (any other field is 400, as the real
+server refuses it); a DeviceTaintRule create gets metadata.uid, resourceVersion, creationTimestamp
+and, when its taint has none, spec.taint.timeAdded, as the API server sets them; its name must be
+a DNS subdomain and its taint's effect None, NoSchedule or NoExecute. add_resource_slice() is the
+DRA driver publishing a node's devices (validated against the same schema). A Call of a group
+other than the core one names it in `group`.
 
 Test controls: fail_next(n, status) answers the next n requests with an error, conflict_next(n)
 answers the next n writes with 409, down()/up() stop and restart listening on the same port,
@@ -74,6 +89,7 @@ class Call:
     server_seconds: float = 0.0  # time the server spent answering (its own work, not the client's)
     cached: bool = False  # a list served from the cache (resourceVersion=0)
     agent: str = ""  # the client's User-Agent (benchmarks set one per simulated daemon)
+    group: str = ""  # the API group ("" for the core group, e.g. "resource.k8s.io")
 
 
 class ApiError(Exception):
@@ -85,6 +101,44 @@ class ApiError(Exception):
 def status_body(code: int, reason: str, message: str) -> dict[str, Any]:
     return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
             "message": message, "reason": reason, "code": code}
+
+
+# The Kubernetes version whose published OpenAPI schemas (kubernetes-validate) bodies are checked
+# against: 1.37 is the first to serve resource.k8s.io/v1 DeviceTaintRules.
+SCHEMA_VERSION = "1.37.0"
+
+
+def validate_published(obj: dict[str, Any], kind: str = "", api: str = "") -> None:
+    """Validate `obj` against the published strict schema of its kind (or `kind` in group-version
+    file part `api`, e.g. "deleteoptions", "meta-v1": a kind kubernetes-validate does not look
+    up by apiVersion); ApiError 422 naming the first problem."""
+    import kubernetes_validate
+    import kubernetes_validate.utils
+
+    try:
+        if not kind:
+            kubernetes_validate.validate(obj, SCHEMA_VERSION, strict=True)
+            return
+        import jsonschema
+        from referencing import Registry, Resource
+
+        base = f"kubernetes-json-schema/v{SCHEMA_VERSION}-local-strict"
+        schema = kubernetes_validate.utils.schema_contents(f"{base}/{kind}-{api}.json",
+                                                           SCHEMA_VERSION)
+        defs = kubernetes_validate.utils.schema_contents(f"{base}/_definitions.json",
+                                                         SCHEMA_VERSION)
+        registry = Resource.from_contents(defs) @ (Resource.from_contents(schema) @ Registry())
+        jsonschema.validators.Draft202012Validator(schema, registry=registry).validate(obj)
+    except Exception as e:  # noqa: BLE001 - a schema's ValidationError, or jsonschema's
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ApiError(422, "Invalid", f"the body does not meet the {SCHEMA_VERSION} schema: "
+                                       f"{first}") from None
+
+
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+DRA_GROUP = "resource.k8s.io"
+# The field selectors the API server supports on ResourceSlices (besides metadata.name).
+SLICE_FIELDS = ("spec.nodeName", "spec.driver", "metadata.name")
 
 
 # --- patch semantics ------------------------------------------------------------------------------
@@ -254,6 +308,8 @@ class KubeAPI:
         self.pods: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
         self.configmaps: dict[tuple[str, str], dict[str, Any]] = {}  # (namespace, name) -> object
+        self.resource_slices: dict[str, dict[str, Any]] = {}  # name -> ResourceSlice
+        self.device_taint_rules: dict[str, dict[str, Any]] = {}  # name -> DeviceTaintRule
         # The namespaces that exist; None: every one does. When a set, a create in any other is
         # 404 'namespaces "NS" not found', as the API server answers (a get or list there is the
         # usual 404 or empty list).
@@ -264,7 +320,8 @@ class KubeAPI:
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._watch_log: list[tuple[int, str, dict[str, Any]]] = []  # (rv, type, object)
-        self._fail: list[tuple[int, Optional[str], Optional[str]]] = []  # (status, verb, subresource)
+        # (status, verb, subresource, resource)
+        self._fail: list[tuple[int, Optional[str], Optional[str], Optional[str]]] = []
         self._sneak: list[Callable[[dict[str, Any]], None]] = []
         self._conflicts = 0
         self._server: Optional[ThreadingHTTPServer] = None
@@ -401,6 +458,30 @@ class KubeAPI:
             self.pods.append(pod)
             return copy.deepcopy(pod)
 
+    def add_resource_slice(self, node: str, devices: list[dict[str, Any]], *,
+                           driver: str = "gpu.nvidia.com", pool: Optional[str] = None,
+                           generation: int = 1, name: Optional[str] = None) -> dict[str, Any]:
+        """The DRA driver on `node` publishing `devices` (spec.devices[] as the driver writes
+        them: name, attributes {"uuid": {"string": ...}}, capacity) in pool `pool` (default: the
+        node's name, as node-local drivers such as NVIDIA's name it)."""
+        with self._lock:
+            obj = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+                   "metadata": {"name": name or f"{node}-{driver}-{len(self.resource_slices)}",
+                                "uid": str(uuid.uuid4()), "resourceVersion": self._next_rv(),
+                                "creationTimestamp": "2026-01-01T00:00:00Z"},
+                   "spec": {"driver": driver, "nodeName": node,
+                            "pool": {"name": pool or node, "generation": generation,
+                                     "resourceSliceCount": 1},
+                            "devices": copy.deepcopy(devices)}}
+            validate_published(obj)
+            self.resource_slices[obj["metadata"]["name"]] = obj
+            return copy.deepcopy(obj)
+
+    def device_taint_rule(self, name: str) -> Optional[dict[str, Any]]:
+        with self._lock:
+            rule = self.device_taint_rules.get(name)
+            return copy.deepcopy(rule) if rule is not None else None
+
     def node(self, name: str) -> dict[str, Any]:
         with self._lock:
             return copy.deepcopy(self.nodes[name])
@@ -414,10 +495,11 @@ class KubeAPI:
             return copy.deepcopy(self.nodes[name])
 
     def fail_next(self, n: int = 1, status: int = 500, verb: Optional[str] = None,
-                  subresource: Optional[str] = None) -> None:
-        """Answer the next n requests (only those of `verb` / `subresource`, if given) with `status`."""
+                  subresource: Optional[str] = None, resource: Optional[str] = None) -> None:
+        """Answer the next n requests (only those of `verb` / `subresource` / `resource`, if
+        given) with `status`."""
         with self._lock:
-            self._fail.extend([(status, verb, subresource)] * n)
+            self._fail.extend([(status, verb, subresource, resource)] * n)
 
     def on_next_write(self, change: Callable[[dict[str, Any]], None]) -> None:
         """Just before the next PATCH/PUT of a node is applied, let another writer change the node
@@ -474,13 +556,14 @@ class KubeAPI:
         with self._lock:
             started = time.perf_counter()  # its own work, not the wait for the lock
             if self._fail and self._fail[0][1] in (None, call.verb) and \
-                    self._fail[0][2] in (None, call.subresource):
+                    self._fail[0][2] in (None, call.subresource) and \
+                    self._fail[0][3] in (None, call.resource):
                 status = self._fail.pop(0)[0]
                 out = status_body(status, "InternalError" if status >= 500 else "Error",
                                   f"scripted failure {status}")
                 self.calls.append(Call(call.verb, call.resource, call.subresource, call.name,
                                        call.namespace, status, len(body), len(json.dumps(out)),
-                                       agent=headers.get("User-Agent") or ""))
+                                       agent=headers.get("User-Agent") or "", group=call.group))
                 return status, out, None
             try:
                 code, out, stream = self._dispatch(call, method, q, headers, body)
@@ -491,7 +574,7 @@ class KubeAPI:
                                    call.namespace, code, len(body), len(data),
                                    time.perf_counter() - started,
                                    cached=call.verb == "list" and q.get("resourceVersion") == "0",
-                                   agent=headers.get("User-Agent") or ""))
+                                   agent=headers.get("User-Agent") or "", group=call.group))
             delay = max([d for v, r, d in self._slow if v in (None, call.verb)
                          and r in (None, call.resource)], default=0.0)
         if delay:
@@ -501,9 +584,13 @@ class KubeAPI:
     def _route(self, method: str, parts: list[str], q: dict[str, str]) -> Call:
         verb = {"GET": "get", "POST": "create", "PUT": "update", "PATCH": "patch",
                 "DELETE": "delete"}.get(method, method.lower())
-        if parts[:2] != ["api", "v1"]:
+        group = ""
+        if parts[:1] == ["apis"] and len(parts) >= 4 and parts[1] == DRA_GROUP and parts[2] == "v1":
+            group, rest = DRA_GROUP, parts[3:]
+        elif parts[:2] != ["api", "v1"]:
             return Call(verb, "/" + "/".join(parts))
-        rest = parts[2:]
+        else:
+            rest = parts[2:]
         ns = ""
         if len(rest) >= 2 and rest[0] == "namespaces":
             ns, rest = rest[1], rest[2:]
@@ -512,10 +599,12 @@ class KubeAPI:
         sub = rest[2] if len(rest) > 2 else ""
         if verb == "get" and not name:
             verb = "watch" if (q.get("watch") or "").lower() in ("true", "1") else "list"
-        return Call(verb, resource, sub, name, ns)
+        return Call(verb, resource, sub, name, ns, group=group)
 
     def _dispatch(self, call: Call, method: str, q: dict[str, str], headers: Any,
                   body: bytes) -> tuple[int, Any, Optional[Iterable[bytes]]]:
+        if call.group == DRA_GROUP:
+            return self._dra(call, q, body)
         if call.resource == "nodes":
             if call.verb == "list":
                 items = [n for n in self.nodes.values()
@@ -635,6 +724,84 @@ class KubeAPI:
                 raise ApiError(400, "BadRequest", "the name of the object does not match the URL")
             return 200, self._store_configmap(ns, name, new, current), None
         raise ApiError(405, "MethodNotAllowed", f"{call.verb} configmaps")
+
+    def _dra(self, call: Call, q: dict[str, str], body: bytes) -> tuple[int, Any, None]:
+        """resource.k8s.io/v1: ResourceSlices (read) and DeviceTaintRules (create, get, list,
+        delete), cluster-scoped both."""
+        if call.namespace:
+            raise ApiError(404, "NotFound", f"{call.resource} are cluster-scoped")
+        if call.resource == "resourceslices":
+            if call.verb == "list":
+                want: dict[str, str] = {}
+                for term in filter(None, (q.get("fieldSelector") or "").split(",")):
+                    key, eq, value = term.partition("=")
+                    if not eq or key not in SLICE_FIELDS or value.startswith("="):
+                        raise ApiError(400, "BadRequest", f'"{key}" is not a known field selector: '
+                                       f'only "{", ".join(SLICE_FIELDS)}"')
+                    want[key] = value
+                items = [sl for sl in self.resource_slices.values()
+                         if all(_field(sl, k) == v for k, v in want.items())
+                         and _match_labels(sl["metadata"].get("labels") or {},
+                                           q.get("labelSelector", ""))]
+                page, meta = self._page(items, q)
+                return 200, {"kind": "ResourceSliceList", "apiVersion": "resource.k8s.io/v1",
+                             "metadata": meta, "items": [copy.deepcopy(x) for x in page]}, None
+            if call.verb == "get" and call.name in self.resource_slices:
+                return 200, copy.deepcopy(self.resource_slices[call.name]), None
+            if call.verb == "get":
+                raise ApiError(404, "NotFound", f'resourceslices.resource.k8s.io "{call.name}" not found')
+        if call.resource != "devicetaintrules" or call.subresource:
+            raise ApiError(404, "NotFound", f"the server could not find the requested resource "
+                                            f"({call.verb} {call.resource})")
+        rules = self.device_taint_rules
+        what = f'devicetaintrules.resource.k8s.io "{call.name}"'
+        if call.verb == "list":
+            items = [r for r in rules.values()
+                     if _match_labels(r["metadata"].get("labels") or {}, q.get("labelSelector", ""))]
+            page, meta = self._page(items, q)
+            return 200, {"kind": "DeviceTaintRuleList", "apiVersion": "resource.k8s.io/v1",
+                         "metadata": meta, "items": [copy.deepcopy(x) for x in page]}, None
+        if call.verb == "create":
+            obj = _json_object(body)
+            validate_published(obj)
+            meta = obj.setdefault("metadata", {})
+            name = meta.get("name") or ""
+            if len(name) > 253 or not _DNS_SUBDOMAIN.fullmatch(name):
+                raise ApiError(422, "Invalid", f"metadata.name: Invalid value: {name!r}: a "
+                                               "lowercase RFC 1123 subdomain must consist of ...")
+            if meta.get("resourceVersion"):
+                raise ApiError(422, "Invalid", "metadata.resourceVersion: must be empty on create")
+            taint = (obj.get("spec") or {}).get("taint") or {}
+            if taint.get("effect") not in ("None", "NoSchedule", "NoExecute"):
+                raise ApiError(422, "Invalid", f"spec.taint.effect: Unsupported value: "
+                                               f"{taint.get('effect')!r}")
+            if name in rules:
+                raise ApiError(409, "AlreadyExists", f"{what} already exists")
+            taint.setdefault("timeAdded", "2026-01-01T00:00:00Z")
+            meta.update(uid=str(uuid.uuid4()), resourceVersion=self._next_rv(),
+                        creationTimestamp="2026-01-01T00:00:00Z", generation=1)
+            obj["apiVersion"], obj["kind"] = "resource.k8s.io/v1", "DeviceTaintRule"
+            rules[name] = obj
+            return 201, copy.deepcopy(obj), None
+        current = rules.get(call.name)
+        if current is None:
+            raise ApiError(404, "NotFound", f"{what} not found")
+        if call.verb == "get":
+            return 200, copy.deepcopy(current), None
+        if call.verb == "delete":
+            options = json.loads(body or b"{}") or {}
+            validate_published(options, "deleteoptions", "meta-v1")
+            pre = options.get("preconditions") or {}
+            for key, have in (("uid", current["metadata"]["uid"]),
+                              ("resourceVersion", current["metadata"]["resourceVersion"])):
+                if pre.get(key) is not None and str(pre[key]) != have:
+                    label = "UID" if key == "uid" else "ResourceVersion"
+                    raise ApiError(409, "Conflict", f"Operation cannot be fulfilled on {what}: "
+                                   f"Precondition failed: {label} in precondition: {pre[key]}, "
+                                   f"{label} in object meta: {have}")
+            del rules[call.name]
+            return 200, copy.deepcopy(current), None
+        raise ApiError(405, "MethodNotAllowed", f"{call.verb} devicetaintrules")
 
     def _store_configmap(self, ns: str, name: str, obj: dict[str, Any],
                          current: Optional[dict[str, Any]]) -> dict[str, Any]:

@@ -6,7 +6,9 @@ the taint control, the GPU-pod lister, the clocks (a monotonic one for every int
 stamps that never run backward: clock.py) and the stop event; `screener.commands.daemon` wires the
 real ones, tests pass fakes at the boundary. Its parts, each a module of its own: the findings bookkeeping (findings),
 the way into the lifecycle (feed), the screening step (screens), the adoption rule (adoption), the
-pass report (passreport).
+pass report (passreport), the per-GPU taints where the cluster uses DRA (device_taints: a GPU a
+screen finds suspect, or a settled alarm names by serial, gets a DeviceTaintRule of its own; a
+passing retest of it removes it; the node's state is the lifecycle's as ever).
 
 Start-up (`start`): ends the screen workers a killed predecessor left running and removes their
 folders (screening.reap_stale_screens), clears the screening taint, and makes the node known: a
@@ -63,6 +65,7 @@ from typing import Any, Callable, Optional
 
 from screener.agent.adoption import adoption_reason
 from screener.agent.clock import StampClock, as_clock
+from screener.agent.device_taints import DeviceTaints
 from screener.agent.feed import BUDGET_LOOK_S, LifecycleFeed
 from screener.agent.findings import FindingsTracker
 from screener.agent.health_answer import AnswerBoard
@@ -160,10 +163,13 @@ class Daemon:
         self.findings = FindingsTracker()
         self.feed = LifecycleFeed(config, ports, stamps=self.stamps, monotonic=self.clock.monotonic,
                                   metrics=self.metrics, observe=self.observe)
+        # Per-GPU taints where the cluster uses DRA ([dra], off by default): device_taints.py.
+        self.devices = DeviceTaints(config.dra, self.node, ports.device_taints,
+                                    observe=self.observe)
         self.screens = DaemonScreens(config, ports, self.feed, self.findings, window=self.window,
                                      idle=self.idle, metrics=self.metrics, stamps=self.stamps,
                                      monotonic=self.clock.monotonic, probe=self._probe,
-                                     job_landed=self._job_landed)
+                                     job_landed=self._job_landed, devices=self.devices)
         # The node-local health answer (screener.agent.health_answer): what this loop holds,
         # published after start-up and every pass, never read from the store per request.
         self.answer = ports.answer or AnswerBoard(
@@ -295,6 +301,8 @@ class Daemon:
         self._step(report, "intake", lambda: self._intake(report))
         if self.replay is not None:
             self._step(report, "replay", self.replay)
+        if self.devices.pending:  # device taints a pass could not write (the API out of reach)
+            self._step(report, "devices", lambda: self.devices.retry(report))
         if self.started:
             self._step(report, "budget", lambda: self.feed.reconsider_budget(report))
         if self.window.taint_dirty and not self.stop.is_set():  # stopping: run() removes it
@@ -368,6 +376,8 @@ class Daemon:
         # An alarm acts only on the GPU serials this node's NVML reports.
         record = replace(record, evidence=self.findings.local_evidence(record.evidence))
         self.feed.apply(record, f"alarm {record.alarm_id}", report)
+        # A settled alarm naming a local GPU by serial takes that GPU out alone (DRA).
+        self.devices.after_alarm(record, self.last_report.gpus if self.last_report else (), report)
         self.metrics.alarm(AlarmResult.APPLIED)
         self.metrics.alarm_applied(record.check, record.settled)
         log.warning("alarm %s applied: %s at step %d (%s)", record.alarm_id, record.check,

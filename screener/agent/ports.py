@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
 from screener.agent.clock import ClockLike
+from screener.agent.device_taints import DeviceTaintApi
 from screener.agent.health_answer import AnswerBoard
 from screener.agent.metrics import DaemonMetrics
 from screener.agent.screening import ScreenRunner, TaintControl
@@ -58,6 +59,8 @@ class DaemonPorts:
         boot_id(): the kernel's boot id (host.boot_id), which proves a reboot where it can be read.
     answer: the node-local health answer the daemon publishes into (health_answer.AnswerBoard;
         default: a fresh one), which the command serves on the socket and the HTTP port.
+    device_taints: the node's ResourceSlices and DeviceTaintRules (screener.stores.kubedevices.
+        KubeDeviceTaints, with the kube store and [dra] enabled), or None: no per-GPU taints.
     """
 
     store: Store
@@ -83,3 +86,4 @@ class DaemonPorts:
     repairs: Optional[Repairs] = None
     answer: Optional[AnswerBoard] = None
     boot_id: Optional[Callable[[], Optional[str]]] = None
+    device_taints: Optional[DeviceTaintApi] = None

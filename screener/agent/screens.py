@@ -6,7 +6,8 @@ the window, the daemon hands the pass to `DaemonScreens.run`: it opens a screeni
 daemon's half (the probes before and after, the cross-check with same-platform peers, and whether
 the run was full or partial: screener.agent.burnin.missing_for_full). It then feeds the verdicts
 to the lifecycle, stores the verdict annotation (which kind passed), and publishes the digests
-same-platform peers cross-check against. A screen stopped early (a job landed, the time cap, a
+same-platform peers cross-check against; where the cluster uses DRA, a suspect GPU gets its own
+device taint and a passing one loses it (screener.agent.device_taints). A screen stopped early (a job landed, the time cap, a
 shutdown) is inconclusive and moves nothing.
 """
 
@@ -19,6 +20,7 @@ from typing import Any, Callable, Optional
 from screener.agent.burnin import (BurninRequirement, crosscheck_digests_stage, missing_for_full,
                                    probe_report_stage)
 from screener.agent.clock import StampClock
+from screener.agent.device_taints import DeviceTaints
 from screener.agent.feed import LifecycleFeed
 from screener.agent.fleet import FleetQuorum
 from screener.agent.findings import FindingsTracker
@@ -51,7 +53,8 @@ class DaemonScreens:
                  findings: FindingsTracker, *, window: ScreeningWindow, idle: IdleTracker,
                  metrics: DaemonMetrics, stamps: StampClock, monotonic: Callable[[], float],
                  probe: Callable[[PassReport], ProbeReport],
-                 job_landed: Callable[[PassReport], Optional[str]]) -> None:
+                 job_landed: Callable[[PassReport], Optional[str]],
+                 devices: Optional[DeviceTaints] = None) -> None:
         self.config = config
         self.node = config.node
         self.ports = ports
@@ -64,6 +67,7 @@ class DaemonScreens:
         self.monotonic = monotonic
         self.probe = probe
         self.job_landed = job_landed
+        self.devices = devices  # per-GPU taints where the cluster uses DRA (device_taints.py)
         self.requirement = BurninRequirement(min_seconds=config.burnin_duration_s,
                                              min_iterations=config.burnin_min_iterations,
                                              jobs=tuple(config.jobs))
@@ -165,6 +169,10 @@ class DaemonScreens:
             self.feed.apply(machine.KatScreen(verdicts, kind=screen_kind,
                                               conditions=self.findings.conditions),
                             "known-answer screen", report)
+            if self.devices is not None:
+                # After the node's own transition, which it never changes: a suspect device is
+                # tainted alone, a passing one cleared (the only way its taint goes).
+                self.devices.after_screen(outcome.verdicts, before.gpus if before else (), report)
         self.last_verdict = {
             "time": end, "outcome": outcome.outcome.value, "stopped": outcome.stopped,
             "kind": screen_kind if not outcome.stopped else kind, "missing": missing,

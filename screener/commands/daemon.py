@@ -52,6 +52,11 @@ def build_daemon(app: AppContext, config: Any, *, stop: threading.Event,
         kwargs.update(publish=store.set_annotations,
                       replay=lambda: store.replay() if store.pending() else 0,
                       node_created=lambda: _created(store.get_node(node)))
+        if config.dra.enabled:  # per-GPU DeviceTaintRules (screener.agent.device_taints)
+            from screener.stores.kubedevices import KubeDeviceTaints
+
+            kwargs["device_taints"] = KubeDeviceTaints(store.calls, driver=config.dra.driver,
+                                                       taint_key=config.dra.taint_key)
     else:
         taint = LocalTaint(state_dir)
         gpu_pods = None

@@ -27,6 +27,7 @@ from screener import boundedjson
 from screener.settings import strict
 from screener.errors import ConfigError
 from screener.node_answer import SOCKET_NAME
+from screener.settings.dra import DraConfig
 from screener.settings.health import ProbeConfig
 from screener.settings.hyperpod import HyperPodConfig
 from screener.settings.ladder import LadderConfig
@@ -152,7 +153,9 @@ class DaemonConfig:
     work_dir: where screen workers keep their folders (default: <state dir>/screens), so a
         restarted daemon can end what a killed one left running.
     probes, lifecycle, hyperpod: the nested tables (see the module docstring); ladder: the
-        repair ladder for idle quarantined nodes (screener.settings.ladder.LadderConfig).
+        repair ladder for idle quarantined nodes (screener.settings.ladder.LadderConfig); dra:
+        per-GPU DeviceTaintRules where the cluster uses DRA (screener.settings.dra.DraConfig;
+        off by default, kube store only).
     """
 
     node: str = ""
@@ -201,6 +204,7 @@ class DaemonConfig:
     lifecycle: LifecyclePolicy = field(default_factory=LifecyclePolicy)
     hyperpod: HyperPodConfig = field(default_factory=HyperPodConfig)
     ladder: LadderConfig = field(default_factory=LadderConfig)
+    dra: DraConfig = field(default_factory=DraConfig)
     kube_timeouts: KubeTimeouts = field(default_factory=KubeTimeouts)
 
     def __post_init__(self) -> None:
@@ -241,6 +245,8 @@ class DaemonConfig:
             raise bad("hyperpod", "must be a table")
         if not isinstance(self.ladder, LadderConfig):
             raise bad("ladder", "must be a table")
+        if not isinstance(self.dra, DraConfig):
+            raise bad("dra", "must be a table (enabled, driver, taint_key)")
         if not isinstance(self.kube_timeouts, KubeTimeouts):
             raise bad("kube_timeouts", "must be a table (connect_s, read_s, call_s, "
                                        "unreachable_s, stop_s)")
@@ -271,6 +277,8 @@ class DaemonConfig:
                     values["hyperpod"] = HyperPodConfig.from_mapping(values["hyperpod"])
                 if isinstance(values.get("ladder"), Mapping):
                     values["ladder"] = LadderConfig.from_mapping(values["ladder"])
+                if isinstance(values.get("dra"), Mapping):
+                    values["dra"] = DraConfig.from_mapping(values["dra"])
                 if isinstance(values.get("kube_timeouts"), Mapping):
                     values["kube_timeouts"] = KubeTimeouts.from_mapping(values["kube_timeouts"])
             return strict.from_mapping(cls, values, "daemon")
@@ -306,6 +314,7 @@ class DaemonConfig:
         d["hyperpod"]["checks"] = list(self.hyperpod.checks)
         d["ladder"] = dataclasses.asdict(self.ladder)
         d["ladder"]["reboot_command"] = list(self.ladder.reboot_command)
+        d["dra"] = dataclasses.asdict(self.dra)
         d["kube_timeouts"] = dataclasses.asdict(self.kube_timeouts)
         d["jobs"], d["devices"] = list(self.jobs), list(self.devices)
         return d
@@ -358,7 +367,8 @@ def read_file(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 _SCALAR_FIELDS = {f.name: f for f in fields(DaemonConfig) if f.name not in ("probes", "lifecycle",
-                                                                           "hyperpod", "ladder")}
+                                                                           "hyperpod", "ladder",
+                                                                           "dra")}
 
 
 def _default_of(f: "dataclasses.Field[Any]") -> Any:
