@@ -310,6 +310,9 @@ class KubeAPI:
         self.configmaps: dict[tuple[str, str], dict[str, Any]] = {}  # (namespace, name) -> object
         self.resource_slices: dict[str, dict[str, Any]] = {}  # name -> ResourceSlice
         self.device_taint_rules: dict[str, dict[str, Any]] = {}  # name -> DeviceTaintRule
+        # Every DeviceTaintRule write the server took: (operation, object, oldObject) as an
+        # admission policy sees it (the body as sent on CREATE; the object as stored on DELETE).
+        self.dra_writes: list[tuple[str, Optional[dict[str, Any]], Optional[dict[str, Any]]]] = []
         # The namespaces that exist; None: every one does. When a set, a create in any other is
         # 404 'namespaces "NS" not found', as the API server answers (a get or list there is the
         # usual 404 or empty list).
@@ -777,6 +780,7 @@ class KubeAPI:
                                                f"{taint.get('effect')!r}")
             if name in rules:
                 raise ApiError(409, "AlreadyExists", f"{what} already exists")
+            self.dra_writes.append(("CREATE", copy.deepcopy(obj), None))
             taint.setdefault("timeAdded", "2026-01-01T00:00:00Z")
             meta.update(uid=str(uuid.uuid4()), resourceVersion=self._next_rv(),
                         creationTimestamp="2026-01-01T00:00:00Z", generation=1)
@@ -800,6 +804,7 @@ class KubeAPI:
                                    f"Precondition failed: {label} in precondition: {pre[key]}, "
                                    f"{label} in object meta: {have}")
             del rules[call.name]
+            self.dra_writes.append(("DELETE", None, copy.deepcopy(current)))
             return 200, copy.deepcopy(current), None
         raise ApiError(405, "MethodNotAllowed", f"{call.verb} devicetaintrules")
 

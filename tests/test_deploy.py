@@ -53,6 +53,9 @@ EXPECTED_BASE = {
     ("ValidatingAdmissionPolicy", "screener-budget-lease"),
     ("ValidatingAdmissionPolicyBinding", "screener-budget-lease"),
     ("ResourceQuota", "screener-configmaps"),
+    # DeviceTaintRules only for devices of the pod's own node's pool (issue 38.4)
+    ("ValidatingAdmissionPolicy", "screener-device-taints"),
+    ("ValidatingAdmissionPolicyBinding", "screener-device-taints"),
 }
 EVENT_NAMESPACE = "default"  # where the Node Events go (the daemon's event_namespace)
 

@@ -2,7 +2,9 @@
 burn-in code paths send to the recording Kubernetes API test server is granted by
 manifests/clusterrole.yaml (cluster-scoped objects), manifests/role.yaml (in screener's namespace,
 for a call in that namespace) or manifests/rbac-events.yaml (Events, in the event namespace only),
-and the roles grant nothing those paths never use; no call goes to any other namespace."""
+and the roles grant nothing those paths never use; no call goes to any other namespace. A resource
+of a group other than the core one is named `<resource>.<group>` (resourceslices.resource.k8s.io:
+the DRA device taints, issue 38.4)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from screener.types import ANNOTATION_DIGESTS, TAINT_SCREENING_KEY, Outcome
 from screener.settings.daemon import DaemonConfig
 from fakes.daemon import NODE, DaemonRig, ScriptedRunner, outcome
 from manifests_util import VERBS, admit_configmap, configmap_policy, rendered
+from dra_policy import admit_rule, device_taint_policy
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,13 +36,20 @@ def _rules(file: str, kind: str) -> tuple[dict, set[tuple[str, str, str]]]:
                 if d and d["kind"] == kind)
     out = set()
     for rule in role["rules"]:
-        assert rule["apiGroups"] == [""], "screener only touches the core API group"
+        # The core group, and DRA's (resourceslices, devicetaintrules) for the device taints.
+        assert rule["apiGroups"] in ([""], ["resource.k8s.io"]), rule["apiGroups"]
+        group = rule["apiGroups"][0]
         for res in rule["resources"]:
             resource, _, sub = res.partition("/")
             for verb in rule["verbs"]:
                 assert verb != "*" and resource != "*", "no wildcards"
-                out.add((verb, resource, sub))
+                out.add((verb, _qualified(resource, group), sub))
     return role, out
+
+
+def _qualified(resource: str, group: str) -> str:
+    """A resource as these checks name it: plain in the core group, else <resource>.<group>."""
+    return f"{resource}.{group}" if group else resource
 
 
 def granted() -> set[tuple[str, str, str]]:
@@ -137,6 +147,45 @@ def exercise_budget_and_lemons(api: KubeAPI) -> None:
         store.close()
 
 
+DRA_NODE = "gpu-node-3"  # a node of its own: the DRA exercise starts it from burn-in
+
+
+def exercise_dra(api: KubeAPI, tmp_path: Path) -> None:
+    """[dra] enabled: a full burn-in that passes, a screen naming cuda:1 bad (its rule created),
+    a passing retest (the node's rules listed, the rule deleted), and a replay of a rule already
+    there (409, read back)."""
+    from fakes.fake_nvml import h100
+    from screener.stores.kubedevices import KubeDeviceTaints
+    from screener.types import Verdict
+
+    api.add_node(DRA_NODE)
+    api.add_resource_slice(DRA_NODE, [
+        {"name": f"gpu-{i}", "attributes": {"uuid": {"string": h100(i).uuid}}} for i in (0, 1)])
+    store = KubeStore(api.api_client(), sleep=lambda s: None, rng=lambda: 0.0, instance="rbac")
+    taints = KubeDeviceTaints(store.calls, driver="gpu.nvidia.com",
+                              taint_key="screener.io/gpu-suspect")
+    bad = outcome(Outcome.SUSPECT, verdicts=(
+        Verdict(device="cuda:0", outcome=Outcome.PASS, job="gemm-fp32", platform_hash="p1"),
+        Verdict(device="cuda:1", outcome=Outcome.SUSPECT, reason="golden_mismatch",
+                job="gemm-fp32", platform_hash="p1")))
+    runner = ScriptedRunner(outcome(Outcome.PASS), bad, outcome(Outcome.PASS))
+    (tmp_path / "dra").mkdir()
+    rig = DaemonRig(tmp_path / "dra", runner, store=store, taint=store, node=DRA_NODE,
+                    idle_window_s=0.0, screen_interval_s=3600.0,
+                    dra={"enabled": True}, daemon_kw={"device_taints": taints})
+    try:
+        rig.tick()  # the full burn-in
+        rig.tick(advance=3600.0)  # cuda:1 suspect: its rule
+        assert len(api.device_taint_rules) == 1
+        rig.tick(advance=60.0)  # the confirming screen passes: the rule goes
+        assert api.device_taint_rules == {}
+        device = taints.devices(DRA_NODE)[1]
+        body = taints.body(DRA_NODE, device, reason="KnownAnswerMismatch", gpu_uuid=device.uuid)
+        assert taints.create(body, device) and not taints.create(body, device)  # the replay
+    finally:
+        rig.close()
+
+
 def exercise_cli(api: KubeAPI, tmp_path: Path) -> None:
     """The real `screener daemon --once` wiring (screens off: their calls are covered above)."""
     config = tmp_path / "d.json"
@@ -163,6 +212,7 @@ def test_the_cluster_role_grants_exactly_what_the_code_calls(tmp_path):
         exercise_daemon(api, tmp_path)
         exercise_burnin_crosscheck(api)
         exercise_budget_and_lemons(api)
+        exercise_dra(api, tmp_path)
         exercise_cli(api, tmp_path)
         # A create names its object in the body, not the path the server records: the names
         # created are those in the namespace at the end and those deleted since.
@@ -172,7 +222,9 @@ def test_the_cluster_role_grants_exactly_what_the_code_calls(tmp_path):
         writes |= {("create", n) for v, n in set(writes) if v == "delete"}
         by_ns: dict[str, set[tuple[str, str, str]]] = {}
         for c in api.calls:
-            by_ns.setdefault(c.namespace, set()).add((c.verb, c.resource, c.subresource))
+            by_ns.setdefault(c.namespace, set()).add((c.verb, _qualified(c.resource, c.group),
+                                                      c.subresource))
+        dra_writes = list(api.dra_writes)
     # Pods are listed across namespaces (those on this node); everything else that is
     # namespaced goes to one namespace of its own.
     assert set(by_ns) == {"", NAMESPACE, EVENTS_NAMESPACE}, sorted(by_ns)
@@ -193,3 +245,9 @@ def test_the_cluster_role_grants_exactly_what_the_code_calls(tmp_path):
     for verb, name in sorted(writes):
         assert admit_configmap(spec, VERBS[verb], name) == [], (verb, name)
     assert not {n for _, n in writes} & {"screener-config", "screener-golden"}
+    # Every DeviceTaintRule write the code made is one the device-taint policy admits, as the
+    # daemon of the node whose pool it selects.
+    dra_spec = device_taint_policy(rendered())
+    assert {op for op, _, _ in dra_writes} == {"CREATE", "DELETE"}, dra_writes
+    for op, obj, old in dra_writes:
+        assert admit_rule(dra_spec, op, obj, old, node=DRA_NODE) == [], (op, obj, old)
