@@ -317,3 +317,19 @@ def test_every_body_meets_the_published_1_37_schema():
             KubeDeviceTaints(store.calls, driver=DRIVER, taint_key=KEY).create(bad, device)
         assert e.value.status == 422
         store.close()
+
+
+def test_a_refused_write_is_logged_and_not_repeated_on_every_pass(api, tmp_path, caplog):
+    rig = rig_for(api, tmp_path, outcome(Outcome.PASS), screen(Outcome.SUSPECT))
+    try:
+        rig.tick()
+        api.fail_next(1, status=403, verb="create", resource="devicetaintrules")
+        with caplog.at_level(logging.ERROR, logger="screener.daemon"):
+            rig.tick(advance=3600.0)
+            assert not rig.daemon.devices.pending  # a refusal is not retried
+            rig.tick(advance=5.0)
+        assert api.device_taint_rules == {}
+        assert [c.status for c in dra_calls(api) if c.verb == "create"] == [403]
+        assert len([r for r in caplog.records if "not tainted:" in r.getMessage()]) == 1
+    finally:
+        rig.close()

@@ -19,7 +19,8 @@ rule for it, behind the [dra] setting (screener.settings.dra; off by default):
 Nothing happens with the local store (no cluster: logged once) or on a node whose driver publishes
 no ResourceSlice (no DRA: logged once). In observe mode no rule is made (said in the pass
 report); a retest that passes still removes one an enforcing run left, as the store removes its
-state taint. A write that fails (the API out of reach) is retried on the next passes.
+state taint. A write that fails because the API is out of reach is retried on the next passes;
+one refused (RBAC, the admission policy) is logged and not repeated.
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ class DeviceTaintApi(Protocol):
              evidence: str) -> dict[str, Any]: ...
 
     def gpu_of(self, rule: Mapping[str, Any]) -> str: ...
+
+    def transient(self, error: BaseException) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -195,7 +198,12 @@ class DeviceTaints:
         try:
             devices = self.api.devices(self.node)
         except ScreenerError as e:
-            log.warning("device taints: cannot list the ResourceSlices of %s: %s", self.node, e)
+            if self.api.transient(e):
+                log.warning("device taints: cannot list the ResourceSlices of %s yet: %s",
+                            self.node, e)
+                return
+            log.error("device taints: cannot list the ResourceSlices of %s: %s", self.node, e)
+            self.to_taint.clear()
             return
         if not devices:
             self._once("no-dra", "device taints: no ResourceSlice of driver %s on node %s (its "
@@ -226,10 +234,16 @@ class DeviceTaints:
                                     uuid, device.name, self.node, name, bad.evidence,
                                     extra={"event": "device_taint", "gpu": uuid, "rule": name})
             except ScreenerError as e:
-                log.warning("device taints: GPU %s of %s not tainted yet: %s", uuid, self.node, e)
                 report.actions.append({"action": "device_taint", "gpu": uuid,
                                        "result": f"failed: {e}"[:300]})
-                continue
+                if self.api.transient(e):  # the API out of reach: the next pass tries again
+                    log.warning("device taints: GPU %s of %s not tainted yet: %s", uuid,
+                                self.node, e)
+                    continue
+                # Refused (RBAC, the admission policy, a name another object holds): trying
+                # again on every pass would only repeat the refusal.
+                log.error("device taints: GPU %s of %s not tainted: %s", uuid, self.node, e,
+                          extra={"event": "device_taint", "gpu": uuid})
             del self.to_taint[uuid]
 
     def _clear(self, report: PassReport) -> None:
@@ -237,7 +251,12 @@ class DeviceTaints:
         try:
             rules = self.api.rules(self.node)
         except ScreenerError as e:
-            log.warning("device taints: cannot list the DeviceTaintRules of %s: %s", self.node, e)
+            if self.api.transient(e):
+                log.warning("device taints: cannot list the DeviceTaintRules of %s yet: %s",
+                            self.node, e)
+                return
+            log.error("device taints: cannot list the DeviceTaintRules of %s: %s", self.node, e)
+            self.to_clear.clear()
             return
         for uuid in sorted(self.to_clear):
             ours = [r for r in rules if self.api.gpu_of(r) == uuid]
@@ -251,6 +270,10 @@ class DeviceTaints:
                              "DeviceTaintRule %s removed", uuid, self.node, name,
                              extra={"event": "device_untaint", "gpu": uuid, "rule": name})
             except ScreenerError as e:
-                log.warning("device taints: GPU %s of %s not cleared yet: %s", uuid, self.node, e)
-                continue
+                if self.api.transient(e):
+                    log.warning("device taints: GPU %s of %s not cleared yet: %s", uuid,
+                                self.node, e)
+                    continue
+                log.error("device taints: GPU %s of %s not cleared: %s", uuid, self.node, e,
+                          extra={"event": "device_untaint", "gpu": uuid})
             self.to_clear.discard(uuid)

@@ -37,7 +37,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Optional
 
-from screener.stores.kubecalls import ApiCaller, KubeApiError
+from screener.stores.kubecalls import ApiCaller, KubeApiError, TransientKubeError
 from screener.stores.kubeformat import MANAGED_BY
 
 log = logging.getLogger("screener.stores.kube")
@@ -173,6 +173,12 @@ class KubeDeviceTaints:
         """The UUID of the GPU a rule of ours is about (its annotation)."""
         return str(((rule.get("metadata") or {}).get("annotations") or {})
                    .get(ANNOTATION_GPU_UUID) or "")
+
+    @staticmethod
+    def transient(error: BaseException) -> bool:
+        """Whether a failed call is worth trying again later (the API out of reach), not a
+        refusal (RBAC, admission, validation, a name taken by another rule)."""
+        return isinstance(error, TransientKubeError)
 
     def _call(self, what: str, method: str, path: str, query: Optional[list[tuple[str, Any]]] = None,
               body: Any = None) -> Any:
