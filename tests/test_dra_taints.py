@@ -333,3 +333,23 @@ def test_a_refused_write_is_logged_and_not_repeated_on_every_pass(api, tmp_path,
         assert len([r for r in caplog.records if "not tainted:" in r.getMessage()]) == 1
     finally:
         rig.close()
+
+
+def test_a_pass_before_a_pending_taint_was_written_cancels_it(api, tmp_path):
+    # The rule's create fails (the API out of reach), then the confirming screen passes the
+    # device: no rule is written afterwards, and the pending taint is gone.
+    from screener.settings.stores import RetryPolicy
+
+    rig = rig_for(api, tmp_path, outcome(Outcome.PASS), screen(Outcome.SUSPECT),
+                  screen(Outcome.PASS))
+    try:
+        rig.tick()
+        api.fail_next(RetryPolicy().attempts, status=503, verb="create",
+                      resource="devicetaintrules")
+        rig.tick(advance=3600.0)
+        assert rig.daemon.devices.to_taint
+        rig.tick(advance=60.0)
+        assert rig.daemon.state == NodeState.HEALTHY
+        assert not rig.daemon.devices.pending and api.device_taint_rules == {}
+    finally:
+        rig.close()

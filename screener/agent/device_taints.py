@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Optional, Protocol, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Protocol, Sequence
 
 from screener.agent.passreport import PassReport
 from screener.errors import ScreenerError
@@ -119,8 +119,27 @@ class DeviceTaints:
     def after_screen(self, verdicts: Iterable[Verdict], gpus: Sequence[GpuSnapshot],
                      report: PassReport) -> None:
         """A screen that ran to its end: its suspect devices tainted, its passing ones cleared."""
-        if not self.on:
-            return
+        if self.on:
+            self._guarded("screen", lambda: self._after_screen(verdicts, gpus, report), report)
+
+    def after_alarm(self, record: AlarmRecord, gpus: Sequence[GpuSnapshot],
+                    report: PassReport) -> None:
+        """A settled alarm naming GPUs of this node by serial (only those this node's NVML
+        reports are still in its evidence: Daemon._apply_alarm) taints them."""
+        if self.on and record.settled:
+            self._guarded("alarm", lambda: self._after_alarm(record, gpus, report), report)
+
+    def _guarded(self, where: str, fn: Callable[[], None], report: PassReport) -> None:
+        # Called after the node's transition is recorded: a bug here must not undo what is
+        # durable (the alarm file taken in, the screen's verdict annotation written after it).
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - counted in the pass report, never fatal
+            log.exception("device taints after the %s failed", where)
+            report.errors.append(f"device taints: {type(e).__name__}: {e}")
+
+    def _after_screen(self, verdicts: Iterable[Verdict], gpus: Sequence[GpuSnapshot],
+                      report: PassReport) -> None:
         named = [v for v in verdicts if v.device.startswith(CUDA_PREFIX)
                  and v.outcome in (Outcome.SUSPECT, Outcome.PASS)]
         if not named:
@@ -151,16 +170,13 @@ class DeviceTaints:
                     uuid=gpu.uuid, serial=gpu.serial or "", reason=str(Reason.KAT_MISMATCH),
                     evidence=f"known-answer screen: {v.device} {v.reason or 'suspect'}"
                              f"{f' in {v.job}' if v.job else ''}")
-            elif gpu.uuid not in self.to_taint:
+            else:  # passed: a taint not yet written is moot, one written goes
+                self.to_taint.pop(gpu.uuid, None)
                 self.to_clear.add(gpu.uuid)
         self.retry(report)
 
-    def after_alarm(self, record: AlarmRecord, gpus: Sequence[GpuSnapshot],
-                    report: PassReport) -> None:
-        """A settled alarm naming GPUs of this node by serial (only those this node's NVML
-        reports are still in its evidence: Daemon._apply_alarm) taints them."""
-        if not self.on or not record.settled:
-            return
+    def _after_alarm(self, record: AlarmRecord, gpus: Sequence[GpuSnapshot],
+                     report: PassReport) -> None:
         many = record.evidence.get(machine.EVIDENCE_GPU_SERIALS)
         serials = [str(s) for s in many if s] if isinstance(many, (list, tuple)) else []
         by_serial = {g.serial: g for g in gpus if g.serial and g.uuid}
