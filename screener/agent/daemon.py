@@ -81,7 +81,6 @@ from screener.errors import ScreenerError
 from screener.health.idle import Activity, IdleTracker, observe
 from screener.health.probes import ProbeReport
 from screener.lifecycle import machine
-from screener.lifecycle.apply import apply_event
 from screener.remediation.ladder import RepairLadder
 from screener.settings.daemon import MODE_OBSERVE, DaemonConfig
 from screener.types import AlarmRecord, AlarmResult, ExitCode, NodeState, Severity
@@ -214,18 +213,10 @@ class Daemon:
                                   self.stamps.now)
         if why:
             event = machine.Adopted(why)
-        decision = apply_event(self.store, self.node, event, now=self.stamps.now(),
-                               policy=self.config.lifecycle)
+        decision = self.feed.begin(event)
         if why and decision.state == S.HEALTHY:
             self.store.set_verdict(self.node, {"kind": VERDICT_UNSCREENED,
                                                "outcome": VERDICT_UNSCREENED, "adopted": why})
-        for t in decision.transitions:
-            self.metrics.transitions.labels(self.node, t.to_state.value).inc()
-            log.info("node %s: %s -> %s: %s", self.node, t.from_state.value if t.from_state
-                     else "(new)", t.to_state.value, t.reason,
-                     extra={"event": "transition", "to": t.to_state.value})
-        self.feed.state = decision.state
-        self.metrics.set_state(self.state)
         self.screens.restore()
         self._seed_xids()
         self.started = True

@@ -1,7 +1,8 @@
 """The daemon's way into the lifecycle: feed an event, keep the node's state, note what moved.
 
-Every event the daemon has (an alarm, probe findings, a screen's verdicts, a rung of the repair
-ladder, a slot the quarantine budget freed) goes through `LifecycleFeed.apply`: the lifecycle
+Every event the daemon has (the node seen or adopted at start-up: `begin`; an alarm, probe
+findings, a screen's verdicts, a rung of the repair ladder, a slot the quarantine budget freed:
+`apply`) goes through this feed: the lifecycle
 decides (screener.lifecycle.apply), the store records, and each recorded move is followed by the
 same things wherever it came from: a metric, an entry in the pass report, a log line, the incident
 times the MTBI metric counts, and for a quarantine the deep health check when one is configured
@@ -54,6 +55,21 @@ class LifecycleFeed:
                                policy=self.config.lifecycle)
         self.state = decision.state
         self.note(decision.transitions, why, report)
+        self.metrics.set_state(self.state)
+        return decision
+
+    def begin(self, event: Any) -> machine.Decision:
+        """The start-up event (the node seen, or adopted), through the same gateway as every
+        other; its moves get their metric and a line at info level (a daemon starting is not an
+        incident: no pass report, no deep check, no incident time)."""
+        decision = apply_event(self.ports.store, self.node, event, now=self.stamps.now(),
+                               policy=self.config.lifecycle)
+        for t in decision.transitions:
+            self.metrics.transitions.labels(self.node, t.to_state.value).inc()
+            log.info("node %s: %s -> %s: %s", self.node, t.from_state.value if t.from_state
+                     else "(new)", t.to_state.value, t.reason,
+                     extra={"event": "transition", "to": t.to_state.value})
+        self.state = decision.state
         self.metrics.set_state(self.state)
         return decision
 
