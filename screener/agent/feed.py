@@ -2,11 +2,11 @@
 
 Every event the daemon has (the node seen or adopted at start-up: `begin`; an alarm, probe
 findings, a screen's verdicts, a rung of the repair ladder, a slot the quarantine budget freed:
-`apply`) goes through this feed: the lifecycle
-decides (screener.lifecycle.apply), the store records, and each recorded move is followed by the
-same things wherever it came from: a metric, an entry in the pass report, a log line, the incident
-times the MTBI metric counts, and for a quarantine the deep health check when one is configured
-(in observe mode only a line saying what enforce would have started).
+`apply`) goes through this feed: the lifecycle decides (screener.lifecycle.apply), the store
+records, and each recorded move is followed by the same things wherever it came from: a metric,
+an entry in the pass report, a log line, the incident times the MTBI metric counts, and for a
+quarantine the deep health check when one is configured (in observe mode only a line saying what
+enforce would have started; at start-up only the metric and a line).
 """
 
 from __future__ import annotations
