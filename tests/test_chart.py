@@ -221,6 +221,7 @@ VALUES = {
     "quarantineBudget": 0.05,
     "ladder": {"enabled": True, "reboot": "command", "reboot_command": ["systemctl", "reboot"],
                "max_rungs": 3, "window_days": 14.5},
+    "dra": {"enabled": True, "driver": "gpu.nvidia.com", "taint_key": "screener.io/gpu-bad"},
     "golden": {"configMapName": "site-golden"},
     "nodeSelector": {"pool": "gpu"},
     "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "gpu",
@@ -258,6 +259,8 @@ def test_the_values_reach_daemon_toml_and_it_stays_valid(changed):
     assert cfg.ladder.reboot_command == ("systemctl", "reboot")
     assert cfg.ladder.max_rungs == 3 and isinstance(data["ladder"]["max_rungs"], int)
     assert cfg.ladder.window_days == 14.5
+    assert cfg.dra.enabled and cfg.dra.driver == "gpu.nvidia.com"
+    assert cfg.dra.taint_key == "screener.io/gpu-bad"
 
 
 def test_the_values_reach_the_pods(changed):
@@ -337,6 +340,7 @@ def test_the_chart_seeds_goldens_only_when_asked_and_keeps_them():
     (["--set", "ladder.reboot=sometimes"], "/ladder/reboot"),
     (["--set", "ladder.max_rungs=1000"], "/ladder/max_rungs"),
     (["--set", "ladder.rungs=2"], "rungs"),
+    (["--set", "dra.taint_key=example.com/x"], "/dra/taint_key"),
     (["--set", "imageTag=0.2.0"], "imageTag"),
     (["--set", "image.digest=latest"], "/image/digest"),
 ])
@@ -365,6 +369,16 @@ def test_the_ladder_schema_names_every_ladder_setting():
 
     schema = json.loads((CHART / "values.schema.json").read_text())
     assert set(schema["properties"]["ladder"]["properties"]) == {f.name for f in fields(LadderConfig)}
+
+
+def test_the_dra_schema_names_every_dra_setting():
+    """values.dra is [dra] of daemon.toml: the schema allows every field, and only those."""
+    from dataclasses import fields
+
+    from screener.settings.dra import DraConfig
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert set(schema["properties"]["dra"]["properties"]) == {f.name for f in fields(DraConfig)}
 
 
 @pytest.mark.parametrize("version", ["1.30.0", "1.37.0"])

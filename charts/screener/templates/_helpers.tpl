@@ -97,5 +97,15 @@ there that TOML would then define twice). */}}
 {{- end }}
 {{- $t = printf "%s\n%s\n" (trimSuffix "\n" $t) (join "\n" $lines) }}
 {{- end }}
+{{- if $v.dra }}
+{{- if regexMatch `(?m)^\s*\[dra\]` $t }}
+{{- fail "screener chart: the base's daemon.toml has a [dra] table; values.dra cannot be applied" }}
+{{- end }}
+{{- $lines := list "" "# Set by the chart (values: dra)." "[dra]" }}
+{{- range $key, $val := $v.dra }}
+{{- $lines = append $lines (printf "%s = %s" $key (toJson $val)) }}
+{{- end }}
+{{- $t = printf "%s\n%s\n" (trimSuffix "\n" $t) (join "\n" $lines) }}
+{{- end }}
 {{- $t -}}
 {{- end }}
