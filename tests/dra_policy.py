@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from manifests_util import NODE_CLAIM, SERVICE_ACCOUNT, by_kind
+from manifests_util import NODE_CLAIM, SERVICE_ACCOUNT, by_kind, evaluate_policy
 
 POLICY = "screener-device-taints"
 
@@ -28,7 +28,7 @@ def admit_rule(spec: dict[str, Any], operation: str, obj: Optional[dict[str, Any
     denies (failurePolicy: Fail). extra: the token's userInfo.extra (default: the pod's node
     claim naming `node`; None: a token without any)."""
     import celpy
-    from celpy import celtypes, json_to_cel
+    from celpy import json_to_cel
 
     rules = spec["matchConstraints"]["resourceRules"]
     assert any(operation in r["operations"] and "devicetaintrules" in r["resources"]
@@ -42,18 +42,4 @@ def admit_rule(spec: dict[str, Any], operation: str, obj: Optional[dict[str, Any
     act: dict[str, Any] = {"object": json_to_cel(obj), "oldObject": json_to_cel(old),
                            "request": json_to_cel({"userInfo": info, "operation": operation,
                                                    "name": name, "namespace": ""})}
-
-    def run(expr: str) -> Any:
-        return env.program(env.compile(expr)).evaluate(act)
-
-    matched = [run(m["expression"]) for m in spec["matchConditions"]]
-    if any(m == celtypes.BoolType(False) for m in matched):
-        return None
-    errors = [f"match condition error: {m}" for m in matched if not isinstance(m, celtypes.BoolType)]
-    variables: dict[Any, Any] = {}
-    for v in spec.get("variables", []):
-        act["variables"] = celtypes.MapType(variables)
-        variables[celtypes.StringType(v["name"])] = run(v["expression"])
-    act["variables"] = celtypes.MapType(variables)
-    return errors + [v["message"] for v in spec.get("validations", [])
-                     if run(v["expression"]) != celtypes.BoolType(True)]
+    return evaluate_policy(env, spec, act)

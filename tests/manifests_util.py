@@ -8,7 +8,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import yaml
 
@@ -142,6 +142,16 @@ def admit_configmap(spec, operation: str, name: str, *, user: str = SERVICE_ACCO
         "params": json_to_cel(params),
         "request": json_to_cel({"userInfo": info, "operation": operation, "name": name,
                                 "namespace": "screener-system"})}
+
+    return evaluate_policy(env, spec, act)
+
+
+def evaluate_policy(env: Any, spec: Any, act: dict[str, Any]) -> Optional[list[str]]:
+    """A ValidatingAdmissionPolicy's spec on one request's activation (object, oldObject,
+    request, params) as the API server evaluates it: None when a match condition is false, else
+    the messages of the validations that deny ([] = admitted); variables in order, and a match
+    condition or validation that ends in an error denies (failurePolicy: Fail)."""
+    from celpy import celtypes
 
     def run(expr):
         return env.program(env.compile(expr)).evaluate(act)

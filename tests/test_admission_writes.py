@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import threading
 import time
 from collections import Counter
 from typing import Any, Optional
@@ -30,6 +29,7 @@ import pytest
 
 from kubeapi import ApiError, KubeAPI, merge_patch
 from manifests_util import NODE_CLAIM, SERVICE_ACCOUNT, by_kind, rendered
+from test_store_fleet import at_once
 from screener.lifecycle.apply import apply_event
 from screener.lifecycle.events import KIND_FULL, HumanCommand, KatScreen, NodeSeen, Remediation
 from screener.stores import kubeformat as kf
@@ -500,25 +500,6 @@ def _stray(api: KubeAPI, kind: str, names: list[str], now: float) -> None:
         assert kind == "none"
 
 
-def _at_once(nodes: list[str], work: Any) -> dict[str, str]:
-    barrier = threading.Barrier(len(nodes))
-    errors: dict[str, str] = {}
-
-    def run(node: str) -> None:
-        barrier.wait()
-        try:
-            work(node)
-        except Exception as e:  # noqa: BLE001 - collected and asserted empty
-            errors[node] = f"{type(e).__name__}: {e}"
-
-    threads = [threading.Thread(target=run, args=(n,)) for n in nodes]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    return errors
-
-
 STRAYS = ["none", "no claim", "labelled, no claim", "back in service", "gone", "past the limit",
           "rewritten record"]
 
@@ -537,7 +518,7 @@ def test_thirty_claimers_race_with_a_stray_and_the_budget_is_exact(twin, stray):
         stores = {n: daemon_store(api, n) for n in failing}
         api.clear_calls()
         started = time.monotonic()
-        errors = _at_once(failing, lambda n: apply_event(stores[n], n, BAD, now=time.time()))
+        errors = at_once(failing, lambda n: apply_event(stores[n], n, BAD, now=time.time()))
         wall = time.monotonic() - started
         assert not errors, errors
         states = Counter(api.node(n)["metadata"]["labels"][LABEL_STATE] for n in failing)
@@ -575,7 +556,7 @@ def test_the_issues_mass_failure_with_its_stray_slot_is_exact_and_nobody_spins()
         stores = {n: daemon_store(api, n) for n in failing}
         api.clear_calls()
         started = time.monotonic()
-        errors = _at_once(failing, lambda n: apply_event(stores[n], n, BAD, now=time.time()))
+        errors = at_once(failing, lambda n: apply_event(stores[n], n, BAD, now=time.time()))
         wall = time.monotonic() - started
         assert not errors, errors
         states = Counter(api.node(n)["metadata"]["labels"][LABEL_STATE] for n in failing)
