@@ -101,6 +101,7 @@ from screener.audit.ddp_replay import LocalReplayer, select_parameters
 from screener.audit.hooks import GradientRecorder, StepStats, largest_magnitude
 from screener.audit.layout import describe, join
 from screener.audit.nonfinite import NonFiniteCheck
+from screener.audit.pipeline import PipelineAuditor, is_pipeline_schedule
 from screener.audit.protocol import OK, Schedule, Walk
 from screener.audit.refusals import COMPILED_AROUND_DDP, refuse_compiled_wrapper, \
     refuse_placement, refuse_unreplayable
@@ -158,9 +159,12 @@ class Auditor:
     """
 
     def __new__(cls, model: Any = None, *args: Any, **kwargs: Any) -> Any:
-        # One entry point: a model sharded with fully_shard (FSDP2, HSDP) gets the sharded audit.
+        # One entry point: a model sharded with fully_shard (FSDP2, HSDP) gets the sharded audit,
+        # a pipeline schedule the pipeline audit.
         if cls is Auditor and model is not None and is_sharded(model):
             return ShardedAuditor(model, *args, **kwargs)
+        if cls is Auditor and model is not None and is_pipeline_schedule(model):
+            return PipelineAuditor(model, *args, **kwargs)
         return super().__new__(cls)
 
     def __init__(self, model: torch.nn.Module, *,

@@ -43,8 +43,9 @@ __all__ = ["Layout", "describe", "agreement", "join", "SUPPORTED"]
 SUPPORTED = ("audited: DDP, FSDP2 (Shard(0) on a 1-D mesh), HSDP ((Replicate(), Shard(0)) on "
              "a 2-D mesh), FSDP2 x tensor parallel (FSDP's Shard(0) then the TP placement, on "
              "a 2-D (dp, tp) mesh) and HSDP x TP (on a 3-D (replicate, shard, tp) mesh), each "
-             "over every rank of the job; run this job without the Auditor (the node screens "
-             "still cover its nodes)")
+             "over every rank of the job, and pipeline parallel through its schedule "
+             "(Auditor(schedule): ScheduleGPipe or Schedule1F1B, FSDP2 per stage); run this "
+             "job without the Auditor (the node screens still cover its nodes)")
 
 
 @dataclass(frozen=True)
@@ -136,8 +137,8 @@ def _sharded_kind(named: Sequence[tuple[str, Any]], world_size: int) -> tuple[st
     if len(ranks) != world_size:
         return kind, (f"screener.audit: the model's device mesh {dims or shape} spans "
                       f"{len(ranks)} of the job's {world_size} ranks (a sub-mesh, as pipeline "
-                      f"stages each sharded on their data-parallel row have): pipeline parallel "
-                      f"is not audited yet; {SUPPORTED}")
+                      f"stages each sharded on their data-parallel row have): a pipeline-parallel "
+                      f"job is audited through its schedule, Auditor(schedule); {SUPPORTED}")
     if kind in ("fsdp_tp", "hsdp_tp"):
         return kind, ""
     want = {1: "Shard(0)", 2: "Replicate(),Shard(0)"}.get(len(shape))
@@ -188,8 +189,8 @@ def agreement(entries: Sequence[tuple[int, str, str]]) -> Optional[str]:
                           for (digest, count), r in groups)
         return (f"screener.audit: the ranks do not hold the same model ({parts}): pipeline "
                 f"stages, or a model that depends on the rank; every check compares ranks that "
-                f"hold the same parameters, so pipeline parallel is not audited yet; "
-                f"{SUPPORTED}")
+                f"hold the same parameters (a pipeline-parallel job is audited through its "
+                f"schedule, Auditor(schedule)); {SUPPORTED}")
     if len(by_state) > 1:
         parts = "; ".join(f"rank(s) {_spans(r)}: {w} words" for w, r in
                           sorted(by_state.items(), key=lambda kv: kv[1][0]))

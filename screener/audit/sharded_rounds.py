@@ -32,7 +32,7 @@ from screener.audit.protocol import Walk
 from screener.audit.tensor_parallel import TPGroups
 from screener.audit.topology import Topology
 
-__all__ = ["Lockstep", "Offer", "to_bits", "from_bits", "encode_batch", "H_LOSS", "H_LOCAL",
+__all__ = ["Lockstep", "Offer", "to_bits", "from_bits", "encode_batch", "decode_batch", "H_LOSS", "H_LOCAL",
            "H_REDUCED", "H_STATUS", "H_BYTES", "H_LOCAL_MAG", "H_REDUCED_MAG", "H_DRIFT", "HEAD",
            "OK",
            "NO_BATCH", "NOT_RECORDED"]
@@ -73,7 +73,7 @@ def _loss_parallel_backward(loss: Any, scale: Optional[float]) -> None:
         out.backward()
 
 
-def _decode_batch(data: torch.Tensor, device: torch.device) -> Any:
+def decode_batch(data: torch.Tensor, device: torch.device) -> Any:
     return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), map_location=device,
                       weights_only=False)
 
@@ -160,7 +160,7 @@ class Lockstep:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
         self.counters["batch_bytes_received"] += sum(t.numel() for t in inbox.values())
-        return {o: _decode_batch(t, self.device) for o, t in inbox.items()}
+        return {o: decode_batch(t, self.device) for o, t in inbox.items()}
 
     def replay(self, walk: Walk, round_: str, batch: Any, state: StepState) -> torch.Tensor:
         """One lockstep replay: forward and backward of `batch` through the model from `state`,

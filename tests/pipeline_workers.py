@@ -1,0 +1,189 @@
+"""Rank-side code of the pipeline-parallel audit tests: a small Llama-style model cut into stages.
+
+Runs inside the processes tests/ddp_util.py starts (real gloo); returns plain data. The job is a
+(pp, dp) grid from init_device_mesh: stage s of pipeline d is rank s * dp + d; each stage's
+module is sharded with fully_shard over mesh["dp"] (per block, then the stage), and
+torch.distributed.pipelining runs ScheduleGPipe or Schedule1F1B over mesh["pp"]. Stage 0 holds the
+embedding, the last stage the final norm and the head; every stage a pre-norm block (RMSNorm,
+causal SDPA, SwiGLU), with dropout and optional activation checkpointing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from screener.audit import Auditor, AuditUsageError, NumericFailure, SDCAlarm
+from screener.known_answer import faults
+
+VOCAB, D, HEADS, SEQ, BATCH, MICRO = 32, 16, 2, 8, 4, 2
+
+
+class Block(nn.Module):
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.n1, self.n2 = nn.RMSNorm(D), nn.RMSNorm(D)
+        self.qkv = nn.Linear(D, 3 * D, bias=False)
+        self.o = nn.Linear(D, D, bias=False)
+        self.gate, self.up = nn.Linear(D, 2 * D, bias=False), nn.Linear(D, 2 * D, bias=False)
+        self.down = nn.Linear(2 * D, D, bias=False)
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(self.n1(x)).view(b, t, 3, HEADS, D // HEADS).unbind(2)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                           v.transpose(1, 2), is_causal=True)
+        x = x + F.dropout(self.o(a.transpose(1, 2).reshape(b, t, D)), self.dropout, self.training)
+        h = self.n2(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class Stage(nn.Module):
+    def __init__(self, s: int, stages: int, *, dropout: float = 0.1,
+                 checkpointing: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(100 + s)
+        self.embed = nn.Embedding(VOCAB, D) if s == 0 else None
+        self.block = Block(dropout)
+        self.norm = nn.RMSNorm(D) if s == stages - 1 else None
+        self.head = nn.Linear(D, VOCAB, bias=False) if s == stages - 1 else None
+        self.checkpointing = checkpointing
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) if self.embed is not None else x
+        if self.checkpointing:
+            h = torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=False)
+        else:
+            h = self.block(h)
+        if self.head is not None:
+            assert self.norm is not None
+            return self.head(self.norm(h))
+        return h
+
+
+def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, VOCAB).float(), target.reshape(-1))
+
+
+def batch_for(pipeline: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * pipeline + step)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One bit of one op output on one rank at one step (persistent: every step from then on,
+    the auditor's replays included); picklable."""
+
+    rank: int
+    step: int
+    op: str = "mm"
+    call: int = 1
+    element: int = 3
+    bit: Optional[int] = 30
+    mode: str = "flip"
+    persistent: bool = False
+
+    def at(self, r: int, s: int) -> Optional[contextlib.AbstractContextManager]:
+        if r == self.rank and (s == self.step or (self.persistent and s >= self.step)):
+            return faults.inject(faults.FaultSpec(self.op, call=self.call, element=self.element,
+                                                  bit=self.bit, mode=self.mode,
+                                                  persistent=self.persistent))
+        return None
+
+
+def train(rank: int, world: int, *, pp: int, steps: int, schedule: str = "gpipe",
+          audit_every: int = 1, alarm_dir: str, fault: Optional[Fault] = None,
+          checkpointing: bool = False, plain_stage: bool = False) -> dict[str, Any]:
+    dp = world // pp
+    mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
+    s, d = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    model = Stage(s, pp, checkpointing=checkpointing)
+    if not plain_stage:
+        fully_shard(model.block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    stage = PipelineStage(model, s, pp, torch.device("cpu"), group=mesh["pp"].get_group())
+    cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+    sched = cls(stage, n_microbatches=MICRO, loss_fn=loss_fn)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    out: dict[str, Any] = {"rank": rank, "stage": s, "pipeline": d, "alarm": None,
+                           "numeric": None, "usage": None, "steps_done": 0, "counters": {}}
+    try:
+        auditor = Auditor(sched, audit_every=audit_every, alarm_dir=alarm_dir, job="pp")
+    except AuditUsageError as e:
+        out["usage"] = str(e)
+        return out
+    try:
+        for step in range(steps):
+            tokens, target = batch_for(d, step)
+            losses: list[torch.Tensor] = []
+            with (fault.at(rank, step) if fault else None) or contextlib.nullcontext():
+                if s == 0:
+                    sched.step(tokens)
+                elif s == pp - 1:
+                    sched.step(target=target, losses=losses)
+                else:
+                    sched.step()
+            batch = tokens if s == 0 else target if s == pp - 1 else None
+            again = (fault.at(rank, step) if fault and fault.persistent else None) \
+                or contextlib.nullcontext()
+            with again:
+                auditor.check_gradients(step, losses, batch=batch)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            out["steps_done"] += 1
+    except SDCAlarm as a:
+        out["alarm"] = a.to_dict()
+    except NumericFailure as e:
+        out["numeric"] = {"step": e.step, "ranks": list(e.ranks), "reason": e.reason}
+    out["counters"] = dict(auditor.counters)
+    auditor.close()
+    return out
+
+
+SCENARIOS: dict[str, dict[str, Any]] = {
+    "gpipe_healthy": dict(pp=2, steps=3, schedule="gpipe"),
+    "1f1b_healthy": dict(pp=2, steps=3, schedule="1f1b", checkpointing=True),
+    # stage 1 of pipeline 1 (node n2): a forward matmul output, exponent bit, at step 2
+    "forward_flip": dict(pp=2, steps=3, schedule="1f1b", fault=Fault(4, 2, call=1)),
+    # stage 0 of pipeline 0 (node n1): a backward matmul (a weight gradient), mantissa bit
+    "backward_flip": dict(pp=2, steps=2, schedule="gpipe", fault=Fault(0, 1, call=25, bit=20)),
+    # stage 0 of pipeline 2 (node n3): the same unit wrong from step 1 on, in its replays too
+    "persistent": dict(pp=2, steps=2, schedule="1f1b",
+                       fault=Fault(2, 1, call=2, bit=27, persistent=True)),
+    # a NaN in stage 1 of pipeline 0 (node n1) at step 1, no audits
+    "nan": dict(pp=2, steps=2, schedule="gpipe", audit_every=0,
+                fault=Fault(3, 1, call=2, bit=None, mode="nan")),
+    "plain_stage": dict(pp=2, steps=1, plain_stage=True),
+}
+
+
+def everything(rank: int, world: int, *, root: str, only: Optional[list[str]] = None
+               ) -> dict[str, Any]:
+    """Every scenario in one process group (starting ranks is the expensive part)."""
+    out: dict[str, Any] = {}
+    for name, kwargs in SCENARIOS.items():
+        if only and name not in only:
+            continue
+        directory = os.path.join(root, name)
+        os.makedirs(directory, exist_ok=True)
+        result = train(rank, world, alarm_dir=directory, **kwargs)
+        dist.barrier()
+        result["files"] = [json.loads(p.read_text())
+                           for p in sorted(Path(directory).glob("*.json"))]
+        out[name] = result
+    return out

@@ -1,0 +1,158 @@
+"""The in-job audit under pipeline parallel (torch.distributed.pipelining, FSDP2 per stage).
+
+Six ranks on a real gloo group: a (pp=2, dp=3) grid, stage s of pipeline d is rank 3 s + d;
+pipeline d runs on node n{d+1} (ranks d and 3 + d), so pipeline d + 1 replays pipeline d with
+every stage on another node and pipeline d + 2 referees. All scenarios run in one start of the
+ranks (tests/pipeline_workers.py); the rule that reads the records (pipeline_plan.py) is tested
+pure below.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ddp_util import run_ranks
+import pipeline_workers
+from screener.audit.pipeline_plan import RECORD, R_BWD, R_FINITE, R_FWD, R_GRAD, Pipelines, \
+    first_difference, first_nonfinite, plan, settle_pipelines
+
+NODES = ["n1", "n2", "n3", "n1", "n2", "n3"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("audit-pp")
+    per_rank = run_ranks(pipeline_workers.everything, NODES, timeout=540, root=str(root))
+    return {name: [r[name] for r in per_rank] for name in per_rank[0]}
+
+
+def one_alarm(outs):
+    alarms = [o["alarm"] for o in outs]
+    assert alarms[0] is not None and all(a == alarms[0] for a in alarms), alarms
+    assert all(o["numeric"] is None for o in outs)
+    return alarms[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("scenario", ["gpipe_healthy", "1f1b_healthy"])
+def test_healthy_pipelines_are_audited_every_step_without_an_alarm(runs, scenario):
+    """GPipe, and 1F1B with activation checkpointing, dropout in every block: each step replayed
+    by another pipeline and compared stage by stage, the first one by its own pipeline too."""
+    for o in runs[scenario]:
+        assert (o["alarm"], o["numeric"], o["usage"], o["steps_done"]) == (None, None, None, 3)
+        assert o["counters"]["audits"] == 3 and o["counters"]["self_checks"] == 1, o
+        assert o["counters"]["replays"] == 4 and not o["files"]
+    # the inputs travelled to the replaying pipeline's first stage, the targets to its last
+    assert all(o["counters"]["batch_bytes_received"] > 0 for o in runs[scenario])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("scenario, step, rank, node, stage, part, verdicts", [
+    ("forward_flip", 2, 4, "n2", 1, "forward", ["owner"]),
+    ("backward_flip", 1, 0, "n1", 0, "backward", ["owner"]),
+    # a unit wrong in its own step and in the replay it computes for the pipeline before it
+    ("persistent", 1, 2, "n3", 0, "forward", ["replayer", "owner"]),
+])
+def test_a_flip_at_an_audit_step_is_pinned_to_its_stage_rank_and_node(runs, scenario, step, rank,
+                                                                     node, stage, part,
+                                                                     verdicts):
+    a = one_alarm(runs[scenario])
+    assert (a["check"], a["step"], a["settled"], a["suspect_ranks"]) == ("ring_replay", step,
+                                                                         True, [rank])
+    assert [n["node"] for n in a["suspect_nodes"]] == [node]
+    cases = a["evidence"]["cases"]
+    assert [c["verdict"] for c in cases] == verdicts
+    assert all((c["stage"], c["part"]) == (stage, part) for c in cases)
+    files = runs[scenario][0]["files"]
+    assert [(f["node"], f["check"], f["settled"]) for f in files] == [(node, "ring_replay", True)]
+    assert all(o["steps_done"] == step for o in runs[scenario])  # the step was not applied
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_nan_is_located_along_the_data_flow_and_confirmed_by_another_pipeline(runs):
+    a = one_alarm(runs["nan"])
+    assert (a["check"], a["step"], a["settled"], a["suspect_ranks"]) == ("nonfinite_local", 1,
+                                                                         True, [3])
+    (case,) = a["evidence"]["cases"]
+    assert (case["stage"], case["part"], case["replayer_pipeline"], case["replay_finite"]) == \
+        (1, "forward", 1, True)
+    assert [f["node"] for f in runs["nan"][0]["files"]] == ["n1"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_stage_not_sharded_with_fully_shard_is_refused_in_one_line_on_every_rank(runs):
+    lines = {o["usage"] for o in runs["plain_stage"]}
+    assert len(lines) == 1
+    (line,) = lines
+    assert "fully_shard" in line and "\n" not in line and "DDP per stage" in line
+
+
+# ---- the rule, pure --------------------------------------------------------------------------
+
+def grid(pp, dp):
+    """Pipelines of a (pp, dp) mesh: stage s of pipeline d is rank s * dp + d."""
+    got = Pipelines.from_groups([(s * dp + d, s, pp, [t * dp + d for t in range(pp)])
+                                 for s in range(pp) for d in range(dp)])
+    assert isinstance(got, Pipelines)
+    return got
+
+
+def test_the_replay_shift_keeps_every_stage_off_the_owners_node():
+    pipes = grid(2, 4)
+    # 2 ranks per node, pipelines 0-1 on nodes a (stage 0) / c (stage 1), 2-3 on b / d
+    node = {0: "a", 1: "a", 2: "b", 3: "b", 4: "c", 5: "c", 6: "d", 7: "d"}
+    got = plan(pipes, node.__getitem__)
+    assert not isinstance(got, str)
+    assert got.shift == 2 and got.referee_shift is None  # only two node columns: no referee
+    assert [got.replayer(d) for d in range(4)] == [2, 3, 0, 1]
+    one_node = plan(pipes, lambda r: "a" if r < 4 else "b")
+    assert isinstance(one_node, str) and "spread each stage's ranks" in one_node
+    three = plan(grid(2, 3), lambda r: f"n{r % 3}")
+    assert not isinstance(three, str) and (three.shift, three.referee_shift) == (1, 2)
+    assert three.owner_replayed_by(0) == 2 and three.owner_refereed_by(0) == 1
+
+
+def test_pipeline_groups_that_are_no_grid_are_refused_with_the_reason():
+    assert "one stage per rank" in Pipelines.from_groups([(0, 0, 2, [0, 1, 2]),
+                                                          (1, 1, 2, [0, 1, 2])])
+    assert "disagree" in Pipelines.from_groups([(0, 0, 2, [0, 1]), (1, 1, 3, [0, 1])])
+    assert "place" in Pipelines.from_groups([(0, 1, 2, [0, 1]), (1, 0, 2, [0, 1])])
+    assert "one stage" in Pipelines.from_groups([(0, 0, 1, [0])])
+    one = grid(2, 1)
+    assert isinstance(plan(one, str), str)
+
+
+def rec(fwd=0, bwd=0, grad=0, finite=(1, 1, 1)):
+    row = [0] * RECORD
+    row[R_FWD], row[R_BWD], row[R_GRAD] = fwd, bwd, grad
+    row[R_FINITE:R_FINITE + 3] = finite
+    return row
+
+
+def test_where_two_runs_part_follows_the_data_flow():
+    clean = [rec(1, 1, 1), rec(2, 2, 2), rec(3, 3, 3)]
+    assert first_difference(clean, clean) is None
+    # a forward fault at stage 1 changes everything downstream and every gradient upstream
+    fwd1 = [rec(1, 9, 9), rec(8, 9, 9), rec(8, 9, 9)]
+    assert first_difference(fwd1, clean) == (1, "forward")
+    # a weight-gradient fault at stage 1 changes stage 1's gradient only
+    grad1 = [rec(1, 1, 1), rec(2, 2, 7), rec(3, 3, 3)]
+    assert first_difference(clean, grad1) == (1, "backward")
+    # an input-gradient fault at stage 2 reaches stage 1 and 0 backward
+    bwd2 = [rec(1, 5, 5), rec(2, 5, 5), rec(3, 5, 3)]
+    assert first_difference(clean, bwd2) == (2, "backward")
+    assert settle_pipelines(fwd1, clean, clean) == ("owner", 1)
+    assert settle_pipelines(clean, fwd1, clean) == ("replayer", 1)
+    assert settle_pipelines(fwd1, clean, None) == ("unsettled", 1)
+    assert settle_pipelines(fwd1, clean, grad1) == ("unsettled", 1)
+
+
+def test_a_nan_is_placed_where_it_first_appears():
+    assert first_nonfinite([rec(), rec()]) is None
+    assert first_nonfinite([rec(), rec(finite=(0, 0, 0))]) == (1, "forward")
+    assert first_nonfinite([rec(finite=(1, 0, 0)), rec(finite=(1, 0, 1))]) == (1, "backward")
+    assert first_nonfinite([rec(finite=(1, 1, 0)), rec()]) == (0, "backward")
