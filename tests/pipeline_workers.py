@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.nn.parallel import DistributedDataParallel
 
 from screener.audit import Auditor, AuditUsageError, NumericFailure, SDCAlarm
 from screener.known_answer import faults
@@ -108,15 +109,20 @@ class Fault:
 
 def train(rank: int, world: int, *, pp: int, steps: int, schedule: str = "gpipe",
           audit_every: int = 1, alarm_dir: str, fault: Optional[Fault] = None,
-          checkpointing: bool = False, plain_stage: bool = False) -> dict[str, Any]:
+          checkpointing: bool = False, plain_stage: bool = False, ddp: bool = False
+          ) -> dict[str, Any]:
     dp = world // pp
     mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
     s, d = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     model = Stage(s, pp, checkpointing=checkpointing)
-    if not plain_stage:
+    wrapped: nn.Module = model
+    if ddp:
+        wrapped = DistributedDataParallel(model, process_group=mesh["dp"].get_group(),
+                                          static_graph=True)  # pipelining needs it (torch 2.13)
+    elif not plain_stage:
         fully_shard(model.block, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
-    stage = PipelineStage(model, s, pp, torch.device("cpu"), group=mesh["pp"].get_group())
+    stage = PipelineStage(wrapped, s, pp, torch.device("cpu"), group=mesh["pp"].get_group())
     cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
     sched = cls(stage, n_microbatches=MICRO, loss_fn=loss_fn)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -169,6 +175,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "nan": dict(pp=2, steps=2, schedule="gpipe", audit_every=0,
                 fault=Fault(3, 1, call=2, bit=None, mode="nan")),
     "plain_stage": dict(pp=2, steps=1, plain_stage=True),
+    "ddp_stage": dict(pp=2, steps=1, ddp=True),
 }
 
 

@@ -10,6 +10,7 @@ pure below.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ddp_util import run_ranks
 import pipeline_workers
@@ -88,7 +89,9 @@ def test_a_stage_not_sharded_with_fully_shard_is_refused_in_one_line_on_every_ra
     lines = {o["usage"] for o in runs["plain_stage"]}
     assert len(lines) == 1
     (line,) = lines
-    assert "fully_shard" in line and "\n" not in line and "DDP per stage" in line
+    assert "fully_shard" in line and "\n" not in line and "Stage" in line
+    (ddp,) = {o["usage"] for o in runs["ddp_stage"]}
+    assert "DDP per stage is not audited" in ddp and "static_graph" in ddp and "\n" not in ddp
 
 
 # ---- the rule, pure --------------------------------------------------------------------------
@@ -156,3 +159,16 @@ def test_a_nan_is_placed_where_it_first_appears():
     assert first_nonfinite([rec(), rec(finite=(0, 0, 0))]) == (1, "forward")
     assert first_nonfinite([rec(finite=(1, 0, 0)), rec(finite=(1, 0, 1))]) == (1, "backward")
     assert first_nonfinite([rec(finite=(1, 1, 0)), rec()]) == (0, "backward")
+
+
+def test_schedules_with_several_stages_per_rank_are_refused_by_name():
+    from torch.distributed.pipelining import ScheduleInterleaved1F1B, ScheduleLoopedBFS
+
+    from screener.audit.pipeline import _refusal, is_pipeline_schedule
+
+    for cls in (ScheduleInterleaved1F1B, ScheduleLoopedBFS):
+        schedule = object.__new__(cls)  # the class is what is refused: no stages needed
+        assert is_pipeline_schedule(schedule)
+        why, stage = _refusal(schedule)
+        assert stage is None and cls.__name__ in why and "several stages per rank" in why
+    assert not is_pipeline_schedule(torch.nn.Linear(2, 2))

@@ -45,7 +45,9 @@ verdict (NumericFailure).
 Audited schedules: ScheduleGPipe and Schedule1F1B (one stage per rank; both run the backward of
 micro-batch 0 first and accumulate in micro-batch order, and the replay runs the same schedule).
 Refused, one line each: schedules with several stages per rank (interleaved 1F1B, looped BFS,
-zero-bubble, DualPipeV), a stage not sharded with fully_shard (DDP per stage: not yet), a grid
+zero-bubble, DualPipeV), a stage not sharded with fully_shard (DDP per stage: torch's pipelining
+runs it only with static_graph=True, under which DDP reduces in some micro-batches' backward and
+not once per step, so no hook sees a step's gradient whole), a grid
 where no pipeline can replay another with every stage on another node. Not run under pipeline
 parallel: the weight vote (no stage has a replica under FSDP2), the spike sentinel and the
 redo of a bad reduction; nothing between audits but check 1.
@@ -376,6 +378,8 @@ class PipelineAuditor:
         grads = [(p, None if p.grad is None else p.grad.detach().clone())
                  for p in self.module.parameters()]
         buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
+        for p, _ in grads:  # the step's own backward started from None (zero_grad)
+            p.grad = None
         tap = self._tap
         record, saved = _StageRecord(True), self._record
         self._record, self._replaying = record, True
@@ -543,9 +547,15 @@ def _refusal(schedule: Any) -> tuple[str, Any]:
         return (f"screener.audit: pipeline schedule {name} is not audited (audited: "
                 f"{', '.join(AUDITED_SCHEDULES)}, one stage per rank; schedules that run several "
                 f"stages per rank or split the backward are not replayed yet)", None)
+    if isinstance(stage.submod, torch.nn.parallel.DistributedDataParallel):
+        return (f"screener.audit: pipeline parallel with DDP per stage is not audited: torch's "
+                f"pipelining runs DDP only with static_graph=True, and then DDP reduces in some "
+                f"micro-batches' backward and not once per step (on torch 2.13: every micro-batch "
+                f"on the first stage, none on the last), so no hook sees a step's gradient whole; "
+                f"shard each stage with fully_shard over its data-parallel ranks instead", stage)
     cls = fsdp_module_class()
     if cls is None or not isinstance(stage.submod, cls):
         return (f"screener.audit: pipeline parallel: stage {stage.stage_index}'s module is "
                 f"{type(stage.submod).__name__}; the audit needs it sharded with fully_shard "
-                f"over the stage's data-parallel ranks (DDP per stage is not audited yet)", stage)
+                f"over the stage's data-parallel ranks", stage)
     return "", stage
