@@ -109,7 +109,8 @@ class Fault:
 
 def train(rank: int, world: int, *, pp: int, steps: int, schedule: str = "gpipe",
           audit_every: int = 1, alarm_dir: str, fault: Optional[Fault] = None,
-          checkpointing: bool = False, plain_stage: bool = False, ddp: bool = False
+          checkpointing: bool = False, plain_stage: bool = False, ddp: bool = False,
+          weights_every: int = 1, shard_flip: Optional[tuple[int, int]] = None
           ) -> dict[str, Any]:
     dp = world // pp
     mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
@@ -129,7 +130,8 @@ def train(rank: int, world: int, *, pp: int, steps: int, schedule: str = "gpipe"
     out: dict[str, Any] = {"rank": rank, "stage": s, "pipeline": d, "alarm": None,
                            "numeric": None, "usage": None, "steps_done": 0, "counters": {}}
     try:
-        auditor = Auditor(sched, audit_every=audit_every, alarm_dir=alarm_dir, job="pp")
+        auditor = Auditor(sched, audit_every=audit_every, weights_every=weights_every,
+                          alarm_dir=alarm_dir, job="pp")
     except AuditUsageError as e:
         out["usage"] = str(e)
         return out
@@ -151,6 +153,10 @@ def train(rank: int, world: int, *, pp: int, steps: int, schedule: str = "gpipe"
                 auditor.check_gradients(step, losses, batch=batch)
             opt.step()
             opt.zero_grad(set_to_none=True)
+            auditor.check_weights(step)
+            if shard_flip is not None and (rank, step) == shard_flip:  # a bit of a stored shard
+                faults.apply_to_tensor(next(model.parameters()).to_local().data, 0,
+                                       mode="flip", bit=30)
             out["steps_done"] += 1
     except SDCAlarm as a:
         out["alarm"] = a.to_dict()
@@ -174,6 +180,8 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     # a NaN in stage 1 of pipeline 0 (node n1) at step 1, no audits
     "nan": dict(pp=2, steps=2, schedule="gpipe", audit_every=0,
                 fault=Fault(3, 1, call=2, bit=None, mode="nan")),
+    # a flip in rank 5's stored shard (stage 1, pipeline 2, node n3) after step 0's update
+    "shard_flip": dict(pp=2, steps=2, audit_every=0, shard_flip=(5, 0)),
     "plain_stage": dict(pp=2, steps=1, plain_stage=True),
     "ddp_stage": dict(pp=2, steps=1, ddp=True),
 }

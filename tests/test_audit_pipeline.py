@@ -85,6 +85,17 @@ def test_a_nan_is_located_along_the_data_flow_and_confirmed_by_another_pipeline(
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+def test_a_flip_in_a_stored_shard_is_named_by_its_own_record(runs):
+    a = one_alarm(runs["shard_flip"])
+    assert (a["check"], a["step"], a["settled"], a["suspect_ranks"]) == ("weights", 1, True, [5])
+    assert a["evidence"]["stages"] == [1]
+    assert [f["node"] for f in runs["shard_flip"][0]["files"]] == ["n3"]
+    healthy = runs["gpipe_healthy"]
+    assert all(o["counters"]["shard_records"] == 3 for o in healthy)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_a_stage_not_sharded_with_fully_shard_is_refused_in_one_line_on_every_rank(runs):
     lines = {o["usage"] for o in runs["plain_stage"]}
     assert len(lines) == 1

@@ -11,6 +11,7 @@
         else: schedule.step()                                ; batch = None
         auditor.check_gradients(step, losses, batch=batch)  # check 1 every step, 2 on audit steps
         optimizer.step(); optimizer.zero_grad()
+        auditor.check_weights(step)                          # the shard record, no collective
 
 The job is a grid: pipelines (one rank per stage, joined by the schedule's sends and receives)
 across which data parallelism runs stage by stage (each stage's module sharded with fully_shard
@@ -42,6 +43,11 @@ parted is named ("ring_replay"). On the first audit and every self_check_every a
 pipeline also replays its own step: a step that does not reproduce where it ran is no hardware
 verdict (NumericFailure).
 
+The shard record (check_weights, every weights_every steps after optimizer.step()): each rank
+fingerprints its own weight shards, and the next check_gradients compares them with the shards
+then (a column of the head): a shard that changed in between, with no optimizer step, is named
+on its rank ("weights", settled). No stage has a replica under FSDP2, so there is no vote.
+
 Audited schedules: ScheduleGPipe and Schedule1F1B (one stage per rank; both run the backward of
 micro-batch 0 first and accumulate in micro-batch order, and the replay runs the same schedule).
 Refused, one line each: schedules with several stages per rank (interleaved 1F1B, looped BFS,
@@ -49,7 +55,7 @@ zero-bubble, DualPipeV), a stage not sharded with fully_shard (DDP per stage: to
 runs it only with static_graph=True, under which DDP reduces in some micro-batches' backward and
 not once per step, so no hook sees a step's gradient whole), a grid
 where no pipeline can replay another with every stage on another node. Not run under pipeline
-parallel: the weight vote (no stage has a replica under FSDP2), the spike sentinel and the
+parallel: a weight vote (no stage has a replica under FSDP2), the spike sentinel and the
 redo of a bad reduction; nothing between audits but check 1.
 """
 
@@ -87,8 +93,9 @@ log = logging.getLogger("screener.audit")
 
 AUDITED_SCHEDULES = ("ScheduleGPipe", "Schedule1F1B")
 OK, NO_BATCH, NOT_RECORDED = 0, 1, 2  # a rank's status in its record row
-# the head: the record row, then whether the reduced gradient was finite and the batch's bytes
-_H_REDUCED, _H_BYTES = RECORD, RECORD + 1
+# the head: the record row, then whether the reduced gradient was finite and whether this rank's
+# weight shards changed since the last check_weights
+_H_REDUCED, _H_DRIFT = RECORD, RECORD + 1
 
 # The collectives of check_gradients, in the one order every rank runs them (protocol.py): the
 # head every step; a non-finite step's offer (batch sizes, RNG states), batches and lockstep
@@ -176,7 +183,8 @@ class PipelineAuditor:
     every rank alike) what it cannot replay bit for bit.
     """
 
-    def __init__(self, schedule: Any, *, audit_every: int = 50, self_check_every: int = 20,
+    def __init__(self, schedule: Any, *, audit_every: int = 50, weights_every: int = 100,
+                 self_check_every: int = 20,
                  job: Optional[str] = None, alarm_dir: Optional[str | os.PathLike[str]] = None,
                  topology: Optional[Topology] = None, start_step: Optional[int] = None,
                  **unsupported: Any) -> None:
@@ -185,7 +193,7 @@ class PipelineAuditor:
             raise AuditUsageError(f"screener.audit: pipeline parallel takes no {', '.join(given)} "
                                   f"(check 2 replays through the schedule; the weight vote and "
                                   f"the sentinel do not run under pipeline parallel)")
-        self.config = AuditConfig(audit_every=audit_every, weights_every=0,
+        self.config = AuditConfig(audit_every=audit_every, weights_every=weights_every,
                                   self_check_every=self_check_every,
                                   job=job_name() if job is None else job,
                                   alarm_dir=None if alarm_dir is None else os.fspath(alarm_dir))
@@ -223,7 +231,7 @@ class PipelineAuditor:
         self.history = History()
         self.reporter = Reporter(self.topology, self.rank, self.world_size, job=self.config.job,
                                  alarm_dir=self.config.alarm_dir)
-        self.cadence = Cadence(audit_every, 0, self_check_every, True, self.counters)
+        self.cadence = Cadence(audit_every, weights_every, self_check_every, True, self.counters)
         self._tap, self.module_names = install_recorders(self.module)
         self._tap.record = start_step is None or self.is_audit_step(start_step)
         self._record = _StageRecord(self._tap.record)
@@ -232,6 +240,7 @@ class PipelineAuditor:
         self._hooks = [self.module.register_forward_pre_hook(self._on_forward),
                        self.module.register_forward_hook(self._on_output)]
         self._closed = False
+        self._shards: Optional[torch.Tensor] = None  # fingerprints at the last check_weights
 
     # ---- set-up -----------------------------------------------------------------------------
 
@@ -290,6 +299,34 @@ class PipelineAuditor:
         """Whether check 2 runs at this step."""
         return self.cadence.is_audit_step(step)
 
+    def is_weights_step(self, step: int) -> bool:
+        """Whether check_weights(step) records the stage's shards at this step."""
+        return self.cadence.is_weights_step(step)
+
+    # ---- the shard record ---------------------------------------------------------------------
+
+    def _local_shards(self) -> list[torch.Tensor]:
+        return [p.to_local() if hasattr(p, "to_local") else p for p in self.module.parameters()]
+
+    def check_weights(self, step: int, *, force: bool = False) -> None:
+        """After optimizer.step(): every weights_every steps, this rank's fingerprints of its
+        own weight shards, which the next check_gradients compares with the shards then. No stage
+        has a replica under FSDP2, so no vote can say a shard is right; a bit that flips in a
+        stored shard between the optimizer step and its next all-gather reaches every pipeline
+        alike, and only the rank's own record sees it. No collective."""
+        if force or self.is_weights_step(int(step)):
+            self._shards = fingerprints(self._local_shards())
+            self.counters["shard_records"] += 1
+
+    def _drifted(self) -> list[str]:
+        """The parameters whose shard here changed since check_weights recorded it (one look)."""
+        if self._shards is None:
+            return []
+        before, self._shards = self._shards, None
+        now = fingerprints(self._local_shards())
+        names = [n for n, _ in self.module.named_parameters()]
+        return [names[k] for k in (now != before).any(dim=1).nonzero().flatten().tolist()]
+
     # ---- the step ---------------------------------------------------------------------------
 
     def check_gradients(self, step: int, losses: Optional[Sequence[Any]] = None, *,
@@ -317,9 +354,13 @@ class PipelineAuditor:
         row = record.row(list(losses or []) if self.last else [], fps if recorded else None,
                          local_ok, status)
         walk = PIPELINE_STEP.walk(None, self._comm, step)
-        head = torch.cat([row, torch.tensor([int(reduced_ok), 0], dtype=torch.int64)])
+        drifted = self._drifted()
+        head = torch.cat([row, torch.tensor([int(reduced_ok), int(bool(drifted))],
+                                            dtype=torch.int64)])
         got = walk.gather("head", head)
         own = got[:, :RECORD]
+        if bool(got[:, _H_DRIFT].any()):
+            self._drift(step, got, drifted)
         if not bool(own[:, R_FINITE:R_FINITE + 3].all()):
             self._nonfinite(walk, step, own, state, batch)
         if not bool(got[:, _H_REDUCED].all()):
@@ -527,6 +568,18 @@ class PipelineAuditor:
         self.reporter.alarm(SDCAlarm(
             "nonfinite_local", step, suspects, self.topology.suspect_nodes(suspects), True,
             evidence, first_suspect_step=step, key=self.reporter.key("nonfinite_local", step)))
+
+    def _drift(self, step: int, got: torch.Tensor, mine: list[str]) -> None:
+        flagged = [r for k, r in enumerate(self.topology.ranks) if int(got[k, _H_DRIFT])]
+        if mine:
+            self.reporter.log(logging.ERROR, "weights_drift", step=step, parameters=mine[:8])
+        evidence = {"parallelism": "pipeline", "changed_on_ranks": flagged,
+                    "stages": sorted({self.pipelines.where(r)[1] for r in flagged}),
+                    "why": "a weight shard changed between the record after the optimizer step "
+                           "and its next use, with no optimizer step between"}
+        self.reporter.alarm(SDCAlarm(
+            "weights", step, flagged, self.topology.suspect_nodes(flagged), True, evidence,
+            first_suspect_step=step, key=self.reporter.key("weights", step)))
 
     def _reduced(self, step: int, got: torch.Tensor) -> None:
         bad = [r for k, r in enumerate(self.topology.ranks) if not int(got[k, _H_REDUCED])]
