@@ -171,6 +171,7 @@ class Reason(StrValue):
     RING_REPLAY = "RingReplayMismatch"
     SPIKE_RERUN = "SpikeRerunMismatch"  # a loss/gradient spike a rerun elsewhere did not reproduce
     WEIGHTS = "WeightFingerprintMismatch"
+    OPTIMIZER_UPDATE = "OptimizerUpdateMismatch"  # an FSDP2 shard's update, recomputed elsewhere
     NONFINITE = "NonFiniteGradient"
     ROW_REMAP = "RowRemapFailure"
     STRAGGLER = "Straggler"
@@ -197,6 +198,7 @@ ALARM_CHECK_REASONS: Mapping[str, Reason] = {
     "ring_replay": Reason.RING_REPLAY,
     "spike_rerun": Reason.SPIKE_RERUN,  # screener.audit.sentinel: a spike attributed by a rerun
     "weights": Reason.WEIGHTS,
+    "optimizer_update": Reason.OPTIMIZER_UPDATE,  # screener.audit.update_buddy
     "straggler": Reason.STRAGGLER,  # screener.audit.straggler: a rank slower than its peers for w steps
     # screener.audit.run_guarded: a worker ended with 75 on a hardware error (ECC, uncorrectable)
     "hardware_error": Reason.HARDWARE_ERROR_IN_JOB,

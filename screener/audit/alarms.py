@@ -46,7 +46,8 @@ __all__ = ["SDCAlarm", "NumericFailure", "AuditError", "AuditUsageError", "CHECK
 
 log = logging.getLogger("screener.audit")
 
-CHECKS = ("nonfinite_local", "nonfinite_reduced", "ring_replay", "weights", "spike_rerun")
+CHECKS = ("nonfinite_local", "nonfinite_reduced", "ring_replay", "weights", "spike_rerun",
+          "optimizer_update")
 
 
 class SDCAlarm(Exception):

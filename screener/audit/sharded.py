@@ -54,6 +54,14 @@ flipped in a rank's own stored shard reaches every rank alike and is not seen (t
 sees what it does to the next step's gradients only if the flip changes them differently on
 owner and replayer, which it does not). Use HSDP to have the weight vote.
 
+The optimizer update (audit steps, opt-in: `optimizer=`). Under pure FSDP a shard's update is made
+on its owner alone, and a wrong one reaches every rank through the all-gather: no replay or vote
+sees it. With the optimizer given, a step pre-hook snapshots a sample of every shard's step
+inputs (parameter, reduced gradient, state, hyper-parameters) on audit steps, and check_weights
+sends it with the owner's post-step values to a buddy on another node, which recomputes the
+update bit for bit; a mismatch is settled by a referee on a third node ("optimizer_update";
+update_buddy.py, rounds in FSDP_UPDATE). The shard record then keeps the optimizer state too.
+
 Lockstep has a price: a replay that raises on one rank leaves the others waiting in a collective
 until the process group's timeout (a peer failure, exit 77, on the others); loss_fn and the
 batch were already run by the training step, so this is rare.
@@ -88,9 +96,11 @@ from screener.audit.tensor_parallel import TPGroups
 from screener.audit.sharded_rounds import H_DRIFT, H_LOCAL_MAG, H_LOSS, H_REDUCED_MAG, \
     NO_BATCH, NOT_RECORDED, OK, Lockstep, encode_batch, from_bits, to_bits
 from screener.audit.topology import Topology, job_name
+from screener.audit.update_buddy import DEFAULT_SAMPLE, UpdateBuddy, refusal as update_refusal
 from screener.audit.weight_check import ShardedWeightCheck
 
-__all__ = ["ShardedAuditor", "fsdp_root", "is_sharded", "FSDP_STEP", "FSDP_WEIGHTS"]
+__all__ = ["ShardedAuditor", "fsdp_root", "is_sharded", "FSDP_STEP", "FSDP_WEIGHTS",
+           "FSDP_UPDATE"]
 
 # The collectives of check_gradients, in the one order every rank runs them (protocol.py); each
 # is run or skipped on gathered data. "head" every step, the same width on every step, and on
@@ -111,6 +121,12 @@ FSDP_STEP = Schedule("check_gradients (FSDP2/HSDP)", (
     repeatable=("confirm_replay", "replay", "referee_replay"), fixed=("head", "audit_states"))
 # check_weights: every rank's fingerprints (of its shards, or of the full weights) in one gather.
 FSDP_WEIGHTS = Schedule("check_weights (FSDP2/HSDP)", ("weights",))
+# check_weights on audit steps with optimizer= given, before FSDP_WEIGHTS: the update buddy
+# (update_buddy.py): every rank's offer, the snapshots shipped to the buddies, their verdicts; on a
+# mismatch the referees' snapshots and verdicts.
+FSDP_UPDATE = Schedule("the optimizer update's buddy (FSDP2/HSDP)", (
+    "update_offer", "update_ship", "update_verdicts", "update_referee_ship", "update_referee"),
+    fixed=("update_offer", "update_verdicts", "update_referee"))
 # HSDP: the shard vote before a settled alarm that names ranks of one replica (weight_check.py).
 FSDP_LOCALITY = Schedule("the shard vote before an alarm (HSDP)", ("locality_vote",))
 
@@ -137,6 +153,12 @@ class ShardedAuditor:
     model: the root module sharded with `fully_shard` (or torch.compile of it). loss_fn(model,
     batch) -> loss, the same call the loop makes; batch_fn(global_rank, step) is optional (without
     it, pass batch= to check_gradients). Refuses (AuditUsageError, one line) what it cannot audit.
+
+    optimizer: opt-in, the loop's torch.optim.Adam, AdamW or SGD (foreach on or off, momentum or
+    not; not fused, capturable or differentiable) over the model's parameters: on audit steps a
+    buddy on another node recomputes a sample of this rank's update bit for bit, in
+    check_weights (update_buddy.py; refused with one line otherwise). update_sample: the
+    elements per rank per audit step it samples (about; at least 4 of every shard).
     """
 
     def __init__(self, model: torch.nn.Module, *,
@@ -148,7 +170,9 @@ class ShardedAuditor:
                  accumulation_steps: int = 1, self_check_every: int = 20,
                  confirm_nonfinite: bool = True, start_step: Optional[int] = None,
                  process_group: Any = None, reduce_hook: Any = None, reduce_state: Any = None,
-                 check_reduced: bool = True, sentinel: Optional[SentinelConfig] = None) -> None:
+                 check_reduced: bool = True, sentinel: Optional[SentinelConfig] = None,
+                 optimizer: Optional[torch.optim.Optimizer] = None,
+                 update_sample: int = DEFAULT_SAMPLE) -> None:
         if reduce_hook is not None or reduce_state is not None:
             raise AuditUsageError("screener.audit: reduce_hook is DDP's; an FSDP2 model reduces "
                                   "through fully_shard's reduce-scatter, which the audit records")
@@ -175,6 +199,10 @@ class ShardedAuditor:
         guard_config = sentinel if sentinel is not None else SentinelConfig()
         # the first steps are audited while the sentinel has no baseline (cadence.py)
         self._guard = guard_config.warmup if guard_config.enabled else 0
+        if not isinstance(update_sample, int) or update_sample < 1:
+            raise AuditUsageError(f"screener.audit: update_sample must be a positive number of "
+                                  f"elements, not {update_sample!r}")
+        self._optimizer, self._update_sample = optimizer, update_sample
         self._select(model)
         self._join(topology)
         self._assemble()
@@ -222,6 +250,8 @@ class ShardedAuditor:
             refusal = ("screener.audit: the mesh shards over a single rank, so FSDP never "
                        "reduce-scatters and the audit would see nothing; shard over two or more "
                        "ranks (or use DDP for pure replication)")
+        if self._optimizer is not None and not refusal:  # agreed in _join, like the others
+            refusal = update_refusal(self._optimizer, self._params) or refusal
         self._refusal = refusal
         local = first.to_local() if hasattr(first, "to_local") else first
         self.device = local.device
@@ -271,6 +301,12 @@ class ShardedAuditor:
                                            self.cadence, self.module_names, self.hsdp,
                                            weights=self.weights if self.hsdp else None)
         self.rerun = LockstepRerun(self.lockstep, self.reporter, self.counters)
+        self.buddy: Optional[UpdateBuddy] = None
+        if self._optimizer is not None:  # the optimizer's update, recomputed on another node
+            self.buddy = UpdateBuddy(self._optimizer, self._params, self.weight_names,
+                                     self.reporter, self.history, self.counters,
+                                     device=self.device, sample=self._update_sample)
+            self.weights.extra = self.buddy.state_shards  # the state at rest: the record
         if self.hsdp:  # before an alarm inside one replica, or a numeric failure: the shard
             # vote speaks first (weight_check.ShardedWeightCheck.vote_first)
             self.reporter.before_verdict = lambda step, ranks, settled, evidence: \
@@ -302,6 +338,8 @@ class ShardedAuditor:
             self._closed = True
             self._pre_hook.remove()
             self._tap.record = False
+            if self.buddy is not None:
+                self.buddy.close()
 
     def __enter__(self) -> "ShardedAuditor":
         return self
@@ -314,6 +352,13 @@ class ShardedAuditor:
     def is_audit_step(self, step: int) -> bool:
         """Whether check 2 runs at this step."""
         return self.cadence.is_audit_step(step)
+
+    def is_update_step(self, step: int) -> bool:
+        """Whether the update buddy checks this step's optimizer update (the audit steps, with
+        optimizer= given; the ring replay need not be on)."""
+        every = self.audit_every
+        return self.buddy is not None and bool(every) and (step % every == 0
+                                                           or self.cadence.guarded(step))
 
     def is_weights_step(self, step: int) -> bool:
         """Whether check_weights(step) votes at this step."""
@@ -332,6 +377,8 @@ class ShardedAuditor:
         step = int(step)
         self.cadence.begin(step)
         self.history.note(step)
+        if self.buddy is not None and self.is_update_step(step):
+            self.buddy.arm(step)  # the snapshot: in the optimizer's step pre-hook
         loss_t = ring.scalar_of(ring.loss_of(loss)) if not isinstance(loss, (int, float)) \
             else torch.tensor(float(loss), dtype=torch.float64)
         tap = self._tap
@@ -378,12 +425,18 @@ class ShardedAuditor:
     # ---- check 3 -------------------------------------------------------------------------------
 
     def check_weights(self, step: int, *, force: bool = False) -> None:
-        """After optimizer.step(): HSDP votes each shard across its replicas; pure FSDP checks
-        that every rank all-gathers the same full weights (see the module docstring)."""
+        """After optimizer.step(): on audit steps with optimizer= given, the update buddy
+        (update_buddy.py); HSDP votes each shard across its replicas; pure FSDP checks that
+        every rank all-gathers the same full weights (see the module docstring)."""
         step = int(step)
-        if not force and not self.is_weights_step(step):
+        update = self.buddy is not None and self.is_update_step(step)
+        if not update and not force and not self.is_weights_step(step):
             return
-        self.weights.check(FSDP_WEIGHTS.walk(None, self._comm), step)
+        if update:
+            assert self.buddy is not None
+            self.buddy.check(FSDP_UPDATE.walk(None, self._comm, step), step)
+        if force or self.is_weights_step(step):
+            self.weights.check(FSDP_WEIGHTS.walk(None, self._comm), step)
 
     def verified_save(self, save_fn: Callable[[], Any], step: int) -> Any:
         """Run the weight check for `step` (forced), then save_fn(); a failing check raises

@@ -123,8 +123,19 @@ class ShardedWeightCheck:
         self.passed: Optional[tuple[int, str]] = None  # (step, digest) of the last pass
         self.saved: Optional[tuple[int, Optional[str]]] = None  # (step, path) of the last save
         self.voted_at: Optional[int] = None  # the step of the last vote check 2 asked for
-        # this rank's shards as the last weight check left them: (step, fingerprints)
-        self.stored: Optional[tuple[int, torch.Tensor]] = None
+        # this rank's shards as the last weight check left them: (step, fingerprints, names)
+        self.stored: Optional[tuple[int, torch.Tensor, list[str]]] = None
+        # more of this rank's own tensors the record covers: the optimizer state of its shards
+        # when the auditor has the optimizer (update_buddy.UpdateBuddy.state_shards)
+        self.extra: Optional[Callable[[], list[tuple[str, torch.Tensor]]]] = None
+
+    def _shards(self) -> tuple[list[str], list[torch.Tensor]]:
+        """What the shard record covers: this rank's shards (and `extra`), with their names."""
+        names, tensors = list(self.names), [p.to_local() for p in self.params]
+        for name, t in (self.extra() if self.extra is not None else []):
+            names.append(name)
+            tensors.append(t)
+        return names, tensors
 
     def _replicas(self) -> Any:
         """HSDP: the mesh as (replica, rank within it): one row per replica, whose columns are
@@ -201,7 +212,8 @@ class ShardedWeightCheck:
         if not outliers and not unsettled:
             self.history.last_clean_weights = step
             if context is None:  # check_weights, after the optimizer step: the shards to keep
-                self.stored = (step, fingerprints([p.to_local() for p in self.params]))
+                names, tensors = self._shards()
+                self.stored = (step, fingerprints(tensors), names)
             # the same on every rank: the gathered fingerprints of the weights just checked
             n = len(self.params)
             flat = full.reshape(-1, 2).tolist()
@@ -231,14 +243,18 @@ class ShardedWeightCheck:
         (and forget it: one look per weight check). Between the optimizer step and the next one
         nothing may write to the stored shards; a bit that flips there in a pure FSDP shard
         reaches every rank through the all-gather, so no comparison between ranks can see it,
-        only the rank's own memory of what it held (issue 34.3). Costs one read of the shards
-        on the step after each weight check."""
+        only the rank's own memory of what it held (issue 34.3). With the optimizer given, its
+        state of the shards too ("<parameter> (exp_avg)"). Costs one read of them on the step
+        after each weight check."""
         if self.stored is None:
             return []
-        _, before = self.stored
+        _, before, names = self.stored
         self.stored = None
-        now = fingerprints([p.to_local() for p in self.params])
-        return [self.names[k] for k in (now != before).any(dim=1).nonzero().flatten().tolist()]
+        now_names, tensors = self._shards()
+        if now_names != names:  # a state appeared or went without an optimizer step
+            return sorted(set(now_names) ^ set(names))
+        now = fingerprints(tensors)
+        return [names[k] for k in (now != before).any(dim=1).nonzero().flatten().tolist()]
 
     def report_drift(self, step: int, flagged: list[int], mine: list[str]) -> None:
         """Raise for the ranks whose shards changed between the weight check and this step:
@@ -250,8 +266,9 @@ class ShardedWeightCheck:
                               parameters=mine[:MAX_NAMES])
         evidence = {"changed_on_ranks": flagged,
                     "last_clean_weights": self.history.last_clean_weights,
-                    "why": "a weight shard changed between the weight check after the optimizer "
-                           "step and its next use, with no optimizer step between"}
+                    "why": "a weight shard (or, with the optimizer given, its optimizer state) "
+                           "changed between the weight check after the optimizer step and its "
+                           "next use, with no optimizer step between"}
         if len({topo.node_of(r) for r in flagged}) > 1 or 2 * len(flagged) > topo.world_size:
             self.reporter.numeric(step, flagged, evidence, reason=(
                 f"the weights changed on {len(flagged)} ranks of several nodes between "
