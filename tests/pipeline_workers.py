@@ -5,7 +5,7 @@ Runs inside the processes tests/ddp_util.py starts (real gloo); returns plain da
 module is sharded with fully_shard over mesh["dp"] (per block, then the stage), and
 torch.distributed.pipelining runs ScheduleGPipe or Schedule1F1B over mesh["pp"]. Stage 0 holds the
 embedding, the last stage the final norm and the head; every stage a pre-norm block (RMSNorm,
-causal SDPA, SwiGLU), with dropout and optional activation checkpointing.
+causal SDPA with rotary positions, SwiGLU), with dropout and optional activation checkpointing.
 """
 
 from __future__ import annotations
@@ -32,6 +32,16 @@ from screener.known_answer import faults
 VOCAB, D, HEADS, SEQ, BATCH, MICRO = 32, 16, 2, 8, 4, 2
 
 
+def rotary(x: torch.Tensor) -> torch.Tensor:
+    """Rotary positions on (batch, seq, heads, head_dim)."""
+    t, hd = x.shape[1], x.shape[-1]
+    inv = 1.0 / (10000 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    ang = torch.outer(torch.arange(t, dtype=torch.float32), inv)
+    cos, sin = ang.cos()[None, :, None, :].to(x.dtype), ang.sin()[None, :, None, :].to(x.dtype)
+    a, b = x[..., : hd // 2], x[..., hd // 2:]
+    return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
+
+
 class Block(nn.Module):
     def __init__(self, dropout: float) -> None:
         super().__init__()
@@ -45,6 +55,7 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = self.qkv(self.n1(x)).view(b, t, 3, HEADS, D // HEADS).unbind(2)
+        q, k = rotary(q), rotary(k)
         a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                            v.transpose(1, 2), is_causal=True)
         x = x + F.dropout(self.o(a.transpose(1, 2).reshape(b, t, D)), self.dropout, self.training)

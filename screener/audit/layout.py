@@ -183,6 +183,12 @@ def agreement(entries: Sequence[tuple[int, str, str]]) -> Optional[str]:
         digest, count, state = (token.split(":") + ["", "", ""])[:3]
         by_model.setdefault((digest, count), []).append(rank)
         by_state.setdefault(state, []).append(rank)
+    refused = [(rank, why) for rank, _, why in sorted(entries) if why]
+    if len(by_model) > 1 and len(refused) == len(entries) \
+            and len({count for _, count in by_model}) == 1:
+        # the same parameters placed differently (on meshes that depend on the rank, as TP's
+        # coordinates do), each refused by its rank: the rank's reason says more
+        return refused[0][1]
     if len(by_model) > 1:
         groups = sorted(by_model.items(), key=lambda kv: kv[1][0])
         parts = "; ".join(f"rank(s) {_spans(r)}: {count} parameter tensors, layout {digest}"
@@ -197,7 +203,6 @@ def agreement(entries: Sequence[tuple[int, str, str]]) -> Optional[str]:
         return (f"screener.audit: the ranks' RNG states differ in size ({parts}): different "
                 f"torch builds or device types, whose replays cannot match bit for bit; run "
                 f"every rank on one torch build and one device type")
-    refused = [(rank, why) for rank, _, why in sorted(entries) if why]
     if not refused:
         return None
     rank, why = refused[0]
