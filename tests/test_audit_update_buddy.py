@@ -16,9 +16,9 @@ import torch
 import buddy_workers as bw
 from ddp_util import run_ranks
 from screener.audit.alarms import CHECKS
-from screener.audit.update_buddy import (MIN_PER_PARAM, _digest, _first_difference, _hyper,
-                                         _state_of, coverage, recompute, refusal, sample_plan,
-                                         update_verdict)
+from screener.audit.update_buddy import (MIN_PER_PARAM, _bucket, _digest, _first_difference,
+                                         _hyper, _joined, _state_of, coverage, recompute,
+                                         refusal, sample_plan, update_verdict)
 from screener.known_answer.faults import apply_to_tensor, bit_classes
 from screener.types import ALARM_CHECK_REASONS
 
@@ -94,12 +94,13 @@ OPTIMIZERS = [
 
 @pytest.mark.parametrize("cls, options", OPTIMIZERS)
 def test_the_slice_recomputed_is_the_real_update_bit_for_bit(cls, options):
-    """The real step on whole tensors (two of them, sizes that leave vector tails) and the
-    recomputation of sampled slices agree in every bit of the parameter and the state, step
-    after step, with the gradient's scale changing by decades; and a flipped post-step bit in
-    a sampled element is seen by the same comparison."""
+    """The real step on whole tensors (three of them, sizes that leave vector tails) and the
+    recomputation of their sampled slices, joined into one tensor per bucket (update_buddy.
+    _bucket: the update is elementwise), agree in every bit of the parameter and the state,
+    step after step, with the gradient's scale changing by decades; and a flipped post-step bit
+    in a sampled element is seen by the same comparison, and placed."""
     torch.manual_seed(0)
-    sizes = [40_009, 333]
+    sizes = [40_009, 333, 7]
     params = [torch.nn.Parameter(torch.randn(n)) for n in sizes]
     opt = cls(params, **options)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1.0 + k))
@@ -108,23 +109,31 @@ def test_the_slice_recomputed_is_the_real_update_bit_for_bit(cls, options):
             p.grad = torch.randn(p.numel()) * 10.0 ** (step % 5 - 2)
         plan = sample_plan(step, sizes, 600)
         slices = []
-        for p, where in zip(params, plan):
+        for k, (p, where) in enumerate(zip(params, plan)):
             pre = {"param": p.detach()[where].clone(), "grad": p.grad[where].clone()}
             pre.update(_state_of(opt.state.get(p, {}), p.numel(), where))
-            slices.append({"group": 0, "pre": pre})
+            slices.append({"param": k, "group": 0, "where": where, "pre": pre})
+        buckets = _bucket(slices)
+        assert len(buckets) == 1 and buckets[0]["params"] == [0, 1, 2]
         hyper = {0: _hyper(cls, opt.param_groups[0])}
         opt.step()
         sched.step()
-        post = []
-        for p, where in zip(params, plan):
-            got = {"param": p.detach()[where].clone()}
-            got.update(_state_of(opt.state[p], p.numel(), where))
-            post.append(got)
-        redone = recompute(cls, hyper, slices, torch.device("cpu"))
+
+        def read(k, where):
+            got = {"param": params[k].detach()[where].clone()}
+            got.update(_state_of(opt.state[params[k]], sizes[k], where))
+            return got
+
+        post = _joined(buckets, read)
+        redone = recompute(cls, hyper, buckets, torch.device("cpu"))
+        for r in redone:
+            if "step" in r:
+                r["step"] = r["step"].reshape(1).repeat(3)
         assert _digest(redone) == _digest(post), (step, cls.__name__)
-        assert _first_difference(redone, post, [0, 1], plan)[0] == 0
-    apply_to_tensor(post[1]["param"], 3, bit=0)
-    n, k, field, index = _first_difference(redone, post, [0, 1], plan)
+        assert _first_difference(redone, post, buckets)[0] == 0
+    j = int(plan[0].numel()) + 3  # the fourth sampled element of the second parameter
+    apply_to_tensor(post[0]["param"], j, bit=0)
+    n, k, field, index = _first_difference(redone, post, buckets)
     assert (n, k, field, index) == (1, 1, 0, int(plan[1][3]))
     assert _digest(redone) != _digest(post)
 

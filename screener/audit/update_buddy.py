@@ -45,13 +45,14 @@ out). `UpdateBuddy` takes the snapshots and walks the rounds.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import io
 import logging
 import pickle
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -60,7 +61,6 @@ from screener.audit import ring
 from screener.audit.alarms import SDCAlarm
 from screener.audit.protocol import Walk, error_flag, raise_if_failed
 from screener.audit.reporting import History, Reporter
-from screener.fingerprint import fingerprints
 
 __all__ = ["SUPPORTED", "DEFAULT_SAMPLE", "FIELDS", "refusal", "sample_plan", "coverage",
            "UpdateVerdict", "update_verdict", "recompute", "UpdateBuddy"]
@@ -167,7 +167,7 @@ class UpdateVerdict:
 def update_verdict(owner: int, buddy: int, referee: Optional[int], owner_digest: Sequence[int],
                    buddy_digest: Sequence[int],
                    referee_digest: Optional[Sequence[int]] = None) -> UpdateVerdict:
-    """What three fingerprints of one sampled update support: the owner's own post-step values,
+    """What three digests of one sampled update support: the owner's own post-step values,
     the buddy's recomputation and, when there is one, the referee's."""
     o, b = tuple(owner_digest), tuple(buddy_digest)
     if o == b:
@@ -194,6 +194,9 @@ def update_verdict(owner: int, buddy: int, referee: Optional[int], owner_digest:
 
 def _local(t: Any) -> torch.Tensor:
     """A DTensor's local shard (FSDP2), or the tensor itself."""
+    inner = getattr(t, "_local_tensor", None)  # a DTensor's, without to_local's autograd call
+    if isinstance(inner, torch.Tensor):
+        return inner
     local: torch.Tensor = t.to_local() if hasattr(t, "to_local") else t
     return local
 
@@ -256,16 +259,17 @@ def recompute(cls: type, hyper: Mapping[int, Mapping[str, Any]],
 
 
 def _digest(values: Sequence[Mapping[str, torch.Tensor]]) -> tuple[int, int]:
-    """One fingerprint of sampled values (each slice's field names in order, then their bits)."""
-    tensors: list[torch.Tensor] = []
+    """One 128-bit digest (blake2b) of sampled values on the CPU: each slice's field names in
+    order, then each field's dtype, shape and bits."""
+    h = hashlib.blake2b(digest_size=16)
     for v in values:
-        tensors.append(torch.tensor([FIELDS.index(k) if k in FIELDS else len(FIELDS)
-                                     for k in sorted(v)], dtype=torch.int64))
-        tensors.extend(v[k].reshape(-1) for k in sorted(v))
-    if not tensors:
-        return 0, 0
-    d = fingerprints([fingerprints(tensors).reshape(-1)])[0]
-    return int(d[0]), int(d[1])
+        for k in sorted(v):
+            t = v[k].detach().contiguous()
+            h.update(f"{k}:{t.dtype}:{tuple(t.shape)};".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    d = h.digest()
+    return (int.from_bytes(d[:8], "little", signed=True),
+            int.from_bytes(d[8:], "little", signed=True))
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -274,29 +278,74 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _first_difference(got: Sequence[Mapping[str, torch.Tensor]],
-                      want: Sequence[Mapping[str, torch.Tensor]], params: Sequence[int],
-                      wheres: Sequence[torch.Tensor]) -> tuple[int, int, int, int]:
+                      want: Sequence[Mapping[str, torch.Tensor]],
+                      buckets: Sequence[Mapping[str, Any]]) -> tuple[int, int, int, int]:
     """(differing elements, parameter index, FIELDS index, flat index in the shard) of the first
-    difference between the recomputed and the owner's post-step values; (0, -1, -1, -1) if none."""
+    difference between the recomputed and the owner's post-step values of each bucket (its
+    "params", their "lengths" and the concatenated "where"); (0, -1, -1, -1) if none."""
     n, first = 0, (-1, -1, -1)
-    for g, w, k, where in zip(got, want, params, wheres):
+    for g, w, b in zip(got, want, buckets):
+        params, where = list(b["params"]), b["where"]
+        ends = torch.tensor(list(b["lengths"]), dtype=torch.int64).cumsum(0)
         if sorted(g) != sorted(w):
             n += 1
-            first = first if first[0] >= 0 else (k, FIELDS.index("fields"), -1)
+            first = first if first[0] >= 0 else (params[0], FIELDS.index("fields"), -1)
             continue
         for f in sorted(g):
-            a, b = g[f], w[f]
-            if a.dtype != b.dtype or a.shape != b.shape:
-                diff = torch.ones(max(1, a.numel()), dtype=torch.bool)
+            x, y = g[f], w[f]
+            if x.dtype != y.dtype or x.shape != y.shape:
+                diff = torch.ones(max(1, x.numel()), dtype=torch.bool)
             else:
-                diff = _bits(a) != _bits(b)
+                diff = _bits(x) != _bits(y)
             count = int(diff.sum())
             if count and first[0] < 0:
                 j = int(diff.nonzero()[0, 0])
-                first = (k, FIELDS.index(f) if f in FIELDS else len(FIELDS) - 1,
-                         int(where[j]) if f != "step" and j < where.numel() else -1)
+                field = FIELDS.index(f) if f in FIELDS else len(FIELDS) - 1
+                if f == "step":  # one per parameter of the bucket
+                    first = (params[min(j, len(params) - 1)], field, -1)
+                else:
+                    m = min(int(torch.searchsorted(ends, j, right=True)), len(params) - 1)
+                    first = (params[m], field, int(where[j]) if j < where.numel() else -1)
             n += count
     return (n, *first)
+
+
+def _joined(buckets: Sequence[Mapping[str, Any]],
+            read: Callable[[int, torch.Tensor], dict[str, torch.Tensor]]
+            ) -> list[dict[str, torch.Tensor]]:
+    """Each bucket's post-step values as its members' read(param, where) joined, "step" one
+    per parameter."""
+    out = []
+    for b in buckets:
+        parts: dict[str, list[torch.Tensor]] = {}
+        for m in b["members"]:
+            for f, t in read(m["param"], m["where"]).items():
+                parts.setdefault(f, []).append(t.reshape(1) if f == "step" else t)
+        out.append({f: torch.cat(ts) for f, ts in parts.items()})
+    return out
+
+
+def _bucket(slices: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The per-parameter slices joined into one per (param group, dtypes, state fields, step
+    count): the update is elementwise, with scalars from the group and the step count only, so
+    a bucket's concatenation steps as its slices would, in one optimizer call instead of one per
+    parameter (and travels as a few tensors instead of hundreds). "step" stays one 0-d tensor."""
+    by: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for s in slices:
+        pre = s["pre"]
+        step = pre.get("step")
+        key = (s["group"], tuple((f, str(t.dtype)) for f, t in sorted(pre.items())),
+               None if step is None else float(step))
+        by.setdefault(key, []).append(s)
+    out = []
+    for members in by.values():
+        pre = {f: (t if f == "step" else torch.cat([m["pre"][f] for m in members]))
+               for f, t in members[0]["pre"].items()}
+        out.append({"group": members[0]["group"], "params": [m["param"] for m in members],
+                    "lengths": [int(m["where"].numel()) for m in members],
+                    "where": torch.cat([m["where"] for m in members]), "pre": pre,
+                    "members": members})
+    return out
 
 
 class _Packer(pickle.Pickler):
@@ -389,8 +438,8 @@ class UpdateBuddy:
         self.width = max((len(v) for v in self.owners_of.values()), default=0)
         self.ref_width = max((len(v) for v in self.refereed.values()), default=0)
         self.armed: Optional[int] = None  # the step whose update the next step() makes
-        # (step, slices) taken by the pre-hook: slices[i] = {"param": k, "group": g,
-        # "where": indices, "pre": {...}}
+        # (step, buckets) taken by the pre-hook (_bucket: the sampled slices of the parameters
+        # of one param group, dtypes, state fields and step count, joined)
         self.taken: Optional[tuple[int, list[dict[str, Any]]]] = None
         self._hyper: dict[int, dict[str, Any]] = {}  # the groups' hyper-parameters, with taken
         self.last_clean: Optional[int] = None
@@ -435,19 +484,19 @@ class UpdateBuddy:
             pre.update(_state_of(optimizer.state.get(p, {}), self.sizes[k], at))
             slices.append({"param": k, "group": g, "where": where, "pre": pre})
         hyper = {g: _hyper(self.cls, groups[g]) for g in {s["group"] for s in slices}}
-        self.taken = (step, slices)
+        self.taken = (step, _bucket(slices))
         self._hyper = hyper
 
-    def _post(self, slices: list[dict[str, Any]]) -> list[dict[str, torch.Tensor]]:
+    def _post(self, buckets: list[dict[str, Any]]) -> list[dict[str, torch.Tensor]]:
         """The sampled elements as the step left them (read in check_weights)."""
-        out = []
-        for s in slices:
-            p = self.params[s["param"]]
-            at = s["where"].to(_local(p).device)
+        def read(k: int, where: torch.Tensor) -> dict[str, torch.Tensor]:
+            p = self.params[k]
+            at = where.to(_local(p).device)
             got = {"param": _flat(p).index_select(0, at).cpu()}
-            got.update(_state_of(self.optimizer.state.get(p, {}), self.sizes[s["param"]], at))
-            out.append(got)
-        return out
+            got.update(_state_of(self.optimizer.state.get(p, {}), self.sizes[k], at))
+            return got
+
+        return _joined(buckets, read)
 
     # ---- the rounds ------------------------------------------------------------------------
 
@@ -464,8 +513,8 @@ class UpdateBuddy:
             post = self._post(taken[1])
             mine = _digest(post)
             data = _encode({"cls": self.cls.__name__, "hyper": self._hyper,
-                            "slices": [{"param": s["param"], "group": s["group"],
-                                        "where": s["where"], "pre": s["pre"]} for s in taken[1]],
+                            "slices": [{k: v for k, v in b.items() if k != "members"}
+                                       for b in taken[1]],
                             "post": post})
             self.counters["update_elements"] += sum(int(s["where"].numel()) for s in taken[1])
         offer = walk.gather("update_offer", torch.tensor(
@@ -586,10 +635,11 @@ class UpdateBuddy:
                 cls = next(c for c in SUPPORTED if c.__name__ == got["cls"])
                 slices = got["slices"]
                 redone = recompute(cls, got["hyper"], slices, self.device)
+                for r, b in zip(redone, slices):  # the step count: one per parameter
+                    if "step" in r:
+                        r["step"] = r["step"].reshape(1).repeat(len(b["params"]))
                 d = _digest(redone)
-                n, k, field, index = _first_difference(
-                    redone, got["post"], [s["param"] for s in slices],
-                    [s["where"] for s in slices])
+                n, k, field, index = _first_difference(redone, got["post"], slices)
                 row[slot * SLOT:(slot + 1) * SLOT] = torch.tensor(
                     [DONE, d[0], d[1], n, k, field, index], dtype=torch.int64)
             except Exception as e:  # noqa: BLE001 - every rank raises alike below
