@@ -84,7 +84,7 @@ from screener.audit.refusals import refuse_placement, refuse_unreplayable
 from screener.audit.reporting import History, Reporter
 from screener.audit.ring import loss_bits
 from screener.audit.sharded_rounds import decode_batch, encode_batch
-from screener.audit.topology import Topology, gather_topology, job_name
+from screener.audit.topology import gather_topology, job_name
 from screener.fingerprint import fingerprints
 
 __all__ = ["PipelineAuditor", "is_pipeline_schedule", "PIPELINE_STEP", "AUDITED_SCHEDULES"]
@@ -179,20 +179,20 @@ class PipelineAuditor:
 
     schedule: this rank's ScheduleGPipe or Schedule1F1B over a PipelineStage whose module is
     sharded with fully_shard over the stage's data-parallel ranks. audit_every, self_check_every,
-    job, alarm_dir, start_step as for the other auditors. Refuses (AuditUsageError, one line, on
+    weights_every (the shard record), job, alarm_dir, start_step as for the other auditors. Refuses (AuditUsageError, one line, on
     every rank alike) what it cannot replay bit for bit.
     """
 
     def __init__(self, schedule: Any, *, audit_every: int = 50, weights_every: int = 100,
                  self_check_every: int = 20,
                  job: Optional[str] = None, alarm_dir: Optional[str | os.PathLike[str]] = None,
-                 topology: Optional[Topology] = None, start_step: Optional[int] = None,
-                 **unsupported: Any) -> None:
+                 start_step: Optional[int] = None, **unsupported: Any) -> None:
         given = sorted(k for k, v in unsupported.items() if v is not None)
         if given:
             raise AuditUsageError(f"screener.audit: pipeline parallel takes no {', '.join(given)} "
-                                  f"(check 2 replays through the schedule; the weight vote and "
-                                  f"the sentinel do not run under pipeline parallel)")
+                                  f"(the replays run the job's schedule, so no loss_fn or "
+                                  f"batch_fn; no GradScaler, accumulation_steps, sentinel or "
+                                  f"custom topology under pipeline parallel yet)")
         self.config = AuditConfig(audit_every=audit_every, weights_every=weights_every,
                                   self_check_every=self_check_every,
                                   job=job_name() if job is None else job,
@@ -214,8 +214,7 @@ class PipelineAuditor:
         group = dist.get_process_group_ranks(stage.group) if stage is not None else []
         mine = json.dumps([int(getattr(stage, "stage_index", -1)),
                            int(getattr(stage, "num_stages", 0)), [int(g) for g in group]])
-        self.topology = topology if topology is not None else gather_topology(
-            None, device=self.device, layout=mine, refusal=refusal)
+        self.topology = gather_topology(None, device=self.device, layout=mine, refusal=refusal)
         me = self.topology.info(self.rank)
         self.hostname, self.node = me.hostname, me.node
         self.plan = self._agree([i.refusal for i in self.topology.infos],
