@@ -134,10 +134,10 @@ class Net(torch.nn.Module):
 def build(mesh: Any, *, how: str, sequence_parallel: bool) -> Net:
     """TP on mesh["tp"] (sequence parallel: the norms SequenceParallel, activations sharded on
     the sequence between blocks), each block compiled (how: "wrap" is torch.compile(block)
-    registered in its place, torchtitan's; "method" is block.compile(); "eager": none), then fully_shard on
-    mesh["dp"], each block and the root. Without sequence parallel the norms' weights are
-    replicated on mesh["tp"] (every parameter on the one 2-D mesh: the audit refuses
-    parameters TP left alone on the dp sub-mesh)."""
+    registered in its place, torchtitan's; "method" is block.compile(); "eager" compiles
+    nothing), then fully_shard on mesh["dp"], each block and the root. Without sequence parallel
+    the norms' weights are replicated on mesh["tp"] (every parameter on the one 2-D mesh: the
+    audit refuses parameters TP left alone on the dp sub-mesh)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, \
         SequenceParallel, parallelize_module

@@ -1,0 +1,72 @@
+"""examples/train_nd.py end to end under screener launch -- torchrun: a small Llama-style model,
+FSDP2 x tensor parallel on a (dp, tp) mesh, a TP group per simulated node. Healthy steps exit 0;
+one bit flipped in rank 3's embedding output at an audit step ends in exit 75, the alarm naming
+rank 3's TP group on its node, one alarm file there. --pp is refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddp_util import free_port
+from screener.types import AlarmRecord
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "train_nd.py"
+
+
+def _launch(tmp_path: Path, nproc: int, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "screener.launch", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), str(EXAMPLE), "--alarm-dir",
+           str(tmp_path / "alarms"), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    env.pop("NODE_NAME", None)
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=280)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_nd_example_trains_healthy_steps_to_exit_0(tmp_path):
+    proc = _launch(tmp_path, 4, "--nodes", "2", "--tp", "2", "--steps", "3",
+                   "--sequence-parallel", "--loss-parallel")
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr[-3000:]
+    assert "mesh (dp, tp) = (2, 2); TP groups [[0, 1], [2, 3]]" in out
+    assert "done: 3 steps, no alarm" in out and "'audits': 3" in out, out
+    assert not list((tmp_path / "alarms").iterdir())
+    assert "terminate called" not in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_flip_in_the_nd_example_exits_75_naming_the_tp_group_and_its_node(tmp_path):
+    proc = _launch(tmp_path, 6, "--nodes", "3", "--tp", "2", "--steps", "3",
+                   "--inject", "flip:rank=3,step=2")
+    out = proc.stdout
+    assert proc.returncode == 75, out + proc.stderr[-3000:]
+    assert "rank 3: fault in the embedding output element 5" in out
+    node = "hyperpod-i-00000000000000002"
+    assert (f"ALARM: SDC alarm ring_replay at step 2: rank 2, rank 3 on {node} "
+            f"(i-00000000000000002) (settled)") in out, out + proc.stderr[-3000:]
+    assert "exit code 75" in out
+    (f,) = (tmp_path / "alarms").iterdir()
+    rec = AlarmRecord.from_dict(json.loads(f.read_text()))
+    assert (rec.check, rec.step, rec.settled, rec.suspect_ranks, rec.node) == (
+        "ring_replay", 2, True, (2, 3), node)
+    assert "terminate called" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_pipeline_parallel_in_the_nd_example_is_refused_in_one_line():
+    proc = subprocess.run([sys.executable, str(EXAMPLE), "--pp", "2"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [proc.stderr.strip()]
+    assert proc.stderr.startswith("pipeline parallel: see screener/audit/pipeline.py")
