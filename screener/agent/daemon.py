@@ -21,6 +21,8 @@ store then decides on what it knows and spools: KubeStore.decide_offline), only 
 ladder and screens wait for it.
 
 Each pass (`tick`):
+  0. finishes a transition a killed predecessor left half-written (the kube store's intent
+     journal, screener.stores.intents), before anything reads the node;
   1. takes in alarm files (screener.agent.intake): each applied through the lifecycle exactly
      once, with the GPU serials it names kept only when this node's NVML reports them (the first
      pass after start-up probes before the intake, so that those serials are known);
@@ -122,6 +124,7 @@ class Daemon:
     probe = _Port()
     publish = _Port()
     replay = _Port()
+    finish = _Port()
     gpu_pods = _Port()
     on_quarantine = _Port()
 
@@ -278,6 +281,10 @@ class Daemon:
         now = self.clock.monotonic()
         report = PassReport(node=self.node, started=self.stamps.now())
         self.metrics.beat()
+        if self.finish is not None:
+            # Before anything reads the node: a transition a killed predecessor left half-written
+            # is finished (or dropped, undone), so the intake does not take its alarm for done.
+            self._step(report, "intents", self.finish)
         if not self.started and not self.stop.is_set():
             # Retried on every pass; not started, the pass still probes and takes in alarms.
             self._step(report, "start", self.start)

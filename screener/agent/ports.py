@@ -43,7 +43,8 @@ class DaemonPorts:
         cluster. own_pids(): our PIDs (host.own_pids). publish(node, annotations): sets
         annotations on the Node (KubeStore.set_annotations) or None. on_quarantine(node): the
         optional deep health check. replay(): writes spooled transitions (KubeStore.replay) or
-        None. reap(): ends screen workers a killed predecessor left (screening.reap_stale_screens
+        None. finish(): finishes the transitions a killed predecessor left half-written
+        (KubeStore.finish_intents), at the start of every pass, or None. reap(): ends screen workers a killed predecessor left (screening.reap_stale_screens
         bound to the runner's work_dir) or None. node_created(): the Node object's creation time
         (unix seconds, None when unknown) for the adoption rule, or None. commit_kmsg(): saves
         the kernel-log position (DeferredKernelLogReader.commit) once what it read is durable, or
@@ -72,6 +73,7 @@ class DaemonPorts:
     publish: Optional[PublishFn] = None
     on_quarantine: Optional[Callable[[str], Any]] = None
     replay: Optional[Callable[[], int]] = None
+    finish: Optional[Callable[[], int]] = None
     reap: Optional[Callable[[], Any]] = None
     node_created: Optional[Callable[[], Optional[float]]] = None
     commit_kmsg: Optional[Callable[[], None]] = None

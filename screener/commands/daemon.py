@@ -51,6 +51,7 @@ def build_daemon(app: AppContext, config: Any, *, stop: threading.Event,
         gpu_pods: Any = lambda: store.gpu_pods(node)  # noqa: E731
         kwargs.update(publish=store.set_annotations,
                       replay=lambda: store.replay() if store.pending() else 0,
+                      finish=store.finish_intents,
                       node_created=lambda: _created(store.get_node(node)))
         if config.dra.enabled:  # per-GPU DeviceTaintRules (screener.agent.device_taints)
             from screener.stores.kubedevices import KubeDeviceTaints

@@ -46,6 +46,7 @@ import random
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 from screener import boundedjson
@@ -72,11 +73,12 @@ from screener.stores.kubehistory import NodeHistories
 from screener.stores.kubequorum import KubeQuorum
 from screener.stores.kubenode import (GPU_RESOURCE, WARNING_STATES,  # noqa: F401 (re-exported)
                                       annotation, condition_status, gpus_requested, reason_patch,
-                                      screening_patch,
+                                      screening_patch, state_name,
                                       state_of)
 from screener.stores.kubewrite import Superseded, TransitionWriter
-from screener.lifecycle.records import (ACTOR_SCREENER, BUDGET_STATES, StaleTransition, Transition,
-                                        json_safe)
+from screener.stores.intents import IntentJournal
+from screener.lifecycle.records import (ACTOR_SCREENER, BUDGET_STATES, BudgetConflict,
+                                        StaleTransition, Transition, json_safe)
 from screener.stores.paths import default_state_dir
 from screener.stores.spool import Spool
 from screener.types import ANNOTATION_HISTORY, ANNOTATION_VERDICT, LABEL_STATE, NodeState, node_name
@@ -97,7 +99,8 @@ class KubeStore:
                  fleet_shards: int = FLEET_SHARDS,
                  clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
                  rng: Callable[[], float] = random.random, component: str = "screener",
-                 instance: Optional[str] = None) -> None:
+                 instance: Optional[str] = None,
+                 intents: Optional[IntentJournal] = None) -> None:
         """namespace: where the history ConfigMaps and the budget live ($POD_NAMESPACE, else
         screener-system). history_limit/history_bytes bound a node's history ConfigMap.
         page_size: items per page of a list. recount_s: how old the budget record's fleet count
@@ -105,9 +108,15 @@ class KubeStore:
         claim_grace_s: how long a count keeps a budget slot whose node does not show the state
         yet (the claimer is between its two writes). timeouts: of every request and call (the
         daemon's `kube_timeouts` table). fleet_shards: how many objects registrations spread
-        over (every daemon of a fleet must use the same number)."""
+        over (every daemon of a fleet must use the same number). intents: the journal of
+        transitions in flight (intents.py); default: `intents/` next to the spool's file (none
+        with a spool in memory)."""
         self.api = kubernetes.client.CoreV1Api(api_client)
         self.spool = spool if spool is not None else Spool(":memory:")
+        if intents is None:
+            where = self.spool.path
+            intents = IntentJournal(None if where == ":memory:" else Path(where).parent / "intents")
+        self.intents = intents
         self.namespace = namespace or os.environ.get("POD_NAMESPACE") or DEFAULT_NAMESPACE
         self.clock = clock
         self.instance = instance or node_name()
@@ -179,7 +188,9 @@ class KubeStore:
 
     def record(self, transition: Transition) -> None:
         """Write now, or spool (after retries) and write later in order. Never drops a transition."""
-        self._record(transition)
+        with self._lock, self.intents.write([transition]) as intent:
+            self._record(transition)
+            intent.done()
 
     def _record(self, transition: Transition, node_obj: Optional[dict[str, Any]] = None,
                 cm: Any = ..., view: Optional[BudgetView] = None) -> bool:
@@ -259,6 +270,92 @@ class KubeStore:
         """How many transitions wait in the spool."""
         return len(self.spool)
 
+    def _unwritten(self, node: str) -> list[Transition]:
+        """The node's transitions decided and not known written: an unfinished intent's (its
+        writer died, and the API has been out of reach since) and the spool's, oldest first."""
+        spooled = [t for _, t in self.spool.entries(node)]
+        ids = {t.id for t in spooled}
+        return sorted(spooled + [t for t in self.intents.pending(node) if t.id not in ids],
+                      key=lambda t: t.time)
+
+    def finish_intents(self) -> int:
+        """Finish the transitions that a screener process which died (kill -9, OOM, power) left
+        half-written: every intent on file whose writer is gone (intents.py), oldest first.
+
+        The daemon calls this at its start and at the start of every pass, before anything reads
+        the node. A transition whose Node write landed is completed (history entry, budget,
+        condition, Event: each written only where missing); one whose Node write did not land is
+        written now if the node is still in the state it was decided on (its budget slot claimed
+        first, under the limit it was decided under), and otherwise dropped: it was decided on a
+        state another writer has changed, and the input it came from (an alarm file, a finding)
+        was not marked done, so it is decided again. Either way the node ends with at most one
+        budget slot. Stops at the first the API cannot take yet (TransientKubeError), to try again
+        on the next pass; returns how many were finished or dropped."""
+        handled = 0
+        with self._lock:
+            for intent in self.intents.unfinished():
+                with intent:
+                    try:
+                        for t in intent.transitions:
+                            self._finish(t)
+                    except TransientKubeError as e:
+                        log.info("unfinished transition %s of %s waits: the API is out of reach "
+                                 "(%s)", intent.key, intent.transitions[0].node, e)
+                        break
+                    except NodeNotFound as e:
+                        log.error("dropping unfinished transition %s: %s", intent.key, e)
+                    intent.done()
+                    handled += 1
+        if handled:
+            log.warning("finished %d transition(s) that a stopped screener left half-written",
+                        handled, extra={"event": "intents_finished", "count": handled})
+        return handled
+
+    def _finish(self, t: Transition) -> None:
+        """One transition of an unfinished intent (see finish_intents)."""
+        obj = self.calls.read_node(t.node)
+        cm = self.histories.configmap(t.node)
+        on_node, _ = kf.parse_node_history(annotation(obj, ANNOTATION_HISTORY), t.node)
+        written = (any(e.get("id") == t.id for e in on_node)
+                   or any(e["id"] == t.id for e in kf.history_entries(cm)))
+        stored = state_of(obj)
+        if written:
+            self._write(t, check_from=False, node_obj=copy.deepcopy(obj), cm=cm)
+            self.budget.settle(t.node, state_of(self.calls.read_node(t.node)))
+            log.warning("finished transition %s of %s (%s -> %s), left half-written by a stopped "
+                        "screener", t.id, t.node, state_name(t.from_state), t.to_state.value,
+                        extra={"event": "intent_finished", "transition": t.id})
+            return
+        if stored != t.from_state:
+            self.budget.settle(t.node, stored)
+            log.warning("dropping unfinished transition %s of %s (%s -> %s): nothing of it was "
+                        "written and the node is %s now; its input is decided again", t.id,
+                        t.node, state_name(t.from_state), t.to_state.value,
+                        state_name(stored), extra={"event": "intent_dropped",
+                                                       "transition": t.id})
+            return
+        view = self.budget.view()
+        if t.to_state in BUDGET_STATES and t.from_state not in BUDGET_STATES:
+            own = self.budget.slots_of(t.node)  # a claim made before the process died
+            view.claims.update({c.index: c for c in own})
+            if not own:
+                limit = decided_limit(t, view) if t.actor == ACTOR_SCREENER else None
+                try:
+                    view = self.budget.claim(view, t.node, t.to_state, limit)
+                except BudgetConflict as e:
+                    log.warning("dropping unfinished transition %s of %s: nothing of it was "
+                                "written and %s; its input is decided again", t.id, t.node, e,
+                                extra={"event": "intent_dropped", "transition": t.id})
+                    return
+        try:
+            self._record(t, node_obj=copy.deepcopy(obj), cm=cm, view=view)
+        except StaleTransition:
+            self.budget.settle(t.node, state_of(self.calls.read_node(t.node)))
+            raise
+        log.warning("finished transition %s of %s (%s -> %s), decided by a stopped screener "
+                    "before its first write", t.id, t.node, state_name(t.from_state),
+                    t.to_state.value, extra={"event": "intent_finished", "transition": t.id})
+
     def history(self, node: str, since: Optional[float] = None) -> list[Transition]:
         try:
             obj = self.calls.read_node(node)
@@ -267,7 +364,7 @@ class KubeStore:
             if not self.offline:
                 raise
             # Out of reach in the daemon: what this store has decided and not written yet.
-            return [t for _, t in self.spool.entries(node) if since is None or t.time >= since]
+            return [t for t in self._unwritten(node) if since is None or t.time >= since]
 
     def all_states(self) -> dict[str, NodeState]:
         """Every node with a screener state: one paginated, label-selected list of Node metadata."""
@@ -307,8 +404,14 @@ class KubeStore:
 
     @contextmanager
     def begin(self, node: str) -> Iterator["KubeTxn"]:
-        """One read-decide-write of `node` against the budget (see NodeTxn)."""
+        """One read-decide-write of `node` against the budget (see NodeTxn); a transition that a
+        stopped screener left half-written is finished first (finish_intents)."""
         with self._lock:
+            if len(self.intents):
+                try:
+                    self.finish_intents()
+                except KubeApiError as e:  # a person must fix it; the decision goes on
+                    log.error("cannot finish a half-written transition: %s", e)
             try:
                 txn: Any = KubeTxn(self, node)
             except TransientKubeError as e:
@@ -342,14 +445,14 @@ class KubeStore:
         """The budget as it stands (fleet, out, counted): one list; counted again when stale."""
         return self.budget.view()
 
-    def _release_unless_out(self, node: str) -> None:
-        """Free the node's slot unless its label says it is out (after a claim whose node write
-        was refused)."""
+    def _settle_slots(self, node: str) -> None:
+        """After a claim whose node write was refused: the node keeps one slot if its label says
+        it is out (whoever's claim it was), none otherwise (kubebudget.KubeBudget.settle)."""
         try:
             state = state_of(self.calls.read_node(node))
         except NodeNotFound:
             state = None
-        self.budget.release_unless_out(node, state)
+        self.budget.settle(node, state)
 
     # --- what the daemon needs besides the protocol -----------------------------------------
 
@@ -467,26 +570,38 @@ class KubeTxn:
             if legacy and on_node:
                 store.histories.migrate(self.node, on_node, self._cm)
             return
-        first = True
         for t in transitions:
             if t.node != self.node:
                 raise ValueError(f"a decision about {self.node} cannot record a transition of {t.node}")
-            claimed = False
-            if (t.to_state in BUDGET_STATES and t.from_state not in BUDGET_STATES
-                    and not self._view.claims_of(self.node)):
-                # An automatic decision claims below the limit it was made under; a person's is
-                # not limited by the budget, but counts for others before the node leaves service.
-                limit = decided_limit(t, self._view) if t.actor == ACTOR_SCREENER else None
-                self._view = store.budget.claim(self._view, self.node, t.to_state, limit)
-                claimed = True
-            try:
-                store._record(t, node_obj=copy.deepcopy(self._obj) if first else None,
-                              cm=self._cm if first else ..., view=self._view)
-            except StaleTransition:
-                if claimed:
-                    store._release_unless_out(self.node)
-                raise
-            first = False
+        # Durable before the first write (intents.py): a process killed from here on leaves a
+        # transition the next pass finishes, never half of one.
+        with store.intents.write(transitions) as intent:
+            first = True
+            for t in transitions:
+                claimed = False
+                try:
+                    if (t.to_state in BUDGET_STATES and t.from_state not in BUDGET_STATES
+                            and not self._view.claims_of(self.node)):
+                        # An automatic decision claims below the limit it was made under; a
+                        # person's is not limited by the budget, but counts for others before the
+                        # node leaves service.
+                        limit = decided_limit(t, self._view) if t.actor == ACTOR_SCREENER else None
+                        self._view = store.budget.claim(self._view, self.node, t.to_state, limit)
+                        claimed = True
+                    store._record(t, node_obj=copy.deepcopy(self._obj) if first else None,
+                                  cm=self._cm if first else ..., view=self._view)
+                except StaleTransition:
+                    if claimed:
+                        # Another writer moved the node first (a second daemon on it): the slot
+                        # claimed for this transition goes unless it is the node's only one.
+                        store._settle_slots(self.node)
+                    intent.done()
+                    raise
+                except BudgetConflict:
+                    intent.done()  # nothing of this transition was written: decided again
+                    raise
+                first = False
+            intent.done()
 
 
 class OfflineTxn:
@@ -499,15 +614,15 @@ class OfflineTxn:
 
     def __init__(self, store: KubeStore, node: str, cause: TransientKubeError) -> None:
         self._store, self.node, self.cause = store, node, cause
-        pending = store.spool.entries(node)
+        pending = store._unwritten(node)
         known = store.spool.known(node)
-        self.state: Optional[NodeState] = (pending[-1][1].to_state if pending
+        self.state: Optional[NodeState] = (pending[-1].to_state if pending
                                            else NodeState(known) if known else None)
         if self.state is None:
             # Never seen by this store (a fresh state disk): a guess could put a serving node
             # in burnin, or undo its adoption. It waits for the API, as before.
             raise cause
-        self.history = [t for _, t in pending]
+        self.history = pending
         # No slot can be claimed: counts that hold every automatic quarantine in suspect.
         self.fleet_total = 1
         self.out_of_service = 1

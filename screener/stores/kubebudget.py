@@ -319,6 +319,17 @@ class KubeBudget:
                     log.warning("budget slot %s freed: it holds no claim", kf.slot_name(index))
                 v.foreign.pop(index, None)
                 self._foreign.pop(index, None)
+        by_node: dict[str, list[kf.Claim]] = {}
+        for claim in sorted(v.claims.values(), key=lambda c: c.index):
+            by_node.setdefault(claim.node, []).append(claim)
+        for node, claims in by_node.items():
+            for claim in claims[1:]:
+                # A node out of service holds one slot (its lowest, as KubeBudget.settle keeps):
+                # two claims for it raced (two daemons on one node), and one lost.
+                if self._tidy(self.calls.cm_delete, claim.name, claim.uid):
+                    log.warning("budget slot %s of %s freed: the node holds another", claim.name,
+                                node)
+                v.claims.pop(claim.index, None)
         held = {c.node for c in v.claims.values()}
         for node, state in sorted(out.items()):
             if node not in held:
@@ -449,15 +460,19 @@ class KubeBudget:
         if node in v.record.out:
             self._drop_legacy(node)
 
-    def sync(self, t: Transition, view: Optional[BudgetView] = None) -> None:
+    def sync(self, t: Transition, view: Optional[BudgetView] = None, *,
+             latest: bool = True) -> None:
         """After t's node write: register a new node, and make the slots agree with t. Every
-        step is idempotent, so a replay after a partial write completes it."""
+        step is idempotent, so a replay after a partial write completes it. latest: t is the
+        node's newest transition; an older one (finished late) leaves the slots to the newer."""
         into = t.to_state in BUDGET_STATES
         if t.from_state is not None and not into and t.from_state not in BUDGET_STATES:
             return  # healthy/burnin/suspect moves leave the budget alone
         view = view if view is not None else self.view()
         if t.from_state is None:
             self.register(view, t.node, t.time)
+        if not latest:
+            return
         if into and not view.claims_of(t.node):
             # Claimed before the node write when decided through begin(); here for a transition
             # recorded without one (or a claim a count freed meanwhile): it is decided already.
@@ -465,11 +480,30 @@ class KubeBudget:
         elif not into and t.node in view.out:
             self.release(view, t.node)
 
-    def release_unless_out(self, node: str, state: Optional[NodeState]) -> None:
-        """Free the node's slot unless `state`, its label as read now, says it is out (after a
-        claim whose node write was refused)."""
-        if state not in BUDGET_STATES:
-            self.release(self.view(), node)
+    def slots_of(self, node: str) -> list[kf.Claim]:
+        """The node's slots as they stand (a consistent list, not the cache's): for the rare
+        paths that must not miss a claim made a moment ago (a lost race, a finished intent)."""
+        out = []
+        for cm in self.calls.cm_list("list the budget slots",
+                                     f"{kf.LABEL_BUDGET}=true,{kf.LABEL_BUDGET_KIND}=slot"):
+            claim = kf.parse_slot(cm)
+            if claim is not None and claim.node == node:
+                out.append(claim)
+        return sorted(out, key=lambda c: c.index)
+
+    def settle(self, node: str, state: Optional[NodeState]) -> None:
+        """One slot per node whatever raced (issue 36.7: two daemons on one node left it holding
+        two): with `state`, the node's label as read now, out of service it keeps its lowest
+        slot, whoever claimed it, and every other goes; in service, all go. Every daemon that
+        settles the same node keeps the same one, so racing settles agree. Called after a claim
+        whose node write lost to another writer, and when an unfinished transition is finished."""
+        mine = self.slots_of(node)
+        extra = mine[1:] if state in BUDGET_STATES else mine
+        for claim in extra:
+            if self.calls.cm_delete(claim.name, claim.uid):
+                log.info("budget slot %s of %s freed: %s", claim.name, node,
+                         "the node holds another" if state in BUDGET_STATES
+                         else "the node is not out of service")
 
     def _drop_legacy(self, node: str) -> None:
         """Take `node` out of an earlier version's out-of-service list in the record. Only the

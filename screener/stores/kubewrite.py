@@ -87,11 +87,12 @@ class TransitionWriter:
         # The full history: this entry, and what only the Node holds (an old-format history to
         # migrate, or a summary entry whose ConfigMap write an earlier crash cut short).
         self.histories.append(t.node, entry, cm, on_node)
-        self.budget.sync(t, view)
-        # The status write must not reorder history: only write it when this transition is the
-        # node's latest (a replayed older one must not overwrite a newer condition).
-        latest, _ = kf.parse_node_history(annotation(obj, ANNOTATION_HISTORY), t.node)
-        if not latest or latest[-1].get("id") == t.id:
+        # The status write and the slots must not reorder history: only when this transition is
+        # the node's latest (a replayed or finished older one must not undo a newer one's).
+        summary, _ = kf.parse_node_history(annotation(obj, ANNOTATION_HISTORY), t.node)
+        latest = not summary or summary[-1].get("id") == t.id
+        self.budget.sync(t, view, latest=latest)
+        if latest:
             self.calls.update_node(t.node, lambda o: condition_patch(o, t, self.clock()),
                                    status=True, first=obj)
         self.events.post(t, obj)
