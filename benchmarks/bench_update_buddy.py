@@ -8,7 +8,8 @@ tests/fsdp_workers.py (LARGE shape) sharded with fully_shard three times over: p
 Auditor auditing every step (the ring replay and check 1; no weight check), and the same Auditor
 with optimizer= (the buddy on every step too). AdamW, the CPU default (single-tensor). Rounds
 interleave the three; the figures are medians over rounds: an audit step with the buddy on and
-off, the buddy's own cost (on minus off), and the ratio on/off. --no-ring: without loss_fn, so the
+off, the buddy's own cost (on minus off), and the ratio on/off, in wall time and in the CPU time
+of the ranks' processes (which a machine busy with other work disturbs less). --no-ring: without loss_fn, so the
 audit step is check 1 and the buddy alone.
 
 detection: in one process, what sample_plan reads of this model's shards at this world size, for
@@ -56,12 +57,14 @@ def _cost_rank(rank: int, world: int, *, rounds: int, steps: int, ring: bool) ->
     auditors = {"off": Auditor(models["off"], **common),
                 "on": Auditor(models["on"], optimizer=opts["on"], **common)}
     times: dict[str, list[float]] = {k: [] for k in kinds}
+    cpu: dict[str, list[float]] = {k: [] for k in kinds}  # this rank's process CPU time
     buddy: list[float] = []  # check_weights alone, buddy on
     step = {k: 1 for k in kinds}
 
     def run(kind: str) -> float:
         m, opt = models[kind], opts[kind]
         auditor = auditors.get(kind)
+        p0 = time.process_time()
         t0 = time.perf_counter()
         for _ in range(steps):
             s = step[kind]
@@ -78,18 +81,21 @@ def _cost_rank(rank: int, world: int, *, rounds: int, steps: int, ring: bool) ->
                 if kind == "on":
                     buddy.append(time.perf_counter() - c0)
             step[kind] += 1
+        cpu[kind].append((time.process_time() - p0) / steps)
         return (time.perf_counter() - t0) / steps
 
     for kind in kinds:  # warm-up
         run(kind)
     buddy.clear()
+    for v in cpu.values():
+        v.clear()
     for r in range(rounds):
         for kind in (kinds if r % 2 == 0 else tuple(reversed(kinds))):
             times[kind].append(run(kind))
     for a in auditors.values():
         a.close()
     assert auditors["on"].counters["update_checks"] >= rounds * steps
-    return {"times": times, "buddy": buddy,
+    return {"times": times, "cpu": cpu, "buddy": buddy,
             "elements": auditors["on"].counters["update_elements"] / (auditors["on"].counters[
                 "update_checks"] or 1),
             "bytes": auditors["on"].counters["update_bytes_received"] / (auditors["on"].counters[
@@ -119,6 +125,14 @@ def cost(world: int, rounds: int, steps: int, ring: bool) -> int:
           f"step (check_weights alone: {statistics.median(r0['buddy']) * 1e3:.1f} ms)")
     print(f"ratio, audit step on / off:     x{statistics.median(ratio):.3f} "
           f"[{min(ratio):.3f}-{max(ratio):.3f}]")
+    c = {k: [sum(r["cpu"][k][i] for r in per_rank) for i in range(len(t[k]))] for k in t}
+    cmed = {k: statistics.median(v) for k, v in c.items()}
+    cratio = [on / off for on, off in zip(c["on"], c["off"])]
+    print(f"CPU time of an audit step, all ranks: plain {cmed['plain'] * 1e3:.1f} ms, buddy off "
+          f"{cmed['off'] * 1e3:.1f} ms, on {cmed['on'] * 1e3:.1f} ms; on / off "
+          f"x{statistics.median(cratio):.3f} [{min(cratio):.3f}-{max(cratio):.3f}], the buddy "
+          f"{statistics.median([a - b for a, b in zip(c['on'], c['off'])]) * 1e3:.1f} ms "
+          f"(wall time waits for the machine's other work; CPU time less so)")
     print(f"sampled per rank per audit:     {r0['elements']:.0f} elements; received "
           f"{r0['bytes']:.0f} bytes (one owner's snapshot)")
     return 0

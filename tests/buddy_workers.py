@@ -31,11 +31,12 @@ SEED = 11
 WIDTH = (16, 48, 8)
 
 
-def build(world: int, *, bf16: bool = False) -> torch.nn.Module:
+def build(world: int, *, bf16: bool = False, hsdp: bool = False) -> torch.nn.Module:
     torch.manual_seed(SEED)
     model = torch.nn.Sequential(torch.nn.Linear(WIDTH[0], WIDTH[1]), torch.nn.Tanh(),
                                 torch.nn.Linear(WIDTH[1], WIDTH[2]))
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard")) \
+        if hsdp else init_device_mesh("cpu", (world,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if bf16 else MixedPrecisionPolicy()
     for layer in (model[0], model[2]):
@@ -129,6 +130,7 @@ class Scenario:
     audit_every: int = 1
     weights_every: int = 0  # the weight check (its all-gathers) off unless asked for
     bf16: bool = False
+    hsdp: bool = False  # a (replicate, shard) mesh instead of pure FSDP2
     ring: bool = False  # the ring replay too (loss_fn given)
     schedule: bool = False  # an lr scheduler that changes lr every step
     sample: Optional[int] = None
@@ -138,7 +140,7 @@ class Scenario:
 
 
 def train(rank: int, world: int, s: Scenario, alarm_dir: str) -> dict[str, Any]:
-    model = build(world, bf16=s.bf16)
+    model = build(world, bf16=s.bf16, hsdp=s.hsdp)
     opt = make_optimizer(s.optimizer, model.parameters(), **s.options)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1.0 + 0.37 * k)) \
         if s.schedule else None

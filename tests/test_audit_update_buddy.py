@@ -15,6 +15,7 @@ import torch
 
 import buddy_workers as bw
 from ddp_util import run_ranks
+from screener.agent.intake import validate
 from screener.audit.alarms import CHECKS
 from screener.audit.update_buddy import (MIN_PER_PARAM, _bucket, _digest, _first_difference,
                                          _hyper, _joined, _state_of, coverage, recompute,
@@ -54,6 +55,7 @@ PLAN_SIX = {
 FOUR = ["n1", "n1", "n2", "n2"]
 PLAN_FOUR = {
     "two_nodes_flip": S(steps=4, fault=bw.Flip(1, 2, bit=22)),
+    "hsdp_healthy": S(steps=4, hsdp=True, weights_every=2),
     "fused": S(steps=1, options=dict(fused=True)),
     "rmsprop": S(steps=1, optimizer="rmsprop"),
 }
@@ -243,6 +245,8 @@ def test_a_wrong_update_is_settled_on_its_rank_and_node(six, scenario, step, ran
     files = six[scenario][0]["files"]
     assert [(f["node"], f["check"], f["settled"], f["suspect_ranks"]) for f in files] == \
         [(node, "optimizer_update", True, [rank])]
+    record = validate(files[0])  # the daemon's reader takes it, and knows what it means
+    assert str(ALARM_CHECK_REASONS[record.check]) == "OptimizerUpdateMismatch"
     assert all(o["steps_done"] == step for o in six[scenario])
 
 
@@ -292,6 +296,14 @@ def test_with_two_nodes_a_mismatch_is_unsettled_on_both(four):
     assert sorted(a["candidate_ranks"]) == sorted([1, case["buddy"]])
     files = four["two_nodes_flip"][0]["files"]
     assert sorted((f["node"], f["settled"]) for f in files) == [("n1", False), ("n2", False)]
+
+
+def test_hsdp_with_the_optimizer_runs_clean(four):
+    """HSDP (2 replicas x 2 shards on two nodes): each replica updates its shard, each is
+    recomputed elsewhere; next to the shard vote, no alarm."""
+    for o in four["hsdp_healthy"]:
+        assert (o["alarm"], o["numeric"], o["usage"], o["steps_done"]) == (None, None, None, 4)
+        assert o["counters"]["update_checks"] == 4 and o["counters"]["weight_checks"] == 2
 
 
 @pytest.mark.parametrize("scenario, says", [("fused", "fused=True"), ("rmsprop", "RMSprop")])
