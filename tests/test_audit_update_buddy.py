@@ -94,8 +94,7 @@ OPTIMIZERS = [
 ]
 
 
-@pytest.mark.parametrize("cls, options", OPTIMIZERS)
-def test_the_slice_recomputed_is_the_real_update_bit_for_bit(cls, options):
+def _slices_against_the_real_step(cls, options, device):
     """The real step on whole tensors (three of them, sizes that leave vector tails) and the
     recomputation of their sampled slices, joined into one tensor per bucket (update_buddy.
     _bucket: the update is elementwise), agree in every bit of the parameter and the state,
@@ -103,18 +102,18 @@ def test_the_slice_recomputed_is_the_real_update_bit_for_bit(cls, options):
     in a sampled element is seen by the same comparison, and placed."""
     torch.manual_seed(0)
     sizes = [40_009, 333, 7]
-    params = [torch.nn.Parameter(torch.randn(n)) for n in sizes]
+    params = [torch.nn.Parameter(torch.randn(n, device=device)) for n in sizes]
     opt = cls(params, **options)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1.0 + k))
     for step in range(12):
         for p in params:
-            p.grad = torch.randn(p.numel()) * 10.0 ** (step % 5 - 2)
-        plan = sample_plan(step, sizes, 600)
+            p.grad = torch.randn(p.numel(), device=device) * 10.0 ** (step % 5 - 2)
+        plan = [w.to(device) for w in sample_plan(step, sizes, 600)]
         slices = []
         for k, (p, where) in enumerate(zip(params, plan)):
-            pre = {"param": p.detach()[where].clone(), "grad": p.grad[where].clone()}
+            pre = {"param": p.detach()[where].cpu(), "grad": p.grad[where].cpu()}
             pre.update(_state_of(opt.state.get(p, {}), p.numel(), where))
-            slices.append({"param": k, "group": 0, "where": where, "pre": pre})
+            slices.append({"param": k, "group": 0, "where": where.cpu(), "pre": pre})
         buckets = _bucket(slices)
         assert len(buckets) == 1 and buckets[0]["params"] == [0, 1, 2]
         hyper = {0: _hyper(cls, opt.param_groups[0])}
@@ -122,12 +121,13 @@ def test_the_slice_recomputed_is_the_real_update_bit_for_bit(cls, options):
         sched.step()
 
         def read(k, where):
-            got = {"param": params[k].detach()[where].clone()}
-            got.update(_state_of(opt.state[params[k]], sizes[k], where))
+            at = where.to(device)
+            got = {"param": params[k].detach()[at].cpu()}
+            got.update(_state_of(opt.state[params[k]], sizes[k], at))
             return got
 
         post = _joined(buckets, read)
-        redone = recompute(cls, hyper, buckets, torch.device("cpu"))
+        redone = recompute(cls, hyper, buckets, torch.device(device))
         for r in redone:
             if "step" in r:
                 r["step"] = r["step"].reshape(1).repeat(3)
@@ -138,6 +138,20 @@ def test_the_slice_recomputed_is_the_real_update_bit_for_bit(cls, options):
     n, k, field, index = _first_difference(redone, post, buckets)
     assert (n, k, field, index) == (1, 1, 0, int(plan[1][3]))
     assert _digest(redone) != _digest(post)
+
+
+@pytest.mark.parametrize("cls, options", OPTIMIZERS)
+def test_the_slice_recomputed_is_the_real_update_bit_for_bit(cls, options):
+    _slices_against_the_real_step(cls, options, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cls, options", OPTIMIZERS)
+def test_on_a_gpu_the_slice_recomputed_is_the_real_update_bit_for_bit(cls, options):
+    """CUDA: foreach (None resolves to it there) runs multi-tensor kernels over whole tensors in
+    the real step, over the joined slices in the recomputation."""
+    _slices_against_the_real_step(cls, {k: v for k, v in options.items() if k != "foreach"},
+                                  "cuda")
 
 
 def test_every_bit_class_of_a_sampled_element_is_seen_and_none_outside_the_sample():
