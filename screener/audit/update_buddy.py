@@ -11,16 +11,16 @@ So on audit steps the update is done twice. A step pre-hook on the optimizer sna
 rank, a sample of each owned shard as `step()` is about to use it: the parameter, the reduced
 gradient, every optimizer state tensor and the step count, with the param group's
 hyper-parameters as they are at that moment (a scheduler's lr included). check_weights reads the
-same elements after the step. Owner and buddy then walk three rounds of check_weights' schedule:
+same elements after the step. Owner and buddy then walk three rounds of FSDP_UPDATE (sharded.py), in check_weights:
 
 - "update_offer" (every rank): whether it holds a snapshot of this step, its size, and the
-  fingerprint of its post-step sample;
+  digest (blake2b) of its post-step sample;
 - "update_ship" (point to point): each owner's snapshot to its buddy, the ring's pairing
   (ring.replayer_of: the same local rank on the previous node);
 - "update_verdicts" (every rank): the buddy's recomputation, a fresh optimizer of the same class
   over the sampled elements, with the same group hyper-parameters and flags (foreach or the
   single-tensor loop, resolved as torch resolves them for tensors of that device), the same
-  dtypes and device type, and the owner's state, stepped once; its fingerprint against the
+  dtypes and device type, and the owner's state, stepped once; its digest against the
   owner's, bit for bit.
 
 A mismatch is evidence against the owner's update, or the buddy's recomputation. With a third node
