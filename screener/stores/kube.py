@@ -130,7 +130,8 @@ class KubeStore:
         self.budget = KubeBudget(self.calls, instance=self.instance, clock=clock, sleep=sleep,
                                  rng=rng, conflict_attempts=retry.conflict_attempts,
                                  recount_s=recount_s, claim_grace_s=claim_grace_s,
-                                 shards=fleet_shards)
+                                 shards=fleet_shards,
+                                 register_ahead_s=timeouts.call_s + 60.0)
         self.histories = NodeHistories(self.calls, self.spool, keep=history_limit,
                                        max_bytes=history_bytes,
                                        conflict_attempts=retry.conflict_attempts)
@@ -588,6 +589,10 @@ class KubeTxn:
                         limit = decided_limit(t, self._view) if t.actor == ACTOR_SCREENER else None
                         self._view = store.budget.claim(self._view, self.node, t.to_state, limit)
                         claimed = True
+                    if t.from_state is None and not len(store.spool):
+                        # Registered before the Node write: no count of the fleet, however it
+                        # interleaves, sees the node's label without its registration.
+                        store.budget.register(self._view, self.node)
                     store._record(t, node_obj=copy.deepcopy(self._obj) if first else None,
                                   cm=self._cm if first else ..., view=self._view)
                 except StaleTransition:

@@ -61,6 +61,10 @@ MAX_REGISTERED = 256  # registrations since the count that make the record count
 STRAY_RECHECK_S = 30.0  # a look at who is really out that found no stray holds this long
 STRAY_POLLS = 12  # reads of the budget while another daemon's count frees strays (~10 s)
 CLOCK_SKEW_S = 300.0  # a record counted further in the future than this is counted again
+# How far ahead of its writer's clock a registration is stamped: past the longest a write can be
+# in flight (a call's deadline, and the API server's own 60 s request timeout), so that every
+# registration stamped before a count began has landed before the count reads the shards.
+REGISTER_AHEAD_S = 105.0
 
 
 @dataclass
@@ -111,12 +115,14 @@ class KubeBudget:
                  sleep: Callable[[float], None], rng: Callable[[], float],
                  conflict_attempts: int, recount_s: float, claim_grace_s: float,
                  lease_s: float = 120.0, shards: int = FLEET_SHARDS,
-                 max_registered: int = MAX_REGISTERED) -> None:
+                 max_registered: int = MAX_REGISTERED,
+                 register_ahead_s: float = REGISTER_AHEAD_S) -> None:
         self.calls, self.instance = calls, instance
         self.clock, self.sleep, self.rng = clock, sleep, rng
         self.conflict_attempts = conflict_attempts
         self.recount_s, self.claim_grace_s, self.lease_s = recount_s, claim_grace_s, lease_s
         self.shards, self.max_registered = max(1, shards), max_registered
+        self.register_ahead_s = register_ahead_s
         self._jitter = rng()  # each store's own extra wait before a record counts as stale
         # Slot names a create found taken by something that is no claim, and not labelled as the
         # budget's (so no list shows them): remembered, so no pick takes them again.
@@ -185,7 +191,8 @@ class KubeBudget:
         # never grow stale: it is counted again.
         due = (now - v.record.counted > self.recount_s * (1 + 0.25 * self._jitter)
                or v.record.counted > now + CLOCK_SKEW_S
-               or len(v.registered) > self.max_registered)
+               or sum(1 for nodes, _ in v.shards.values() for when in nodes.values()
+                      if v.record.counted <= when <= now) > self.max_registered)
         if v.record.out and now - self._legacy_count > STRAY_RECHECK_S:
             # An out-of-service list in the record (an earlier version's, or a rewritten record)
             # counts nodes out that the decisions read before any claim: counted now, which
@@ -248,13 +255,26 @@ class KubeBudget:
         is here, and the admission policy lets only the record's counter free others' slots and
         prune the shards."""
         start = self.clock()
-        fleet, out = 0, {}
+        fleet, out, labelled = 0, {}, set()
         for obj in self.calls.node_meta(LABEL_STATE):
             state = state_of(obj, warn=False)
             if state is not None:
                 fleet += 1
+                labelled.add(obj["metadata"]["name"])
                 if state in BUDGET_STATES:
                     out[obj["metadata"]["name"]] = state
+        # The registrations as they stand after the list (issue 36.7: 1,500 racing left the fleet
+        # 2 to 24 short until the next count). One stamped at or after `start` stays a
+        # registration under the new record, so the count leaves its node out; one stamped
+        # before landed before this read (REGISTER_AHEAD_S): its node is counted, by its label
+        # or, still between its registration and its Node write, here.
+        self._fresh_shards(v)
+        visible = {n for nodes, _ in v.shards.values() for n, when in nodes.items()
+                   if when >= start}
+        in_flight = {n for nodes, _ in v.shards.values() for n, when in nodes.items()
+                     if n not in labelled and n not in visible
+                     and max(v.record.counted, start - self.claim_grace_s) <= when < start}
+        fleet = len(labelled - visible) + len(in_flight)
         written_fleet = fleet
         if v.record.counted > 0 and fleet > v.record.fleet + kf.RECORD_MAX_RAISE:
             # The policy admits no larger step; the next counts reach the rest (see kubeformat).
@@ -282,13 +302,35 @@ class KubeBudget:
         log.info("quarantine budget counted: %d nodes, %d out of service", fleet, len(out))
         return self.read() or v
 
+    def _fresh_shards(self, v: BudgetView) -> None:
+        """The registration shards read again, each by a consistent get (not the cache's list)."""
+        for index in range(self.shards):
+            cm = self.calls.cm_get(kf.shard_name(index))
+            if cm is None:
+                v.shards.pop(index, None)
+                v.shard_data.pop(index, None)
+                continue
+            v.shards[index] = (kf.parse_shard(cm), cm["metadata"].get("resourceVersion"))
+            v.shard_data[index] = {str(k): str(x) for k, x in (cm.get("data") or {}).items()}
+
     def _prune_shards(self, v: BudgetView, counted: float) -> None:
-        for index, (nodes, rv) in v.shards.items():
-            keep = {n: t for n, t in nodes.items() if t >= counted}
-            if len(keep) != len(nodes) or set(v.shard_data.get(index, {})) != set(keep):
-                # A conflict: a registration just landed; the next count prunes it.
-                self._tidy(self.calls.cm_write, kf.shard_configmap(
-                    index, keep, namespace=self.calls.namespace, resource_version=rv))
+        """Take out the registrations stamped before the count (it holds their nodes); one that
+        lands meanwhile makes the write conflict: read again and prune again, a few times (what
+        is left is invisible under the record, and the next count prunes it)."""
+        for index in list(v.shards):
+            for _ in range(3):
+                nodes, rv = v.shards[index]
+                keep = {n: t for n, t in nodes.items() if t >= counted}
+                if len(keep) == len(nodes) and set(v.shard_data.get(index, {})) == set(keep):
+                    break
+                if self._tidy(self.calls.cm_write, kf.shard_configmap(
+                        index, keep, namespace=self.calls.namespace, resource_version=rv)):
+                    break
+                cm = self.calls.cm_get(kf.shard_name(index))
+                if cm is None:
+                    break
+                v.shards[index] = (kf.parse_shard(cm), cm["metadata"].get("resourceVersion"))
+                v.shard_data[index] = {str(k): str(x) for k, x in (cm.get("data") or {}).items()}
 
     def _tidy(self, fn: Callable[..., Any], *args: Any) -> Any:
         """A count's write about others (a freed or given slot, a pruned shard): one the API
@@ -470,7 +512,7 @@ class KubeBudget:
             return  # healthy/burnin/suspect moves leave the budget alone
         view = view if view is not None else self.view()
         if t.from_state is None:
-            self.register(view, t.node, t.time)
+            self.register(view, t.node)
         if not latest:
             return
         if into and not view.claims_of(t.node):
@@ -532,11 +574,13 @@ class KubeBudget:
 
     # --- registrations ----------------------------------------------------------------------
 
-    def register(self, v: BudgetView, node: str, when: float) -> None:
-        """Count a node that got its first state at `when`: add it to its shard (idempotent).
-        A registration from before the record's count is in that count already."""
-        if when < v.record.counted:
-            return
+    def register(self, v: BudgetView, node: str) -> None:
+        """Count a node that is getting its first state: add it to its shard (idempotent), before
+        its Node write (KubeTxn.commit; again after it, for a replay). Stamped REGISTER_AHEAD_S
+        ahead of now (and never before the record's count): a count that begins while the write
+        is in flight leaves it a registration; one that began before it landed reads it and
+        counts the node (kubebudget._count), so no count loses it (issue 36.7)."""
+        when = max(self.clock() + self.register_ahead_s, v.record.counted)
         index = kf.shard_of(node, self.shards)
         nodes, rv = v.shards.get(index, ({}, None))
         base = v.shard_data.get(index)  # None: no such shard yet, created

@@ -158,9 +158,12 @@ class KubeSlots:
             for index, (claim, uid) in list(held.items()):
                 if now - claim.since >= self.ttl and index < self.capacity:
                     # A holder that never came back: take its place (only if it is still that
-                    # object; another claimer may have done so already).
-                    if self.calls.cm_delete(self._name(index), uid):
-                        del held[index]
+                    # object). Free now whoever's delete it was: a racer whose delete lost to
+                    # another's tries its create too (before, it gave up, and of 3 expired slots
+                    # 10 racers once claimed 2 with one left free, issue 36.7); a create that a
+                    # new claim beat is refused, and the pool is read again.
+                    self.calls.cm_delete(self._name(index), uid)
+                    del held[index]
             free = [k for k in range(self.capacity) if k not in held]
             if not free:
                 return None
@@ -168,8 +171,18 @@ class KubeSlots:
             # create (taken meanwhile, or our own create whose answer was lost) reads again.
             index = free[int(self.rng() * len(free)) % len(free)]
             if self.calls.cm_write(self._body(index, node, now)) is not None:
-                return SlotClaim(index, node, now)
+                return self._one_of(node, SlotClaim(index, node, now))
         return None
+
+    def _one_of(self, node: str, mine: SlotClaim) -> SlotClaim:
+        """One slot per node: after a create, the node's lowest slot is kept, any other freed
+        (two claimers for one node, each missing the other's create, took two)."""
+        ours = sorted((c.index, uid) for c, uid in self._read().values() if c.node == node)
+        for index, uid in ours[1:]:
+            self.calls.cm_delete(self._name(index), uid)
+        if ours and ours[0][0] != mine.index:
+            return self._read().get(ours[0][0], (mine, ""))[0]
+        return mine
 
     def release(self, node: str) -> None:
         """Free the node's slot (nothing when it holds none)."""
