@@ -198,3 +198,15 @@ def scenarios(rank: int, world: int, *, root: str, plan: dict[str, Scenario]
         result["files"] = _files(directory)
         out[name] = result
     return out
+
+
+def ddp_refusal(rank: int, world: int) -> str:
+    """Auditor(ddp_model, optimizer=...): the buddy is the sharded auditors'; a one-line refusal."""
+    from screener.audit import Auditor, AuditUsageError
+
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+    try:
+        Auditor(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    except AuditUsageError as e:
+        return str(e)
+    return "accepted"

@@ -324,3 +324,9 @@ def test_hsdp_with_the_optimizer_runs_clean(four):
 def test_an_optimizer_it_cannot_recompute_is_refused_on_every_rank(four, scenario, says):
     for o in four[scenario]:
         assert o["usage"] is not None and says in o["usage"], o
+
+
+@pytest.mark.slow
+def test_the_ddp_auditor_refuses_the_optimizer_in_one_line():
+    (line,) = run_ranks(bw.ddp_refusal, ["a"], timeout=60)
+    assert "fully_shard" in line and "\n" not in line, line

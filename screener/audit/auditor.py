@@ -178,7 +178,13 @@ class Auditor:
                  check_reduced: bool = True, confirm_nonfinite: bool = True,
                  topology: Optional[Topology] = None, scaler: Any = None,
                  accumulation_steps: int = 1, self_check_every: int = 20,
-                 sentinel: Optional[SentinelConfig] = None) -> None:
+                 sentinel: Optional[SentinelConfig] = None, optimizer: Any = None,
+                 update_sample: Optional[int] = None) -> None:
+        if optimizer is not None or update_sample is not None:
+            raise AuditUsageError("screener.audit: optimizer= (the optimizer update's buddy) is "
+                                  "for models sharded with fully_shard; under DDP every rank "
+                                  "holds the whole model and the weight vote compares the "
+                                  "replicas' updated weights")
         refuse_compiled_wrapper(model)
         module = getattr(model, "module", None)
         if not isinstance(module, torch.nn.Module) or not hasattr(model, "register_comm_hook"):
