@@ -303,13 +303,17 @@ class KubeBudget:
         return self.read() or v
 
     def _fresh_shards(self, v: BudgetView) -> None:
-        """The registration shards read again, each by a consistent get (not the cache's list)."""
-        for index in range(self.shards):
-            cm = self.calls.cm_get(kf.shard_name(index))
-            if cm is None:
-                v.shards.pop(index, None)
-                v.shard_data.pop(index, None)
+        """The registration shards read again, by one consistent list (not the cache's): a
+        count's read, once an hour or so, not one per event."""
+        v.shards.clear()
+        v.shard_data.clear()
+        for cm in self.calls.cm_list("list the fleet shards",
+                                     f"{kf.LABEL_BUDGET}=true,{kf.LABEL_BUDGET_KIND}=shard"):
+            name = str((cm.get("metadata") or {}).get("name") or "")
+            tail = name[len(kf.SHARD_PREFIX):]
+            if not name.startswith(kf.SHARD_PREFIX) or not tail.isdigit() or len(tail) > 3:
                 continue
+            index = int(tail)
             v.shards[index] = (kf.parse_shard(cm), cm["metadata"].get("resourceVersion"))
             v.shard_data[index] = {str(k): str(x) for k, x in (cm.get("data") or {}).items()}
 
