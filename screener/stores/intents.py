@@ -26,7 +26,7 @@ means the writer is still at work and its file is left alone; taken, the file (i
 is the finisher's to complete. A file that does not parse (not one this code wrote) is renamed
 `<name>.unreadable` with one log line, never a traceback.
 
-Imports the standard library and the lifecycle's records only.
+Imports the standard library, screener's errors and the lifecycle's records only.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from typing import Iterator, Optional, Sequence
 
 from screener import boundedjson
 from screener.atomicfile import fsync_dir, write_atomic
+from screener.errors import BadInputError
 from screener.lifecycle.records import Transition
 
 log = logging.getLogger("screener.stores.kube")
@@ -108,8 +109,8 @@ class IntentJournal:
             try:
                 self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
             except OSError as e:
-                raise OSError(f"{self.folder}: cannot create the intent journal: "
-                              f"{e.strerror or e}") from e
+                raise BadInputError(f"{self.folder}: cannot create the intent journal: "
+                                    f"{e.strerror or e}") from e
 
     def write(self, transitions: Sequence[Transition]) -> Intent:
         """Put a decision's transitions on file, durably, holding their lock: call before the
