@@ -11,7 +11,7 @@ the loop hands it to `check_gradients(step, loss, batch=batch)`.
 
     screener launch -- torchrun --nproc-per-node 6 examples/train_nd.py --nodes 3 --tp 2 \\
         --inject flip:rank=3,step=5
-    # ... ALARM: SDC alarm ring_replay at step 5: ranks 2, 3 on hyperpod-i-00000000000000002 ...
+    # ... ALARM: SDC alarm ring_replay at step 5: rank 2, rank 3 on hyperpod-i-00000000000000002 ...
     # ... exit code 75
 
 Layout: ranks are laid out row by row on the (dp, tp) mesh, so TP group d is ranks d*tp ..
