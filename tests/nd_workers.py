@@ -99,7 +99,9 @@ class Llama(nn.Module):
         self.checkpointing = checkpointing
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
+        # one eager op before the (compiled) blocks: torch 2.13 drops the gradient of a pending
+        # collective's result (an AsyncCollectiveTensor) handed to a compiled block (#191113)
+        h = self.tok_embeddings(tokens).clone()
         for layer in self.layers:
             h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False) \
                 if self.checkpointing else layer(h)
