@@ -1,5 +1,5 @@
-"""Train a small Llama-style model with FSDP2 x tensor parallel on a 2-D (dp, tp) mesh under
-screener.audit.
+"""Train a small Llama-style model with FSDP2 x tensor parallel on a 2-D (dp, tp) mesh, or with
+pipeline parallel x FSDP2 on a (dp, pp) mesh (--pp), under screener.audit.
 
 Runs on CPU with gloo under torchrun; --nodes N simulates N Kubernetes nodes on this machine by
 setting NODE_NAME per rank from LOCAL_RANK (HyperPod-style names, `hyperpod-i-<hex>`). The model
@@ -21,11 +21,23 @@ of --tp), as the audit needs (its replays move whole TP groups from node to node
 Options: --sequence-parallel (the norms SequenceParallel, activations sharded on the sequence
 between blocks), --loss-parallel (the head's logits left sharded on the vocabulary, the
 cross-entropy and its backward under loss_parallel()), --compile (torch.compile of every block,
-after TP and before fully_shard, as torchtitan does). --pp is refused for now (one line).
+after TP and before fully_shard, as torchtitan does).
+
+Pipeline parallel (--pp 2, with --tp 1): the blocks are cut into stages (stage 0 with the
+embedding, the last with the norm and the head), each stage sharded with fully_shard over the
+ranks that hold it (mesh["dp"]), torch.distributed.pipelining runs --schedule (gpipe or 1f1b,
+--microbatches) over mesh["pp"], and the Auditor is given the schedule: Auditor(schedule). Ranks
+are laid out dp-major, so pipeline d is ranks d*pp .. d*pp + pp - 1: with as many ranks per node
+as stages, a pipeline per node, and the audit replays pipeline d on pipeline d + 1.
+
+    screener launch -- torchrun --nproc-per-node 6 examples/train_nd.py --nodes 3 --tp 1 \
+        --pp 2 --inject flip:rank=3,step=5
+    # ... ALARM: SDC alarm ring_replay at step 5: rank 3 on hyperpod-i-00000000000000002 ...
 
 Faults (--inject KIND[:rank=R,step=S]): one element of rank R's token embedding output (the
-residual stream entering block 0) at step S. Under TP rank R's TP partners compute with it
-through the group's collectives, so the alarm names R's TP group, all on R's node.
+residual stream entering block 0; under --pp, the residual stream entering rank R's stage) at
+step S. Under TP rank R's TP partners compute with it through the group's collectives, so the
+alarm names R's TP group, all on R's node; under PP it names rank R, at its stage.
     flip   mantissa bit 22 (the top one)   -> ring_replay, R's TP group, settled (3 nodes or more)
            (S must be an audit step: a multiple of --audit-every, or one of the first 20)
     nan    NaN                             -> nonfinite_local, R's TP group
@@ -62,8 +74,9 @@ from screener.types import ALARM_DIR_ENV, NODE_NAME_ENV, AlarmRecord
 
 KINDS = ("none", "flip", "nan")
 VOCAB, DIM, HEADS, HIDDEN, LAYERS, SEQ, BATCH = 64, 32, 4, 64, 2, 16, 2
-PIPELINE = ("pipeline parallel: see screener/audit/pipeline.py and docs/audit.md (the audit's "
-            "Auditor(schedule)); this example does not build pipeline stages yet")
+PIPELINE = (f"--pp: pipeline parallel with tensor parallel is not audited (the pipeline audit "
+            f"needs each stage sharded with fully_shard alone); run --pp 2 with --tp 1, "
+            f"{LAYERS} blocks split evenly over the stages")
 
 
 # ---- the model: Llama in small -----------------------------------------------------------------
@@ -150,11 +163,30 @@ class Llama(nn.Module):
         self.fault: Callable[[torch.Tensor], torch.Tensor] = lambda x: x  # --inject, per step
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        # a pipeline stage (stage_of) holds some of the parts: hidden states in, hidden out
         cos, sin = rotary(tokens.shape[1], DIM // HEADS)
-        x = self.fault(settled(self.tok_embeddings(tokens)))
+        embed = self.tok_embeddings
+        x = self.fault(settled(embed(tokens)) if embed is not None else tokens)
         for block in self.layers.values():
             x = block(x, cos, sin)
+        if self.output is None:
+            return x
+        assert self.norm is not None
         return self.output(self.norm(x))
+
+
+def stage_of(model: Llama, stage: int, stages: int) -> Llama:
+    """The part of the model stage `stage` of `stages` runs (torchtitan's cut: the others
+    deleted): an even share of the blocks; the embedding on the first, the head on the last."""
+    per = LAYERS // stages
+    for name in list(model.layers):
+        if not stage * per <= int(name) < (stage + 1) * per:
+            del model.layers[name]
+    if stage:
+        model.tok_embeddings = None  # type: ignore[assignment]
+    if stage < stages - 1:
+        model.norm = model.output = None  # type: ignore[assignment]
+    return model
 
 
 # ---- the parallel plan --------------------------------------------------------------------------
@@ -236,7 +268,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--nodes", type=int, default=0,
                    help="simulate this many nodes (sets NODE_NAME per rank); 0 keeps NODE_NAME")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (the mesh's tp)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages: refused for now")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages (2, with --tp 1): pipeline parallel x FSDP2")
+    p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b",
+                   help="the pipeline schedule under --pp")
+    p.add_argument("--microbatches", type=int, default=2, help="micro-batches per step (--pp)")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--loss-parallel", action="store_true")
     p.add_argument("--compile", action="store_true", help="torch.compile every block")
@@ -301,7 +337,77 @@ def value_of(loss: torch.Tensor) -> float:
     return float(loss.to_local() if isinstance(loss, DTensor) else loss)
 
 
+def train_pipeline(args: argparse.Namespace) -> int:
+    """--pp: the blocks cut into stages, FSDP2 per stage, the Auditor given the schedule."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world % args.pp:
+        print(f"--pp {args.pp}: the {world} ranks do not split into pipelines of {args.pp}",
+              file=sys.stderr, flush=True)
+        return 2
+    mesh = init_device_mesh("cpu", (world // args.pp, args.pp), mesh_dim_names=("dp", "pp"))
+    dp, s = mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank()
+    first, last = s == 0, s == args.pp - 1
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    model = stage_of(Llama(), s, args.pp)
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    stage = PipelineStage(model, s, args.pp, torch.device("cpu"), group=mesh["pp"].get_group())
+    kind = ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B
+    schedule = kind(stage, n_microbatches=args.microbatches,
+                    loss_fn=lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    auditor = Auditor(schedule, audit_every=args.audit_every, weights_every=args.weights_every)
+    say(f"topology: {json.dumps(auditor.topology.to_dict()['nodes'])}")
+    say(f"mesh (dp, pp) = {tuple(mesh.mesh.shape)}; pipelines {mesh.mesh.tolist()}; "
+        f"{args.schedule}, {args.microbatches} micro-batches")
+    inject = args.inject
+    try:
+        for step in range(args.steps):
+            tokens, targets = batch_for(args.seed, dp, step)
+            mine = inject["kind"] != "none" and (rank, step) == (inject["rank"], inject["step"])
+            model.fault = fault_for(inject["kind"], rank) if mine else (lambda x: x)
+            losses: list[torch.Tensor] = []
+            if first:
+                schedule.step(tokens)
+            elif last:
+                schedule.step(target=targets, losses=losses)
+            else:
+                schedule.step()
+            model.fault = lambda x: x  # the audit's replays of this step run clean
+            batch = tokens if first else targets if last else None
+            auditor.check_gradients(step, losses, batch=batch)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            auditor.check_weights(step)
+            if last and dp == 0 and step % 5 == 0:
+                mean = float(torch.stack([x.detach() for x in losses]).mean())
+                print(f"step {step:4d}  loss {mean:.4f}", flush=True)
+    except SDCAlarm as alarm:
+        report_alarm(alarm)
+        raise
+    finally:
+        auditor.close()
+    say(f"done: {args.steps} steps, no alarm; counters {dict(auditor.counters)}")
+    return 0
+
+
+def report_alarm(alarm: SDCAlarm) -> None:
+    """Rank 0 prints the alarm and the alarm files (every rank is at the barrier: written)."""
+    dist.barrier()
+    say(f"\nALARM: {alarm}")
+    if dist.get_rank() == 0:
+        for f in sorted(Path(os.environ[ALARM_DIR_ENV]).glob("*.json")):
+            rec = AlarmRecord.from_dict(json.loads(f.read_text()))
+            print(f"alarm file {f}: node {rec.node} settled={rec.settled} "
+                  f"suspect_ranks={list(rec.suspect_ranks)}", flush=True)
+
+
 def train(args: argparse.Namespace) -> int:
+    if args.pp > 1:
+        return train_pipeline(args)
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.tp < 1 or world % args.tp:
         print(f"--tp {args.tp}: the {world} ranks do not split into TP groups of {args.tp}",
@@ -334,13 +440,7 @@ def train(args: argparse.Namespace) -> int:
             if step % 5 == 0:
                 say(f"step {step:4d}  loss {value_of(loss.detach()):.4f}")
     except SDCAlarm as alarm:
-        dist.barrier()  # every rank is here; their alarm files are written
-        say(f"\nALARM: {alarm}")
-        if rank == 0:
-            for f in sorted(Path(os.environ[ALARM_DIR_ENV]).glob("*.json")):
-                rec = AlarmRecord.from_dict(json.loads(f.read_text()))
-                print(f"alarm file {f}: node {rec.node} settled={rec.settled} "
-                      f"suspect_ranks={list(rec.suspect_ranks)}", flush=True)
+        report_alarm(alarm)
         raise
     finally:
         auditor.close()
@@ -350,7 +450,8 @@ def train(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    if args.pp != 1:  # before any process group: one line, exit 2 (a usage error)
+    if args.pp < 1 or (args.pp > 1 and (args.tp != 1 or LAYERS % args.pp)):
+        # before any process group: one line, exit 2 (a usage error)
         print(PIPELINE, file=sys.stderr, flush=True)
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)

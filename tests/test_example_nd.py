@@ -1,7 +1,8 @@
 """examples/train_nd.py end to end under screener launch -- torchrun: a small Llama-style model,
 FSDP2 x tensor parallel on a (dp, tp) mesh, a TP group per simulated node. Healthy steps exit 0;
 one bit flipped in rank 3's embedding output at an audit step ends in exit 75, the alarm naming
-rank 3's TP group on its node, one alarm file there. --pp is refused in one line.
+rank 3's TP group on its node, one alarm file there; under --pp 2 (pipeline parallel x FSDP2, a
+pipeline per node) it names rank 3 at its stage. --pp with --tp > 1 is refused in one line.
 """
 
 from __future__ import annotations
@@ -64,9 +65,27 @@ def test_a_flip_in_the_nd_example_exits_75_naming_the_tp_group_and_its_node(tmp_
 
 
 @pytest.mark.slow
-def test_pipeline_parallel_in_the_nd_example_is_refused_in_one_line():
-    proc = subprocess.run([sys.executable, str(EXAMPLE), "--pp", "2"], capture_output=True,
-                          text=True, cwd=ROOT, timeout=120)
+@pytest.mark.timeout(300)
+def test_a_flip_under_pipeline_parallel_exits_75_naming_the_rank_at_its_stage(tmp_path):
+    """--pp 2 --tp 1: a pipeline per node (dp-major ranks), 1F1B; rank 3 is stage 1 of
+    pipeline 1, on the second node."""
+    proc = _launch(tmp_path, 6, "--nodes", "3", "--tp", "1", "--pp", "2", "--steps", "3",
+                   "--audit-every", "2", "--inject", "flip:rank=3,step=2")
+    out = proc.stdout
+    assert proc.returncode == 75, out + proc.stderr[-3000:]
+    assert "mesh (dp, pp) = (3, 2); pipelines [[0, 1], [2, 3], [4, 5]]" in out
+    node = "hyperpod-i-00000000000000002"
+    assert (f"ALARM: SDC alarm ring_replay at step 2: rank 3 on {node} "
+            f"(i-00000000000000002) (settled)") in out, out + proc.stderr[-3000:]
+    (f,) = (tmp_path / "alarms").iterdir()
+    rec = AlarmRecord.from_dict(json.loads(f.read_text()))
+    assert (rec.check, rec.suspect_ranks, rec.node) == ("ring_replay", (3,), node)
+
+
+@pytest.mark.slow
+def test_pipeline_with_tensor_parallel_in_the_nd_example_is_refused_in_one_line():
+    proc = subprocess.run([sys.executable, str(EXAMPLE), "--pp", "2", "--tp", "2"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [proc.stderr.strip()]
-    assert proc.stderr.startswith("pipeline parallel: see screener/audit/pipeline.py")
+    assert proc.stderr.startswith("--pp: pipeline parallel with tensor parallel is not audited")
