@@ -14,8 +14,10 @@ from screener.atomicfile import write_atomic
 ROOT = Path(__file__).resolve().parents[1]
 # moves of files that already exist (the alarm intake setting files aside), not writes, and the
 # health answer's listening socket bound under a temporary name and renamed over a killed
-# daemon's (a socket has no content to write: write_atomic cannot make one)
-MOVES = {"screener/agent/intake.py", "screener/stores/local.py", "screener/agent/health_answer.py"}
+# daemon's (a socket has no content to write: write_atomic cannot make one), and the intent
+# journal setting an unreadable intent aside
+MOVES = {"screener/agent/intake.py", "screener/stores/local.py", "screener/agent/health_answer.py",
+         "screener/stores/intents.py"}
 
 
 def _calls(path: Path) -> set[str]:

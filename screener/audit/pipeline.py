@@ -74,7 +74,7 @@ from screener.audit.alarms import AuditUsageError, SDCAlarm
 from screener.audit.blast import LIKELY_CAUSES
 from screener.audit.cadence import Cadence
 from screener.audit.capture import StateCodec, StepState, capture, restored
-from screener.audit.collective import comm_device
+from screener.audit.collective import comm_device, exchange
 from screener.audit.config import AuditConfig
 from screener.audit.fsdp_tap import fsdp_module_class, install_recorders, scan
 from screener.audit.pipeline_plan import R_BWD, R_FINITE, R_FWD, R_GRAD, R_LOSS, R_STATUS, \
@@ -393,22 +393,12 @@ class PipelineAuditor:
         """Point to point: each owner pipeline's end-stage batch to the pipeline replaying it
         (moves: owner pipeline -> replaying pipeline); returns this rank's, by owner rank."""
         walk.enter(round_)
-        ops: list[dist.P2POp] = []
-        inbox: dict[int, torch.Tensor] = {}
+        pairs: list[tuple[int, Optional[int]]] = []
         if self.first or self.last:
             s = self.stage_index
-            for d, q in sorted(moves.items()):
-                src, dst = self.pipelines.rows[d][s], self.pipelines.rows[q][s]
-                if src == dst:
-                    continue
-                if src == self.rank and data is not None:
-                    ops.append(dist.P2POp(dist.isend, data.to(walk.comm), dst))
-                if dst == self.rank:
-                    inbox[src] = torch.empty(sizes[src], dtype=torch.uint8, device=walk.comm)
-                    ops.append(dist.P2POp(dist.irecv, inbox[src], src))
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+            pairs = [(self.pipelines.rows[d][s], self.pipelines.rows[q][s])
+                     for d, q in moves.items()]
+        inbox = exchange(pairs, self.rank, data, sizes, walk.comm)
         self.counters["batch_bytes_received"] += sum(t.numel() for t in inbox.values())
         return {o: decode_batch(t, self.device) for o, t in inbox.items()}
 

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 
 from screener.audit import ring
 from screener.audit.capture import StateCodec, StepState, restored
+from screener.audit.collective import exchange
 from screener.audit.fsdp_tap import Tap
 from screener.audit.protocol import Walk
 from screener.audit.tensor_parallel import TPGroups
@@ -145,20 +145,8 @@ class Lockstep:
         """Point to point: each owner's batch to the rank(s) send_to names ({owner: rank} or a
         list of (owner, rank) pairs). Returns the batches this rank received, by owner."""
         walk.enter(round_)
-        ops: list[dist.P2POp] = []
-        inbox: dict[int, torch.Tensor] = {}
-        pairs = sorted(send_to.items()) if isinstance(send_to, dict) else sorted(set(send_to))
-        for owner, dst in pairs:
-            if dst is None or dst == owner or (dst == self.rank and owner in inbox):
-                continue
-            if owner == self.rank and data is not None:
-                ops.append(dist.P2POp(dist.isend, data.to(walk.comm), dst))
-            if dst == self.rank:
-                inbox[owner] = torch.empty(sizes[owner], dtype=torch.uint8, device=walk.comm)
-                ops.append(dist.P2POp(dist.irecv, inbox[owner], owner))
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+        pairs = send_to.items() if isinstance(send_to, dict) else send_to
+        inbox = exchange(pairs, self.rank, data, sizes, walk.comm)
         self.counters["batch_bytes_received"] += sum(t.numel() for t in inbox.values())
         return {o: decode_batch(t, self.device) for o, t in inbox.items()}
 

@@ -55,10 +55,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from screener.audit import ring
 from screener.audit.alarms import SDCAlarm
+from screener.audit.collective import exchange
 from screener.audit.protocol import Walk, error_flag, raise_if_failed
 from screener.audit.reporting import History, Reporter
 
@@ -606,17 +606,7 @@ class UpdateBuddy:
         """Point to point: each owner's snapshot to the rank it is paired with. Returns the
         snapshots this rank received, by owner."""
         walk.enter(round_)
-        ops: list[dist.P2POp] = []
-        inbox: dict[int, torch.Tensor] = {}
-        for owner, dst in sorted(pairs):
-            if owner == self.rank and data is not None:
-                ops.append(dist.P2POp(dist.isend, data.to(walk.comm), dst))
-            if dst == self.rank:
-                inbox[owner] = torch.empty(sizes[owner], dtype=torch.uint8, device=walk.comm)
-                ops.append(dist.P2POp(dist.irecv, inbox[owner], owner))
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+        inbox = exchange(pairs, self.rank, data, sizes, walk.comm)
         self.counters["update_bytes_received"] += sum(t.numel() for t in inbox.values())
         return inbox
 
