@@ -14,6 +14,7 @@ import pytest
 from kubeapi import KubeAPI
 from screener.lifecycle.machine import NodeSeen, Remediation
 from screener.lifecycle.apply import apply_event, reconsider_held
+from screener.stores import kubebudget as kb
 from screener.stores import kubeformat as kf
 from screener.lifecycle.records import Transition
 from screener.stores.kube import KubeStore
@@ -204,10 +205,18 @@ def test_the_budget_holds_claims_and_recounts_the_fleet():
         clock[0] = NOW + 100
         recounted = store.budget_view()
         assert recounted.fleet == 10 and recounted.counted == NOW + 100
-        assert not recounted.registered and api.configmap(NS, "screener-fleet-5")["data"] == {
-            "nodes": "{}"}
+        # gpu-late's registration was stamped REGISTER_AHEAD_S past its writer's clock (a write
+        # may still be in flight that long), so it outlives this count: counted once, as a
+        # registration over a record of 9, until a count after its stamp prunes it
+        assert recounted.record.fleet == 9 and recounted.registered == {"gpu-late"}
         assert sorted(recounted.out) == sorted([names[1], "gpu-fresh"])
         assert sorted(slots(api)) == sorted([names[1], "gpu-fresh"])
+        with api._lock:
+            api.configmaps[(NS, kf.BUDGET_CONFIGMAP)]["data"]["counted"] = repr(NOW + 100 - 4000)
+        clock[0] = NOW + 70 + kb.REGISTER_AHEAD_S + 10
+        later = store.budget_view()
+        assert later.fleet == 10 and later.record.fleet == 10 and not later.registered
+        assert api.configmap(NS, "screener-fleet-5")["data"] == {"nodes": "{}"}
         store.close()
 
 

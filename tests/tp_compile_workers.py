@@ -218,6 +218,10 @@ def scenarios(rank: int, world: int, *, root: str, how: str = "wrap",
     a fresh Auditor (audit and weight check every step) with its own alarm folder."""
     from torch._dynamo.utils import counters
 
+    # a forked rank inherits the parent's dynamo counters and caches (another test's compiles):
+    # count this model's graphs only
+    torch._dynamo.reset()
+    counters.clear()
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
     dp = mesh["dp"].get_local_rank()
     model = build(mesh, how=how, sequence_parallel=sequence_parallel)
