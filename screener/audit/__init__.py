@@ -22,16 +22,22 @@
 The same Auditor takes a model sharded with fully_shard (FSDP2, HSDP, and either over a tensor-
 parallel model: tensor_parallel); pass the loop's batch
 instead of a batch_fn: `auditor.check_gradients(step, loss, batch=batch)` (screener.audit.sharded).
+Given a torch.distributed.pipelining schedule (GPipe or 1F1B, FSDP2 per stage), it audits the
+pipelines: `auditor.check_gradients(step, losses, batch=what_this_rank_gave_the_schedule)`
+(screener.audit.pipeline).
 
 Modules, one job each. The entry points: auditor (the DDP Auditor, and the one entry point that
-hands a sharded model on), sharded (the FSDP2/HSDP auditor), config (AuditConfig). The checks, each
+hands a sharded model or a pipeline schedule on), sharded (the FSDP2/HSDP auditor), pipeline (the
+pipeline-parallel auditor), config (AuditConfig). The checks, each
 for both auditors: nonfinite (check 1, NaN/Inf in a rank's or the reduced gradient), ring_audit
 (check 2, the ring replay with its self-check and referee rounds), weight_check (check 3, the
 weight vote and verified saves), attribution (the spike sentinel's attribution between audits).
 How they run: protocol (the round protocol: the collectives of each entry point in one order, as
 code), cadence (which step runs which check), reporting (how a verdict ends: alarm file, log line,
 History), ddp_replay (DDP's local replays), fsdp_tap (the reduce-scatter recorders inside FSDP),
-sharded_rounds (FSDP's lockstep replays and the batches they ship), reduction (the rule that says
+sharded_rounds (FSDP's lockstep replays and the batches they ship), pipeline_plan (which pipeline
+replays which, and the stage where two runs part), update_buddy (the optimizer update recomputed
+on another node), reduction (the rule that says
 whom a reduction that went bad names, for both), layout (what every rank holds, agreed at
 construction: audited or refused alike), tensor_parallel (which ranks replay together under
 TP). The parts below them: topology
