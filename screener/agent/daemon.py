@@ -281,38 +281,43 @@ class Daemon:
         now = self.clock.monotonic()
         report = PassReport(node=self.node, started=self.stamps.now())
         self.metrics.beat()
-        if self.finish is not None:
-            # Before anything reads the node: a transition a killed predecessor left half-written
-            # is finished (or dropped, undone), so the intake does not take its alarm for done.
-            self._step(report, "intents", self.finish)
-        if not self.started and not self.stop.is_set():
-            # Retried on every pass; not started, the pass still probes and takes in alarms.
-            self._step(report, "start", self.start)
-        if self.last_report is None:
-            # The first pass probes before the intake: an alarm's GPU serials count only when
-            # this node's NVML reports them, so the serials must be known first.
-            self._step(report, "probe", lambda: self._probe_and_observe(report))
-            self.next_probe = now + self.config.probe_interval_s
-            probed_first = True
-        else:
-            probed_first = False
-        self._step(report, "intake", lambda: self._intake(report))
-        if self.replay is not None:
-            self._step(report, "replay", self.replay)
-        if self.devices.pending:  # device taints a pass could not write (the API out of reach)
-            self._step(report, "devices", lambda: self.devices.retry(report))
-        if self.started:
-            self._step(report, "budget", lambda: self.feed.reconsider_budget(report))
-        if self.window.taint_dirty and not self.stop.is_set():  # stopping: run() removes it
-            self._step(report, "untaint", self.window.clear_stale)
-        if not probed_first and (once or now >= self.next_probe):
-            self._step(report, "probe", lambda: self._probe_and_observe(report))
-            self.next_probe = now + self.config.probe_interval_s
-        elif self.findings.needs_retry:
-            # Findings whose transition could not be written: retried on every tick.
-            self._step(report, "findings", lambda: self._apply_findings(report))
-        if self.ladder is not None and self.started and self.state == S.QUARANTINED and report.idle:
-            self._step(report, "ladder", lambda: self._climb(report))
+        # Every step up to the screen in one pass of the store: each object read once (a screen
+        # runs for minutes: what it writes afterwards reads the node afresh).
+        with self.store.one_pass():
+            if self.finish is not None:
+                # Before anything reads the node: a transition a killed predecessor left
+                # half-written is finished (or dropped, undone), so the intake does not take its
+                # alarm for done.
+                self._step(report, "intents", self.finish)
+            if not self.started and not self.stop.is_set():
+                # Retried on every pass; not started, the pass still probes and takes in alarms.
+                self._step(report, "start", self.start)
+            if self.last_report is None:
+                # The first pass probes before the intake: an alarm's GPU serials count only
+                # when this node's NVML reports them, so the serials must be known first.
+                self._step(report, "probe", lambda: self._probe_and_observe(report))
+                self.next_probe = now + self.config.probe_interval_s
+                probed_first = True
+            else:
+                probed_first = False
+            self._step(report, "intake", lambda: self._intake(report))
+            if self.replay is not None:
+                self._step(report, "replay", self.replay)
+            if self.devices.pending:  # device taints a pass could not write (API out of reach)
+                self._step(report, "devices", lambda: self.devices.retry(report))
+            if self.started:
+                self._step(report, "budget", lambda: self.feed.reconsider_budget(report))
+            if self.window.taint_dirty and not self.stop.is_set():  # stopping: run() removes it
+                self._step(report, "untaint", self.window.clear_stale)
+            if not probed_first and (once or now >= self.next_probe):
+                self._step(report, "probe", lambda: self._probe_and_observe(report))
+                self.next_probe = now + self.config.probe_interval_s
+            elif self.findings.needs_retry:
+                # Findings whose transition could not be written: retried on every tick.
+                self._step(report, "findings", lambda: self._apply_findings(report))
+            if (self.ladder is not None and self.started and self.state == S.QUARANTINED
+                    and report.idle):
+                self._step(report, "ladder", lambda: self._climb(report))
         report.screen_due = self.screens.due(now) if self.started else ""
         if report.screen_due and (report.idle or (once and report.activity is not None
                                                   and not report.activity.busy)):

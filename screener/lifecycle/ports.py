@@ -65,6 +65,12 @@ class Store(Protocol):
         """Release connections and files."""
         ...
 
+    def one_pass(self) -> ContextManager[None]:
+        """One pass of the daemon: within it the store may answer a read from what the pass has
+        read or written already, as long as every write stays conditional on what it was decided
+        on (a failed write makes the next read fresh)."""
+        ...
+
     def begin(self, node: str) -> ContextManager["NodeTxn"]:
         """Open one atomic read-decide-write of `node` (see NodeTxn); apply_event uses it."""
         ...

@@ -47,7 +47,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Mapping, Optional, Sequence
 
 from screener import boundedjson
 from screener._optional import require
@@ -180,6 +180,10 @@ class KubeStore:
         return cls(kubernetes.client.ApiClient(cfg), spool=spool, **kwargs)
 
     # --- Store protocol ---------------------------------------------------------------------
+
+    def one_pass(self) -> ContextManager[None]:
+        """A daemon pass: each object it needs is read once (kubecalls.ApiCaller.one_pass)."""
+        return self.calls.one_pass()
 
     def get_state(self, node: str) -> Optional[NodeState]:
         pending = self.spool.entries(node)

@@ -14,6 +14,15 @@ taken as unreachable for `unreachable_s`: calls in that window fail at once inst
 waiting its own timeout, so one tick does not spend minutes on a dead server. Refused and reset
 connections fail fast by themselves and do not open that window.
 
+Within a daemon pass (`one_pass`) an object is read once: a Node or a ConfigMap read, or written,
+in the pass is answered from what the pass last saw of it, until a write to it fails (409: someone
+else changed it; 404: it is gone), which drops it so the next read asks the server. That is the
+consistency every decision already lives with: each write carries the resourceVersion it was
+decided on as precondition, so a copy that went stale in the pass costs one conflict and a fresh
+read, never a lost change. Lists are not kept (the budget's is a cache read already, and a claim
+that lost a race must list again). Outside a pass, and on other threads, every read asks the
+server.
+
 Transient answers (5xx, 429, connection failures, timeouts) are retried with exponential backoff
 and jitter (RetryPolicy; sleep and randomness injectable); 4xx answers are the caller's business,
 except 409 on a Node write: `update_node` reads the Node again and re-applies its change, so a
@@ -24,10 +33,12 @@ ApiException class is passed in.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import threading
 import time
+from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping, Optional
 
 import urllib3
@@ -79,6 +90,36 @@ class ApiCaller:
         # a call at its deadline however the server answers (kubedeadline.py).
         client = getattr(getattr(api, "api_client", None), "rest_client", None)
         self.watched = kubedeadline.install(getattr(client, "pool_manager", None))
+        self._pass = threading.local()  # the open pass's copies, on the thread that opened it
+
+    @contextmanager
+    def one_pass(self) -> Iterator[None]:
+        """Within it, on this thread, each Node and ConfigMap is read from the server once (the
+        module docstring's rule); nested passes share the outermost one's copies."""
+        outer = getattr(self._pass, "seen", None)
+        if outer is None:
+            self._pass.seen = {}
+        try:
+            yield
+        finally:
+            if outer is None:
+                self._pass.seen = None
+
+    def _seen(self, key: tuple[str, str]) -> tuple[bool, Any]:
+        seen = getattr(self._pass, "seen", None)
+        if seen is None or key not in seen:
+            return False, None
+        return True, copy.deepcopy(seen[key])
+
+    def _saw(self, key: tuple[str, str], obj: Any) -> None:
+        """What the server last said of `key` (None: absent); `...`: forget it, ask next time."""
+        seen = getattr(self._pass, "seen", None)
+        if seen is None:
+            return
+        if obj is ...:
+            seen.pop(key, None)
+        else:
+            seen[key] = copy.deepcopy(obj)
 
     def wind_down(self, seconds: float) -> None:
         """No call, in flight or to come, runs past `seconds` from now (the daemon's SIGTERM)."""
@@ -193,8 +234,12 @@ class ApiCaller:
 
     def read_node(self, node: str) -> dict[str, Any]:
         """The Node object as plain JSON; NodeNotFound when there is none."""
+        known, obj = self._seen(("node", node))
+        if known:
+            return obj
         try:
-            obj: dict[str, Any] = self.call(f"get node {node}", self.api.read_node, node)
+            obj = self.call(f"get node {node}", self.api.read_node, node)
+            self._saw(("node", node), obj)
             return obj
         except KubeApiError as e:
             if e.status == 404:
@@ -209,13 +254,15 @@ class ApiCaller:
             result: Optional[dict[str, Any]] = self.call(
                 f"patch node {node}{'/status' if status else ''}", fn, node, dict(body),
                 _content_type=MERGE_PATCH)
-            return result
-        except KubeApiError as e:
-            if e.status == 409:
+        except BaseException as e:
+            self._saw(("node", node), ...)  # whatever the server holds now, ask it next time
+            if isinstance(e, KubeApiError) and e.status == 409:
                 return None
-            if e.status == 404:
+            if isinstance(e, KubeApiError) and e.status == 404:
                 raise NodeNotFound(f"node {node!r} does not exist in the cluster") from e
             raise
+        self._saw(("node", node), result if result else ...)
+        return result
 
     def update_node(self, node: str, change: Callable[[dict[str, Any]], Optional[dict[str, Any]]],
                     *, status: bool = False, first: Optional[dict[str, Any]] = None) -> dict[str, Any]:
@@ -243,25 +290,37 @@ class ApiCaller:
 
     def cm_get(self, name: str) -> Optional[dict[str, Any]]:
         """The ConfigMap, or None when there is none (a consistent read)."""
+        known, obj = self._seen(("configmap", name))
+        if known:
+            return obj
         try:
-            return self.call(f"get configmap {self.namespace}/{name}",
-                             self.api.read_namespaced_config_map, name, self.namespace)
+            obj = self.call(f"get configmap {self.namespace}/{name}",
+                            self.api.read_namespaced_config_map, name, self.namespace)
         except KubeApiError as e:
             if e.status == 404:
+                self._saw(("configmap", name), None)
                 return None
             raise
+        self._saw(("configmap", name), obj)
+        return obj
 
     def cm_write(self, body: dict[str, Any]) -> Optional[dict[str, Any]]:
         """Create (no resourceVersion) or replace (with it, as precondition) a ConfigMap.
         None when the precondition failed: 409 (changed or already exists) or 404 (deleted)."""
         name = body["metadata"]["name"]
         create = not body["metadata"].get("resourceVersion")
+        self._saw(("configmap", name), ...)  # until the server answers, and whatever it answers
         try:
             if not create:
-                return self.call(f"update configmap {self.namespace}/{name}",
-                                 self.api.replace_namespaced_config_map, name, self.namespace, body)
-            return self.call(f"create configmap {self.namespace}/{name}",
-                             self.api.create_namespaced_config_map, self.namespace, body)
+                written = self.call(f"update configmap {self.namespace}/{name}",
+                                    self.api.replace_namespaced_config_map, name, self.namespace,
+                                    body)
+            else:
+                written = self.call(f"create configmap {self.namespace}/{name}",
+                                    self.api.create_namespaced_config_map, self.namespace, body)
+            if written:
+                self._saw(("configmap", name), written)
+            return written
         except KubeApiError as e:
             if create and e.status == 404:
                 # A create has one 404: its namespace is missing. Taken for a lost race, it read
@@ -276,6 +335,7 @@ class ApiCaller:
         """Delete the ConfigMap only if it is still the object `uid` names (a precondition, so a
         slot someone else has taken since is never freed by us). False when it was not there."""
         body = {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": {"uid": uid}}
+        self._saw(("configmap", name), ...)
         try:
             self.call(f"delete configmap {self.namespace}/{name}",
                       self.api.delete_namespaced_config_map, name, self.namespace, body=body)

@@ -24,9 +24,9 @@ import sqlite3
 import secrets
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, ContextManager, Iterator, Mapping, Optional, Sequence
 
 from screener import boundedjson
 from screener.errors import BadInputError, ScreenerError
@@ -343,6 +343,10 @@ class LocalStore:
             raise BadInputError(f"{self.path}: table transitions, row {seq} (node "
                                 f"{str(node)[:128]!r}): the record is not a transition "
                                 f"({str(e)[:200]})") from None
+
+    def one_pass(self) -> ContextManager[None]:
+        """A daemon pass: nothing to keep (a read of the local file costs no request)."""
+        return nullcontext()
 
     def get_state(self, node: str) -> Optional[NodeState]:
         row = self._query("SELECT state FROM nodes WHERE node = ?", (node,))
