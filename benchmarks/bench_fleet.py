@@ -18,6 +18,14 @@ Python's GIL with the server's threads); compare the two columns of one run.
     python benchmarks/bench_fleet.py            # 150 and 200 of 1,500, 300 of 3,000: both stores
     python benchmarks/bench_fleet.py --runs 150/1500 --sides after
     python benchmarks/bench_fleet.py --recount 1500           # a stale record: who recounts
+    python benchmarks/bench_fleet.py --runs 300/3000 --sides after \
+        --apiserver https://127.0.0.1:6443 --token T              # a real kube-apiserver
+
+With --apiserver (benchmarks/realserver.py; a fresh server per run, its budget record already
+counted for the run's fleet): the admin loads the fleet (Nodes labelled healthy with their
+summary and a 3 KB foreign annotation, the failing nodes' history ConfigMaps), and each failing
+node's store acts as its daemon pod (the service account with its node claim, through the RBAC
+and the admission policies). Requests are counted on the client side.
 
 Figures come from the test server only (no kube-apiserver here): request and conflict counts are
 what a real API server would see from the same client; its latency and etcd costs are not modelled.
@@ -208,6 +216,91 @@ def mass_failure(cls: type, fleet: int, failing: int, stale: bool = False) -> di
     }
 
 
+def mass_failure_real(url: str, token: str, fleet: int, failing: int) -> dict[str, Any]:
+    """mass_failure on a real kube-apiserver (the working tree's store only)."""
+    import realserver
+    from screener.stores.kube import KubeStore
+
+    now = time.time()
+    names = [f"gpu-{k:05d}" for k in range(fleet)]
+    nodes = [f"gpu-{(k * 7919) % fleet:05d}" for k in range(failing)]
+    hist = {n: [Transition(node=n, time=now - 86400, from_state=None, to_state=NodeState.BURNIN,
+                           reason="new", code="NewNode").to_dict(),
+                Transition(node=n, time=now - 80000, from_state=NodeState.BURNIN,
+                           to_state=NodeState.HEALTHY, reason="burn-in passed",
+                           code="KnownAnswerPassed").to_dict()] for n in nodes}
+    load = realserver.load_fleet(
+        url, token, names, labels={LABEL_STATE: "healthy"},
+        annotations={"other.io/blob": "x" * 3000,
+                     ANNOTATION_HISTORY: kf.summary_annotation(hist[nodes[0]])},
+        configmaps=[kf.history_configmap(n, hist[n], namespace=NS) for n in nodes])
+    print(f"  loaded {fleet} Nodes in {load:.0f} s", file=sys.stderr)
+    log: list[Any] = []
+    stores = {n: KubeStore(realserver.client(url, token, n, log), namespace=NS, instance=n)
+              for n in nodes}
+    barrier = threading.Barrier(failing + 1)
+    took: dict[str, float] = {}
+    errors: dict[str, str] = {}
+
+    def daemon(node: str) -> None:
+        # A running daemon's connection is open already (it talks to the API every pass): the
+        # TLS handshake is not part of alarm to label, and its request is not counted.
+        import kubernetes.client
+
+        kubernetes.client.VersionApi(stores[node].api.api_client).get_code()
+        barrier.wait()
+        t0 = time.perf_counter()
+        try:
+            apply_event(stores[node], node, BAD, now=time.time())
+            took[node] = time.perf_counter() - t0
+        except Exception as e:  # noqa: BLE001 - counted, reported
+            errors[node] = f"{type(e).__name__}: {e}"[:200]
+
+    threads = [threading.Thread(target=daemon, args=(n,)) for n in nodes]
+    for t in threads:
+        t.start()
+    while len(log) < failing:
+        time.sleep(0.05)
+    log.clear()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    for st in stores.values():
+        st.close()
+    states = realserver.states(url, token)
+    kinds: dict[str, list[float]] = {}
+    for _, method, path, _, seconds in log:
+        parts = path.strip("/").split("/")
+        kind = f"{method} {'/'.join(p for p in parts[2:] if not p.startswith(('gpu-', 'screener-')))}"
+        kinds.setdefault(kind, []).append(seconds)
+    for kind, xs in sorted(kinds.items()):
+        print(f"  {kind:50} {len(xs):5d} requests, mean {statistics.mean(xs) * 1e3:7.1f} ms, "
+              f"max {max(xs) * 1e3:7.1f} ms", file=sys.stderr)
+    per = Counter(a for a, *_ in log)
+    conflicts = Counter(a for a, _, _, status, _ in log if status == 409)
+    agents = [f"daemon/{n}" for n in nodes]
+    limit = max(1, int(0.10 * fleet + 1e-9))
+    out = sorted(n for n in nodes if states[n][0] in ("quarantined", "repair"))
+    held = sorted(n for n in nodes if states[n][0] == "suspect" and states[n][1] == ["suspect"])
+    times = sorted(took.values())
+    held_times = sorted(took[n] for n in held if n in took)
+    return {
+        "failing": failing, "fleet": fleet, "limit": limit, "wall": wall, "errors": errors,
+        "requests": len(log), "server_s": float("nan"),
+        "out": len(out), "held": len(held), "unlabelled": failing - len(out) - len(held),
+        "exact": len(out) == min(limit, failing) and len(out) + len(held) == failing,
+        "req_p50": statistics.median(per[a] for a in agents), "req_max": max(per[a] for a in agents),
+        "conf_p50": statistics.median(conflicts[a] for a in agents),
+        "conf_total": sum(conflicts.values()),
+        "node_lists": sum(1 for _, m, path, *_ in log if m == "GET" and path == "/api/v1/nodes"),
+        "kb_p50": float("nan"),
+        "p50": _q(times, 0.5), "p90": _q(times, 0.9), "max": times[-1] if times else float("nan"),
+        "held_p50": _q(held_times, 0.5), "held_p90": _q(held_times, 0.9),
+    }
+
+
 def _q(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
@@ -246,7 +339,18 @@ def main() -> None:
     ap.add_argument("--recount", type=int, default=0, metavar="FLEET",
                     help="also: 50 failing at once with a budget record two hours old")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--apiserver", default="", help="a real kube-apiserver's URL (one run)")
+    ap.add_argument("--token", default="", help="its admin token (system:masters)")
     args = ap.parse_args()
+    if args.apiserver:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        failing, fleet = (int(x) for x in args.runs[0].split("/"))
+        result = mass_failure_real(args.apiserver, args.token, fleet, failing)
+        table(f"{failing:,} of {fleet:,} failing at once on a real kube-apiserver "
+              f"(budget {max(1, fleet // 10)})", {"after": result})
+        if args.json:
+            print(json.dumps(result, default=str))
+        return
 
     from screener.stores.kube import KubeStore
 
