@@ -1,6 +1,7 @@
 """A real kube-apiserver for the benchmarks' `--apiserver URL --token TOKEN` modes.
 
-../shared/REAL-APISERVER.md builds one (v1.28.7) with etcd; start it with a token file whose
+../shared/REAL-APISERVER.md builds one (v1.28.7) with etcd; `benchmarks/realserver-up.sh` starts it
+as described next. Start it with a token file whose
 admin token is in the system:masters group, apply manifests/ (the namespace, RBAC and the
 admission policies; on 1.28 the policies as v1beta1: tests/test_admission_apiserver.py's
 `_manifests(28)`), and pass its URL and that token. The admin token loads the fleet; every
