@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # A standing etcd + kube-apiserver (1.28.7, built by ../shared/REAL-APISERVER.md) on 127.0.0.1:6443 for the
 # benchmarks' --apiserver modes (benchmarks/realserver.py): token auth, admin token "screener-admin";
-# manifests/ applied (policies as v1beta1), the budget record counted for $FLEET nodes before the
-# lease policy's binding. Fresh data each start. APISERVER, ETCD, KUBECTL: the binaries.
+# manifests/ applied (policies as v1beta1), the budget record counted for $FLEET nodes. Fresh data each start. APISERVER, ETCD, KUBECTL: the binaries.
 set -euo pipefail
 W=${REALSERVER_DIR:-/tmp/screener-realserver}
 APISERVER=${APISERVER:-/work/k8s/bin/kube-apiserver}
@@ -35,8 +34,8 @@ K="${KUBECTL:-$(cd "$(dirname "$0")/.." && pwd)/.ci/bin/kubectl} --kubeconfig $W
 for i in $(seq 120); do $K get --raw /readyz >/dev/null 2>&1 && break; sleep 0.5; done
 $K get --raw /readyz; echo
 cd "$(dirname "$0")/.."
-# On 1.28 a binding's parameter is looked up before its match conditions: the budget record (the
-# lease policy's parameter) must exist before that binding, or every ConfigMap write is denied.
+# The budget record counted for $FLEET nodes (a fleet as a running one leaves it), made by the
+# admin before the lease policy's binding (whose parameter it is) is in place.
 .venv/bin/python - > $W/manifests.json <<'P'
 import sys, json, time; sys.path.insert(0, "tests")
 import os; os.environ.setdefault("KUBEBUILDER_ASSETS", "")
