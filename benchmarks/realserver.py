@@ -144,3 +144,52 @@ def kubeconfig(url: str, token: str, path: Path) -> Path:
         "users": [{"name": "daemon", "user": {"token": token}}],
         "contexts": [{"name": "real", "context": {"cluster": "real", "user": "daemon"}}]}))
     return path
+
+
+class RealTarget:
+    """The real server as tests/fakes/kill9.py's Campaign sees its API: Nodes added by the admin,
+    the children acting as their daemon pods, the audit's reads as the admin. No write can be
+    held, so kills land at random moments (`tapped` False)."""
+
+    tapped = False
+    hold = (0.0, 0.0)
+
+    def __init__(self, url: str, token: str) -> None:
+        self.url, self.token = url, token
+        self.core = kubernetes.client.CoreV1Api(client(url, token))
+        self._plain = kubernetes.client.ApiClient()
+
+    def write_kubeconfig(self, path: Path) -> Path:
+        return kubeconfig(self.url, self.token, Path(path))
+
+    def add_node(self, name: str, *, labels: Optional[dict[str, str]] = None) -> None:
+        self.core.create_node({"apiVersion": "v1", "kind": "Node",
+                               "metadata": {"name": name, "labels": dict(labels or {})}})
+
+    def reset(self, on_write: Any = None) -> None:
+        assert on_write is None, "a real server's writes cannot be tapped"
+
+    def child_env(self, node: str, home: Path) -> dict[str, str]:
+        return child_env(node, Path(home) / "requests.jsonl")
+
+    def node(self, name: str) -> dict[str, Any]:
+        return dict(self._plain.sanitize_for_serialization(self.core.read_node(name)))
+
+    def configmap(self, namespace: str, name: str) -> Optional[dict[str, Any]]:
+        try:
+            cm = self.core.read_namespaced_config_map(name, namespace)
+        except kubernetes.client.ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+        return dict(self._plain.sanitize_for_serialization(cm))
+
+    def events_about(self, node: str, reason: str) -> int:
+        items = self.core.list_event_for_all_namespaces(
+            field_selector=f"involvedObject.name={node}").items
+        return sum(1 for e in items if e.reason == reason)
+
+    def slots_naming(self, namespace: str, node: str) -> int:
+        items = self.core.list_namespaced_config_map(namespace).items
+        return sum(1 for cm in items if cm.metadata.name.startswith("screener-budget-slot-")
+                   and (cm.data or {}).get("node") == node)

@@ -60,9 +60,27 @@ class TappedAPI(KubeAPI):
         self._server.handle_error = lambda request, client_address: None  # type: ignore[method-assign]
         return self
 
+    tapped = True  # kills can be timed to a write (a real server's campaign kills at random)
+
     def reset(self, on_write: Optional[Callable[[int], None]] = None) -> None:
         with self._tap:
             self.writes, self.on_write = 0, on_write
+
+    def child_env(self, node: str, home: Path) -> dict[str, str]:
+        """What a child needs besides the campaign's own settings (nothing, here)."""
+        return {}
+
+    def events_about(self, node: str, reason: str) -> int:
+        with self._lock:
+            return sum(1 for e in self.events
+                       if (e.get("involvedObject") or {}).get("name") == node
+                       and e.get("reason") == reason)
+
+    def slots_naming(self, namespace: str, node: str) -> int:
+        with self._lock:
+            return sum(1 for (ns, name), cm in self.configmaps.items()
+                       if ns == namespace and name.startswith(kf.SLOT_PREFIX)
+                       and (cm.get("data") or {}).get("node") == node)
 
     def handle(self, method: str, path: str, query: dict[str, list[str]], headers: Any,
                body: bytes) -> Any:
@@ -104,24 +122,21 @@ class Audit:
         return self.entries > 1 or self.events > 1 or self.slots > 1
 
 
-def audit(api: KubeAPI, node: str) -> Audit:
+def audit(api: Any, node: str) -> Audit:
+    """`api`: a TappedAPI, or a real server's view of the same (benchmarks/realserver.py)."""
     obj = api.node(node)
     taints = (obj.get("spec") or {}).get("taints") or []
     cond = next((c for c in (obj.get("status") or {}).get("conditions") or []
                  if c.get("type") == CONDITION_TYPE), None)
     cm = api.configmap(NAMESPACE, kf.history_configmap_name(node))
     entries = [e for e in kf.history_entries(cm) if e.get("to") == "quarantined"]
-    with api._lock:
-        events = [e for e in api.events if (e.get("involvedObject") or {}).get("name") == node
-                  and e.get("reason") == "RingReplayMismatch"]
-        slots = [cm for (ns, name), cm in api.configmaps.items()
-                 if ns == NAMESPACE and name.startswith(kf.SLOT_PREFIX)
-                 and (cm.get("data") or {}).get("node") == node]
+    events = api.events_about(node, "RingReplayMismatch")
+    slots = api.slots_naming(NAMESPACE, node)
     return Audit(label=(obj["metadata"].get("labels") or {}).get(LABEL_STATE),
                  taint=any(t.get("key") == TAINT_STATE_KEY and t.get("value") == "quarantined"
                            for t in taints),
                  condition=cond.get("status") if cond else None, entries=len(entries),
-                 events=len(events), slots=len(slots))
+                 events=events, slots=slots)
 
 
 @dataclass
@@ -194,20 +209,23 @@ class Campaign:
     """Quarantines on fresh nodes of a fleet of `fleet` healthy ones, each killed `kills_per`
     (1 to that many, at random) times, then restarted cleanly and audited."""
 
-    def __init__(self, api: TappedAPI, tmp: Path, *, seed: int, fleet: int = 400,
+    def __init__(self, api: Any, tmp: Path, *, seed: int, fleet: int = 400,
                  writes: int = 5) -> None:
+        """api: a TappedAPI, or benchmarks/realserver.py's RealTarget (whose budget record is
+        the server's already)."""
         self.api, self.tmp, self.rng = api, tmp, random.Random(seed)
         self.writes = writes  # a quarantine's writes: slot, Node, history, condition, Event
         self.kubeconfig = api.write_kubeconfig(tmp / "kubeconfig")
         for i in range(fleet):
             api.add_node(f"fleet-{i:05d}", labels={LABEL_STATE: "healthy"})
         # The budget counted already (a campaign's nodes are not its first ones).
-        import kubernetes.client
+        if api.tapped:
+            import kubernetes.client
 
-        with api.api_client() as client:
-            kubernetes.client.CoreV1Api(client).create_namespaced_config_map(
-                NAMESPACE, kf.BudgetRecord(fleet=fleet, counted=time.time())
-                .configmap(NAMESPACE))
+            with api.api_client() as client:
+                kubernetes.client.CoreV1Api(client).create_namespaced_config_map(
+                    NAMESPACE, kf.BudgetRecord(fleet=fleet, counted=time.time())
+                    .configmap(NAMESPACE))
         self.figures = Figures()
 
     def env(self, node: str) -> dict[str, str]:
@@ -224,6 +242,7 @@ class Campaign:
         env.update(NODE_NAME=node, SCREENER_ALARM_DIR=str(home / "alarms"),
                    XDG_STATE_HOME=str(home / "xdg"), SCREENER_CONFIG=str(config),
                    POD_NAMESPACE=NAMESPACE, PYTHONPATH=str(ROOT))
+        env.update(self.api.child_env(node, home))
         return env
 
     def intents_on_file(self, node: str) -> int:
@@ -235,7 +254,7 @@ class Campaign:
         env = self.env(node)
         home = self.tmp / node
         fired = threading.Event()
-        at_write = self.rng.random() < 0.75
+        at_write = self.rng.random() < 0.75 and self.api.tapped
         target = self.rng.randint(1, 3 if restart else self.writes)
         self.api.reset(on_write=(lambda n: fired.set() if n == target else None)
                        if at_write else None)
@@ -246,7 +265,8 @@ class Campaign:
                 pass
             time.sleep(self.rng.uniform(0.0, self.api.hold[0]))
         else:
-            time.sleep(self.rng.uniform(0.0, 0.8))
+            # A fresh interpreter on a real server takes a second or two to its first request.
+            time.sleep(self.rng.uniform(0.0, 0.8 if self.api.tapped else 3.0))
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
