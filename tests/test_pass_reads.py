@@ -69,7 +69,7 @@ def test_a_daemon_pass_that_takes_an_alarm_reads_its_node_and_history_once(tmp_p
 
 @pytest.fixture
 def api():
-    with KubeAPI() as server:
+    with TappedAPI(hold=(0.0, 0.0)) as server:
         server.add_node("gpu-1", labels={LABEL_STATE: "healthy", "team": "a"})
         for i in range(20):
             server.add_node(f"fleet-{i}", labels={LABEL_STATE: "healthy"})

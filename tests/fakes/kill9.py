@@ -70,18 +70,6 @@ class TappedAPI(KubeAPI):
         """What a child needs besides the campaign's own settings (nothing, here)."""
         return {}
 
-    def events_about(self, node: str, reason: str) -> int:
-        with self._lock:
-            return sum(1 for e in self.events
-                       if (e.get("involvedObject") or {}).get("name") == node
-                       and e.get("reason") == reason)
-
-    def slots_naming(self, namespace: str, node: str) -> int:
-        with self._lock:
-            return sum(1 for (ns, name), cm in self.configmaps.items()
-                       if ns == namespace and name.startswith(kf.SLOT_PREFIX)
-                       and (cm.get("data") or {}).get("node") == node)
-
     def handle(self, method: str, path: str, query: dict[str, list[str]], headers: Any,
                body: bytes) -> Any:
         out = super().handle(method, path, query, headers, body)
@@ -130,8 +118,17 @@ def audit(api: Any, node: str) -> Audit:
                  if c.get("type") == CONDITION_TYPE), None)
     cm = api.configmap(NAMESPACE, kf.history_configmap_name(node))
     entries = [e for e in kf.history_entries(cm) if e.get("to") == "quarantined"]
-    events = api.events_about(node, "RingReplayMismatch")
-    slots = api.slots_naming(NAMESPACE, node)
+    if isinstance(api, KubeAPI):  # the test server: its own tables
+        with api._lock:
+            events = sum(1 for e in api.events
+                         if (e.get("involvedObject") or {}).get("name") == node
+                         and e.get("reason") == "RingReplayMismatch")
+            slots = sum(1 for (ns, name), cm in api.configmaps.items()
+                        if ns == NAMESPACE and name.startswith(kf.SLOT_PREFIX)
+                        and (cm.get("data") or {}).get("node") == node)
+    else:
+        events = api.events_about(node, "RingReplayMismatch")
+        slots = api.slots_naming(NAMESPACE, node)
     return Audit(label=(obj["metadata"].get("labels") or {}).get(LABEL_STATE),
                  taint=any(t.get("key") == TAINT_STATE_KEY and t.get("value") == "quarantined"
                            for t in taints),
