@@ -157,45 +157,57 @@ def make_store(cls: type, url: str, node: str) -> Any:
 # --- one mass failure -----------------------------------------------------------------------------
 
 
-def mass_failure(cls: type, fleet: int, failing: int, stale: bool = False) -> dict[str, Any]:
-    server = Server(fleet, stale=stale)
-    try:
-        nodes = [f"gpu-{(k * 7919) % fleet:05d}" for k in range(failing)]  # spread over the fleet
-        stores = {n: make_store(cls, server.url, n) for n in nodes}
-        barrier = threading.Barrier(failing + 1)
-        took: dict[str, float] = {}
-        errors: dict[str, str] = {}
+def fail_together(stores: dict[str, Any], warm: Any = None,
+                  warmed: Any = None) -> tuple[dict[str, float], dict[str, str], float]:
+    """Each node's store applies BAD on its own thread, all released by one barrier; `warm(node)`
+    runs on the thread first, and `warmed()` once every thread has warmed, before the release.
+    Returns alarm-to-label seconds, errors, wall time."""
+    ready = threading.Barrier(len(stores) + 1)
+    barrier = threading.Barrier(len(stores) + 1)
+    took: dict[str, float] = {}
+    errors: dict[str, str] = {}
 
-        def daemon(node: str) -> None:
-            barrier.wait()
-            t0 = time.perf_counter()
-            try:
-                apply_event(stores[node], node, BAD, now=time.time())
-                took[node] = time.perf_counter() - t0
-            except Exception as e:  # noqa: BLE001 - counted, reported
-                errors[node] = f"{type(e).__name__}: {e}"[:200]
-
-        threads = [threading.Thread(target=daemon, args=(n,)) for n in nodes]
-        for t in threads:
-            t.start()
+    def daemon(node: str) -> None:
+        if warm is not None:
+            warm(node)
+        ready.wait()
         barrier.wait()
         t0 = time.perf_counter()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - t0
-        calls = server.ask("calls")
-        states = server.ask("states")
-        for s in stores.values():
-            s.close()
-    finally:
-        server.close()
+        try:
+            apply_event(stores[node], node, BAD, now=time.time())
+            took[node] = time.perf_counter() - t0
+        except Exception as e:  # noqa: BLE001 - counted, reported
+            errors[node] = f"{type(e).__name__}: {e}"[:200]
+
+    threads = [threading.Thread(target=daemon, args=(n,)) for n in stores]
+    for t in threads:
+        t.start()
+    ready.wait()
+    if warmed is not None:
+        warmed()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    for st in stores.values():
+        st.close()
+    return took, errors, wall
+
+
+def figures(nodes: list[str], fleet: int, took: dict[str, float], errors: dict[str, str],
+            wall: float, calls: list[tuple[str, str, str, int, int, float]],
+            states: dict[str, tuple[Any, list[str]]], agent: str) -> dict[str, Any]:
+    """What a mass failure did: `calls` as (agent, verb, resource, status, bytes, server s), the
+    agent of node n being agent.format(n); `states` every Node's label and state taints."""
     per = Counter(a for a, *_ in calls)
     conflicts = Counter(a for a, _, _, status, *_ in calls if status == 409)
     node_lists = Counter(a for a, verb, res, *_ in calls if verb == "list" and res == "nodes")
     nbytes: Counter = Counter()
     for a, _, _, _, b, _ in calls:
         nbytes[a] += b
-    agents = [f"bench/{n}" for n in nodes]
+    agents = [agent.format(n) for n in nodes]
+    failing = len(nodes)
     limit = max(1, int(0.10 * fleet + 1e-9))
     out = sorted(n for n in nodes if states[n][0] in ("quarantined", "repair"))
     held = sorted(n for n in nodes if states[n][0] == "suspect" and states[n][1] == ["suspect"])
@@ -216,8 +228,22 @@ def mass_failure(cls: type, fleet: int, failing: int, stale: bool = False) -> di
     }
 
 
+def mass_failure(cls: type, fleet: int, failing: int, stale: bool = False) -> dict[str, Any]:
+    server = Server(fleet, stale=stale)
+    try:
+        nodes = [f"gpu-{(k * 7919) % fleet:05d}" for k in range(failing)]  # spread over the fleet
+        took, errors, wall = fail_together({n: make_store(cls, server.url, n) for n in nodes})
+        calls = server.ask("calls")
+        states = server.ask("states")
+    finally:
+        server.close()
+    return figures(nodes, fleet, took, errors, wall, calls, states, "bench/{}")
+
+
 def mass_failure_real(url: str, token: str, fleet: int, failing: int) -> dict[str, Any]:
-    """mass_failure on a real kube-apiserver (the working tree's store only)."""
+    """mass_failure on a real kube-apiserver (the working tree's store only). The request counts
+    are the client's (no bytes, no server time)."""
+    import kubernetes.client
     import realserver
     from screener.stores.kube import KubeStore
 
@@ -238,38 +264,12 @@ def mass_failure_real(url: str, token: str, fleet: int, failing: int) -> dict[st
     log: list[Any] = []
     stores = {n: KubeStore(realserver.client(url, token, n, log), namespace=NS, instance=n)
               for n in nodes}
-    barrier = threading.Barrier(failing + 1)
-    took: dict[str, float] = {}
-    errors: dict[str, str] = {}
-
-    def daemon(node: str) -> None:
+    def warm(node: str) -> None:
         # A running daemon's connection is open already (it talks to the API every pass): the
         # TLS handshake is not part of alarm to label, and its request is not counted.
-        import kubernetes.client
-
         kubernetes.client.VersionApi(stores[node].api.api_client).get_code()
-        barrier.wait()
-        t0 = time.perf_counter()
-        try:
-            apply_event(stores[node], node, BAD, now=time.time())
-            took[node] = time.perf_counter() - t0
-        except Exception as e:  # noqa: BLE001 - counted, reported
-            errors[node] = f"{type(e).__name__}: {e}"[:200]
 
-    threads = [threading.Thread(target=daemon, args=(n,)) for n in nodes]
-    for t in threads:
-        t.start()
-    while len(log) < failing:
-        time.sleep(0.05)
-    log.clear()
-    barrier.wait()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    for st in stores.values():
-        st.close()
-    states = realserver.states(url, token)
+    took, errors, wall = fail_together(stores, warm, warmed=lambda: log.clear())
     kinds: dict[str, list[float]] = {}
     for _, method, path, _, seconds in log:
         parts = path.strip("/").split("/")
@@ -278,27 +278,12 @@ def mass_failure_real(url: str, token: str, fleet: int, failing: int) -> dict[st
     for kind, xs in sorted(kinds.items()):
         print(f"  {kind:50} {len(xs):5d} requests, mean {statistics.mean(xs) * 1e3:7.1f} ms, "
               f"max {max(xs) * 1e3:7.1f} ms", file=sys.stderr)
-    per = Counter(a for a, *_ in log)
-    conflicts = Counter(a for a, _, _, status, _ in log if status == 409)
-    agents = [f"daemon/{n}" for n in nodes]
-    limit = max(1, int(0.10 * fleet + 1e-9))
-    out = sorted(n for n in nodes if states[n][0] in ("quarantined", "repair"))
-    held = sorted(n for n in nodes if states[n][0] == "suspect" and states[n][1] == ["suspect"])
-    times = sorted(took.values())
-    held_times = sorted(took[n] for n in held if n in took)
-    return {
-        "failing": failing, "fleet": fleet, "limit": limit, "wall": wall, "errors": errors,
-        "requests": len(log), "server_s": float("nan"),
-        "out": len(out), "held": len(held), "unlabelled": failing - len(out) - len(held),
-        "exact": len(out) == min(limit, failing) and len(out) + len(held) == failing,
-        "req_p50": statistics.median(per[a] for a in agents), "req_max": max(per[a] for a in agents),
-        "conf_p50": statistics.median(conflicts[a] for a in agents),
-        "conf_total": sum(conflicts.values()),
-        "node_lists": sum(1 for _, m, path, *_ in log if m == "GET" and path == "/api/v1/nodes"),
-        "kb_p50": float("nan"),
-        "p50": _q(times, 0.5), "p90": _q(times, 0.9), "max": times[-1] if times else float("nan"),
-        "held_p50": _q(held_times, 0.5), "held_p90": _q(held_times, 0.9),
-    }
+    verbs = {"GET": "get", "POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}
+    calls = [(a, "list" if (m, p) == ("GET", "/api/v1/nodes") else verbs.get(m, m),
+              "nodes" if p == "/api/v1/nodes" else p, status, 0, 0.0)
+             for a, m, p, status, _ in log]
+    return figures(nodes, fleet, took, errors, wall, calls, realserver.states(url, token),
+                   "daemon/{}")
 
 
 def _q(xs: list[float], q: float) -> float:
