@@ -1,8 +1,9 @@
 """The shared vocabulary of screener: findings, verdicts, node states, alarms and the exit-code contract.
 
 Every other module speaks in these types, so this module imports nothing of ours and only the
-standard library. Values that cross a process or machine boundary (alarm files, verdict annotations,
-Kubernetes labels) are defined here once so writer and reader cannot drift apart.
+standard library. Values that cross a process or machine boundary (verdict annotations, Kubernetes
+labels) are defined here once so writer and reader cannot drift apart; the alarm file has a module
+of its own on top of this one (screener.alarmfile: its record, check names, bounds and write).
 """
 
 from __future__ import annotations
@@ -102,9 +103,6 @@ ANNOTATION_CANDIDATES = "screener.io/kat-candidates"
 
 ALARM_DIR_ENV = "SCREENER_ALARM_DIR"
 DEFAULT_ALARM_DIR = "/var/run/screener/alarms"
-# The longest alarm_id (and instance id) the daemon's intake accepts: the Kubernetes store keeps 160
-# characters of a string in history, and the writer cuts its ids to fit.
-MAX_ID_LEN = 128
 NODE_NAME_ENV = "NODE_NAME"
 EXIT_DIR_ENV = "SCREENER_EXIT_DIR"  # set by screener launch: run_guarded records its exit code there
 
@@ -191,23 +189,6 @@ class Reason(StrValue):
     REPLACED = "NodeReplaced"
 
 
-# What each alarm check (AlarmRecord.check) means as a transition reason.
-ALARM_CHECK_REASONS: Mapping[str, Reason] = {
-    "nonfinite_local": Reason.NONFINITE,
-    "nonfinite_reduced": Reason.NONFINITE,
-    "ring_replay": Reason.RING_REPLAY,
-    "spike_rerun": Reason.SPIKE_RERUN,  # screener.audit.sentinel: a spike attributed by a rerun
-    "weights": Reason.WEIGHTS,
-    "optimizer_update": Reason.OPTIMIZER_UPDATE,  # screener.audit.update_buddy
-    "straggler": Reason.STRAGGLER,  # screener.audit.straggler: a rank slower than its peers for w steps
-    # screener.audit.run_guarded: a worker ended with 75 on a hardware error (ECC, uncorrectable)
-    "hardware_error": Reason.HARDWARE_ERROR_IN_JOB,
-    # screener preflight (a job's init container): a suspect probe or known-answer mismatch,
-    # always unsettled (one signal: the daemon confirms with its own screen)
-    "preflight": Reason.PREFLIGHT,
-}
-
-
 @dataclass(frozen=True)
 class Finding:
     """One observation from a probe (NVML, kernel log, host) that the lifecycle can act on."""
@@ -268,70 +249,6 @@ class SuspectNode:
     node: str
     hostname: str
     instance_id: Optional[str] = None
-
-
-@dataclass(frozen=True)
-class AlarmRecord:
-    """The JSON content of one alarm file dropped by an in-job check for the DaemonSet.
-
-    Written by `screener.audit` (temp file, then rename) into SCREENER_ALARM_DIR on the suspect
-    node; read exactly once by the daemon on that node.
-    """
-
-    alarm_id: str  # unique; also the file's stem
-    check: str  # "nonfinite_local", "nonfinite_reduced", "ring_replay" or "weights"
-    step: int
-    settled: bool
-    suspect_ranks: tuple[int, ...]
-    suspect_nodes: tuple[SuspectNode, ...]
-    node: str  # the node this file is about (the one it was dropped on)
-    job: str = ""
-    created: float = 0.0  # unix time
-    evidence: Mapping[str, Any] = field(default_factory=dict)
-
-    SCHEMA = 1
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema": self.SCHEMA,
-            "alarm_id": self.alarm_id,
-            "check": self.check,
-            "step": self.step,
-            "settled": self.settled,
-            "suspect_ranks": list(self.suspect_ranks),
-            "suspect_nodes": [asdict(n) for n in self.suspect_nodes],
-            "node": self.node,
-            "job": self.job,
-            "created": self.created,
-            "evidence": dict(self.evidence),
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "AlarmRecord":
-        """Parse and validate; raises ValueError naming the first thing that is wrong."""
-        if not isinstance(d, Mapping):
-            raise ValueError("alarm is not a JSON object")
-        if d.get("schema") != cls.SCHEMA:
-            raise ValueError(f"alarm schema {d.get('schema')!r} is not {cls.SCHEMA}")
-        for key in ("alarm_id", "check", "step", "settled", "suspect_ranks", "suspect_nodes", "node"):
-            if key not in d:
-                raise ValueError(f"alarm lacks the field {key!r}")
-        if d["check"] not in ALARM_CHECK_REASONS:
-            raise ValueError(f"alarm check {d['check']!r} is not one of {sorted(ALARM_CHECK_REASONS)}")
-        if not isinstance(d["step"], int) or isinstance(d["step"], bool):
-            raise ValueError(f"alarm step {d['step']!r} is not an integer")
-        if not isinstance(d["settled"], bool):
-            raise ValueError(f"alarm settled {d['settled']!r} is not a boolean")
-        try:
-            nodes = tuple(SuspectNode(node=str(n["node"]), hostname=str(n["hostname"]),
-                                      instance_id=n.get("instance_id")) for n in d["suspect_nodes"])
-            ranks = tuple(int(r) for r in d["suspect_ranks"])
-        except (TypeError, KeyError, ValueError) as e:
-            raise ValueError(f"alarm suspect_ranks/suspect_nodes malformed: {e}") from None
-        return cls(alarm_id=str(d["alarm_id"]), check=str(d["check"]), step=d["step"],
-                   settled=d["settled"], suspect_ranks=ranks, suspect_nodes=nodes,
-                   node=str(d["node"]), job=str(d.get("job") or ""),
-                   created=float(d.get("created") or 0.0), evidence=dict(d.get("evidence") or {}))
 
 
 class RunStatus(StrValue):
@@ -417,3 +334,18 @@ class AlarmResult(StrValue):
     APPLIED = "applied"
     DUPLICATE = "duplicate"  # applied before: moved aside without applying it again
     REJECTED = "rejected"  # unreadable or invalid: moved to rejected/
+
+
+# The alarm record, its check names and its id bound moved to screener.alarmfile, the alarm file's
+# contract, which builds on this module: a static import of it here would be a cycle, so the old
+# names (`from screener.types import AlarmRecord`) resolve on first use instead.
+_MOVED_TO_ALARMFILE = {"AlarmRecord": "AlarmRecord", "ALARM_CHECK_REASONS": "CHECKS",
+                       "MAX_ID_LEN": "MAX_ID_LEN"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED_TO_ALARMFILE:
+        import importlib
+
+        return getattr(importlib.import_module("screener.alarmfile"), _MOVED_TO_ALARMFILE[name])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

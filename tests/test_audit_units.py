@@ -329,6 +329,7 @@ def test_audit_imports_nothing_of_ours_but_the_vocabulary_and_fingerprint():
     # screener.kernels is fingerprint's implementation (its compiled/vectorised paths).
     ours = {m for m in json.loads(out.stdout) if not m.startswith(("screener.audit",
                                                                    "screener.kernels"))}
-    # screener.atomicfile: the one way a file is written (alarm files, checkpoint markers)
-    assert ours <= {"screener", "screener.types", "screener.fingerprint", "screener.atomicfile"}, \
-        ours
+    # screener.atomicfile: the one way a file is written (alarm files, checkpoint markers);
+    # screener.alarmfile: the alarm file's contract, which the daemon's intake reads by
+    assert ours <= {"screener", "screener.types", "screener.fingerprint", "screener.atomicfile",
+                    "screener.alarmfile"}, ours

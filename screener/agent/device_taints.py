@@ -31,11 +31,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Optional, Protocol, Sequence
 
 from screener.agent.passreport import PassReport
+from screener.alarmfile import CHECKS, AlarmRecord
 from screener.errors import ScreenerError
 from screener.health.snapshot import GpuSnapshot
 from screener.lifecycle import machine
 from screener.settings.dra import DraConfig
-from screener.types import ALARM_CHECK_REASONS, AlarmRecord, Outcome, Reason, Verdict
+from screener.types import Outcome, Reason, Verdict
 
 log = logging.getLogger("screener.daemon")
 
@@ -184,7 +185,7 @@ class DeviceTaints:
             gpu = by_serial.get(s)
             if gpu is None or gpu.uuid is None:
                 continue
-            reason = ALARM_CHECK_REASONS.get(record.check, Reason.HARDWARE_ERROR_IN_JOB)
+            reason = CHECKS.get(record.check, Reason.HARDWARE_ERROR_IN_JOB)
             self.to_clear.discard(gpu.uuid)
             self.to_taint[gpu.uuid] = BadGpu(uuid=gpu.uuid, serial=s, reason=str(reason),
                                              evidence=f"alarm {record.alarm_id}: {record.check}")

@@ -7,7 +7,8 @@ the alarm is about (temp name, then rename). The daemon on that node reads them 
    opened with O_NOFOLLOW | O_NONBLOCK (a symlink or a FIFO swapped in after the scan is refused,
    never followed or waited on), checked with fstat to be a regular file under MAX_ALARM_BYTES,
    parsed within bounds (screener.boundedjson: depth, integer length, no NaN or infinity) and
-   validated field by field (`validate`);
+   validated field by field (`validate`, from the alarm file's contract screener.alarmfile,
+   which the writer in screener.audit shares);
 2. a file that cannot be read, parsed or validated is moved into `rejected/` with one log line,
    and the intake goes on with the next file. No exception from one file ends a pass: a file
    that cannot even be moved aside is skipped and remembered (logged once, tried again when it
@@ -45,13 +46,9 @@ Nothing here reads a clock of its own or talks to a store directly: the clock, `
 from __future__ import annotations
 
 import errno
-import json
 import logging
-import math
 import os
-import re
 import stat
-import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -59,7 +56,12 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from screener.atomicfile import fsync_dir
 from screener import boundedjson
 from screener.agent.clock import ClockLike, as_clock
-from screener.types import ALARM_CHECK_REASONS, MAX_ID_LEN, AlarmRecord, printable_text
+# The alarm file's rules (its fields, check names and bounds, `validate`, `is_ours`) are the
+# contract's, shared with the writer in screener.audit; the names stay importable from here.
+from screener.alarmfile import (MAX_ALARM_BYTES, MAX_CLOCK_SKEW_S, MAX_CREATED,  # noqa: F401
+                                MAX_DEPTH, MAX_EVIDENCE_BYTES, MAX_NAME_LEN, MAX_RANKS,
+                                MAX_SUSPECT_NODES, MIN_CREATED, SCHEMA, STRAGGLER_BOUNDS,
+                                AlarmRecord, is_ours, validate)
 
 # The name the daemon's JSON log lines have always carried (log queries filter on it), not the
 # module's path since the move into subpackages.
@@ -67,33 +69,8 @@ log = logging.getLogger("screener.intake")
 
 PROCESSED = "processed"
 REJECTED = "rejected"
-MAX_ALARM_BYTES = 256 * 1024  # an alarm is a few KiB; anything this large is not one
-MAX_EVIDENCE_BYTES = 64 * 1024  # evidence is stored with the transition: keep it small
-MAX_DEPTH = 16
-MAX_NAME_LEN = 253  # a DNS subdomain, the longest Kubernetes node name
-MAX_RANKS = 65536
-MAX_SUSPECT_NODES = 64
 SMALL_ALARM_BYTES = 96 * 1024  # an alarm with its largest evidence: taken before bulkier files
 PRUNE_EVERY_S = 3600.0  # the aside folders are pruned at least this often (files age out)
-MAX_CREATED = 1e11  # unix seconds, year 5138: the bound when no clock is known
-MIN_CREATED = 946684800.0  # 2000-01-01: no alarm is older (unless the node's own clock is)
-MAX_CLOCK_SKEW_S = 600.0  # how far ahead of the daemon's clock an alarm's `created` may be
-# The straggler's figures (screener.audit.straggler), bounded by what they mean: a slowdown is
-# t_i / median - 1 (0.25 = 25% slower; 1000 = a thousand and one times slower is no straggler
-# but a stall), times are seconds of one step, k is a z-score threshold, w a count of steps.
-STRAGGLER_BOUNDS: Mapping[str, tuple[float, float, bool]] = {  # name: (lo, hi, integer)
-    "slowdown": (0.0, 1000.0, False),
-    "score": (0.0, 1e9, False),
-    "consecutive": (0, 2**31 - 1, True),
-    "window": (1, 2**31 - 1, True),
-    "median": (0.0, 86400.0, False),
-    "duration": (0.0, 86400.0, False),
-    "k": (0.0, 1e6, False),
-    "rank": (0, 2**31 - 1, True),
-}
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-_FIELDS = frozenset({"schema", "alarm_id", "check", "step", "settled", "suspect_ranks",
-                     "suspect_nodes", "node", "job", "created", "evidence"})
 
 
 @dataclass
@@ -488,12 +465,6 @@ def _prune(folder: Path, keep: int, older_than: float) -> None:
 NOT_OURS = "\0not ours"  # _read's `other` for a JSON file that is no screener alarm at all
 
 
-def is_ours(data: Any) -> bool:
-    """Whether parsed JSON claims to be a screener alarm: an object with the alarm's `schema` or
-    `alarm_id` field (a broken alarm of ours still has one; another program's file neither)."""
-    return isinstance(data, Mapping) and ("schema" in data or "alarm_id" in data)
-
-
 def _read(path: Path, node: str = "", *,
           now: Optional[float] = None) -> tuple[Optional[AlarmRecord], str, str]:
     """(the record in a file or None, why not, the other node it names or "", or NOT_OURS for
@@ -516,147 +487,12 @@ def _read(path: Path, node: str = "", *,
         return None, "", NOT_OURS
     other = data.get("node") if isinstance(data, Mapping) else None
     if node and isinstance(other, str) and other and other != node \
-            and data.get("schema") == AlarmRecord.SCHEMA:
+            and data.get("schema") == SCHEMA:
         return None, "", other
     try:
         return validate(data, now=now), "", ""
     except ValueError as e:
         return None, str(e), ""
-
-
-def _name(v: Any, what: str, limit: int, *, pattern: bool = True) -> str:
-    if not isinstance(v, str) or not v:
-        raise ValueError(f"alarm {what} must be a non-empty string")
-    if len(v) > limit:
-        raise ValueError(f"alarm {what} is {len(v)} characters long (at most {limit})")
-    if pattern and not _ID_RE.match(v):
-        raise ValueError(f"alarm {what} {v[:40]!r} may hold only letters, digits, '_', '.', '-'")
-    return v
-
-
-def _int(v: Any, what: str, hi: int) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= hi:
-        raise ValueError(f"alarm {what} {str(v)[:40]} is not an integer in 0..{hi}")
-    return v
-
-
-def validate(d: Any, *, now: Optional[float] = None) -> AlarmRecord:
-    """An AlarmRecord from a parsed alarm file, every field checked; ValueError naming the first
-    field that is wrong. Beyond AlarmRecord.from_dict: ids are bounded in length and charset,
-    the job is printable text (types.printable_text), numbers are finite and bounded by what
-    they mean (`created` no older than 2000 and at most MAX_CLOCK_SKEW_S ahead of `now`, the
-    daemon's wall clock, time.time() when not given; a straggler's figures, STRAGGLER_BOUNDS),
-    evidence is small and its strings encodable, and every suspect node named is the alarm's own
-    node (an alarm may only ever speak about the node it was dropped on)."""
-    if not isinstance(d, Mapping):
-        raise ValueError("alarm is not a JSON object")
-    unknown = sorted(str(k)[:40] for k in set(d) - _FIELDS)
-    if unknown:
-        raise ValueError(f"alarm has unknown field(s) {', '.join(unknown)}")
-    if d.get("schema") != AlarmRecord.SCHEMA or isinstance(d.get("schema"), bool):
-        raise ValueError(f"alarm schema {str(d.get('schema'))[:40]} is not {AlarmRecord.SCHEMA}")
-    for key in ("alarm_id", "check", "step", "settled", "suspect_ranks", "suspect_nodes", "node"):
-        if key not in d:
-            raise ValueError(f"alarm lacks the field {key!r}")
-    _name(d["alarm_id"], "alarm_id", MAX_ID_LEN)
-    node = _name(d["node"], "node", MAX_NAME_LEN)
-    if not isinstance(d["check"], str) or d["check"] not in ALARM_CHECK_REASONS:
-        raise ValueError(f"alarm check {str(d['check'])[:40]!r} is not one of "
-                         f"{sorted(ALARM_CHECK_REASONS)}")
-    _int(d["step"], "step", 2**63 - 1)
-    if not isinstance(d["settled"], bool):
-        raise ValueError("alarm settled is not true or false")
-    _suspects(d["suspect_ranks"], d["suspect_nodes"], node)
-    job = d.get("job")
-    if job not in (None, ""):
-        printable_text(job, "alarm job", MAX_NAME_LEN)
-    created = _created(d.get("created", 0.0), time.time() if now is None else now)
-    evidence = d.get("evidence")
-    if evidence is None:
-        evidence = {}
-    if not isinstance(evidence, Mapping):
-        raise ValueError("alarm evidence is not an object")
-    size = len(json.dumps(evidence))
-    if size > MAX_EVIDENCE_BYTES:
-        raise ValueError(f"alarm evidence is {size} bytes of JSON (at most {MAX_EVIDENCE_BYTES})")
-    _encodable(evidence)
-    if d["check"] == "straggler":
-        _straggler_figures(evidence)
-    return AlarmRecord.from_dict({**d, "created": float(created), "evidence": dict(evidence)})
-
-
-def _created(created: Any, now: float) -> float:
-    """`created` (0 or absent: not known) as a unix time between 2000 (0 while the daemon's own
-    clock is before then: a node whose clock was reset cannot judge) and now plus a small skew
-    (the writer ran on this node, on this clock)."""
-    if created is None:
-        return 0.0
-    if not isinstance(created, (int, float)) or isinstance(created, bool) \
-            or not math.isfinite(created):
-        raise ValueError(f"alarm created {str(created)[:40]} is not a unix time")
-    if created == 0:
-        return 0.0
-    lo = MIN_CREATED if now >= MIN_CREATED else 0.0
-    hi = min(MAX_CREATED, now + MAX_CLOCK_SKEW_S)
-    if not lo <= created <= hi:
-        raise ValueError(f"alarm created {created:.0f} is not a unix time in {lo:.0f}..{hi:.0f} "
-                         f"(not before 2000, at most {MAX_CLOCK_SKEW_S:.0f} s ahead of this "
-                         f"node's clock)")
-    return float(created)
-
-
-def _encodable(evidence: Mapping[str, Any]) -> None:
-    """Every key and string in the evidence can be written as UTF-8 (no lone surrogate, which
-    breaks every store, log line and terminal that meets it later); keys are printable text.
-    String values may hold newlines (an error message): whoever prints them escapes them."""
-    stack: list[Any] = [evidence]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, Mapping):
-            for k, x in v.items():
-                printable_text(k, "alarm evidence key", 256)
-                stack.append(x)
-        elif isinstance(v, list):
-            stack.extend(v)
-        elif isinstance(v, str):
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise ValueError(f"alarm evidence holds a lone surrogate (U+{ord(v[e.start]):04X})"
-                                 f", which no UTF-8 text can carry") from None
-
-
-def _straggler_figures(evidence: Mapping[str, Any]) -> None:
-    """A straggler's figures, when present, are numbers in the range of what they mean."""
-    for key, (lo, hi, integer) in STRAGGLER_BOUNDS.items():
-        if key not in evidence:
-            continue
-        v = evidence[key]
-        kind = (int,) if integer else (int, float)
-        if not isinstance(v, kind) or isinstance(v, bool) or not math.isfinite(v) \
-                or not lo <= v <= hi:
-            raise ValueError(f"alarm straggler {key} {str(v)[:40]} is not "
-                             f"{'an integer' if integer else 'a number'} in {lo:g}..{hi:g}")
-
-
-def _suspects(ranks: Any, nodes: Any, node: str) -> None:
-    """The suspect ranks and nodes are bounded lists, and every suspect node is `node` itself."""
-    if not isinstance(ranks, list) or len(ranks) > MAX_RANKS:
-        raise ValueError(f"alarm suspect_ranks must be a list of at most {MAX_RANKS} ranks")
-    for r in ranks:
-        _int(r, "suspect rank", 2**31 - 1)
-    if not isinstance(nodes, list) or len(nodes) > MAX_SUSPECT_NODES:
-        raise ValueError(f"alarm suspect_nodes must be a list of at most {MAX_SUSPECT_NODES}")
-    for n in nodes:
-        if not isinstance(n, Mapping) or set(n) - {"node", "hostname", "instance_id"}:
-            raise ValueError("alarm suspect_nodes entries must be {node, hostname, instance_id}")
-        named = _name(n.get("node"), "suspect node", MAX_NAME_LEN)
-        _name(n.get("hostname"), "suspect hostname", MAX_NAME_LEN)
-        if n.get("instance_id") is not None:
-            _name(n["instance_id"], "suspect instance_id", MAX_ID_LEN)
-        if named != node:
-            raise ValueError(f"alarm names node {named[:60]} as suspect but was dropped for "
-                             f"node {node}: an alarm acts only on its own node")
 
 
 def applied_in_history(history: Sequence[Any], alarm_id: str) -> bool:

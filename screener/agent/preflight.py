@@ -24,7 +24,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
-from screener.types import ExitCode, Finding, Outcome, Severity
+from screener.alarmfile import PREFLIGHT, AlarmRecord, bounded_alarm_id
+from screener.types import ExitCode, Finding, Outcome, Severity, SuspectNode
 
 # The preflight's subset of the quick screen: GEMM chains in float32 and bfloat16 (the matrix
 # units at both precisions), the micro-batch replay of a small transformer in float32 and its
@@ -37,7 +38,7 @@ DEFAULT_TIME_CAP_S = 60.0
 DEFAULT_FAST_WINDOW_S = 6 * 3600.0
 # A verdict stamped further in the future than this is not trusted (clock skew or a forged time).
 FUTURE_SLACK_S = 300.0
-ALARM_CHECK = "preflight"
+ALARM_CHECK = PREFLIGHT  # the alarm file's check (screener.alarmfile)
 MAX_FINDINGS_IN_ALARM = 16
 
 VERDICT_ENV = "SCREENER_NODE_VERDICT"  # the verdict annotation's JSON text
@@ -161,16 +162,12 @@ def alarm_evidence(result: PreflightResult) -> dict[str, Any]:
 
 
 def alarm_record(result: PreflightResult, *, created: float, job: str = "",
-                 instance_id: Optional[str] = None, hostname: Optional[str] = None) -> Any:
+                 instance_id: Optional[str] = None, hostname: Optional[str] = None) -> AlarmRecord:
     """The unsettled AlarmRecord about this node that a suspect preflight leaves for the daemon.
 
     Unsettled: one preflight is a single signal, so the daemon makes the node suspect (no new
     work) and confirms with a screen of its own, as for any unsettled in-job alarm.
     """
-    # screener.audit loads torch (seconds): only a suspect preflight, which writes, pays that.
-    from screener.audit.alarms import bounded_alarm_id
-    from screener.types import AlarmRecord, SuspectNode
-
     alarm_id = bounded_alarm_id(ALARM_CHECK, result.node, unique=uuid.uuid4().hex[:8])
     me = SuspectNode(node=result.node, hostname=hostname or socket.gethostname(),
                      instance_id=instance_id)

@@ -47,7 +47,8 @@ assignment and recomputation), sentinel (the spike test and the verdict of its r
 replay starts from), collective (the gathers), alarms (SDCAlarm, the exception classes and alarm
 files), refusals (the setups refused, and why), checkpoints (verified-save markers, rollback
 target), guard (run_guarded, shutdown and the exit codes), straggler (slow ranks). Imports only
-torch, the standard library, screener.types, screener.atomicfile and screener.fingerprint.
+torch, the standard library, screener.types, screener.atomicfile, screener.alarmfile (the alarm
+file's contract, shared with the daemon's intake) and screener.fingerprint.
 """
 
 from __future__ import annotations

@@ -19,10 +19,11 @@ node only ever gets a file about itself (`AlarmRecord.node` is that node):
   reduction the ranks the redo of that reduction points to (reduction.py; none for a one-off
   every rank saw, every node of the group when it cannot be redone).
 
-Files are written atomically (screener.atomicfile: temp file in the same directory, fsync, os.replace, fsync of the
-directory) as `<alarm_id>.json`, where alarm_id = `<key>-<node>-<random>`: unique per file, so files
-of simulated nodes sharing one directory, and of a re-run that fails at the same step, never collide.
-A directory that cannot be written is logged and never hides the alarm.
+The file itself is the alarm file's contract (screener.alarmfile, shared with the daemon's intake:
+the record, the check names, the id rule and the write): written whole and durably as
+`<alarm_id>.json`, where alarm_id = `<key>-<node>-<random>`: unique per file, so files of simulated
+nodes sharing one directory, and of a re-run that fails at the same step, never collide. A
+directory that cannot be written is logged and never hides the alarm.
 
 Every rank logs one JSON line (logger "screener.audit", level ERROR) with its rank and hostname.
 """
@@ -32,28 +33,29 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import time
 import uuid
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
+# write_atomic, bounded_alarm_id and write_alarm_file were defined or imported here before the
+# alarm file had its contract module; they stay importable from here.
+from screener.alarmfile import SDC_CHECKS, AlarmRecord, bounded_alarm_id, write_alarm_file
 from screener.atomicfile import write_atomic
-from screener.types import ALARM_DIR_ENV, DEFAULT_ALARM_DIR, MAX_ID_LEN, AlarmRecord, SuspectNode
+from screener.types import ALARM_DIR_ENV, DEFAULT_ALARM_DIR, SuspectNode
 
 __all__ = ["SDCAlarm", "NumericFailure", "AuditError", "AuditUsageError", "CHECKS", "alarm_dir",
-           "node_records", "write_alarm_file", "write_atomic", "log_json"]
+           "node_records", "bounded_alarm_id", "write_alarm_file", "write_atomic", "log_json"]
 
 log = logging.getLogger("screener.audit")
 
-CHECKS = ("nonfinite_local", "nonfinite_reduced", "ring_replay", "weights", "spike_rerun",
-          "optimizer_update")
+CHECKS = SDC_CHECKS  # the checks an SDCAlarm carries (the contract's list)
 
 
 class SDCAlarm(Exception):
     """A check found a replica computing or holding different numbers than its peers.
 
-    check: "nonfinite_local" | "nonfinite_reduced" | "ring_replay" | "weights". suspect_ranks are
+    check: one of CHECKS (screener.alarmfile.SDC_CHECKS). suspect_ranks are
     global ranks, empty when the alarm is unsettled (never a guess); suspect_nodes are their nodes.
     candidate_ranks: the ranks under suspicion when no rank can be named (for a settled alarm, the
     suspect ranks). first_suspect_step: the earliest step whose update may carry the fault (roll
@@ -158,18 +160,6 @@ def alarm_dir(explicit: Optional[str | os.PathLike[str]] = None) -> Path:
                 else (os.environ.get(ALARM_DIR_ENV) or DEFAULT_ALARM_DIR))
 
 
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("._") or "x"
-
-
-def bounded_alarm_id(*parts: str, unique: str) -> str:
-    """`part-part-...-unique`, the parts cut so the whole fits what the daemon's intake accepts
-    (MAX_ID_LEN): a long job or node name must not get the alarm rejected."""
-
-    head = "-".join(_slug(p) for p in parts)[:max(1, MAX_ID_LEN - len(unique) - 1)]
-    return f"{head.strip('._-') or 'x'}-{unique}"
-
-
 def node_records(alarm: SDCAlarm, node_of: Mapping[int, str],
                  node_info: Mapping[str, SuspectNode], *, job: str = "",
                  created: Optional[float] = None) -> dict[str, AlarmRecord]:
@@ -200,15 +190,6 @@ def node_records(alarm: SDCAlarm, node_of: Mapping[int, str],
             suspect_nodes=(node_info[node],), node=node, job=job, created=created,
             evidence=evidence)
     return records
-
-
-def write_alarm_file(record: AlarmRecord, directory: str | os.PathLike[str]) -> Path:
-    """Write `<alarm_id>.json` atomically into directory (created if missing); raises OSError."""
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    final = d / f"{record.alarm_id}.json"
-    write_atomic(final, json.dumps(record.to_dict(), sort_keys=True, default=str).encode())
-    return final
 
 
 def log_json(level: int, event: str, *, rank: int, hostname: str, **fields: Any) -> None:

@@ -45,10 +45,12 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
+from screener.alarmfile import HARDWARE_ERROR, AlarmRecord, bounded_alarm_id, write_alarm_file
+from screener.atomicfile import write_atomic
 from screener.audit.alarms import AuditError, AuditUsageError, NumericFailure, SDCAlarm, alarm_dir, \
-    bounded_alarm_id, log_json, write_alarm_file, write_atomic
+    log_json
 from screener.audit.topology import instance_id_of, job_name, node_name
-from screener.types import EXIT_DIR_ENV, AlarmRecord, ExitCode, SuspectNode
+from screener.types import EXIT_DIR_ENV, ExitCode, SuspectNode
 
 __all__ = ["classify", "run_guarded", "record_exit_code", "hardware_error_alarm", "shutdown"]
 
@@ -142,7 +144,7 @@ def hardware_error_alarm(exc: BaseException, *, job: str = "", step: int = 0) ->
                 "local_rank": os.environ.get("LOCAL_RANK"), "candidate_ranks": [_rank()],
                 "why": "the worker failed with a hardware error message (exit 75)"}
     return AlarmRecord(alarm_id=bounded_alarm_id(key, node, unique=uuid.uuid4().hex[:8]),
-                       check="hardware_error", step=int(step), settled=False, suspect_ranks=(),
+                       check=HARDWARE_ERROR, step=int(step), settled=False, suspect_ranks=(),
                        suspect_nodes=(SuspectNode(node=node, hostname=host,
                                                   instance_id=instance_id_of(node)),),
                        node=node, job=job, created=time.time(), evidence=evidence)

@@ -34,11 +34,13 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from screener.types import AlarmRecord, Finding, Severity, SuspectNode
+from screener.alarmfile import STRAGGLER, AlarmRecord, bounded_alarm_id, write_alarm_file
+from screener.types import Finding, Severity, SuspectNode
 
-STRAGGLER_CHECK = "straggler"  # the alarm check (screener.lifecycle.machine.STRAGGLER_CHECK)
+STRAGGLER_CHECK = STRAGGLER  # the alarm check (the contract's, screener.alarmfile)
 
 DEFAULT_K = 3.0
 DEFAULT_WINDOW = 5
@@ -152,8 +154,6 @@ def straggler_alarm(s: Straggler, result: StepResult, *, k: float, window: int, 
     """The unsettled alarm for a straggler that persisted for the window (s.node must be set)."""
     import uuid
 
-    from screener.audit.alarms import bounded_alarm_id
-
     if s.node is None:
         raise ValueError("a straggler alarm needs the straggler's node")
     return AlarmRecord(
@@ -167,10 +167,8 @@ def straggler_alarm(s: Straggler, result: StepResult, *, k: float, window: int, 
 
 
 def write_straggler_alarm(s: Straggler, result: StepResult, alarm_dir: str, *, k: float,
-                          window: int, job: str = "", created: float = 0.0) -> Any:
+                          window: int, job: str = "", created: float = 0.0) -> Path:
     """Write the straggler's alarm file into `alarm_dir` (its node's); returns the path."""
-    from screener.audit.alarms import write_alarm_file
-
     return write_alarm_file(straggler_alarm(s, result, k=k, window=window, job=job,
                                             created=created), alarm_dir)
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from screener.lifecycle.records import Transition
-from screener.types import BUDGET_STATES, AlarmRecord, Finding, NodeState, Verdict
+from screener.alarmfile import STRAGGLER, AlarmRecord
+from screener.types import BUDGET_STATES, Finding, NodeState, Verdict
 
 # Evidence keys other modules use to talk to the lifecycle.
 EVIDENCE_CONFIRMED = "confirmed"  # Verdict.evidence: True when the mismatch repeated on a re-run
@@ -33,7 +34,7 @@ REPAIR_CODES = frozenset({"row_remap_failure", "ecc_uncorrectable_recurring",
 # Finding codes that a GPU reset (or reboot) clears: the node stays out until they are gone.
 RESET_CODES = frozenset({"row_remap_pending", "retired_pages_pending"})
 # Alarm check of a persistent straggler (screener.audit.straggler.write_straggler_alarm).
-STRAGGLER_CHECK = "straggler"
+STRAGGLER_CHECK = STRAGGLER
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from screener.lifecycle.events import (EVIDENCE_CONFIRMED, EVIDENCE_GPU_SERIAL,
                                        EVIDENCE_SERIAL, KIND_FULL, KIND_PARTIAL,
                                        RESET_CODES, STRAGGLER_CHECK, Findings, KatScreen)
 from screener.lifecycle.records import Transition
-from screener.types import (ALARM_CHECK_REASONS, AlarmRecord, Finding, NodeState, Outcome,
-                            Reason, Severity, Verdict)
+from screener.alarmfile import CHECKS as ALARM_CHECK_REASONS, AlarmRecord
+from screener.types import Finding, NodeState, Outcome, Reason, Severity, Verdict
 
 S = NodeState
 
