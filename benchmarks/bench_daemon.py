@@ -36,7 +36,8 @@ from screener.audit.alarms import write_alarm_file
 from screener.lifecycle import machine
 from screener.lifecycle.apply import apply_event
 from screener.stores.local import LocalStore
-from screener.types import LABEL_STATE, AlarmRecord, NodeState, Outcome, SuspectNode, Verdict
+from screener.alarmfile import AlarmRecord
+from screener.types import LABEL_STATE, NodeState, Outcome, SuspectNode, Verdict
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the Kubernetes API test server

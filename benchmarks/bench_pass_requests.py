@@ -35,7 +35,8 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT), str(ROOT / "benchmarks")]
 from screener.audit.alarms import write_alarm_file  # noqa: E402
 from screener.lifecycle.records import Transition  # noqa: E402
 from screener.stores import kubeformat as kf  # noqa: E402
-from screener.types import ANNOTATION_HISTORY, LABEL_STATE, AlarmRecord, NodeState, SuspectNode  # noqa: E402
+from screener.alarmfile import AlarmRecord
+from screener.types import ANNOTATION_HISTORY, LABEL_STATE, NodeState, SuspectNode  # noqa: E402
 
 NS = "screener-system"
 BASELINE = "6873301"  # the last commit before the read-once rule

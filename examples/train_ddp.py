@@ -54,7 +54,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from screener.known_answer import faults
 from screener.known_answer import synthetic
 from screener.audit import Auditor, SDCAlarm, rollback_target, run_guarded, shutdown
-from screener.types import ALARM_DIR_ENV, NODE_NAME_ENV, AlarmRecord
+from screener.alarmfile import AlarmRecord
+from screener.types import ALARM_DIR_ENV, NODE_NAME_ENV
 
 KINDS = ("none", "nan", "scale", "flip", "weight", "allreduce")
 

@@ -39,7 +39,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from screener.audit import Auditor, SDCAlarm, run_guarded, shutdown
 from screener.known_answer import faults, synthetic
-from screener.types import ALARM_DIR_ENV, NODE_NAME_ENV, AlarmRecord
+from screener.alarmfile import AlarmRecord
+from screener.types import ALARM_DIR_ENV, NODE_NAME_ENV
 
 KINDS = ("none", "flip", "nan")
 

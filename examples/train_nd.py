@@ -70,7 +70,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle,
                                                parallelize_module)
 
 from screener.audit import Auditor, SDCAlarm, run_guarded, shutdown
-from screener.types import ALARM_DIR_ENV, NODE_NAME_ENV, AlarmRecord
+from screener.alarmfile import AlarmRecord
+from screener.types import ALARM_DIR_ENV, NODE_NAME_ENV
 
 KINDS = ("none", "flip", "nan")
 VOCAB, DIM, HEADS, HIDDEN, LAYERS, SEQ, BATCH = 64, 32, 4, 64, 2, 16, 2

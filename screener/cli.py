@@ -17,6 +17,7 @@ from typing import Any, NoReturn, Optional, Sequence
 import click
 
 from screener import __version__
+from screener.types import ExitCode
 # The command's clock starts here, before any heavy import: every elapsed time it prints is
 # measured from this moment (screener.output.wall).
 from screener.output import wall
@@ -65,16 +66,8 @@ class LazyGroup(click.Group):
                 formatter.write_dl(rows)
 
 
-EXIT_CODES_HELP = """\b
-Exit codes (the same for every command):
-  0   pass
-  1   the screener itself failed (never a hardware verdict)
-  2   usage error or bad input
-  3   inconclusive (nothing to compare against)
-  4   partial burn-in: every stage passed, the node stays in burnin
-  75  hardware suspect
-  76  numeric failure, not blamed on hardware
-  77  a peer failed"""
+EXIT_CODES_HELP = "\b\nExit codes (the same for every command):\n" + "\n".join(
+    f"  {int(c):<3} {c.meaning}" for c in ExitCode)
 
 
 @click.group(cls=LazyGroup, epilog=EXIT_CODES_HELP,

@@ -33,6 +33,23 @@ class ExitCode(enum.IntEnum):
     NUMERIC = 76  # non-finite numbers not blamed on hardware
     PEER_FAILED = 77
 
+    @property
+    def meaning(self) -> str:
+        """What the code says, in the words of `screener --help` (the one home of that text)."""
+        return _EXIT_MEANINGS[self]
+
+
+_EXIT_MEANINGS: dict[ExitCode, str] = {
+    ExitCode.PASS: "pass",
+    ExitCode.SCREENER_ERROR: "the screener itself failed (never a hardware verdict)",
+    ExitCode.USAGE: "usage error or bad input",
+    ExitCode.INCONCLUSIVE: "inconclusive (nothing to compare against)",
+    ExitCode.PARTIAL: "partial burn-in: every stage passed, the node stays in burnin",
+    ExitCode.HARDWARE_SUSPECT: "hardware suspect",
+    ExitCode.NUMERIC: "numeric failure, not blamed on hardware",
+    ExitCode.PEER_FAILED: "a peer failed",
+}
+
 
 class Severity(enum.IntEnum):
     """How bad a finding is; ordered so that max() gives the worst of several."""
@@ -346,6 +363,10 @@ _MOVED_TO_ALARMFILE = {"AlarmRecord": "AlarmRecord", "ALARM_CHECK_REASONS": "CHE
 def __getattr__(name: str) -> Any:
     if name in _MOVED_TO_ALARMFILE:
         import importlib
+        import warnings
 
-        return getattr(importlib.import_module("screener.alarmfile"), _MOVED_TO_ALARMFILE[name])
+        new = _MOVED_TO_ALARMFILE[name]
+        warnings.warn(f"screener.types.{name} moved: import {new} from screener.alarmfile",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module("screener.alarmfile"), new)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -76,8 +76,11 @@ def test_the_file_is_the_records_json_and_old_paths_still_work(tmp_path):
     import screener.atomicfile as atomicfile
     import screener.audit.alarms as alarms
     import screener.types as types
-    assert types.AlarmRecord is alarmfile.AlarmRecord
-    assert types.ALARM_CHECK_REASONS is alarmfile.CHECKS
+    # the old paths still work, with a deprecation line naming the new one
+    with pytest.warns(DeprecationWarning, match="import AlarmRecord from screener.alarmfile"):
+        assert types.AlarmRecord is alarmfile.AlarmRecord
+    with pytest.warns(DeprecationWarning, match="import CHECKS from screener.alarmfile"):
+        assert types.ALARM_CHECK_REASONS is alarmfile.CHECKS
     assert alarms.write_atomic is atomicfile.write_atomic
     assert alarms.CHECKS == alarmfile.SDC_CHECKS
     assert intake.validate is alarmfile.validate

@@ -11,7 +11,7 @@ import pytest
 
 from ddp_util import run_ranks
 import audit_workers
-from screener.types import AlarmRecord
+from screener.alarmfile import AlarmRecord
 
 NODES = ["n0", "n0", "n1", "n1", "n2", "n2"]
 HEALTHY_STEPS = 100

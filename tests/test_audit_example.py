@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ddp_util import free_port
-from screener.types import AlarmRecord
+from screener.alarmfile import AlarmRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 

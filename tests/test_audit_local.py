@@ -23,7 +23,7 @@ from screener.audit import AuditUsageError, Auditor, SDCAlarm, classify, rollbac
 from screener.audit.hooks import GradientRecorder, magnitude
 from screener.audit.ring import replay
 from screener.fingerprint import fingerprints
-from screener.types import AlarmRecord
+from screener.alarmfile import AlarmRecord
 
 SHAPE = dict(vocab=32, d_model=16, n_heads=2, d_ff=32, seq=8, n_layers=1)
 pytestmark = pytest.mark.timeout(120)

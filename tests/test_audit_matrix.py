@@ -24,7 +24,7 @@ import audit_workers
 from ddp_util import run_ranks
 from screener.audit import AuditUsageError, classify
 from screener.audit.refusals import COMPILED_AROUND_DDP
-from screener.types import AlarmRecord
+from screener.alarmfile import AlarmRecord
 
 NODES = ["n0", "n0", "n1", "n1", "n2", "n2"]
 HEALTHY_STEPS = 4  # fp16_scaler: all ranks overflow at step 2, rank 2's data at step 3

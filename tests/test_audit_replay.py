@@ -16,7 +16,7 @@ from screener.audit.blast import too_wide
 from screener.audit.capture import StateCodec, StepState, capture, restored
 from screener.audit.ring import ReplayMode, has_reentrant_checkpoint, loss_of, replay
 from screener.fingerprint import fingerprints
-from screener.types import AlarmRecord
+from screener.alarmfile import AlarmRecord
 
 CPU = torch.device("cpu")
 

@@ -24,7 +24,8 @@ from screener.audit.ring import (differing_rows, make_record, record_digest, ref
                                  replay_plan, replayer_of)
 from screener.audit.topology import RankInfo, Topology, instance_id_of
 from screener.audit.vote import vote
-from screener.types import AlarmRecord, ExitCode, SuspectNode
+from screener.alarmfile import AlarmRecord
+from screener.types import ExitCode, SuspectNode
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -23,7 +23,8 @@ from screener.audit.alarms import write_alarm_file
 from screener.errors import ConfigError
 from screener.settings.daemon import DaemonConfig
 from screener.settings.hyperpod import HyperPodConfig
-from screener.types import AlarmRecord, ExitCode, NodeState, Outcome, SuspectNode
+from screener.alarmfile import AlarmRecord
+from screener.types import ExitCode, NodeState, Outcome, SuspectNode
 
 
 @pytest.fixture

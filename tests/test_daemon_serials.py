@@ -12,7 +12,8 @@ from screener.lifecycle.apply import apply_event
 from screener.lifecycle.machine import HumanCommand
 from screener.lifecycle.records import lemon_counts
 from screener.stores.local import LocalStore
-from screener.types import AlarmRecord, NodeState, Outcome, SuspectNode
+from screener.alarmfile import AlarmRecord
+from screener.types import NodeState, Outcome, SuspectNode
 from fakes.daemon import DaemonRig, ScriptedRunner, outcome
 
 MOVED = "1650923077777"  # the GPU that moves from node A to node B

@@ -16,7 +16,8 @@ from screener.health.snapshot import GpuSnapshot
 from screener.stores.kube import KubeStore
 from screener.stores.kubedevices import (KubeDeviceTaints, SliceDevice, rule_body, rule_name,
                                          slice_devices)
-from screener.types import AlarmRecord, NodeState, Outcome, SuspectNode, Verdict
+from screener.alarmfile import AlarmRecord
+from screener.types import NodeState, Outcome, SuspectNode, Verdict
 
 DRIVER = "gpu.nvidia.com"
 KEY = "screener.io/gpu-suspect"

@@ -23,7 +23,8 @@ from screener.lifecycle import machine
 from screener.lifecycle.apply import apply_event
 from screener.stores.kube import KubeStore
 from screener.stores.local import LocalStore
-from screener.types import AlarmRecord, NodeState, SuspectNode
+from screener.alarmfile import AlarmRecord
+from screener.types import NodeState, SuspectNode
 
 
 def drop(directory, record: AlarmRecord) -> None:

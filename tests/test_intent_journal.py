@@ -23,7 +23,8 @@ from screener.stores.intents import IntentJournal
 from screener.stores.kube import KubeApiError, KubeStore
 from screener.stores import kubeformat as kf
 from screener.stores.spool import Spool
-from screener.types import LABEL_STATE, AlarmRecord, NodeState, SuspectNode
+from screener.alarmfile import AlarmRecord
+from screener.types import LABEL_STATE, NodeState, SuspectNode
 
 NODE = "gpu-1"
 NOW = 1_800_000_000.0

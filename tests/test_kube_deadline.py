@@ -28,7 +28,8 @@ from kubeapi import KubeAPI
 from tcpproxy import TcpProxy
 from screener.audit.alarms import write_alarm_file
 from screener.stores.kube import KubeStore, KubeTimeouts, RetryPolicy, TransientKubeError
-from screener.types import AlarmRecord, ExitCode, LABEL_STATE, SuspectNode
+from screener.alarmfile import AlarmRecord
+from screener.types import ExitCode, LABEL_STATE, SuspectNode
 
 ROOT = Path(__file__).resolve().parents[1]
 NODE = "gpu-node-1"

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from screener.launch import combine, is_torchrun
-from screener.types import AlarmRecord
+from screener.alarmfile import AlarmRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

@@ -13,7 +13,8 @@ from screener.lifecycle.machine import (DEFAULT_POLICY, TRANSITIONS, Action, Fle
                                 HumanCommand, KatScreen, LifecyclePolicy, NodeSeen, Remediation,
                                 Trigger, camel, decide, earned_healthy)
 from screener.lifecycle.records import Transition
-from screener.types import (AlarmRecord, Finding, NodeState, Outcome, Severity, SuspectNode,
+from screener.alarmfile import AlarmRecord
+from screener.types import (Finding, NodeState, Outcome, Severity, SuspectNode,
                             Verdict)
 
 S = NodeState

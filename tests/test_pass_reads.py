@@ -28,7 +28,8 @@ from screener.lifecycle.apply import apply_event
 from screener.lifecycle.records import Transition
 from screener.stores import kubeformat as kf
 from screener.stores.kube import KubeStore
-from screener.types import LABEL_STATE, AlarmRecord, NodeState, SuspectNode
+from screener.alarmfile import AlarmRecord
+from screener.types import LABEL_STATE, NodeState, SuspectNode
 
 ROOT = Path(__file__).resolve().parents[1]
 NOW = 1_800_000_000.0

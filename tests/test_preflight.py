@@ -24,7 +24,8 @@ from screener.agent.preflight import fast_path, parse_verdict_text
 from screener.known_answer import screen as kat
 from screener.known_answer import workloads as w
 from screener.known_answer.fault_spec import parse_fault
-from screener.types import ALARM_CHECK_REASONS, ExitCode, Reason
+from screener.alarmfile import CHECKS as ALARM_CHECK_REASONS
+from screener.types import ExitCode, Reason
 from tests.kubeapi import KubeAPI
 
 ROOT = Path(__file__).resolve().parents[1]

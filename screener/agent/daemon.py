@@ -85,11 +85,10 @@ from screener.health.probes import ProbeReport
 from screener.lifecycle import machine
 from screener.remediation.ladder import RepairLadder
 from screener.settings.daemon import MODE_OBSERVE, DaemonConfig
-from screener.types import AlarmRecord, AlarmResult, ExitCode, NodeState, Severity
+from screener.alarmfile import AlarmRecord
+from screener.types import AlarmResult, ExitCode, NodeState, Severity
 
 log = logging.getLogger("screener.daemon")
-
-S = NodeState
 
 VERDICT_UNSCREENED = "unscreened"  # the verdict annotation's kind for an adopted node
 __all__ = ["BUDGET_LOOK_S", "VERDICT_UNSCREENED", "Daemon", "DaemonPorts", "JsonFormatter",
@@ -217,7 +216,7 @@ class Daemon:
         if why:
             event = machine.Adopted(why)
         decision = self.feed.begin(event)
-        if why and decision.state == S.HEALTHY:
+        if why and decision.state == NodeState.HEALTHY:
             self.store.set_verdict(self.node, {"kind": VERDICT_UNSCREENED,
                                                "outcome": VERDICT_UNSCREENED, "adopted": why})
         self.screens.restore()
@@ -315,7 +314,7 @@ class Daemon:
             elif self.findings.needs_retry:
                 # Findings whose transition could not be written: retried on every tick.
                 self._step(report, "findings", lambda: self._apply_findings(report))
-            if (self.ladder is not None and self.started and self.state == S.QUARANTINED
+            if (self.ladder is not None and self.started and self.state == NodeState.QUARANTINED
                     and report.idle):
                 self._step(report, "ladder", lambda: self._climb(report))
         report.screen_due = self.screens.due(now) if self.started else ""

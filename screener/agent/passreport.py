@@ -11,8 +11,6 @@ from screener.agent.screening import ScreenOutcome
 from screener.health.idle import Activity
 from screener.types import NO_WORK_STATES, ExitCode, NodeState, Outcome
 
-S = NodeState
-
 
 @dataclass
 class PassReport:
@@ -42,7 +40,7 @@ class PassReport:
         if self.state in NO_WORK_STATES or (self.screen is not None
                                             and self.screen.outcome == Outcome.SUSPECT):
             return ExitCode.HARDWARE_SUSPECT
-        if self.state in (None, S.BURNIN) or (self.screen is not None
+        if self.state in (None, NodeState.BURNIN) or (self.screen is not None
                                               and self.screen.outcome == Outcome.INCONCLUSIVE):
             return ExitCode.INCONCLUSIVE
         return ExitCode.PASS

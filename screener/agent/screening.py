@@ -153,7 +153,7 @@ class LocalTaint:
     def set_screening_taint(self, node: str, on: bool) -> None:
         if on:
             self.directory.mkdir(parents=True, exist_ok=True)
-            self._path(node).write_text(f"{time.time()}\n")
+            write_atomic(self._path(node), f"{time.time()}\n", public=True)
         else:
             try:
                 self._path(node).unlink()

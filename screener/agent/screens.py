@@ -38,8 +38,6 @@ from screener.types import ANNOTATION_DIGESTS, ExitCode, NodeState, Outcome, Scr
 
 log = logging.getLogger("screener.daemon")
 
-S = NodeState
-
 
 class DaemonScreens:
     """When the last screen ended and how, when the next is due, and running it.
@@ -105,7 +103,8 @@ class DaemonScreens:
     def due(self, now: float) -> str:
         """Why a screen is due at monotonic time `now` ("" when none is)."""
         state = self.feed.state
-        if not self.config.screens or state in (S.QUARANTINED, S.REPAIR) or state is None:
+        if (not self.config.screens or state is None
+                or state in (NodeState.QUARANTINED, NodeState.REPAIR)):
             return ""
         if self.findings.conditions:
             return ""  # a pass would clear nothing while a condition persists
@@ -114,9 +113,9 @@ class DaemonScreens:
                 and self.last_stopped not in (ScreenStop.YIELDED, ScreenStop.SHUTDOWN) \
                 and now - last < self.config.retry_inconclusive_s:
             return ""  # wait before retrying an inconclusive screen
-        if state == S.BURNIN:
+        if state == NodeState.BURNIN:
             return "the node is in burnin"
-        if state == S.SUSPECT:
+        if state == NodeState.SUSPECT:
             return "the node is suspect: confirming screen"
         if last is None:
             return "never screened"
@@ -132,9 +131,10 @@ class DaemonScreens:
         """Full burn-in for a node that has not earned healthy since it entered burnin, else the
         quick screen."""
         state = self.feed.state
-        if state == S.BURNIN:
+        if state == NodeState.BURNIN:
             return KIND_FULL
-        if state == S.SUSPECT and not machine.earned_healthy(self.ports.store.history(self.node)):
+        if (state == NodeState.SUSPECT
+                and not machine.earned_healthy(self.ports.store.history(self.node))):
             return KIND_FULL
         return KIND_QUICK
 

@@ -21,6 +21,7 @@ from screener.commands._known_answer import (DEVICE_HELP, INJECT_HELP, MAX_ITERA
 from screener.commands._params import Duration, FiniteFloat, positive
 from screener.commands.context import AppContext, pass_app
 from screener.commands.options import store_options
+from screener.atomicfile import write_atomic
 from screener.errors import BadInputError
 from screener.types import ExitCode
 from screener.settings.durations import YEAR_S
@@ -153,7 +154,7 @@ def burnin_cmd(app: AppContext, devices: tuple[str, ...], jobs: tuple[str, ...],
         d.update(exit_code=code, unfired=unfired)
     if report:
         try:
-            Path(report).write_text(json.dumps(d, indent=2, default=str) + "\n")
+            write_atomic(report, json.dumps(d, indent=2, default=str) + "\n", public=True)
         except OSError as e:  # the burn-in itself is done; say so, without a traceback
             raise BadInputError(f"--report {report}: cannot write it: {e.strerror or e}") from e
     if as_json:

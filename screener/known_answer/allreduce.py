@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+from screener.atomicfile import write_atomic
 from screener.errors import BadInputError, ScreenerError
 from screener.types import KatReason, Outcome, Verdict, node_name
 
@@ -75,8 +76,8 @@ def _entry(rank: int, fn: Callable[..., Any], nodes: Sequence[str], devices: Seq
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - handed back to the parent
         result = ("error", traceback.format_exc())
-    with open(Path(outdir) / f"rank{rank}.pkl", "wb") as f:
-        pickle.dump(result, f)
+    # whole or absent: a parent that finds the file reads a complete result
+    write_atomic(Path(outdir) / f"rank{rank}.pkl", pickle.dumps(result))
 
 
 def run_group(fn: Callable[..., Any], devices: Sequence[str], *,

@@ -59,8 +59,6 @@ from screener.lifecycle.table import (_ENTRY_ACTIONS, TRANSITIONS, A, Action, H,
 from screener.settings.lifecycle import DEFAULT_POLICY, LifecyclePolicy
 from screener.types import BUDGET_STATES, NodeState, Reason, Severity
 
-S = NodeState
-
 __all__ = [
     "EVIDENCE_CONFIRMED", "EVIDENCE_GPU_SERIAL", "EVIDENCE_GPU_SERIALS", "EVIDENCE_HELD_BY_BUDGET",
     "EVIDENCE_SERIAL", "KIND_FULL", "KIND_PARTIAL", "KIND_QUICK", "REPAIR_CODES", "RESET_CODES",
@@ -112,7 +110,7 @@ def decide(node: str, current: Optional[NodeState], event: Any, *, now: float,
         return d.stay(sig.reason)
     if sig.kind == SignalKind.PASS:
         return _on_pass(d, sig, event)
-    if d.current == S.REPAIR:
+    if d.current == NodeState.REPAIR:
         return d.stay("a node in repair is left only by a person")
     if sig.kind == SignalKind.AMBIGUOUS:
         return _on_ambiguous(d, sig)
@@ -141,16 +139,16 @@ def _replaced(node: str, current: Optional[NodeState], event: Replaced, now: flo
 
     Not `refusal`: a node already in repair records its replacement (the table's repair ->
     repair row), where a person's command to repair would be "already"."""
-    if not allows(current, S.REPAIR, H):
+    if not allows(current, NodeState.REPAIR, H):
         raise TransitionRefused(f"node {node}: {current.value if current else '(new)'} -> repair "
-                                f"refused: {refusal(current, S.REPAIR, H)}")
+                                f"refused: {refusal(current, NodeState.REPAIR, H)}")
     if not event.reason.strip():
         raise TransitionRefused(f"node {node}: a person's replacement needs a reason")
-    actions = tuple(a.value for a in _ENTRY_ACTIONS[S.REPAIR])
-    t = Transition(node=node, time=now, from_state=current, to_state=S.REPAIR,
+    actions = tuple(a.value for a in _ENTRY_ACTIONS[NodeState.REPAIR])
+    t = Transition(node=node, time=now, from_state=current, to_state=NodeState.REPAIR,
                    reason=event.reason, actor=ACTOR_HUMAN, code=Reason.REPLACED,
                    evidence=dict(event.evidence), actions=actions)
-    return Decision(state=S.REPAIR, transitions=(t,), actions=actions)
+    return Decision(state=NodeState.REPAIR, transitions=(t,), actions=actions)
 
 
 def _on_budget_look(node: str, current: Optional[NodeState], history: list[Transition],
@@ -160,13 +158,13 @@ def _on_budget_look(node: str, current: Optional[NodeState], history: list[Trans
 
     Its failure was counted when it was held, so this move is not one; its blamed serials and
     rollback hint are the held transition's."""
-    if current != S.SUSPECT or not _held_by_budget(history):
+    if current != NodeState.SUSPECT or not _held_by_budget(history):
         return Decision(state=current, note="not held by the quarantine budget")
     held = history[-1]
     try:
-        wanted = NodeState(held.evidence.get("wanted") or S.QUARANTINED.value)
+        wanted = NodeState(held.evidence.get("wanted") or NodeState.QUARANTINED.value)
     except ValueError:  # a hand-edited record: the quarantine a confirmed failure makes
-        wanted = S.QUARANTINED
+        wanted = NodeState.QUARANTINED
     limit = policy.budget_limit(fleet.total)
     if wanted not in BUDGET_STATES or fleet.out_of_service + 1 > limit:
         return Decision(state=current, note=f"held: the quarantine budget ({limit} of "
@@ -185,11 +183,11 @@ def _adopt(node: str, current: Optional[NodeState], event: Adopted, now: float) 
     """A node found serving with no state: healthy, marked unscreened."""
     if current is not None:
         return Decision(state=current, note="known node: adoption applies only to a new one")
-    t = Transition(node=node, time=now, from_state=None, to_state=S.HEALTHY,
+    t = Transition(node=node, time=now, from_state=None, to_state=NodeState.HEALTHY,
                    reason=f"adopted as healthy but not yet screened: {event.why}; screened at "
                           "its next idle window", code=Reason.ADOPTED,
                    evidence={"adopted": True, "why": event.why, "screen_kind": "unscreened"})
-    return Decision(state=S.HEALTHY, transitions=(t,))
+    return Decision(state=NodeState.HEALTHY, transitions=(t,))
 
 
 class _Deciding:
@@ -202,12 +200,12 @@ class _Deciding:
 
     def enter_burnin(self) -> None:
         """A node never seen starts in burnin, before whatever the input does."""
-        t = Transition(node=self.node, time=self.now, from_state=None, to_state=S.BURNIN,
+        t = Transition(node=self.node, time=self.now, from_state=None, to_state=NodeState.BURNIN,
                        reason="new node: screened before it takes work", code=Reason.NEW_NODE,
                        actions=(Action.START_BURNIN.value,))
         self.transitions.append(t)
         self.history.append(t)
-        self.current = S.BURNIN
+        self.current = NodeState.BURNIN
 
     def move(self, to: NodeState, reason: str, code: str, evidence: Mapping[str, Any], *,
              failure: bool = False, serials: tuple[str, ...] = (),
@@ -244,25 +242,25 @@ class _Deciding:
 
 def _on_remediation(d: _Deciding, event: Remediation) -> Decision:
     assert d.current is not None
-    if d.current != S.QUARANTINED:
+    if d.current != NodeState.QUARANTINED:
         return d.stay(f"remediation result ignored: the node is {d.current.value}, not quarantined")
     ev = {"remediation": {"passed": event.passed, "detail": event.detail, **dict(event.evidence)}}
     detail = f": {event.detail}" if event.detail else ""
     if event.passed:
-        return d.move(S.BURNIN, f"remediation passed{detail}; burn-in must prove the node",
+        return d.move(NodeState.BURNIN, f"remediation passed{detail}; burn-in must prove the node",
                       Reason.REMEDIATED, ev)
-    return d.move(S.REPAIR, f"remediation failed{detail}", Reason.REMEDIATION_FAILED, ev,
+    return d.move(NodeState.REPAIR, f"remediation failed{detail}", Reason.REMEDIATION_FAILED, ev,
                   failure=True)
 
 
 def _on_repair_step(d: _Deciding, event: RepairStep) -> Decision:
     """A repair step of a quarantined node: recorded, the node stays quarantined."""
     assert d.current is not None
-    if d.current != S.QUARANTINED:
+    if d.current != NodeState.QUARANTINED:
         return d.stay(f"repair step ignored: the node is {d.current.value}, not quarantined")
     ev = {"remediation": {"detail": event.detail, **dict(event.evidence)}}
     # Not `move`: a self-move, which `refusal` reads as "already there"; the table lists it.
-    return d.record(S.QUARANTINED, event.detail, Reason.REPAIR_STEP, ev, failure=False,
+    return d.record(NodeState.QUARANTINED, event.detail, Reason.REPAIR_STEP, ev, failure=False,
                     serials=(), rollback=None, actions=())
 
 
@@ -271,29 +269,29 @@ def _on_pass(d: _Deciding, sig: _Signal, event: Any) -> Decision:
     assert d.current is not None
     kind = event.kind if isinstance(event, KatScreen) else KIND_QUICK
     conditions = event.conditions if isinstance(event, KatScreen) else ()
-    if d.current not in (S.BURNIN, S.SUSPECT):
+    if d.current not in (NodeState.BURNIN, NodeState.SUSPECT):
         return d.stay(f"passing screen changes nothing for a {d.current.value} node")
-    if d.current == S.SUSPECT and _held_by_budget(d.history):
+    if d.current == NodeState.SUSPECT and _held_by_budget(d.history):
         return d.stay("a passing screen does not clear a node held suspect by the quarantine "
                       "budget: a person decides", (Action.ALERT_BUDGET_EXHAUSTED,))
     if conditions:
         what = "; ".join(f"{c.code}" + (f" on GPU {c.gpu}" if c.gpu else "") for c in conditions)
         return d.stay(f"a passing screen clears nothing while a condition persists: {what}")
     # A partial burn-in never clears; the quick screen only re-verifies a node that earned it.
-    if kind == KIND_PARTIAL or (kind != KIND_FULL
-                                and not (d.current == S.SUSPECT and earned_healthy(d.history))):
+    earned = d.current == NodeState.SUSPECT and earned_healthy(d.history)
+    if kind == KIND_PARTIAL or (kind != KIND_FULL and not earned):
         return d.stay(f"a {kind} screen passed, but only a full burn-in makes a node healthy "
                       f"that has not earned it since it entered burnin", (Action.START_BURNIN,))
-    return d.move(S.HEALTHY, sig.reason, sig.code, sig.evidence)
+    return d.move(NodeState.HEALTHY, sig.reason, sig.code, sig.evidence)
 
 
 def _on_ambiguous(d: _Deciding, sig: _Signal) -> Decision:
     """One unconfirmed signal: suspect, and a confirming screen decides."""
     assert d.current is not None
-    if d.current in (S.HEALTHY, S.BURNIN):
-        return d.move(S.SUSPECT, sig.reason, sig.code, sig.evidence, serials=sig.serials,
+    if d.current in (NodeState.HEALTHY, NodeState.BURNIN):
+        return d.move(NodeState.SUSPECT, sig.reason, sig.code, sig.evidence, serials=sig.serials,
                       rollback=_rollback(d.current, d.history, sig, d.now))
-    if d.current == S.SUSPECT:
+    if d.current == NodeState.SUSPECT:
         return d.stay("already suspect; the confirming screen decides",
                       (Action.REQUEST_CONFIRMING_SCREEN,))
     return d.stay(f"ambiguous signal on a {d.current.value} node changes nothing")
@@ -306,7 +304,7 @@ def _on_failure(d: _Deciding, sig: _Signal, event: Any, failures: Sequence[Trans
     lemon = _lemon(d.node, sig.serials, d.history, failures, d.now, policy)
     must_repair = isinstance(event, Findings) and any(
         f.code in REPAIR_CODES and f.severity >= Severity.CRITICAL for f in event.findings)
-    target = S.REPAIR if lemon or must_repair else S.QUARANTINED
+    target = NodeState.REPAIR if lemon or must_repair else NodeState.QUARANTINED
     if d.current == target:
         return d.stay(f"already {d.current.value}")
     reason, code, evidence = sig.reason, sig.code, dict(sig.evidence)
@@ -331,15 +329,15 @@ def _on_failure(d: _Deciding, sig: _Signal, event: Any, failures: Sequence[Trans
     held = (f"{reason}; held in suspect: the quarantine budget ({limit} of {fleet.total} "
             f"nodes) is used up, a person decides")
     alert = (Action.ALERT_BUDGET_EXHAUSTED,)
-    if d.current != S.SUSPECT:
-        return d.move(S.SUSPECT, held, Reason.BUDGET, evidence, failure=True, serials=sig.serials,
-                      rollback=rollback, actions=alert)
+    if d.current != NodeState.SUSPECT:
+        return d.move(NodeState.SUSPECT, held, Reason.BUDGET, evidence, failure=True,
+                      serials=sig.serials, rollback=rollback, actions=alert)
     if _held_by_budget(d.history):
         return d.stay(held, alert)
     # Not `move`: a self-move (the table's suspect -> suspect). Unrecorded, the failure would be
     # lost: a later pass would clear the node and a freed slot would never find it.
-    return d.record(S.SUSPECT, held, Reason.BUDGET, evidence, failure=True, serials=sig.serials,
-                    rollback=rollback, actions=alert)
+    return d.record(NodeState.SUSPECT, held, Reason.BUDGET, evidence, failure=True,
+                    serials=sig.serials, rollback=rollback, actions=alert)
 
 
 def _lemon(node: str, serials: Sequence[str], history: Sequence[Transition],

@@ -17,8 +17,6 @@ from screener.lifecycle.records import Transition
 from screener.alarmfile import CHECKS as ALARM_CHECK_REASONS, AlarmRecord
 from screener.types import Finding, NodeState, Outcome, Reason, Severity, Verdict
 
-S = NodeState
-
 
 def camel(code: str) -> str:
     """row_remap_failure -> RowRemapFailure (Kubernetes condition reasons are CamelCase)."""
@@ -72,9 +70,9 @@ def earned_healthy(history: Sequence[Transition]) -> bool:
     """Whether the node has been healthy since it last entered burnin (by a full burn-in, a pass
     that cleared it, or adoption): only then may the quick screen clear it again."""
     for t in reversed(history):
-        if t.to_state == S.HEALTHY:
+        if t.to_state == NodeState.HEALTHY:
             return True
-        if t.to_state == S.BURNIN:
+        if t.to_state == NodeState.BURNIN:
             return False
     return False
 
@@ -134,7 +132,7 @@ def _classify_screen(event: KatScreen, current: Optional[NodeState]) -> _Signal:
             return _Signal(SignalKind.FAILURE, Reason.KAT_MISMATCH,
                            f"known-answer mismatch confirmed by a re-run on {devices}{where}",
                            evidence, serials)
-        if current == S.SUSPECT:
+        if current == NodeState.SUSPECT:
             # The node is suspect and this is the confirming screen we asked for: it failed.
             return _Signal(SignalKind.FAILURE, Reason.KAT_MISMATCH,
                            f"confirming known-answer screen mismatched on {devices}{where}",
@@ -204,7 +202,7 @@ def _rollback(current: Optional[NodeState], history: Sequence[Transition], sig: 
               now: float) -> dict[str, Any]:
     """Where the suspect period began: the first suspect time (and training step, if known)."""
     last = history[-1] if history else None
-    if current == S.SUSPECT and last is not None and last.to_state == S.SUSPECT:
+    if current == NodeState.SUSPECT and last is not None and last.to_state == NodeState.SUSPECT:
         # The suspect period began with the transition into suspect: keep its start.
         rb = dict(last.rollback or {"time": last.time, "step": None, "job": None})
         if rb.get("step") is None and sig.step is not None:
@@ -216,5 +214,6 @@ def _rollback(current: Optional[NodeState], history: Sequence[Transition], sig: 
 
 def _held_by_budget(history: Sequence[Transition]) -> bool:
     last = history[-1] if history else None
-    return bool(last and last.to_state == S.SUSPECT and last.evidence.get(EVIDENCE_HELD_BY_BUDGET))
+    return bool(last and last.to_state == NodeState.SUSPECT
+                and last.evidence.get(EVIDENCE_HELD_BY_BUDGET))
 

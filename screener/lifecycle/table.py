@@ -19,8 +19,6 @@ from typing import Mapping, Optional
 from screener.lifecycle.records import ACTOR_HUMAN
 from screener.types import NodeState
 
-S = NodeState
-
 
 class Action(str, enum.Enum):
     """What the caller (the daemon, burn-in, the CLI) should do after a decision."""
@@ -43,41 +41,41 @@ A, H = Trigger.AUTO, Trigger.HUMAN
 
 # The transition table: (from, to) -> who may make the move. Anything not listed is refused.
 TRANSITIONS: Mapping[tuple[Optional[NodeState], NodeState], frozenset[Trigger]] = {
-    (None, S.BURNIN): frozenset({A, H}),
-    (None, S.SUSPECT): frozenset({H}),
-    (None, S.QUARANTINED): frozenset({H}),
-    (None, S.REPAIR): frozenset({H}),
-    (None, S.HEALTHY): frozenset({A}),  # adoption of a node already serving (Adopted)
-    (S.BURNIN, S.HEALTHY): frozenset({A}),
-    (S.BURNIN, S.SUSPECT): frozenset({A, H}),
-    (S.BURNIN, S.QUARANTINED): frozenset({A, H}),
-    (S.BURNIN, S.REPAIR): frozenset({A, H}),
-    (S.HEALTHY, S.SUSPECT): frozenset({A, H}),
-    (S.HEALTHY, S.QUARANTINED): frozenset({A, H}),
-    (S.HEALTHY, S.REPAIR): frozenset({A, H}),
-    (S.HEALTHY, S.BURNIN): frozenset({H}),
-    (S.SUSPECT, S.HEALTHY): frozenset({A}),
-    (S.SUSPECT, S.QUARANTINED): frozenset({A, H}),
-    (S.SUSPECT, S.REPAIR): frozenset({A, H}),
-    (S.SUSPECT, S.BURNIN): frozenset({H}),
+    (None, NodeState.BURNIN): frozenset({A, H}),
+    (None, NodeState.SUSPECT): frozenset({H}),
+    (None, NodeState.QUARANTINED): frozenset({H}),
+    (None, NodeState.REPAIR): frozenset({H}),
+    (None, NodeState.HEALTHY): frozenset({A}),  # adoption of a node already serving (Adopted)
+    (NodeState.BURNIN, NodeState.HEALTHY): frozenset({A}),
+    (NodeState.BURNIN, NodeState.SUSPECT): frozenset({A, H}),
+    (NodeState.BURNIN, NodeState.QUARANTINED): frozenset({A, H}),
+    (NodeState.BURNIN, NodeState.REPAIR): frozenset({A, H}),
+    (NodeState.HEALTHY, NodeState.SUSPECT): frozenset({A, H}),
+    (NodeState.HEALTHY, NodeState.QUARANTINED): frozenset({A, H}),
+    (NodeState.HEALTHY, NodeState.REPAIR): frozenset({A, H}),
+    (NodeState.HEALTHY, NodeState.BURNIN): frozenset({H}),
+    (NodeState.SUSPECT, NodeState.HEALTHY): frozenset({A}),
+    (NodeState.SUSPECT, NodeState.QUARANTINED): frozenset({A, H}),
+    (NodeState.SUSPECT, NodeState.REPAIR): frozenset({A, H}),
+    (NodeState.SUSPECT, NodeState.BURNIN): frozenset({H}),
     # A suspect node's confirmed failure that the budget holds is recorded (it counts, and marks
     # the node held: no pass clears it, and reconsider_held gives it the next free slot).
-    (S.SUSPECT, S.SUSPECT): frozenset({A}),
-    (S.QUARANTINED, S.BURNIN): frozenset({A, H}),
-    (S.QUARANTINED, S.REPAIR): frozenset({A, H}),
+    (NodeState.SUSPECT, NodeState.SUSPECT): frozenset({A}),
+    (NodeState.QUARANTINED, NodeState.BURNIN): frozenset({A, H}),
+    (NodeState.QUARANTINED, NodeState.REPAIR): frozenset({A, H}),
     # A repair step that keeps the node out (the repair ladder's reboot request and its end).
-    (S.QUARANTINED, S.QUARANTINED): frozenset({A}),
-    (S.REPAIR, S.BURNIN): frozenset({H}),
+    (NodeState.QUARANTINED, NodeState.QUARANTINED): frozenset({A}),
+    (NodeState.REPAIR, NodeState.BURNIN): frozenset({H}),
     # A person's replacement of a node already in repair (`hyperpod replace`) is on file too.
-    (S.REPAIR, S.REPAIR): frozenset({H}),
+    (NodeState.REPAIR, NodeState.REPAIR): frozenset({H}),
 }
 
 _ENTRY_ACTIONS: Mapping[NodeState, tuple[Action, ...]] = {
-    S.BURNIN: (Action.START_BURNIN,),
-    S.HEALTHY: (),
-    S.SUSPECT: (Action.REQUEST_CONFIRMING_SCREEN,),
-    S.QUARANTINED: (Action.DEEP_HEALTH_CHECK,),
-    S.REPAIR: (Action.REQUEST_REPAIR,),
+    NodeState.BURNIN: (Action.START_BURNIN,),
+    NodeState.HEALTHY: (),
+    NodeState.SUSPECT: (Action.REQUEST_CONFIRMING_SCREEN,),
+    NodeState.QUARANTINED: (Action.DEEP_HEALTH_CHECK,),
+    NodeState.REPAIR: (Action.REQUEST_REPAIR,),
 }
 
 
@@ -89,10 +87,10 @@ def refusal(from_state: Optional[NodeState], to_state: NodeState, trigger: Trigg
     allowed = TRANSITIONS.get((from_state, to_state))
     if allowed and trigger in allowed:
         return None
-    if to_state == S.HEALTHY:
+    if to_state == NodeState.HEALTHY:
         return ("only a passing known-answer screen makes a node healthy; set it to burnin to "
                 "screen it")
-    if from_state == S.REPAIR:
+    if from_state == NodeState.REPAIR:
         return "a node in repair goes back into service only through burnin"
     if allowed:
         return f"{name} -> {to_state.value} is made only by the screener, not by a person"

@@ -26,7 +26,8 @@ from screener.health.probes import run_probes
 from screener.settings.daemon import DaemonConfig
 from screener.settings.health import ProbeConfig
 from screener.stores.local import LocalStore
-from screener.types import AlarmRecord, ExitCode, Outcome, SuspectNode, Verdict
+from screener.alarmfile import AlarmRecord
+from screener.types import ExitCode, Outcome, SuspectNode, Verdict
 
 __all__ = ["NODE", "DaemonRig", "FakeClock", "ScriptedRunner", "alarm", "as_full_burnin",
            "outcome", "verdicts", "wait_for_cancel"]

@@ -47,7 +47,8 @@ def _work(i: int, url: str, plan: dict[str, Any], phase: Any, rounds: Any, out: 
     from screener.lifecycle.apply import apply_event
     from screener.lifecycle.machine import NodeSeen
     from screener.stores.slots import KubeSlots
-    from screener.types import AlarmRecord, SuspectNode
+    from screener.alarmfile import AlarmRecord
+    from screener.types import SuspectNode
 
     store = _store(url, f"racer-{i}")
     phase.wait()  # 1: same_node
