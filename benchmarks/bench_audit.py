@@ -107,7 +107,7 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: 
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from screener.known_answer import synthetic
+    from screener.known_answer.engine import synthetic
     from screener.audit import Auditor
     from screener.audit.sentinel import SentinelConfig
     from screener.audit.capture import capture

@@ -162,7 +162,7 @@ def _overhead_rank(rank: int, world: int, *, rounds: int, steps: int, hsdp: bool
 
     import fsdp_workers as fw
     from screener.audit import Auditor
-    from screener.known_answer import synthetic
+    from screener.known_answer.engine import synthetic
 
     def batch(step: int) -> Any:
         return synthetic.batch_for(fw.SEED, rank, step, batch=4, seq=LARGE["seq"],

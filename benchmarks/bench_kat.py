@@ -5,7 +5,7 @@
 Part 1 times every job in this process (after a warm-up run) and the whole quick screen as
 `screener kat run` runs it (child process start-up included).
 
-Part 2 injects N random single-bit flips per job, each drawn with screener.known_answer.faults.random_flips
+Part 2 injects N random single-bit flips per job, each drawn with screener.known_answer.engine.faults.random_flips
 (op, the n-th call of it, the element and the bit all at random, over every call the job makes,
 forward and backward), and counts:
 
@@ -38,10 +38,10 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from screener.known_answer import faults
-from screener.known_answer import screen as kat  # noqa: E402
-from screener.known_answer import supervise  # noqa: E402
-from screener.known_answer import workloads as w  # noqa: E402
+from screener.known_answer.engine import faults
+from screener.known_answer.engine import screen as kat  # noqa: E402
+from screener.known_answer.engine import supervise  # noqa: E402
+from screener.known_answer.engine import workloads as w  # noqa: E402
 
 # The ops a campaign draws from, per job kind (the aten names the dispatcher sees).
 CAMPAIGN_OPS = {

@@ -2,11 +2,12 @@
 
     python benchmarks/bench_kat_verdicts.py [--per-cell 4] [--repeat 3] [--seed 0] [--json]
 
-For every job of the campaign, every op it runs (screener.known_answer.faults' names), every bit
-class of the op's dtype (sign, top and low exponent, high and low mantissa) and every fault
+For every job of the campaign, every op it runs (screener.known_answer.engine.faults' names), every
+bit class of the op's dtype (sign, top and low exponent, high and low mantissa) and every fault
 pattern, it runs the real job in this process `--repeat` times with the real fault injector,
 builds the device's runs as the screening child would report them, and judges them against a
-golden recorded from a clean run (screener.known_answer.judgment.judge, as `screener kat run`):
+golden recorded from a clean run (screener.known_answer.verdict.judgment.judge, as `screener kat
+run`):
 
 - one-shot:   one flip in iteration 0 only (the other runs clean);
 - twice:      one flip in iteration 0 and another in iteration 1 (different calls);
@@ -44,11 +45,12 @@ import torch  # noqa: E402
 
 from screener.determinism import preserved  # noqa: E402
 from screener.errors import ScreenerError  # noqa: E402
-from screener.known_answer import faults, golden, judgment  # noqa: E402
-from screener.known_answer import screen as kat  # noqa: E402
-from screener.known_answer import workloads as w  # noqa: E402
-from screener.known_answer.faults import FaultSpec, inject  # noqa: E402
-from screener.known_answer.runs import DeviceRun  # noqa: E402
+from screener.known_answer.engine import faults, golden
+from screener.known_answer.verdict import judgment  # noqa: E402
+from screener.known_answer.engine import screen as kat  # noqa: E402
+from screener.known_answer.engine import workloads as w  # noqa: E402
+from screener.known_answer.engine.faults import FaultSpec, inject  # noqa: E402
+from screener.known_answer.verdict.runs import DeviceRun  # noqa: E402
 from screener.types import Outcome, RunStatus  # noqa: E402
 
 OPS = {"gemm": ["mm"], "conv": ["convolution"],

@@ -14,9 +14,9 @@ Prints the median and the range of each.
 coverage: a fault class is (op, dtype, bit class, pattern): a unit that computes that op in that
 dtype wrongly. It fires in every quick-screen job that runs the op in that dtype (at a random call
 and element of each, as one bad unit would show in different jobs). Each job is judged against a
-golden recorded from a clean run (screener.known_answer.judgment, as `kat run` judges): the full
-quick screen with 2 runs of every quick job, the preflight with 1 run of its subset (the first of
-the same runs). A class is caught when any of its cases comes out suspect.
+golden recorded from a clean run (screener.known_answer.verdict.judgment, as `kat run` judges): the
+full quick screen with 2 runs of every quick job, the preflight with 1 run of its subset (the first
+of the same runs). A class is caught when any of its cases comes out suspect.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def _once(env: dict[str, str], golden: str) -> float:
 
 
 def timing(runs: int) -> dict[str, Any]:
-    from screener.known_answer import screen as kat
+    from screener.known_answer.engine import screen as kat
 
     golden = tempfile.mkdtemp(prefix="bench-preflight-golden-")
     rec = kat.record_goldens(kat.resolve_jobs(list(DEFAULT_JOBS)), ["cpu"], out_dir=golden,
@@ -85,7 +85,7 @@ def _op_dtypes(spec: Any, ops: list[str]) -> dict[str, tuple[Any, int, int]]:
     """op -> (dtype of its outputs, calls per run, elements of its smallest output)."""
     import torch
 
-    from screener.known_answer import workloads as w
+    from screener.known_answer.engine import workloads as w
 
     seen: dict[str, list[Any]] = defaultdict(list)
 
@@ -107,9 +107,9 @@ def coverage(per_cell: int, seed: int) -> dict[str, Any]:
     import bench_kat_verdicts as bkv
 
     from screener.determinism import preserved
-    from screener.known_answer import faults, golden
-    from screener.known_answer import screen as kat
-    from screener.known_answer import workloads as w
+    from screener.known_answer.engine import faults, golden
+    from screener.known_answer.engine import screen as kat
+    from screener.known_answer.engine import workloads as w
 
     rng = random.Random(seed)
     tmp = Path(tempfile.mkdtemp(prefix="bench-preflight-"))

@@ -45,8 +45,8 @@ import kubernetes.client  # noqa: E402
 from fakes.daemon import DaemonRig  # noqa: E402
 from kubeapi import KubeAPI  # noqa: E402
 from screener.determinism import preserved  # noqa: E402
-from screener.known_answer import workloads as w  # noqa: E402
-from screener.known_answer.faults import FaultSpec, inject  # noqa: E402
+from screener.known_answer.engine import workloads as w  # noqa: E402
+from screener.known_answer.engine.faults import FaultSpec, inject  # noqa: E402
 from screener.stores.kube import KubeStore  # noqa: E402
 from screener.stores.local import LocalStore  # noqa: E402
 from screener.types import NodeState  # noqa: E402

@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from kubeapi import KubeAPI  # noqa: E402
 from screener.lifecycle import machine  # noqa: E402
-from screener.known_answer.crosscheck import peer_digests  # noqa: E402
+from screener.known_answer.verdict.crosscheck import peer_digests  # noqa: E402
 from screener.lifecycle.apply import apply_event
 from screener.lifecycle.records import lemon_counts  # noqa: E402
 from screener.stores import kubeformat as kf  # noqa: E402

@@ -43,7 +43,7 @@ def _cost_rank(rank: int, world: int, *, rounds: int, steps: int, ring: bool) ->
     import fsdp_workers as fw
     from screener.audit import Auditor
     from screener.audit.sentinel import SentinelConfig
-    from screener.known_answer import synthetic
+    from screener.known_answer.engine import synthetic
 
     def batch(step: int) -> Any:
         return synthetic.batch_for(fw.SEED, rank, step, batch=4, seq=LARGE["seq"],
@@ -143,7 +143,7 @@ def detection(world: int, steps: int, per_step: int = 2000) -> int:
 
     import fsdp_workers as fw
     from screener.audit.update_buddy import _digest, sample_plan
-    from screener.known_answer import faults, synthetic
+    from screener.known_answer.engine import faults, synthetic
 
     model = synthetic.make_model(fw.SEED, **LARGE)
     # this rank's shard of each parameter: dim 0 in world chunks (FSDP2's Shard(0)), rank 0's

@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from screener.audit import Auditor, SDCAlarm, run_guarded, shutdown
 from screener.determinism import make_deterministic
-from screener.known_answer import faults, synthetic
+from screener.known_answer.engine import faults, synthetic
 from screener.types import ALARM_DIR_ENV
 
 SHAPE = dict(vocab=64, d_model=64, n_heads=4, d_ff=128, seq=16, n_layers=2)

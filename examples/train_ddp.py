@@ -9,7 +9,7 @@ alarm shows the instance ID a replacement would target):
     # ... ALARM: SDC alarm ring_replay at step 20: rank 3 on hyperpod-i-00000000000000002 ...
     # ... exit code 75 (the workers' and, through screener launch, the job's)
 
-Faults (--inject KIND[:rank=R,step=S], from screener.known_answer.faults):
+Faults (--inject KIND[:rank=R,step=S], from screener.known_answer.engine.faults):
     nan        NaN in one element of a backward op on rank R at step S   -> nonfinite_local, rank R
     scale      one activation times 10,000 on rank R at step S           -> ring_replay, rank R
                (S must be an audit step: a multiple of --audit-every)
@@ -51,8 +51,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from screener.known_answer import faults
-from screener.known_answer import synthetic
+from screener.known_answer.engine import faults
+from screener.known_answer.engine import synthetic
 from screener.audit import Auditor, SDCAlarm, rollback_target, run_guarded, shutdown
 from screener.alarmfile import AlarmRecord
 from screener.types import ALARM_DIR_ENV, NODE_NAME_ENV

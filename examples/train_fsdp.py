@@ -38,7 +38,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from screener.audit import Auditor, SDCAlarm, run_guarded, shutdown
-from screener.known_answer import faults, synthetic
+from screener.known_answer.engine import faults, synthetic
 from screener.alarmfile import AlarmRecord
 from screener.types import ALARM_DIR_ENV, NODE_NAME_ENV
 

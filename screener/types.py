@@ -115,7 +115,8 @@ ANNOTATION_VERDICT = "screener.io/verdict"
 ANNOTATION_HISTORY = "screener.io/history"
 ANNOTATION_DIGESTS = "screener.io/kat-digests"
 # the results a node's devices reproduced, which other nodes of its platform count towards a
-# quorum where the platform has no golden (screener.known_answer.quorum, stores/kubequorum.py)
+# quorum where the platform has no golden (screener.known_answer.verdict.quorum,
+# stores/kubequorum.py)
 ANNOTATION_CANDIDATES = "screener.io/kat-candidates"
 
 ALARM_DIR_ENV = "SCREENER_ALARM_DIR"
@@ -269,7 +270,8 @@ class SuspectNode:
 
 
 class RunStatus(StrValue):
-    """How a device's known-answer child ended (screener.known_answer.runs.DeviceRun.status).
+    """How a device's known-answer child ended
+    (screener.known_answer.verdict.runs.DeviceRun.status).
 
     Only OK runs are compared; the others become a verdict (or an exception) on their own, and
     the value is written as the verdict evidence's "status".
@@ -292,7 +294,8 @@ class KatReason(StrValue):
     """Why a device's known-answer verdict is not a pass (Verdict.reason of a screen).
 
     The first four repeat the RunStatus a child ended with; the next eight come from comparing
-    results with goldens, peers and the device's own repeats (screener.known_answer.judgment).
+    results with goldens, peers and the device's own repeats
+    (screener.known_answer.verdict.judgment).
     """
 
     TIMEOUT = "timeout"
@@ -310,11 +313,11 @@ class KatReason(StrValue):
     # reproduced itself on another result than this node's earlier screens kept (no golden)
     EARLIER_SCREENS_DIFFER = "earlier_screens_differ"
     # no golden: the result differs from what a quorum of other nodes of the platform gave
-    # (screener.known_answer.quorum), or too few of them agree yet to be a reference
+    # (screener.known_answer.verdict.quorum), or too few of them agree yet to be a reference
     QUORUM_MISMATCH = "quorum_mismatch"
     AWAITING_QUORUM = "awaiting_quorum"
-    # the engine's other comparisons (screener.known_answer.crosscheck, allreduce, peer_training;
-    # a peer burn-in's alarm gives "peer_<check>", made from the alarm's check)
+    # the engine's other comparisons (screener.known_answer.verdict.crosscheck, allreduce,
+    # peer_training; a peer burn-in's alarm gives "peer_<check>", made from the alarm's check)
     FLEET_DIGEST_MISMATCH = "fleet_digest_mismatch"  # a platform's digest differs across nodes
     COLLECTIVE_MISMATCH = "collective_mismatch"  # an all-reduce result differs from its known sum
     PEER_COLLECTIVE_MISMATCH = "peer_collective_mismatch"

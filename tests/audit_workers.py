@@ -18,8 +18,8 @@ import torch._dynamo  # torch.compile's setups; DDP's constructor imports it any
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from screener.known_answer import faults
-from screener.known_answer import synthetic
+from screener.known_answer.engine import faults
+from screener.known_answer.engine import synthetic
 from screener.audit import AuditError, AuditUsageError, Auditor, NumericFailure, SDCAlarm, \
     rollback_target
 from screener.fingerprint import digest, fingerprints

@@ -25,7 +25,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from screener.audit import Auditor, AuditUsageError, NumericFailure, SDCAlarm
 from screener.audit.sentinel import SentinelConfig
 from screener.audit.update_buddy import sample_plan
-from screener.known_answer import faults
+from screener.known_answer.engine import faults
 
 SEED = 11
 WIDTH = (16, 48, 8)

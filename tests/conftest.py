@@ -72,8 +72,8 @@ def cpu_goldens(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
     folder for the whole session, each job recorded into it once (two agreeing runs) by whichever
     test asks first, instead of a recording per test module. Read-only to the tests: a test that
     needs a broken golden copies it first."""
-    from screener.known_answer import golden
-    from screener.known_answer import screen as kat
+    from screener.known_answer.engine import golden
+    from screener.known_answer.engine import screen as kat
     from screener.types import ExitCode
 
     phash = kat.local_platform("cpu").numeric_hash

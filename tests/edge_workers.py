@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from screener.audit import Auditor, AuditError, AuditUsageError, NumericFailure, SDCAlarm, classify
-from screener.known_answer import faults, synthetic
+from screener.known_answer.engine import faults, synthetic
 
 import fsdp_workers
 

@@ -20,7 +20,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from screener.audit import Auditor, NumericFailure, SDCAlarm
 from screener.audit.sentinel import SentinelConfig
-from screener.known_answer import faults, synthetic
+from screener.known_answer.engine import faults, synthetic
 
 SEED = 7
 SHAPE = dict(vocab=32, d_model=16, n_heads=2, d_ff=32, seq=8, n_layers=2)

@@ -29,7 +29,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import pipeline_workers
 from pipeline_workers import rotary
 from screener.audit import Auditor, AuditError, AuditUsageError, NumericFailure, SDCAlarm
-from screener.known_answer import faults
+from screener.known_answer.engine import faults
 
 VOCAB, D, HEADS, SEQ, BATCH, LAYERS = 32, 16, 4, 8, 2, 2
 

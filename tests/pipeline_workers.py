@@ -27,7 +27,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.nn.parallel import DistributedDataParallel
 
 from screener.audit import Auditor, AuditUsageError, NumericFailure, SDCAlarm
-from screener.known_answer import faults
+from screener.known_answer.engine import faults
 
 VOCAB, D, HEADS, SEQ, BATCH, MICRO = 32, 16, 2, 8, 4, 2
 

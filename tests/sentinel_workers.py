@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from screener.audit import Auditor, NumericFailure, SDCAlarm
 from screener.audit.sentinel import SentinelConfig
-from screener.known_answer import faults, synthetic
+from screener.known_answer.engine import faults, synthetic
 
 SEED = 7
 SHAPE = dict(vocab=32, d_model=16, n_heads=2, d_ff=32, seq=8, n_layers=1)

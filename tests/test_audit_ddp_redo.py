@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import audit_workers
 from ddp_util import run_ranks
 from screener.audit import AuditError
-from screener.known_answer import faults
+from screener.known_answer.engine import faults
 
 NODES = ["n0", "n0", "n1", "n1"]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from screener.known_answer import faults
-from screener.known_answer import synthetic
+from screener.known_answer.engine import faults
+from screener.known_answer.engine import synthetic
 from screener.audit import Auditor, SDCAlarm
 from screener.audit.hooks import GradientRecorder, magnitude
 from screener.audit.ring import replay

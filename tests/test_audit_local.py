@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from screener.known_answer import faults
-from screener.known_answer import synthetic
+from screener.known_answer.engine import faults
+from screener.known_answer.engine import synthetic
 from screener.audit import AuditUsageError, Auditor, SDCAlarm, classify, rollback_target
 from screener.audit.hooks import GradientRecorder, magnitude
 from screener.audit.ring import replay

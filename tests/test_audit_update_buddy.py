@@ -20,7 +20,7 @@ from screener.audit.alarms import CHECKS
 from screener.audit.update_buddy import (MIN_PER_PARAM, _bucket, _digest, _first_difference,
                                          _hyper, _joined, _state_of, coverage, recompute,
                                          refusal, sample_plan, update_verdict)
-from screener.known_answer.faults import apply_to_tensor, bit_classes
+from screener.known_answer.engine.faults import apply_to_tensor, bit_classes
 from screener.alarmfile import CHECKS as ALARM_CHECK_REASONS
 
 pytestmark = pytest.mark.timeout(300)

@@ -12,7 +12,7 @@ import pytest
 
 from screener.agent import burnin
 from screener.errors import BadInputError
-from screener.known_answer import screen as kat
+from screener.known_answer.engine import screen as kat
 from screener.types import ExitCode, Outcome
 
 ROOT = Path(__file__).resolve().parents[1]

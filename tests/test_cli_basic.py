@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cli_util import screener
-from screener.known_answer.platform import signature
+from screener.known_answer.engine.platform import signature
 
 
 def screener_process(*args):

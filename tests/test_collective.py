@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from screener.known_answer.allreduce import CorruptReceive, run_collective
+from screener.known_answer.collective.allreduce import CorruptReceive, run_collective
 from screener.types import Outcome
 
 

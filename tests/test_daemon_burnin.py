@@ -14,9 +14,9 @@ from screener.agent.burnin import BurninPlan, BurninRequirement, run_burnin, run
 from screener.agent.screening import KatOptions, KatProcessRunner
 from screener.health.hbm import stuck_bit
 from screener.health.probes import run_probes
-from screener.known_answer.crosscheck import platform_digests
-from screener.known_answer.screen import DeviceFault, record_goldens
-from screener.known_answer.workloads import select_jobs
+from screener.known_answer.verdict.crosscheck import platform_digests
+from screener.known_answer.engine.screen import DeviceFault, record_goldens
+from screener.known_answer.engine.workloads import select_jobs
 from screener.settings.health import ProbeConfig
 from screener.stores.kube import KubeStore
 from screener.stores.local import LocalStore

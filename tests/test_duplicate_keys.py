@@ -10,7 +10,7 @@ import pytest
 from screener import boundedjson
 from screener.audit.checkpoints import marker_path, read_marker, write_marker
 from screener.errors import BadInputError
-from screener.known_answer.crosscheck import peer_digests
+from screener.known_answer.verdict.crosscheck import peer_digests
 from screener.output.report import load_burnin_report
 from screener.stores.kubeformat import history_entries, parse_node_history
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from screener.known_answer import faults
-from screener.known_answer.faults import FaultSpec, inject
+from screener.known_answer.engine import faults
+from screener.known_answer.engine.faults import FaultSpec, inject
 from screener.fingerprint import fingerprint
 
 _BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}

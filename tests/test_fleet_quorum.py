@@ -19,13 +19,13 @@ import pytest
 
 from kubeapi import KubeAPI
 from screener.determinism import preserved
-from screener.known_answer import golden, promotion
-from screener.known_answer import screen as kat
-from screener.known_answer import workloads as w
-from screener.known_answer.faults import FaultSpec, inject
-from screener.known_answer.quorum import FleetView, candidates_of
-from screener.known_answer.results import JobResult
-from screener.known_answer.runs import DeviceRun
+from screener.known_answer.engine import golden, promotion
+from screener.known_answer.engine import screen as kat
+from screener.known_answer.engine import workloads as w
+from screener.known_answer.engine.faults import FaultSpec, inject
+from screener.known_answer.verdict.quorum import FleetView, candidates_of
+from screener.known_answer.verdict.results import JobResult
+from screener.known_answer.verdict.runs import DeviceRun
 from screener.stores.kube import KubeStore
 from screener.stores.local import LocalStore
 from screener.types import ANNOTATION_CANDIDATES, KatReason, Outcome

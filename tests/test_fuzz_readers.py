@@ -62,8 +62,8 @@ def _sparse(path: Path, size: int) -> None:
 # --- golden records ----------------------------------------------------------------------------
 
 def _golden_record() -> dict[str, Any]:
-    from screener.known_answer import golden as g
-    from screener.known_answer import workloads as w
+    from screener.known_answer.engine import golden as g
+    from screener.known_answer.engine import workloads as w
 
     spec = next(s for s in w.load_jobs(ROOT / "jobs") if s.name == "gemm-fp32")
     steps = tuple(w.Step(i, f"link {i}", None, (("product[192x256x256]", (i + 1, -i - 7)),))
@@ -76,7 +76,7 @@ def _golden_record() -> dict[str, Any]:
 
 def _resealed(edit: Callable[[dict], None]) -> Callable[[Path], None]:
     def write(path: Path) -> None:
-        from screener.known_answer import golden as g
+        from screener.known_answer.engine import golden as g
 
         d = _golden_record()
         edit(d)

@@ -9,9 +9,9 @@ import pytest
 
 import cli_util
 
-from screener.known_answer import golden as g
-from screener.known_answer import results
-from screener.known_answer import workloads as w
+from screener.known_answer.engine import golden as g
+from screener.known_answer.verdict import results
+from screener.known_answer.engine import workloads as w
 from screener.determinism import preserved
 from screener.errors import GoldenError
 
@@ -242,7 +242,7 @@ def test_committed_goldens_verify():
 
 def test_cli_verify_and_kat_run_reject_a_corrupted_golden(spec_and_result, tmp_path):
     spec, result = spec_and_result
-    from screener.known_answer.screen import local_platform
+    from screener.known_answer.engine.screen import local_platform
 
     phash = local_platform("cpu").numeric_hash
     _, path = _record(spec, result, tmp_path, phash=phash)
@@ -262,7 +262,7 @@ def test_cli_verify_and_kat_run_reject_a_corrupted_golden(spec_and_result, tmp_p
 
 def test_verify_and_a_screen_refuse_a_nan_golden_with_exit_2(tmp_path):
     """The issue-23 case: a NaN loss, resealed, passed verify and made `kat run` exit 75."""
-    from screener.known_answer.screen import local_platform
+    from screener.known_answer.engine.screen import local_platform
 
     phash = local_platform("cpu").numeric_hash
     spec, path = _train_record(tmp_path, phash=phash)

@@ -19,14 +19,15 @@ from pathlib import Path
 
 import pytest
 
-from screener.known_answer import golden
-from screener.known_answer import judgment, recording, text
-from screener.known_answer import screen as kat
-from screener.known_answer.results import first_difference
-from screener.known_answer.runs import DeviceRun
-from screener.known_answer import workloads as w
+from screener.known_answer.engine import golden
+from screener.known_answer.engine import recording, text
+from screener.known_answer.verdict import judgment
+from screener.known_answer.engine import screen as kat
+from screener.known_answer.verdict.results import first_difference
+from screener.known_answer.verdict.runs import DeviceRun
+from screener.known_answer.engine import workloads as w
 from screener.determinism import preserved
-from screener.known_answer.faults import FaultSpec, inject
+from screener.known_answer.engine.faults import FaultSpec, inject
 from screener.types import ExitCode, Outcome
 
 ROOT = Path(__file__).resolve().parents[1]

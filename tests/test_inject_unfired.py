@@ -11,7 +11,7 @@ import pytest
 
 from cli_util import screener
 from screener.commands._known_answer import unfired_warnings
-from screener.known_answer.fault_spec import parse_fault
+from screener.known_answer.engine.fault_spec import parse_fault
 
 
 def unfired(*specs: str, device: str = "cpu") -> SimpleNamespace:

@@ -13,17 +13,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from screener.known_answer import faults
-from screener.known_answer import golden
-from screener.known_answer import (child, fault_spec, judgment, protocol, recording,
-                                    supervise, text)
-from screener.known_answer import screen as kat
-from screener.known_answer.results import first_difference
-from screener.known_answer.runs import DeviceRun
-from screener.known_answer import workloads as w
+from screener.known_answer.engine import faults
+from screener.known_answer.engine import golden
+from screener.known_answer.engine import (child, fault_spec, protocol, recording, supervise,
+                                           text)
+from screener.known_answer.verdict import judgment
+from screener.known_answer.engine import screen as kat
+from screener.known_answer.verdict.results import first_difference
+from screener.known_answer.verdict.runs import DeviceRun
+from screener.known_answer.engine import workloads as w
 from screener.determinism import preserved
 from screener.errors import BadInputError, ScreenerError
-from screener.known_answer.faults import FaultSpec, inject
+from screener.known_answer.engine.faults import FaultSpec, inject
 from screener.types import ExitCode, KatReason, Outcome, RunStatus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -314,12 +315,15 @@ def test_the_judgment_and_its_inputs_import_no_process_or_device_code():
     """The judgment, its parts, runs and results sit in the pure layer: a process, signal,
     thread or torch import there would make the judgment depend on how the children run."""
     banned = {"subprocess", "multiprocessing", "signal", "threading", "queue", "tempfile", "os",
-              "torch", "screener.known_answer.supervise", "screener.known_answer.child"}
+              "torch"}
+    # nor anything of the folders that run the children (engine/) or the process groups
+    engines = ("screener.known_answer.engine", "screener.known_answer.collective")
     for name in ("judgment", "reference", "endings", "screen_result", "runs", "results"):
-        tree = ast.parse((ROOT / "screener" / "known_answer" / f"{name}.py").read_text())
+        tree = ast.parse((ROOT / "screener/known_answer/verdict" / f"{name}.py").read_text())
         imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-        assert not {m for m in imported if m.split(".")[0] in banned or m in banned}, (name, imported)
+        assert not {m for m in imported if m.split(".")[0] in banned or m.startswith(engines)}, \
+            (name, imported)
 
 
 def test_the_protocol_reads_only_its_own_lines():
@@ -331,7 +335,7 @@ def test_the_protocol_reads_only_its_own_lines():
     assert protocol.decode(line.rstrip("\n")) == {"event": "start", "job": "j", "iteration": 0}
     for other in ("MKL_VERBOSE oneMKL 2024", line[:-8], protocol.PREFIX + "[1, 2]", ""):
         assert protocol.decode(other) is None, other
-    assert protocol.child_argv("py") == ["py", "-m", "screener.known_answer.child", "child"]
+    assert protocol.child_argv("py") == ["py", "-m", "screener.known_answer.engine.child", "child"]
 
 
 # --- child processes ------------------------------------------------------------------------------
@@ -465,7 +469,7 @@ def test_a_job_too_big_for_the_device_is_bad_input_before_allocating(tmp_path):
 def test_an_error_of_ours_in_the_child_is_reported_not_a_crash(request_, kind):
     """What escapes child_main (a bad request, a bug of ours) must reach the parent as an error
     event; a child that merely died would be judged a crash, i.e. a hardware verdict."""
-    r = subprocess.run([sys.executable, "-m", "screener.known_answer.child", "child"], input=json.dumps(request_),
+    r = subprocess.run([sys.executable, "-m", "screener.known_answer.engine.child", "child"], input=json.dumps(request_),
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     events = [json.loads(line[len(protocol.PREFIX):]) for line in r.stdout.splitlines()

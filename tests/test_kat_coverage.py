@@ -1,7 +1,7 @@
 """`screener kat coverage` (issue 33.2): which of a training step's ops the known-answer jobs run.
 
-The comparison (screener.known_answer.coverage) on hand-made censuses; the census's reading of
-real profiler events; the command on examples/llama_step.py in a real process; and the one-line
+The comparison (screener.known_answer.verdict.coverage) on hand-made censuses; the census's reading
+of real profiler events; the command on examples/llama_step.py in a real process; and the one-line
 exit 2 of a bad script path and of scripts that raise, exit non-zero, die or run nothing.
 """
 
@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from screener.errors import BadInputError
-from screener.known_answer.coverage import (KIND_ATEN, KIND_KERNEL, Census, OpStat, compare,
+from screener.known_answer.verdict.coverage import (KIND_ATEN, KIND_KERNEL, Census, OpStat, compare,
                                             least_disturbed, report_lines)
 from tests.cli_util import screener
 
@@ -153,7 +153,7 @@ def _event(name, start, end, *, device="CPU", self_us=None, id=0, corr=0, annota
 
 
 def test_a_step_mark_keeps_the_set_up_out_of_the_census():
-    from screener.known_answer.census import STEP_MARK, aggregate
+    from screener.known_answer.engine.census import STEP_MARK, aggregate
 
     setup = [_event("aten::uniform_", 0, 40, id=1)]
     step = [_event(STEP_MARK, 100, 200, id=2, annotation=True, activity="user_annotation"),
@@ -169,7 +169,7 @@ def test_a_step_mark_keeps_the_set_up_out_of_the_census():
 
 
 def test_on_cuda_the_census_counts_kernels_by_device_time_not_ranges():
-    from screener.known_answer.census import STEP_MARK, aggregate
+    from screener.known_answer.engine.census import STEP_MARK, aggregate
 
     events = [
         _event("aten::uniform_", 0, 5, id=1),
@@ -192,7 +192,7 @@ def test_on_cuda_the_census_counts_kernels_by_device_time_not_ranges():
 
 _CENSUS_OF_LINEAR = """
 import json, torch
-from screener.known_answer.census import profiled
+from screener.known_answer.engine.census import profiled
 # big enough that the matmul, not the dispatch around it, is most of the time under any load
 a, b = torch.ones(512, 512), torch.ones(512, 512)
 def work():
@@ -329,7 +329,7 @@ def test_the_quick_screens_coverage_of_the_example_llama_step_leaves_sdpa_out(ll
     """What --quick reports is the same census restricted to the quick screen's jobs (the
     shares of the ops a quick job runs): no SDPA, silu or rsqrt there, a real fraction. From
     the one run above (a second census would cost seconds and say the same)."""
-    from screener.known_answer.screen import resolve_jobs
+    from screener.known_answer.engine.screen import resolve_jobs
 
     d = json.loads(llama.stdout)
     quick = {s.name for s in resolve_jobs(None, str(ROOT / "jobs"))}

@@ -27,13 +27,14 @@ import pytest
 from screener.agent.screening import KNOWN_DIGESTS, KatOptions, KatProcessRunner, ScreenRequest
 from screener.determinism import preserved
 from screener.errors import ScreenerError
-from screener.known_answer import golden, judgment
-from screener.known_answer import screen as kat
-from screener.known_answer import workloads as w
-from screener.known_answer.fault_spec import DeviceFault, parse_fault
-from screener.known_answer.faults import FaultSpec, inject
-from screener.known_answer.results import JobResult, first_difference
-from screener.known_answer.runs import MAX_DISTINCT, DeviceRun
+from screener.known_answer.engine import golden
+from screener.known_answer.verdict import judgment
+from screener.known_answer.engine import screen as kat
+from screener.known_answer.engine import workloads as w
+from screener.known_answer.engine.fault_spec import DeviceFault, parse_fault
+from screener.known_answer.engine.faults import FaultSpec, inject
+from screener.known_answer.verdict.results import JobResult, first_difference
+from screener.known_answer.verdict.runs import MAX_DISTINCT, DeviceRun
 from screener.types import ExitCode, KatReason, Outcome, RunStatus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -454,7 +455,7 @@ def test_an_earlier_screens_digest_no_run_reproduces_still_shows_the_job_determi
     (RuntimeError("Deterministic behavior was enabled ... CUBLAS_WORKSPACE_CONFIG"), "screener"),
 ])
 def test_which_exceptions_a_corrupted_value_can_cause(exc, kind):
-    from screener.known_answer.child import _job_kind
+    from screener.known_answer.engine.child import _job_kind
 
     try:
         raise exc

@@ -24,9 +24,10 @@ import pytest
 
 from screener.agent.burnin_rounds import run_burnin
 from screener.agent.screening import KNOWN_DIGESTS, KatOptions, KatProcessRunner, ScreenRequest
-from screener.known_answer import golden, node_memory
-from screener.known_answer import screen as kat
-from screener.known_answer.fault_spec import DeviceFault
+from screener.known_answer.engine import golden
+from screener.known_answer.verdict import node_memory
+from screener.known_answer.engine import screen as kat
+from screener.known_answer.engine.fault_spec import DeviceFault
 from screener.lifecycle.events import KIND_FULL, KIND_QUICK
 from screener.types import ExitCode, KatReason, Outcome
 

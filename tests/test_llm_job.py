@@ -18,11 +18,11 @@ import torch
 
 from screener.determinism import preserved
 from screener.errors import ConfigError
-from screener.known_answer import golden
-from screener.known_answer import screen as kat
-from screener.known_answer import workloads as w
-from screener.known_answer.faults import FaultSpec, inject
-from screener.known_answer.synthetic import batch_for
+from screener.known_answer.engine import golden
+from screener.known_answer.engine import screen as kat
+from screener.known_answer.engine import workloads as w
+from screener.known_answer.engine.faults import FaultSpec, inject
+from screener.known_answer.engine.synthetic import batch_for
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,7 +84,7 @@ def test_a_fault_in_any_kernel_of_the_step_changes_the_result(clean, op):
 
 def test_a_corrupted_position_from_cumsum_makes_the_job_raise_not_pass(clean):
     """The positions are a cumsum: a high bit flipped in one is an index out of range, which the
-    screen re-runs and judges (screener.known_answer.endings), never a pass."""
+    screen re-runs and judges (screener.known_answer.verdict.endings), never a pass."""
     inj = inject(FaultSpec("cumsum", call=0, element=3, bit=40))
     with pytest.raises(IndexError):
         w.run_job(_spec("llm-fp32"), "cpu", injector=inj)
@@ -149,7 +149,7 @@ def test_a_probe_backend_the_device_has_no_kernel_for_is_said_not_replaced():
     """cuDNN attention has no CPU kernel: the probe records it as unavailable under its own
     name (a property of the platform), the same on every run; the training layers' backends
     must run (a spec listing one the device lacks fails)."""
-    from screener.known_answer import llm
+    from screener.known_answer.engine import llm
 
     p = {"seed": 1, "batch": 1, "seq": 8, "d_model": 16, "n_heads": 2,
          "probe_attention": ["cudnn:causal", "flash:full"]}

@@ -141,7 +141,7 @@ def test_commands_in_the_manifests_and_the_dockerfile_exist():
         if o["kind"] not in ("DaemonSet", "Job"):
             continue
         c = o["spec"]["template"]["spec"]["containers"][0]
-        if c.get("command"):  # torchrun -m screener.known_answer.peer_training, checked above
+        if c.get("command"):  # torchrun -m screener.known_answer.collective.peer_training, checked above
             continue
         assert c["args"][0] in COMMANDS, f"{o['metadata']['name']}: unknown command {c['args'][0]}"
 

@@ -149,8 +149,8 @@ def test_wheel_in_a_fresh_venv_runs_kat_list_and_burnin_from_any_folder(fresh, t
     where = subprocess.run(
         [str(bin_dir / "python"), "-c",
          "import json, sys, screener, screener.audit, screener.fingerprint\n"
-         "from screener.known_answer.workloads import default_jobs_dir\n"
-         "from screener.known_answer.golden import default_golden_dir\n"
+         "from screener.known_answer.engine.workloads import default_jobs_dir\n"
+         "from screener.known_answer.engine.golden import default_golden_dir\n"
          "print(json.dumps([screener.__file__, str(default_jobs_dir()), str(default_golden_dir()),"
          " sorted(m for m in sys.modules if m.split('.')[0] in %r)]))" % (EXTRA_CLIENTS,)],
         capture_output=True, text=True, cwd=home, timeout=120)
@@ -333,8 +333,8 @@ def test_in_a_checkout_the_shipped_data_are_the_repositorys_folders(monkeypatch)
     # `screener golden record` without --out writes into the repository.
     monkeypatch.delenv("SCREENER_JOBS_DIR", raising=False)
     monkeypatch.delenv("SCREENER_GOLDEN_DIR", raising=False)
-    from screener.known_answer.golden import default_golden_dir
-    from screener.known_answer.workloads import default_jobs_dir
+    from screener.known_answer.engine.golden import default_golden_dir
+    from screener.known_answer.engine.workloads import default_jobs_dir
 
     assert default_jobs_dir().resolve() == (ROOT / "jobs").resolve()
     assert default_golden_dir().resolve() == (ROOT / "golden").resolve()

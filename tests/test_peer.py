@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from screener.known_answer.peer_training import PeerFault, PeerOptions, judge, run_local
+from screener.known_answer.collective.peer_training import PeerFault, PeerOptions, judge, run_local
 from screener.types import ExitCode, Outcome
 
 

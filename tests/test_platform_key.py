@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from screener.known_answer import golden
-from screener.known_answer import protocol
-from screener.known_answer import screen as kat
-from screener.known_answer.platform import Platform, cpu_math_paths, sibling_key, signature
+from screener.known_answer.engine import golden
+from screener.known_answer.engine import protocol
+from screener.known_answer.engine import screen as kat
+from screener.known_answer.engine.platform import Platform, cpu_math_paths, sibling_key, signature
 
 ROOT = Path(__file__).resolve().parents[1]
 

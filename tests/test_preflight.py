@@ -21,9 +21,9 @@ import pytest
 
 from screener.agent.intake import validate
 from screener.agent.preflight import fast_path, parse_verdict_text
-from screener.known_answer import screen as kat
-from screener.known_answer import workloads as w
-from screener.known_answer.fault_spec import parse_fault
+from screener.known_answer.engine import screen as kat
+from screener.known_answer.engine import workloads as w
+from screener.known_answer.engine.fault_spec import parse_fault
 from screener.alarmfile import CHECKS as ALARM_CHECK_REASONS
 from screener.types import ExitCode, Reason
 from tests.kubeapi import KubeAPI

@@ -12,9 +12,9 @@ import json
 import pytest
 
 from cli_util import screener
-from screener.known_answer import golden
-from screener.known_answer import screen as kat
-from screener.known_answer.results import Step
+from screener.known_answer.engine import golden
+from screener.known_answer.engine import screen as kat
+from screener.known_answer.verdict.results import Step
 
 SIBLING_HASH = "0123456789abcdef"
 ROOT = Path(__file__).resolve().parents[1]

@@ -79,7 +79,7 @@ def test_disabled_writes_nothing():
 
 
 def test_job_events_count_results_and_note_timeouts():
-    # the events screener.known_answer.screen.execute hands its progress callback (a child's, with "device")
+    # the events screener.known_answer.engine.screen.execute hands its progress callback (a child's, with "device")
     out, clock = io.StringIO(), FakeClock(100.0)
     p = Progress(out, tty=False, clock=clock)
     feed = JobEvents(p, "known-answer", total=2)

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from screener.agent.burnin_summary import QUICK_SUMMARY, duration_flag, duration_words
-from screener.known_answer import golden
-from screener.known_answer import screen as kat
+from screener.known_answer.engine import golden
+from screener.known_answer.engine import screen as kat
 from screener.types import ExitCode
 
 ROOT = Path(__file__).resolve().parents[1]

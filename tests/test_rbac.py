@@ -115,7 +115,7 @@ def exercise_daemon(api: KubeAPI, tmp_path: Path) -> None:
 
 
 def exercise_burnin_crosscheck(api: KubeAPI) -> None:
-    from screener.known_answer.crosscheck import peer_digests
+    from screener.known_answer.verdict.crosscheck import peer_digests
 
     store = KubeStore(api.api_client(), sleep=lambda s: None, instance="rbac")
     try:

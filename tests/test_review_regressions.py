@@ -24,7 +24,7 @@ def test_uninstalled_checkout_finds_the_repository_data(kind: str) -> None:
     situation as `PYTHONPATH=. python -m screener.cli ...` on a machine without the package.
     """
     code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); "
-            "from screener.known_answer.packagedata import data_dir; "
+            "from screener.known_answer.engine.packagedata import data_dir; "
             f"print(data_dir({kind!r}))")
     out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True,
                          timeout=60, check=True).stdout.strip()
@@ -35,7 +35,7 @@ def test_uninstalled_checkout_finds_the_repository_data(kind: str) -> None:
 @pytest.mark.parametrize("module,name", [
     ("screener.agent.intake", "screener.intake"), ("screener.agent.screening", "screener.screening"),
     ("screener.agent.daemon", "screener.daemon"), ("screener.remediation.hyperpod", "screener.hyperpod"),
-    ("screener.known_answer.crosscheck", "screener.crosscheck"),
+    ("screener.known_answer.verdict.crosscheck", "screener.crosscheck"),
 ])
 def test_log_lines_keep_their_logger_names_after_the_move(module, name):
     """The daemon's JSON log lines carry the logger's name; log queries filter on it, so moving a

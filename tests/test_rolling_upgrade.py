@@ -27,13 +27,13 @@ from fakes.daemon import DaemonRig, as_full_burnin
 from kubeapi import KubeAPI
 from screener.agent.screening import ScreenOutcome, ScreenRequest
 from screener.determinism import preserved
-from screener.known_answer import golden as golden_mod
-from screener.known_answer import screen as kat
-from screener.known_answer import workloads as w
-from screener.known_answer.faults import FaultSpec, inject
-from screener.known_answer.quorum import FleetView
-from screener.known_answer.results import JobResult
-from screener.known_answer.runs import DeviceRun
+from screener.known_answer.engine import golden as golden_mod
+from screener.known_answer.engine import screen as kat
+from screener.known_answer.engine import workloads as w
+from screener.known_answer.engine.faults import FaultSpec, inject
+from screener.known_answer.verdict.quorum import FleetView
+from screener.known_answer.verdict.results import JobResult
+from screener.known_answer.verdict.runs import DeviceRun
 from screener.stores.kube import KubeStore
 from screener.stores.local import LocalStore
 from screener.types import CONDITION_TYPE, KatReason, NodeState

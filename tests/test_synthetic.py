@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from screener.known_answer import synthetic
+from screener.known_answer.engine import synthetic
 
 
 def _params(m: torch.nn.Module) -> dict[str, torch.Tensor]:

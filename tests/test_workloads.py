@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from screener.known_answer import results
-from screener.known_answer import workloads as w
+from screener.known_answer.verdict import results
+from screener.known_answer.engine import workloads as w
 from screener.determinism import preserved
 from screener.errors import BadInputError, ConfigError
 from screener.fingerprint import fingerprints
-from screener.known_answer.synthetic import batch_for
+from screener.known_answer.engine.synthetic import batch_for
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -198,7 +198,7 @@ def test_the_sm_sizing_gives_every_sm_its_tiles_and_a_ragged_edge(sms):
 def test_the_fp8_gemm_job_reproduces_its_bits_and_sees_a_fault_in_scaled_mm():
     """gemm-fp8 (issue 33.1): FP8 e4m3 products through torch._scaled_mm, the CPU's kernel
     here (the FP8 tensor cores on a GPU of compute capability 8.9+)."""
-    from screener.known_answer.faults import FaultSpec, inject
+    from screener.known_answer.engine.faults import FaultSpec, inject
 
     spec = next(s for s in w.load_jobs(ROOT / "jobs") if s.name == "gemm-fp8")
     assert w.fp8_gemm_available("cpu")

@@ -2,7 +2,7 @@
 transformer block compiled on its own (torchtitan's order: parallelize_module on mesh["tp"],
 then torch.compile(block) or block.compile(), then fully_shard on mesh["dp"]), audited.
 
-A fault cannot come from screener.known_answer.faults here: its TorchDispatchMode is refused
+A fault cannot come from screener.known_answer.engine.faults here: its TorchDispatchMode is refused
 inside torch.compile ("non-infra torch dispatch mode present"). So every block calls an identity
 op of ours, `screener_test::fault_point`, which inductor leaves as an extern call between its
 own kernels (the same op, the same graph, on healthy and faulty steps alike); armed, it flips a
@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from screener.audit import Auditor, AuditUsageError, NumericFailure, SDCAlarm
-from screener.known_answer import faults
+from screener.known_answer.engine import faults
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,10 @@
    is compared with the first (self-consistency), the first with the golden record of the
    device's platform and with the device's peers. Its BurninReport has a per-device, per-job table;
 3. the HBM pattern test on every GPU (screener.health.hbm);
-4. the intra-node all-reduce check with its bandwidth (screener.known_answer.allreduce);
+4. the intra-node all-reduce check with its bandwidth (screener.known_answer.collective.allreduce);
 5. the cross-check of its known-answer digests with other nodes of the same platform, from their
-   annotations (screener.known_answer.crosscheck; only with the kube store);
-   (with --peers, on one machine: the peer burn-in of screener.known_answer.peer_training with simulated peer nodes;)
+   annotations (screener.known_answer.verdict.crosscheck; only with the kube store);
+   (with --peers, on one machine: the peer burn-in of screener.known_answer.collective.peer_training with simulated peer nodes;)
 6. the probes again: counters that rose under the sustained load (ECC, Xid, throttling) show here;
 7. the lifecycle: probe findings, then every verdict of the stages as one known-answer screen,
    moving the node to healthy (all pass), suspect, quarantined or repair (lemon rule). Only a FULL
@@ -40,10 +40,10 @@ from screener.agent.burnin_rounds import (DEFAULT_ITERATIONS, BurninReport, Burn
                                           run_burnin)
 from screener.agent.burnin_summary import QUICK_SUMMARY, node_line, passed_lines
 from screener.health.rules import is_condition
-from screener.known_answer.allreduce import run_collective
-from screener.known_answer.crosscheck import cross_check, peer_digests, platform_digests
-from screener.known_answer.screen import ScreenResult
-from screener.known_answer.peer_training import PeerOptions, run_local
+from screener.known_answer.collective.allreduce import run_collective
+from screener.known_answer.verdict.crosscheck import cross_check, peer_digests, platform_digests
+from screener.known_answer.engine.screen import ScreenResult
+from screener.known_answer.collective.peer_training import PeerOptions, run_local
 from screener.lifecycle import machine
 from screener.lifecycle.events import EVIDENCE_CONFIRMED
 from screener.lifecycle.apply import apply_event
@@ -370,7 +370,7 @@ def crosscheck_digests_stage(node: str, verdicts: Sequence[Verdict],
 
 
 def peers_stage(node: str, peers: Sequence[str], steps: int) -> Stage:
-    """The peer burn-in on this machine (simulated nodes, gloo): screener.known_answer.peer_training.run_local."""
+    """The peer burn-in on this machine (simulated nodes, gloo): screener.known_answer.collective.peer_training.run_local."""
     t0 = time.monotonic()
     r = run_local(PeerOptions(under_test=node, steps=steps), peers=peers)
     v = r.verdict()
@@ -431,10 +431,11 @@ def run_full_burnin(node: str, devices: Sequence[str], kat: Callable[[], BurninR
     or writing) ends its use and is kept in `store_error`, never raised.
     probe(previous): the health probes.
     peers: names of simulated peer nodes for a local peer burn-in stage (none: no such stage; in a
-    cluster the peer burn-in is its own Indexed Job, see screener.known_answer.peer_training).
-    requirement: what makes the run full (default BurninRequirement(): one hour); a partial run is
-    recorded as partial and never makes a node healthy.
-    progress(name): a stage starts; step(item): an item of it finished (screener.output.progress).
+    cluster the peer burn-in is its own Indexed Job, see
+    screener.known_answer.collective.peer_training). requirement: what makes the run full (default
+    BurninRequirement(): one hour); a partial run is recorded as partial and never makes a node
+    healthy. progress(name): a stage starts; step(item): an item of it finished
+    (screener.output.progress).
     """
     report = FullBurninReport(node=node)
     access = _StoreAccess(report, store, open_store)

@@ -1,8 +1,8 @@
 """The known-answer rounds of a burn-in: every job on every device, again and again.
 
 `run_burnin` runs the known-answer jobs for a duration or a number of iterations, each device in
-one child process for the whole burn-in (screener.known_answer.screen.execute); every repeat is
-compared with the first (self-consistency), the first with the golden record of the device's
+one child process for the whole burn-in (screener.known_answer.engine.screen.execute); every repeat
+is compared with the first (self-consistency), the first with the golden record of the device's
 platform and with the device's peers. Its BurninReport has a per-device, per-job table.
 This is stage 2 of the full burn-in (screener.agent.burnin orders the stages around it).
 `TextProgress` is the older known-answer-only progress bar, kept for library callers.
@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence, TextIO
 
 from screener.errors import BadInputError
-from screener.known_answer.golden import default_golden_dir
-from screener.known_answer.quorum import FleetView
-from screener.known_answer.screen import (DEFAULT_TIMEOUT, DeviceFault, Known, Progress,
+from screener.known_answer.engine.golden import default_golden_dir
+from screener.known_answer.verdict.quorum import FleetView
+from screener.known_answer.engine.screen import (DEFAULT_TIMEOUT, DeviceFault, Known, Progress,
                                           ScreenResult, execute, judge_runs, prevalidate_goldens,
                                           resolve_devices, resolve_jobs)
 from screener.types import ExitCode, Outcome

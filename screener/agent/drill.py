@@ -2,7 +2,7 @@
 
 Anyone can run it on a laptop (`screener drill`), and it exercises the whole path end to end:
 
-1. a small DDP training (screener.known_answer.synthetic's tiny language model) runs as one process per
+1. a small DDP training (screener.known_answer.engine.synthetic's tiny language model) runs as one process per
    simulated node, gloo on the CPU, with the in-job Auditor checking every step;
 2. at step `fault_step` one bit of one matmul output flips on the faulty node (the lowest mantissa
    bit: the smallest error there is);
@@ -32,7 +32,8 @@ from screener.agent.screening import ScreenOutcome, ScreenRequest
 from screener.errors import BadInputError
 from screener.lifecycle.ports import Store
 from screener.health.probes import run_probes
-from screener.known_answer.peer_training import PeerFault, PeerOptions, PeerResult, run_local
+from screener.known_answer.collective.peer_training import (PeerFault, PeerOptions, PeerResult,
+                                                            run_local)
 from screener.settings.daemon import DaemonConfig
 from screener.settings.health import ProbeConfig
 from screener.types import ExitCode, NodeState

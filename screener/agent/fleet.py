@@ -1,7 +1,7 @@
 """The daemon's half of the fleet quorum: what a screen is told of the fleet, and what it tells it.
 
 Where a platform has no golden, a screen is judged against a quorum of other nodes of the platform
-(screener.known_answer.quorum). Around each screen the daemon:
+(screener.known_answer.verdict.quorum). Around each screen the daemon:
 
 - before: reads the promoted goldens (one small list: one object per platform), and the other
   nodes' candidates when they can matter: for a full burn-in, and for a screen after one that
@@ -26,8 +26,8 @@ from typing import Any, Mapping, Optional, Protocol, runtime_checkable
 from screener.agent.metrics import DaemonMetrics
 from screener import boundedjson
 from screener.errors import ScreenerError
-from screener.known_answer.golden import MAX_GOLDEN_BYTES
-from screener.known_answer.quorum import DEFAULT_NEED, FleetView, awaiting, candidates_of
+from screener.known_answer.engine.golden import MAX_GOLDEN_BYTES
+from screener.known_answer.verdict.quorum import DEFAULT_NEED, FleetView, awaiting, candidates_of
 
 log = logging.getLogger("screener.daemon")
 

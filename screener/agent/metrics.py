@@ -164,8 +164,8 @@ class DaemonMetrics:
                           "in the last mtbi_days days (screener.lifecycle.incidents); absent with "
                           "fewer than two incidents.", ["node"], registry=r)
 
-        # The fleet quorum (screener.known_answer.quorum): a platform with no golden waits for
-        # other nodes to agree; the series says so per platform instead of a silent burnin.
+        # The fleet quorum (screener.known_answer.verdict.quorum): a platform with no golden waits
+        # for other nodes to agree; the series says so per platform instead of a silent burnin.
         self.awaiting_quorum = Gauge("screener_awaiting_quorum", "Jobs the node's last screen "
                                      "found waiting for a fleet quorum, per platform hash (no "
                                      "golden, and too few other nodes of the platform agree "

@@ -2,11 +2,11 @@
 
 `KatProcessRunner` starts it as `python -m screener.agent.screening worker RESULT.json MODE`, with
 its KatOptions as JSON on stdin. MODE "screen" runs the quick known-answer screen
-(screener.known_answer.screen.run_screen); MODE "burnin" runs the device stages of a full burn-in
-(the known-answer rounds for the configured duration, the HBM test, the intra-node collective:
-screener.agent.burnin). It writes the result as JSON and exits with the screen's code. A process
-of its own, so that stopping a screen is a kill that takes effect at once, and so that the daemon
-never imports torch.
+(screener.known_answer.engine.screen.run_screen); MODE "burnin" runs the device stages of a full
+burn-in (the known-answer rounds for the configured duration, the HBM test, the intra-node
+collective: screener.agent.burnin). It writes the result as JSON and exits with the screen's code. A
+process of its own, so that stopping a screen is a kill that takes effect at once, and so that the
+daemon never imports torch.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any, Mapping, Optional, Sequence
 from screener.atomicfile import write_atomic
 from screener.agent import burnin
 from screener.errors import ScreenerError
-from screener.known_answer import screen as kat
-from screener.known_answer.quorum import FleetView
+from screener.known_answer.engine import screen as kat
+from screener.known_answer.verdict.quorum import FleetView
 from screener.lifecycle.machine import KIND_FULL
 from screener.types import Outcome
 
@@ -77,7 +77,7 @@ def _burnin_stages(opts: Mapping[str, Any], faults: Any) -> dict[str, Any]:
 
 
 def _fleet(opts: Mapping[str, Any]) -> Optional[FleetView]:
-    """The fleet view the daemon passed (screener.known_answer.quorum), or None without one."""
+    """The fleet view the daemon passed (screener.known_answer.verdict.quorum), or None without one."""
     raw = opts.get("fleet")
     return FleetView.from_dict(raw) if isinstance(raw, Mapping) else None
 

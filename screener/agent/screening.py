@@ -10,9 +10,9 @@ An idle-time screen must never compete with a job for the GPUs, so the daemon op
 3. removes the taint, always: after a pass, a failure, an exception in the runner, a shutdown. At
    start-up the daemon also removes a screening taint a previous run left (`clear_stale`).
 
-The production runner (`KatProcessRunner`) runs screener.known_answer.screen.run_screen (a quick
-screen) or the device stages of a full burn-in (screener.agent.burnin: the known-answer rounds for
-the configured duration, the HBM test, the intra-node collective) in a worker process of its own
+The production runner (`KatProcessRunner`) runs screener.known_answer.engine.screen.run_screen (a
+quick screen) or the device stages of a full burn-in (screener.agent.burnin: the known-answer rounds
+for the configured duration, the HBM test, the intra-node collective) in a worker process of its own
 (`python -m screener.agent.screening worker`, whose code is screener.agent.screen_worker), so
 stopping it is a kill that takes effect at once, and the daemon itself never imports torch. Test
 runners are plain functions of a ScreenRequest.
@@ -47,7 +47,7 @@ from screener import boundedjson
 # The worker process's code (first_is_final is imported from here by callers).
 from screener.agent.screen_worker import first_is_final  # noqa: F401
 from screener.health import host
-from screener.known_answer import node_memory
+from screener.known_answer.verdict import node_memory
 from screener.lifecycle.events import KIND_FULL, KIND_QUICK
 from screener.types import ExitCode, Outcome, ScreenStop, Verdict
 
@@ -76,8 +76,9 @@ class ScreenRequest:
 @dataclass(frozen=True)
 class ScreenOutcome:
     """What became of one idle-time screening window, as the daemon records it: the known-answer
-    screen's result as its worker reported it (screener.known_answer.screen_result.ScreenResult,
-    through to_dict), or why the window stopped without one, with its timing and the taint.
+    screen's result as its worker reported it
+    (screener.known_answer.verdict.screen_result.ScreenResult, through to_dict), or why the window
+    stopped without one, with its timing and the taint.
 
     outcome/verdicts/exit_code: the known-answer screen's (inconclusive with no verdicts when it
     was stopped). stopped: a ScreenStop (why it was stopped), or "" when it ran to the end. digests: device -> job -> result digest, for publishing and cross-checks.
@@ -109,7 +110,7 @@ class ScreenOutcome:
 
     @classmethod
     def from_screen_dict(cls, d: Mapping[str, Any]) -> "ScreenOutcome":
-        """From screener.known_answer.screen.ScreenResult.to_dict()."""
+        """From screener.known_answer.engine.screen.ScreenResult.to_dict()."""
         return cls(outcome=Outcome(d["outcome"]),
                    verdicts=tuple(Verdict.from_dict(v) for v in d.get("verdicts") or ()),
                    exit_code=ExitCode(int(d["exit_code"])),
@@ -304,7 +305,7 @@ def _with(o: ScreenOutcome, **changes: Any) -> ScreenOutcome:
     return replace(o, **changes)
 
 
-# --- the production runner: screener.known_answer.screen in a worker process ------------------------------------
+# --- the production runner: screener.known_answer.engine.screen in a worker process ------------------------------------
 
 SCREEN_ID_ENV = "SCREENER_SCREEN_ID"  # tags every process of one screen (see reap_stale_screens)
 WORKER_RECORD = "worker.json"
@@ -313,7 +314,7 @@ KNOWN_DIGESTS = "known-digests.json"  # in work_dir: what this node's earlier sc
 
 @dataclass(frozen=True)
 class KatOptions:
-    """What the worker passes to screener.known_answer.screen.run_screen, and to the burn-in stages for a full one.
+    """What the worker passes to screener.known_answer.engine.screen.run_screen, and to the burn-in stages for a full one.
 
     burnin_seconds / burnin_min_iterations: how long and how often the known-answer jobs repeat in
     a full burn-in; hbm_fraction / hbm_max_bytes: the HBM pattern test's size.
@@ -428,8 +429,8 @@ class KatProcessRunner:
 
     def _remember(self, screen: Mapping[str, Any]) -> None:
         """Keep the digests of the devices that reproduced themselves with nothing against the
-        job (screener.known_answer.node_memory.remember): when a later screen finds a device's
-        repeats disagreeing with no golden or majority, these show the job deterministic on
+        job (screener.known_answer.verdict.node_memory.remember): when a later screen finds a
+        device's repeats disagreeing with no golden or majority, these show the job deterministic on
         the platform, and the device (not the job) is suspect. A different result never
         replaces a kept one: the conflict is logged (and the screen's verdict says it).
         Written atomically; best effort."""

@@ -31,7 +31,7 @@ from screener.agent.screening import KIND_FULL, KIND_QUICK, ScreeningWindow, Scr
 from screener.errors import BadInputError, ScreenerError
 from screener.health.idle import IdleTracker
 from screener.health.probes import ProbeReport
-from screener.known_answer.crosscheck import platform_digests
+from screener.known_answer.verdict.crosscheck import platform_digests
 from screener.lifecycle import machine
 from screener.settings.daemon import DaemonConfig
 from screener.types import ANNOTATION_DIGESTS, ExitCode, NodeState, Outcome, ScreenStop

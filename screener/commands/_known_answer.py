@@ -27,7 +27,7 @@ INJECT_HELP = ("Inject a fault in a device's child, to prove the screen catches 
 
 def parse_faults(specs: Sequence[str], devices: Sequence[str]) -> dict[str, list[Any]]:
     """--inject specs as device -> faults (a spec without a device applies to every device)."""
-    from screener.known_answer.fault_spec import parse_fault
+    from screener.known_answer.engine.fault_spec import parse_fault
 
     out: dict[str, list[Any]] = {}
     for text in specs:
@@ -42,7 +42,7 @@ def unfired_warnings(result: Any, given: Sequence[str] = ()) -> list[str]:
     asked for it was written (`given`): a field left at its default (step=0 of an op fault) was
     never given, and naming it sends the reader after a setting that is not there. A fault no
     given text matches (a drill's) shows its non-default fields."""
-    from screener.known_answer.fault_spec import DeviceFault, parse_fault
+    from screener.known_answer.engine.fault_spec import DeviceFault, parse_fault
 
     if result is None:
         return []

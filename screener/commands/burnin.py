@@ -108,7 +108,7 @@ def burnin_cmd(app: AppContext, devices: tuple[str, ...], jobs: tuple[str, ...],
     prog.announce("loading torch and the job specs")
     try:
         from screener.agent.burnin import DEFAULT_ITERATIONS, run_burnin
-        from screener.known_answer.screen import resolve_devices, resolve_jobs
+        from screener.known_answer.engine.screen import resolve_devices, resolve_jobs
 
         # The quick screen's jobs for --quick (the committed goldens cover them on every x86-64
         # path), every job for a burn-in.

@@ -1,8 +1,9 @@
 """`screener kat` and `screener golden`: known-answer screening from the shell.
 
-Thin wrappers: parse options, call screener.known_answer.screen / screener.known_answer.golden,
-print a table (or JSON with --json) on stdout, logs and progress on stderr, and exit with the
-contract's code. `screener burnin` is screener.commands.burnin.
+Thin wrappers: parse options, call screener.known_answer.engine.screen /
+screener.known_answer.engine.golden, print a table (or JSON with --json) on stdout, logs and
+progress on stderr, and exit with the contract's code. `screener burnin` is
+screener.commands.burnin.
 """
 
 from __future__ import annotations
@@ -94,8 +95,8 @@ def kat_run(jobs: tuple[str, ...], devices: tuple[str, ...], golden_dir: Optiona
     """
     shown = _shown(as_json, "kat run")
     try:
-        from screener.known_answer.screen import resolve_devices, resolve_jobs, run_screen
-        from screener.known_answer.text import format_verdicts
+        from screener.known_answer.engine.screen import resolve_devices, resolve_jobs, run_screen
+        from screener.known_answer.engine.text import format_verdicts
 
         specs = resolve_jobs(list(jobs), jobs_dir)
         devs = resolve_devices(list(devices))
@@ -138,9 +139,9 @@ def kat_list(jobs_dir: Optional[str], golden_dir: Optional[str], as_json: bool) 
     """List the job specs: name, kind, version, quick-screen membership, spec hash, and whether
     a golden record exists for this machine's CPU platform."""
     from screener.errors import GoldenError
-    from screener.known_answer.golden import default_golden_dir, golden_path, job_records
-    from screener.known_answer.screen import local_platform
-    from screener.known_answer.workloads import describe, load_jobs
+    from screener.known_answer.engine.golden import default_golden_dir, golden_path, job_records
+    from screener.known_answer.engine.screen import local_platform
+    from screener.known_answer.engine.workloads import describe, load_jobs
 
     specs = load_jobs(jobs_dir)
     phash = local_platform("cpu").numeric_hash
@@ -214,9 +215,9 @@ def kat_coverage(script: str, device: str, jobs: tuple[str, ...], quick: bool,
     Exit: 0 measured; 2 bad input (no such script, a script that raises or exits non-zero, one
     that runs no op: one line naming the file, the line and the exception); 1 the census failed.
     """
-    from screener.known_answer.census import check_script, jobs_census, script_census
-    from screener.known_answer.coverage import compare, report_lines
-    from screener.known_answer.screen import resolve_devices, resolve_jobs
+    from screener.known_answer.engine.census import check_script, jobs_census, script_census
+    from screener.known_answer.verdict.coverage import compare, report_lines
+    from screener.known_answer.engine.screen import resolve_devices, resolve_jobs
 
     check_script(script)  # before anything is said about running it
     if jobs and quick:
@@ -278,7 +279,8 @@ def golden_record(jobs: tuple[str, ...], devices: tuple[str, ...], out: Optional
     """
     shown = _shown(as_json, "golden record")
     try:
-        from screener.known_answer.screen import record_goldens, resolve_devices, resolve_jobs
+        from screener.known_answer.engine.screen import (record_goldens, resolve_devices,
+                                                         resolve_jobs)
 
         specs = resolve_jobs(list(jobs), jobs_dir, quick_only=False)
         devs = resolve_devices(list(devices))
@@ -320,8 +322,8 @@ def golden_verify(golden_dir: Optional[str], golden_dir_opt: Optional[str],
 
     Exit 0 when all are valid, 2 (one line per problem on stderr) otherwise.
     """
-    from screener.known_answer.golden import default_golden_dir, load_dir, spec_problem
-    from screener.known_answer.workloads import load_jobs
+    from screener.known_answer.engine.golden import default_golden_dir, load_dir, spec_problem
+    from screener.known_answer.engine.workloads import load_jobs
 
     golden_dir = _one_golden_dir(golden_dir, golden_dir_opt)
     d = Path(golden_dir) if golden_dir else default_golden_dir()
@@ -368,9 +370,9 @@ def golden_list(golden_dir: Optional[str], as_json: bool, fleet: bool,
     platform of this machine. With --fleet, also the goldens the fleet promoted from a quorum
     (source 'quorum': which nodes agreed, who promoted it, when, with which screener). Broken
     files are listed as problems (exit 2); a broken promoted record is listed as a problem too."""
-    from screener.known_answer.golden import GoldenError, default_golden_dir, load_dir, parse
-    from screener.known_answer.promotion import describe, store_path
-    from screener.known_answer.screen import local_platform, resolve_devices
+    from screener.known_answer.engine.golden import GoldenError, default_golden_dir, load_dir, parse
+    from screener.known_answer.engine.promotion import describe, store_path
+    from screener.known_answer.engine.screen import local_platform, resolve_devices
 
     d = Path(golden_dir) if golden_dir else default_golden_dir()
     records, errors = load_dir(d) if d.is_dir() else ([], [])

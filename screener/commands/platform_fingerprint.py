@@ -31,7 +31,7 @@ def platform_cmd(device: str, as_json: bool) -> None:
     cuBLAS, cuDNN; CPU: torch build, dispatch level, MKL and oneDNN code paths, thread count),
     so devices that share it must compute the same bits and share golden records.
     """
-    from screener.known_answer.screen import local_platform
+    from screener.known_answer.engine.screen import local_platform
 
     p = local_platform(device)
     d = p.to_dict()

@@ -89,7 +89,7 @@ def _probe(result: PreflightResult, expected_gpus: Optional[int], app: AppContex
 def _screen(result: PreflightResult, devices: tuple[str, ...], golden_dir: Optional[str],
             jobs_dir: Optional[str], repeat: int, time_cap: float) -> None:
     """The known-answer subset, judged against the goldens as `screener kat run` judges."""
-    from screener.known_answer.screen import resolve_devices, run_screen
+    from screener.known_answer.engine.screen import resolve_devices, run_screen
 
     t0 = time.monotonic()
     screen = run_screen(list(result.jobs), resolve_devices(list(devices)), golden_dir=golden_dir,

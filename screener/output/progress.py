@@ -204,7 +204,7 @@ class Progress:
 
 
 class JobEvents:
-    """Feeds a Progress from the child events of screener.known_answer.screen.execute (its `progress=` callback):
+    """Feeds a Progress from the child events of screener.known_answer.engine.screen.execute (its `progress=` callback):
     a step per finished job run, a note per timeout or error. `stage` names the stage it opens
     at once; None counts within the stage under way (a burn-in's known-answer stage), giving it
     `total`."""

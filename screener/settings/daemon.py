@@ -139,8 +139,8 @@ class DaemonConfig:
     publish_digests: after a passing screen, publish its known-answer digests on the Node (kube)
         so burn-in of other nodes of the same platform can cross-check them.
     quorum_nodes: where a platform has no golden, how many other nodes of it must have reproduced
-        the same result before it is the reference (screener.known_answer.quorum: a node that
-        agrees passes, one that differs is suspect, the result is promoted to the platform's
+        the same result before it is the reference (screener.known_answer.verdict.quorum: a node
+        that agrees passes, one that differs is suspect, the result is promoted to the platform's
         golden); 0 turns the fleet quorum off (no golden: inconclusive, as before).
     burnin_duration_s, burnin_min_iterations: a full burn-in (the only way a burnin node becomes
         healthy) keeps every job running this long, and at least this many times on every device.

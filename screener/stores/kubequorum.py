@@ -1,6 +1,7 @@
 """The fleet quorum on Kubernetes: each node's candidates on its Node, promoted goldens in ConfigMaps.
 
-What a platform without a golden is judged by (screener.known_answer.quorum) lives in two places:
+What a platform without a golden is judged by (screener.known_answer.verdict.quorum) lives in two
+places:
 
 - a node's candidates, the results its devices reproduced, in the annotation
   `screener.io/kat-candidates` on its own Node ({platform hash: {job: {"digest", "spec_hash"}}}):

@@ -68,8 +68,8 @@ CREATE TABLE IF NOT EXISTS verdicts (
     verdict TEXT NOT NULL
 );
 """
-# The fleet quorum's tables (screener.known_answer.quorum), added to a store of schema 1 when it
-# is opened for writing: a screener that predates them neither needs nor sees them, so the
+# The fleet quorum's tables (screener.known_answer.verdict.quorum), added to a store of schema 1
+# when it is opened for writing: a screener that predates them neither needs nor sees them, so the
 # schema version stays. candidates: the results each node's devices reproduced; promoted: the
 # goldens promoted from a quorum, add-only (the primary key keeps the first record).
 _FLEET_SCHEMA = """
@@ -459,7 +459,8 @@ class LocalStore:
                                 f"is not a JSON object ({str(e)[:200]})") from None
         return verdict
 
-    # --- the fleet quorum (screener.known_answer.quorum) -------------------------------------
+    # --- the fleet quorum (screener.known_answer.verdict.quorum)
+    # -------------------------------------
 
     def publish_candidates(self, node: str,
                            candidates: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> None:

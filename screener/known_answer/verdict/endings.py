@@ -2,7 +2,7 @@
 (pure).
 
 A crash or a device error is suspect. A job that raised (an IndexError from an index tensor the
-device computed wrong) was run again by the child before any verdict (screener.known_answer.child
+device computed wrong) was run again by the child before any verdict (screener.known_answer.engine.child
 RERUNS_AFTER_RAISE); it is a crash of the device (suspect) when something shows the job completes
 (another run on the device, a peer, its golden, earlier screens), and inconclusive when nothing
 does (a device that corrupts an index in every run and a bug of ours look the same there; a
@@ -18,10 +18,10 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional, Sequence
 
 from screener.errors import BadInputError, ScreenerError
-from screener.known_answer.quorum import FleetView
-from screener.known_answer.reference import Known, NamedJob, known_digest
-from screener.known_answer.runs import DeviceRun
-from screener.known_answer.screen_result import Issue
+from screener.known_answer.verdict.quorum import FleetView
+from screener.known_answer.verdict.reference import Known, NamedJob, known_digest
+from screener.known_answer.verdict.runs import DeviceRun
+from screener.known_answer.verdict.screen_result import Issue
 from screener.types import KatReason, Outcome, RunStatus
 
 HANG_FACTOR = 10.0  # a timeout this many times the golden's recorded job time is a hang

@@ -1,6 +1,6 @@
 """Golden writing: turn agreeing runs into golden records, refusing when the runs disagree.
 
-`write_goldens` is the deciding half of `screener golden record` (screener.known_answer.screen.
+`write_goldens` is the deciding half of `screener golden record` (screener.known_answer.engine.screen.
 record_goldens runs the children): nothing is written unless every run on every device of a
 platform agrees bit for bit; results equal to another platform's golden are added to that
 record instead of copied; a valid golden with other results is replaced only when forced.
@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
 from screener.errors import GoldenError
-from screener.known_answer import golden as _golden
-from screener.known_answer.judgment import ScreenResult, judge
-from screener.known_answer.results import JobResult, where
-from screener.known_answer.runs import DeviceRun
-from screener.known_answer.text import format_verdicts
-from screener.known_answer.specs import JobSpec
+from screener.known_answer.engine import golden as _golden
+from screener.known_answer.verdict.judgment import ScreenResult, judge
+from screener.known_answer.verdict.results import JobResult, where
+from screener.known_answer.verdict.runs import DeviceRun
+from screener.known_answer.engine.text import format_verdicts
+from screener.known_answer.engine.specs import JobSpec
 from screener.types import ExitCode, Outcome
 
 

@@ -13,7 +13,7 @@ timing it means a clock (on CUDA a device synchronisation) around every call fro
 costs more than the small ops it would time and changes what it measures. The profiler's own cost
 (a few microseconds per op) lands on every op alike; the shares are of what it measured.
 
-What a census counts (screener.known_answer.coverage.Census): on the CPU, every `aten::` op with its
+What a census counts (screener.known_answer.verdict.coverage.Census): on the CPU, every `aten::` op with its
 summed self CPU time and its number of calls (the profiler's other events, autograd nodes and
 `Optimizer.step#...` ranges, are wrappers around aten ops and carry only their overhead); on CUDA,
 every event the GPU ran (kernels, memcpy and memset) with its device time, by name.
@@ -34,12 +34,12 @@ and exit 2 (BadInputError), naming the file, the script's line and the exception
 ran no op.
 
 **The jobs' census.** One child runs every job the device runs (the specs given, by default the
-quick screen, as `kat run` runs it) through screener.known_answer.workloads.run_job, the runner a
+quick screen, as `kat run` runs it) through screener.known_answer.engine.workloads.run_job, the runner a
 screen's child uses, each job under its own profiler session, so the report can say which job
 runs an op. A job that fails there is ours to fix (ScreenerError, exit 1), never a verdict: a
 census judges no hardware.
 
-Child protocol: `python -m screener.known_answer.census script|jobs OUT`, the request as JSON on
+Child protocol: `python -m screener.known_answer.engine.census script|jobs OUT`, the request as JSON on
 stdin; the child writes {"census": ...} or {"jobs": {job: census}} to OUT, or {"error": ...,
 "whose": "script"|"ours"}; its stdout and stderr are the script's and torch's logs.
 """
@@ -59,12 +59,12 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from screener.atomicfile import write_atomic
 from screener.errors import BadInputError, ScreenerError
-from screener.known_answer.coverage import (KIND_ATEN, KIND_KERNEL, Census, OpStat,
+from screener.known_answer.verdict.coverage import (KIND_ATEN, KIND_KERNEL, Census, OpStat,
                                             least_disturbed)
-from screener.known_answer.protocol import DEFAULT_THREADS
-from screener.known_answer.specs import JobSpec
+from screener.known_answer.engine.protocol import DEFAULT_THREADS
+from screener.known_answer.engine.specs import JobSpec
 
-CENSUS_MODULE = "screener.known_answer.census"  # run as `python -m CENSUS_MODULE MODE OUT`
+CENSUS_MODULE = "screener.known_answer.engine.census"  # run as `python -m CENSUS_MODULE MODE OUT`
 DEVICE_ENV = "SCREENER_DEVICE"  # the device the script is asked to run its step on
 # A script that wraps its step in torch.profiler.record_function(STEP_MARK) has only what runs
 # inside counted: its model's set-up (parameter initialisation: aten::uniform_, normal_) is not
@@ -196,7 +196,7 @@ def _run_script(request: Mapping[str, Any]) -> dict[str, Any]:
 
 def _run_jobs(request: Mapping[str, Any]) -> dict[str, Any]:
     """One census per job, each job run once through the screen's runner."""
-    from screener.known_answer.workloads import run_job  # imports torch
+    from screener.known_answer.engine.workloads import run_job  # imports torch
 
     device = str(request["device"])
     threads = int(request.get("threads", DEFAULT_THREADS))

@@ -1,7 +1,7 @@
 """Process supervision of a screen: one child process per device, watched for progress.
 
-`execute` starts a screener.known_answer.child per device, all at once, feeds each its request,
-reads their events (screener.known_answer.protocol) into DeviceRuns and decides how each ended.
+`execute` starts a screener.known_answer.engine.child per device, all at once, feeds each its request,
+reads their events (screener.known_answer.engine.protocol) into DeviceRuns and decides how each ended.
 How a child ends decides what it says about the device:
 - CRASH: it died of a signal other than SIGKILL, or exited without finishing;
 - KILLED: SIGKILL (or exit 137) from someone else, above all the kernel's OOM killer (the
@@ -9,7 +9,7 @@ How a child ends decides what it says about the device:
 - TIMEOUT: no event within the timeout (killed here, with its whole process group);
 - DEVICE_ERROR / BAD_INPUT / SCREENER_ERROR / JOB_ERROR: the child's own error event said whose
   fault (JOB_ERROR: a job raised, and only the judgment can tell the device's from ours).
-What each means for the verdict is screener.known_answer.judgment's business.
+What each means for the verdict is screener.known_answer.verdict.judgment's business.
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ import time
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from screener.errors import BadInputError
-from screener.known_answer import protocol
-from screener.known_answer.fault_spec import DeviceFault
-from screener.known_answer.memory import oom_kills
-from screener.known_answer.protocol import ErrorKind, Event
-from screener.known_answer.results import JobResult
-from screener.known_answer.runs import DeviceRun
-from screener.known_answer.specs import JobSpec
+from screener.known_answer.engine import protocol
+from screener.known_answer.engine.fault_spec import DeviceFault
+from screener.known_answer.engine.memory import oom_kills
+from screener.known_answer.engine.protocol import ErrorKind, Event
+from screener.known_answer.verdict.results import JobResult
+from screener.known_answer.verdict.runs import DeviceRun
+from screener.known_answer.engine.specs import JobSpec
 from screener.types import RunStatus
 
 log = logging.getLogger("screener.kat")

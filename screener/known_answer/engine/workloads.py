@@ -7,7 +7,7 @@ has a loss) and the fingerprints of every tensor the step produced. Kinds:
   or on, float16, bfloat16), fingerprinting every product. On CUDA the size is derived from the
   SM count so every SM gets several output tiles; on CPU the shapes are fixed in the spec.
 - conv: a chain of 3x3 convolutions (cuDNN on CUDA), fingerprinting every output.
-- train: several AdamW steps of the tiny transformer of screener.known_answer.synthetic, in
+- train: several AdamW steps of the tiny transformer of screener.known_answer.engine.synthetic, in
   float32 or under bf16/fp16 autocast; per step the loss bits, each parameter's gradient
   fingerprint and each weight fingerprint after the update.
 - replay: forward and backward of the micro-batch of (seed, rank, step) on a fresh model, the same
@@ -15,13 +15,13 @@ has a loss) and the fingerprints of every tensor the step produced. Kinds:
 - selftest: exercises the runner itself (sleeps, exits or aborts in the child process); for tests
   of timeout and crash handling, never part of a screen unless named.
 
-All data are generated on the device from integer seeds (screener.known_answer.synthetic),
+All data are generated on the device from integer seeds (screener.known_answer.engine.synthetic),
 nothing is downloaded. torch, and the modules that import it at their top (screener.fingerprint,
 synthetic, screener.determinism), are imported inside the functions that run jobs, so importing
 this module stays cheap.
 
 The spec names (JobSpec, load_jobs, select_jobs, check_fits, ...) live in
-screener.known_answer.specs and are re-exported here for the importers that take them from here.
+screener.known_answer.engine.specs and are re-exported here for the importers that take them from here.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ import time
 from typing import Any, Callable, ContextManager, Mapping, Optional, Sequence
 
 from screener.errors import ConfigError
-from screener.known_answer.results import JobResult, Step
-from screener.known_answer.specs import (JobSpec, check_fits, default_jobs_dir, describe,
+from screener.known_answer.verdict.results import JobResult, Step
+from screener.known_answer.engine.specs import (JobSpec, check_fits, default_jobs_dir, describe,
                                          expected_steps, load_job, load_jobs, select_jobs)
 
 # What this module runs, and the spec names its importers (the CLI, the tests) take from here.
@@ -139,7 +139,7 @@ def _run_gemm(spec: JobSpec, p: Mapping[str, Any], device: str, injector: Any,
     import torch
 
     from screener.fingerprint import fingerprints
-    from screener.known_answer.synthetic import mix_key, uniform
+    from screener.known_answer.engine.synthetic import mix_key, uniform
 
     dtype = _dtype(p["dtype"])
     shapes = gemm_shapes(p, device)
@@ -178,7 +178,7 @@ def _run_gemm_fp8(p: Mapping[str, Any], device: str, shapes: list[tuple[int, int
     import torch
 
     from screener.fingerprint import fingerprints
-    from screener.known_answer.synthetic import mix_key, uniform
+    from screener.known_answer.engine.synthetic import mix_key, uniform
 
     fp8 = torch.float8_e4m3fn
     available = fp8_gemm_available(device)
@@ -218,7 +218,7 @@ def _run_conv(spec: JobSpec, p: Mapping[str, Any], device: str, injector: Any,
     import torch.nn.functional as F
 
     from screener.fingerprint import fingerprints
-    from screener.known_answer.synthetic import mix_key, uniform
+    from screener.known_answer.engine.synthetic import mix_key, uniform
 
     dtype = _dtype(p["dtype"])
     b, c, s, layers = int(p["batch"]), int(p["channels"]), int(p["size"]), int(p["layers"])
@@ -289,7 +289,7 @@ def _run_train(spec: JobSpec, p: Mapping[str, Any], device: str, injector: Any, 
     import torch
 
     from screener.fingerprint import fingerprints
-    from screener.known_answer.synthetic import batch_for, compute_loss, make_model
+    from screener.known_answer.engine.synthetic import batch_for, compute_loss, make_model
 
     model = make_model(int(p["seed"]), **_model_kwargs(p)).to(device)
     opt = _AdamW(list(model.parameters()), lr=float(p["lr"]),
@@ -327,7 +327,7 @@ def _run_train(spec: JobSpec, p: Mapping[str, Any], device: str, injector: Any, 
 def _run_replay(spec: JobSpec, p: Mapping[str, Any], device: str, injector: Any,
                 keep_values: bool) -> tuple[list[Step], dict[str, Any]]:
     from screener.fingerprint import fingerprints
-    from screener.known_answer.synthetic import batch_for, compute_loss, make_model
+    from screener.known_answer.engine.synthetic import batch_for, compute_loss, make_model
 
     model = make_model(int(p["seed"]), **_model_kwargs(p)).to(device)
     names = [n for n, _ in model.named_parameters()]
@@ -372,7 +372,7 @@ def run_job(spec: JobSpec, device: str = "cpu", *, injector: Optional[ContextMan
     """Run one job on one device in this process and return its result.
 
     Calls make_deterministic first (the job's TF32 setting, `threads` CPU threads). `injector`
-    (e.g. a screener.known_answer.faults.FaultInjector) is entered around the computation only;
+    (e.g. a screener.known_answer.engine.faults.FaultInjector) is entered around the computation only;
     `after_step(step, model)` runs after each optimizer step of a train job (to corrupt a
     parameter, say). Process-wide settings are left changed: the runner's child processes exist
     for this job; wrap the call in screener.determinism.preserved() in a shared process.
@@ -391,7 +391,7 @@ def run_job(spec: JobSpec, device: str = "cpu", *, injector: Optional[ContextMan
     elif spec.kind == "replay":
         steps, values = _run_replay(spec, p, device, injector, keep_values)
     elif spec.kind == "llm":
-        from screener.known_answer import llm
+        from screener.known_answer.engine import llm
 
         steps, values = llm.run(p, device, lambda: _fault_ctx(injector),
                                 None if p["autocast"] == "none" else _dtype(p["autocast"]),

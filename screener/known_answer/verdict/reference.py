@@ -1,8 +1,8 @@
 """What the results of a job on one platform are judged against (pure): job groups, references.
 
-The judgment (screener.known_answer.judgment) compares, job by job and platform by platform, the
+The judgment (screener.known_answer.verdict.judgment) compares, job by job and platform by platform, the
 results of a screen's devices: a JobGroup holds one job on the devices of one platform, with the
-platform's golden, what a quorum of other nodes of the platform gave (screener.known_answer.quorum),
+platform's golden, what a quorum of other nodes of the platform gave (screener.known_answer.verdict.quorum),
 the goldens of sibling platforms and what this node's earlier screens gave; its Reference is, in
 this order, the golden, the quorum's answer, a sibling golden one of the runs reproduces, the
 result a strict majority (two or more) of the devices gave in every run, or the earlier screens'.
@@ -18,25 +18,25 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Sequence
 
-from screener.known_answer.quorum import FleetView, Quorum
-from screener.known_answer.results import JobResult
-from screener.known_answer.runs import DeviceRun, JobRuns
+from screener.known_answer.verdict.quorum import FleetView, Quorum
+from screener.known_answer.verdict.results import JobResult
+from screener.known_answer.verdict.runs import DeviceRun, JobRuns
 
 
 class NamedJob(Protocol):
-    """What the judgment needs of a job spec (screener.known_answer.specs.JobSpec): its name."""
+    """What the judgment needs of a job spec (screener.known_answer.engine.specs.JobSpec): its name."""
 
     @property
     def name(self) -> str: ...
 
 
 # (spec, platform_hash) -> GoldenRecord | None; it may carry `siblings(spec, platform) -> list`
-# (screener.known_answer.screen.golden_lookup), the goldens of sibling platforms.
+# (screener.known_answer.engine.screen.golden_lookup), the goldens of sibling platforms.
 GoldenLookup = Callable[[Any, str], Any]
 
 
 # What a node's earlier screens produced: platform hash -> job -> digest (the form a node
-# publishes, screener.known_answer.crosscheck.platform_digests), or with the spec hash it was
+# publishes, screener.known_answer.verdict.crosscheck.platform_digests), or with the spec hash it was
 # produced under: {"digest": ..., "spec_hash": ...} (a changed spec changes the bits).
 Known = Mapping[str, Mapping[str, Any]]
 

@@ -1,8 +1,8 @@
 """The results of a known-answer job: its steps, their digest, and where two results differ.
 
 Plain data and comparisons (no torch, no files), shared by the jobs that produce results
-(screener.known_answer.workloads), the goldens that store them (screener.known_answer.golden)
-and the judgment that compares them (screener.known_answer.judgment, in the pure layer).
+(screener.known_answer.engine.workloads), the goldens that store them (screener.known_answer.engine.golden)
+and the judgment that compares them (screener.known_answer.verdict.judgment, in the pure layer).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 def canonical_json(obj: Any) -> str:
     """The one JSON text of a value that content hashes are taken of: spec hashes, result
-    digests, golden checksums (screener.known_answer.golden) and platform hashes
-    (screener.known_answer.platform). Sorted keys, no spaces, ASCII only, so equal values hash
+    digests, golden checksums (screener.known_answer.engine.golden) and platform hashes
+    (screener.known_answer.engine.platform). Sorted keys, no spaces, ASCII only, so equal values hash
     equal on every machine."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
 

@@ -8,7 +8,7 @@ and a fault there was never seen (issue 33.1): scaled_dot_product_attention's ba
 from a cumsum), a SwiGLU MLP (silu), a z-loss (logsumexp) and a token-frequency weighted
 cross-entropy (scatter_add, gather), gradient clipping (the foreach norm), and the foreach and
 fused AdamW kernels. This job runs them, with the same rules as every job: weights and data from
-the counter-based hash (screener.known_answer.synthetic), deterministic algorithms, one CPU
+the counter-based hash (screener.known_answer.engine.synthetic), deterministic algorithms, one CPU
 thread, and per step the loss bits, every gradient, the clipped norm and every weight
 fingerprinted.
 
@@ -42,8 +42,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from screener.fingerprint import fingerprints
-from screener.known_answer.results import Step
-from screener.known_answer.synthetic import batch_for, mix_key, uniform
+from screener.known_answer.verdict.results import Step
+from screener.known_answer.engine.synthetic import batch_for, mix_key, uniform
 
 BACKENDS = ("math", "flash", "efficient", "cudnn")
 MASKS = ("causal", "full")

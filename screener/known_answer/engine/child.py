@@ -1,6 +1,6 @@
 """The screening child: runs the requested jobs on one device and streams events to its parent.
 
-Run as `python -m screener.known_answer.child child` by screener.known_answer.supervise, one per
+Run as `python -m screener.known_answer.engine.child child` by screener.known_answer.engine.supervise, one per
 device, so that a device that hangs or crashes cannot take the screener down, and so that
 determinism is set before CUDA is first touched. It reads one request (protocol.request) on
 stdin and writes protocol events on stdout. Before a job allocates anything the child compares
@@ -21,11 +21,11 @@ import time
 from typing import Any, Callable, Literal, Mapping, Optional, Sequence
 
 from screener.errors import ScreenerError
-from screener.known_answer import protocol
-from screener.known_answer.fault_spec import DeviceFault
-from screener.known_answer.memory import available_bytes
-from screener.known_answer.protocol import ErrorKind, Event
-from screener.known_answer.specs import JobSpec
+from screener.known_answer.engine import protocol
+from screener.known_answer.engine.fault_spec import DeviceFault
+from screener.known_answer.engine.memory import available_bytes
+from screener.known_answer.engine.protocol import ErrorKind, Event
+from screener.known_answer.engine.specs import JobSpec
 
 
 def emit(event: Mapping[str, Any]) -> None:
@@ -69,7 +69,7 @@ def free_bytes(device: str) -> Optional[float]:
 def _start(device: str, threads: int) -> bool:
     """Set determinism and report the platform; False (after an error event) when it failed."""
     from screener.determinism import make_deterministic  # imports torch: see the docstring
-    from screener.known_answer.platform import signature  # imports torch
+    from screener.known_answer.engine.platform import signature  # imports torch
 
     try:
         make_deterministic(device, threads=threads)
@@ -86,7 +86,7 @@ def _after_step(faults: Sequence[tuple[int, DeviceFault]],
                 fired: list[dict[str, Any]]) -> Optional[Callable[[int, Any], None]]:
     """The train jobs' hook that flips the parameter faults' bits after their optimizer step;
     each flip is recorded in `fired` with its fault's index in the request."""
-    from screener.known_answer.faults import corrupt_parameter  # imports torch
+    from screener.known_answer.engine.faults import corrupt_parameter  # imports torch
 
     if not faults:
         return None
@@ -127,7 +127,7 @@ def _job_kind(e: BaseException) -> ErrorKind:
 
 # Runs of a job after it raised in one, before the child ends: a job that raised once (a
 # corrupted position id) is re-run before any verdict, so that the runs that show it completes
-# on this device happen (the judgment: screener.known_answer.endings).
+# on this device happen (the judgment: screener.known_answer.verdict.endings).
 RERUNS_AFTER_RAISE = 2
 
 _Ran = Literal["ok", "raised", "stop"]
@@ -138,9 +138,9 @@ def _run_one(spec: JobSpec, it: int, device: str, request: Mapping[str, Any],
     """Run one job once and emit its result: "ok"; "raised" when the job raised something a
     corrupted value can cause (the error event says the child goes on); "stop" after any other
     error event (ours, the device's, bad input: the child ends)."""
-    from screener.known_answer.faults import inject  # imports torch
-    from screener.known_answer.specs import check_fits
-    from screener.known_answer.workloads import gemm_shapes, run_job
+    from screener.known_answer.engine.faults import inject  # imports torch
+    from screener.known_answer.engine.specs import check_fits
+    from screener.known_answer.engine.workloads import gemm_shapes, run_job
 
     threads = int(request.get("threads", protocol.DEFAULT_THREADS))
     emit({"event": Event.START, "job": spec.name, "iteration": it})

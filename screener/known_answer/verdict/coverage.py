@@ -1,6 +1,6 @@
 """Which of a training step's ops the known-answer jobs exercise (pure): `screener kat coverage`.
 
-A census (screener.known_answer.census) is, per op, the self time it took and how often it ran:
+A census (screener.known_answer.engine.census) is, per op, the self time it took and how often it ran:
 aten ops on the CPU, kernels on CUDA. This module compares the census of a user's step with the
 censuses of the jobs a device runs:
 

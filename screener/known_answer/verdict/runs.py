@@ -1,7 +1,7 @@
 """What a device's screening child produced: its platform, its results per job, how it ended.
 
-The supervisor (screener.known_answer.supervise) fills a DeviceRun from the child's events; the
-judgment (screener.known_answer.judgment) reads it. Plain data, so the judgment stays pure.
+The supervisor (screener.known_answer.engine.supervise) fills a DeviceRun from the child's events; the
+judgment (screener.known_answer.verdict.judgment) reads it. Plain data, so the judgment stays pure.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
-from screener.known_answer.results import JobResult
+from screener.known_answer.verdict.results import JobResult
 from screener.types import RunStatus
 
 # Distinct results of one job kept per device. A persistently bad unit gives a different wrong

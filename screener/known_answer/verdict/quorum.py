@@ -7,7 +7,7 @@ platform gave, bit for bit, each of which reproduced itself:
 
 - after a screen, a node publishes its candidates: per platform and job, the digest of every
   device that reproduced itself (two or more runs, one result) with nothing found against the
-  job but the missing reference (`candidates_of`: the rule screener.known_answer.node_memory
+  job but the missing reference (`candidates_of`: the rule screener.known_answer.verdict.node_memory
   keeps for the node's own memory, applied to what the node tells the fleet);
 - a later screen of the platform reads the other nodes' candidates (`FleetView`) and finds the
   quorum (`quorum_for`): a digest that at least `need` other nodes (default 3) published for the
@@ -20,10 +20,10 @@ platform gave, bit for bit, each of which reproduced itself:
 - a node whose device matched a quorum promotes its own result (the steps, not only the digest)
   to the platform's golden, with its provenance: the quorum's nodes, the time, the screener
   version (`provenance`). Stored goldens are read back as goldens by every later screen
-  (screener.known_answer.screen), so the quorum is looked up once per platform, not per screen.
+  (screener.known_answer.engine.screen), so the quorum is looked up once per platform, not per screen.
 
-A node's own earlier results (screener.known_answer.node_memory) never override a golden or a
-quorum: the judgment consults them only where neither exists (screener.known_answer.reference).
+A node's own earlier results (screener.known_answer.verdict.node_memory) never override a golden or a
+quorum: the judgment consults them only where neither exists (screener.known_answer.verdict.reference).
 
 Pure: the candidates arrive as plain JSON from the store (the Node annotation
 `screener.io/kat-candidates` on Kubernetes, a table of the shared SQLite store locally).
@@ -90,7 +90,7 @@ class FleetView:
     """What a screen knows of the fleet: the other nodes' candidates and the quorum size.
 
     node: this node (its own candidates never count). promoted: the platforms' promoted goldens
-    as stored (platform hash -> job -> record text), for screener.known_answer.screen to load."""
+    as stored (platform hash -> job -> record text), for screener.known_answer.engine.screen to load."""
 
     node: str
     need: int = DEFAULT_NEED
@@ -157,7 +157,7 @@ def reproduced(screen: Mapping[str, Any]) -> Iterator[tuple[str, str, str, str, 
     """(device, platform hash, job, digest, spec hash) of every result a screen (its JSON form,
     ScreenResult.to_dict() or a burn-in's) shows reproduced: two or more runs, one result, on a
     device that is not suspect, with nothing found against the job but its missing reference.
-    The one rule for what a node may keep of its own results (screener.known_answer.node_memory)
+    The one rule for what a node may keep of its own results (screener.known_answer.verdict.node_memory)
     and tell the fleet (candidates_of)."""
     for v in screen.get("verdicts") or ():
         phash = v.get("platform_hash")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from screener.known_answer.judgment import ScreenResult
+from screener.known_answer.verdict.judgment import ScreenResult
 from screener.types import KatReason, Outcome, Verdict
 
 

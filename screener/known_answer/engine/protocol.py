@@ -1,8 +1,8 @@
 """The parent/child protocol of a screen: the request a child reads and the events it writes.
 
-The parent (screener.known_answer.supervise) starts `python -m screener.known_answer.child` per
+The parent (screener.known_answer.engine.supervise) starts `python -m screener.known_answer.engine.child` per
 device, writes one JSON request (`request`) on its stdin and closes it. The child
-(screener.known_answer.child) writes one line per event on stdout, each PREFIX + JSON, so that
+(screener.known_answer.engine.child) writes one line per event on stdout, each PREFIX + JSON, so that
 whatever else lands on stdout (a library's banner) is not mistaken for an event:
 
 - platform  {platform, platform_hash}: the device's platform signature, once, after start-up;
@@ -28,7 +28,7 @@ from screener.errors import BadInputError
 from screener.types import StrValue
 
 PREFIX = "@@screener "
-CHILD_MODULE = "screener.known_answer.child"  # run as `python -m CHILD_MODULE`
+CHILD_MODULE = "screener.known_answer.engine.child"  # run as `python -m CHILD_MODULE`
 DEFAULT_THREADS = 1  # intra-op threads of a child: results depend on it, so goldens record it
 
 

@@ -1,6 +1,6 @@
 """Goldens promoted from a fleet quorum: reading the stored ones, making new ones.
 
-A screen that judged a job against a quorum of other nodes (screener.known_answer.quorum) and found
+A screen that judged a job against a quorum of other nodes (screener.known_answer.verdict.quorum) and found
 one of this node's devices reproducing it promotes that device's result, with every step, to the
 platform's golden: the record `screener golden record` would write, whose `recorded` field also
 says where it came from (source "quorum", the quorum's nodes, who promoted it, when, which
@@ -10,7 +10,7 @@ that would promote different bits reports the conflict. Every later screen reads
 records back as goldens (`lookup`), so a platform needs its quorum once, and the goldens show the
 step and tensor where a device first differs, which a digest alone cannot.
 
-A stored record is validated as a golden file is (screener.known_answer.golden.parse). One that
+A stored record is validated as a golden file is (screener.known_answer.engine.golden.parse). One that
 is broken is left out with a warning, never a verdict and never a failed screen: the store is
 shared, and one bad write must not stop the fleet's screens (its quorum still decides).
 """
@@ -24,11 +24,11 @@ from typing import Any, Mapping, Optional, Sequence
 
 from screener import __version__
 from screener.errors import GoldenError
-from screener.known_answer import golden as _golden
-from screener.known_answer.quorum import FleetView, Quorum, provenance
-from screener.known_answer.runs import DeviceRun
-from screener.known_answer.screen_result import ScreenResult
-from screener.known_answer.specs import JobSpec
+from screener.known_answer.engine import golden as _golden
+from screener.known_answer.verdict.quorum import FleetView, Quorum, provenance
+from screener.known_answer.verdict.runs import DeviceRun
+from screener.known_answer.verdict.screen_result import ScreenResult
+from screener.known_answer.engine.specs import JobSpec
 from screener.types import Outcome
 
 log = logging.getLogger("screener.kat")

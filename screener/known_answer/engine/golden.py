@@ -39,10 +39,10 @@ from typing import Any, Mapping, Optional, Sequence
 from screener.atomicfile import write_atomic
 from screener import __version__, boundedjson
 from screener.errors import GoldenError
-from screener.known_answer.packagedata import data_dir
-from screener.known_answer.results import (Difference, JobResult, Step, canonical_json,
+from screener.known_answer.engine.packagedata import data_dir
+from screener.known_answer.verdict.results import (Difference, JobResult, Step, canonical_json,
                                           first_difference, steps_digest)
-from screener.known_answer.specs import JobSpec, expected_steps
+from screener.known_answer.engine.specs import JobSpec, expected_steps
 from screener.types import printable_text, shown
 
 SCHEMA = 1
@@ -62,16 +62,16 @@ _LOSS_RE = re.compile(r"^0x(?:[0-9a-f]{4}|[0-9a-f]{8}|[0-9a-f]{16})$")
 # infinity or a NaN). 16-bit patterns could be float16 or bfloat16: only the job says which, and
 # spec_problem refuses them for every kind that exists (none records a 16-bit loss).
 _EXPONENT_MASK = {8: 0x7F800000, 16: 0x7FF0000000000000}
-# The loss width (bits) each kind records, from screener.known_answer.workloads: train and replay
+# The loss width (bits) each kind records, from screener.known_answer.engine.workloads: train and replay
 # take synthetic.compute_loss, a cross-entropy over float32 logits (also under bf16/fp16
-# autocast), llm its own over float32 logits (screener.known_answer.llm), so their loss is
+# autocast), llm its own over float32 logits (screener.known_answer.engine.llm), so their loss is
 # float32; gemm, conv and selftest record no loss (None).
 LOSS_BITS: Mapping[str, Optional[int]] = {"train": 32, "replay": 32, "llm": 32}
 
 
 def default_golden_dir() -> Path:
     """$SCREENER_GOLDEN_DIR, or the records shipped with the package (screener._golden: in a
-    checkout, the repository's golden/ folder; see screener/known_answer/packagedata.py)."""
+    checkout, the repository's golden/ folder; see screener/known_answer/engine/packagedata.py)."""
     env = os.environ.get(GOLDEN_DIR_ENV)
     if env:
         return Path(env)
@@ -353,11 +353,11 @@ def find(golden_dir: str | os.PathLike[str], spec: JobSpec,
 def find_siblings(golden_dir: str | os.PathLike[str], spec: JobSpec,
                   platform: Mapping[str, Any]) -> list[GoldenRecord]:
     """The golden records of `spec` recorded on sibling platforms of `platform` (same kind,
-    torch build and dispatch level or GPU model: screener.known_answer.platform.sibling_key) but not on
+    torch build and dispatch level or GPU model: screener.known_answer.engine.platform.sibling_key) but not on
     `platform` itself: what a device without a golden of its own is compared with."""
     # platform imports torch at its top (1-5 s); golden is read by the CLI and by the parent of
     # a screen, which must stay light, and only a device without a golden gets here.
-    from screener.known_answer.platform import sibling_key
+    from screener.known_answer.engine.platform import sibling_key
 
     key = sibling_key(dict(platform))
     if key is None:

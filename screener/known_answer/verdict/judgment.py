@@ -2,9 +2,9 @@
 
 For each device and job, the results are compared:
 
-(a) with the golden record for the device's platform signature (screener.known_answer.golden);
+(a) with the golden record for the device's platform signature (screener.known_answer.engine.golden);
     without one, with the goldens of sibling platforms (same torch build and dispatch level, or
-    GPU model: screener.known_answer.platform.sibling_key): equal bits pass (the verdict names
+    GPU model: screener.known_answer.engine.platform.sibling_key): equal bits pass (the verdict names
     the golden), different bits are inconclusive with the record command, never suspect;
 (b) with the other devices of the same platform in this run: a device that differs from a
     strict majority is suspect even without a golden;
@@ -16,14 +16,14 @@ run, or what this node's earlier screens gave (`known`). A device that does not 
 reference is suspect, whatever its repeats did among themselves (wrong in every run the same
 way, in some runs, or differently in each): a unit that is wrong again and again is the
 commonest silent data corruption, not a nondeterministic job. A device whose repeats disagree
-is judged by screener.known_answer.self_mismatch: suspect wherever something else shows the
+is judged by screener.known_answer.verdict.self_mismatch: suspect wherever something else shows the
 job deterministic on its platform (a reference, another device of the platform or this node's
 earlier screens that reproduced themselves), whatever its own majority; inconclusive with what
 would settle it where nothing does. No comparison here is "a screener bug" (exit 1): a
 nondeterministic job and a faulty device look the same without evidence, and exit 1 is kept
 for failures of our own code. A device that reproduced itself on another result than the
 node's earlier screens kept, with no golden or majority, is inconclusive (the conflict is said;
-screener.known_answer.node_memory never replaces the kept digest).
+screener.known_answer.verdict.node_memory never replaces the kept digest).
 
 How a child ended counts too, and only evidence about the device makes it suspect: a crash or a
 device error is suspect; a job that raised (an IndexError from an index tensor the device
@@ -40,23 +40,23 @@ value and `observed` the device's, also when the device went wrong in its first 
 
 Pure: no processes, no files. Goldens come through a lookup function; specs are only named.
 This module compares results with their reference and with each other; the reference itself is
-screener.known_answer.reference's, what a child's ending says is screener.known_answer.endings',
-and how issues become verdicts and the screen's outcome is screener.known_answer.screen_result's.
+screener.known_answer.verdict.reference's, what a child's ending says is screener.known_answer.verdict.endings',
+and how issues become verdicts and the screen's outcome is screener.known_answer.verdict.screen_result's.
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Sequence
 
-from screener.known_answer.endings import (HANG_FACTOR, ending_issues,
+from screener.known_answer.verdict.endings import (HANG_FACTOR, ending_issues,
                                            raise_for_failures_of_ours)
-from screener.known_answer.quorum import FleetView
-from screener.known_answer.reference import (GoldenLookup, JobGroup, Known, NamedJob,
+from screener.known_answer.verdict.quorum import FleetView
+from screener.known_answer.verdict.reference import (GoldenLookup, JobGroup, Known, NamedJob,
                                              job_groups, known_digest, lookup_goldens)
-from screener.known_answer.results import Difference, JobResult, first_difference
-from screener.known_answer.runs import DeviceRun
-from screener.known_answer.self_mismatch import self_mismatch_issue
-from screener.known_answer.screen_result import (Issue, ScreenResult, record_command,
+from screener.known_answer.verdict.results import Difference, JobResult, first_difference
+from screener.known_answer.verdict.runs import DeviceRun
+from screener.known_answer.verdict.self_mismatch import self_mismatch_issue
+from screener.known_answer.verdict.screen_result import (Issue, ScreenResult, record_command,
                                                  screen_result, verdict_of)
 from screener.types import KatReason, Outcome, RunStatus
 
@@ -76,7 +76,7 @@ def judge(runs: Mapping[str, DeviceRun], specs: Sequence[NamedJob], golden: Gold
     platform, or `known`: what this node's earlier screens produced) is suspect, whatever its
     repeats did among themselves; one whose repeats disagree with nothing to say the job is
     deterministic on its platform is inconclusive. fleet: the other nodes' results
-    (screener.known_answer.quorum); without a golden, a quorum of them is the reference, and a
+    (screener.known_answer.verdict.quorum); without a golden, a quorum of them is the reference, and a
     platform with none is waiting for one (awaiting_quorum). Raises ScreenerError only when a child
     reported a failure of our own code, and BadInputError when a child was given bad input (a
     missing device).
@@ -162,7 +162,7 @@ def _memory_conflict(g: JobGroup, d: str, golden_dir: Optional[str]) -> Optional
     """A device that reproduced itself on a result other than the one this node's earlier
     screens kept for the platform, with nothing else to say which is right: one of the two
     is wrong (a persistently bad unit then or now), so it is inconclusive and said, and the
-    node's memory is not replaced (screener.known_answer.node_memory)."""
+    node's memory is not replaced (screener.known_answer.verdict.node_memory)."""
     runs = g.results[d]
     if g.known is None or g.reference is not None or not runs.consistent \
             or runs.reference.digest == g.known:

@@ -5,8 +5,8 @@ data corruption, so the verdict never depends on the device's own majority (a un
 wrong in four runs of five is as bad as one wrong in one of five). What decides is whether the
 job is shown deterministic on the device's platform by something other than the device itself:
 
-- a reference (screener.known_answer.reference): the platform's golden, a quorum of other nodes
-  of the platform (screener.known_answer.quorum), a sibling golden a run reproduces, a majority of the platform's devices that each reproduced themselves, or this
+- a reference (screener.known_answer.verdict.reference): the platform's golden, a quorum of other nodes
+  of the platform (screener.known_answer.verdict.quorum), a sibling golden a run reproduces, a majority of the platform's devices that each reproduced themselves, or this
   node's earlier screens reproduced today;
 - another device of the platform in this screen that reproduced itself (two or more runs, one
   result), or another node of the platform that did (its published candidates, even fewer than a
@@ -18,7 +18,7 @@ With any of these the device is suspect (`self_mismatch`, with counts). With non
 faulty device cannot be told from a nondeterministic job: the verdict is inconclusive (exit 3)
 and says what would settle it (a golden recorded on a trusted node, or another device of the
 platform screened). It is never "a screener bug" (exit 1): exit 1 is kept for failures of our
-own code, which a child reports as such (screener.known_answer.child).
+own code, which a child reports as such (screener.known_answer.engine.child).
 
 In every verdict `expected` is the value of what settles it (the reference, or the peer that
 reproduced itself when a run reproduces it), else the result most of the device's runs gave;
@@ -29,10 +29,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from screener.known_answer.reference import JobGroup
-from screener.known_answer.results import JobResult, first_difference
-from screener.known_answer.runs import JobRuns
-from screener.known_answer.screen_result import Issue, record_command
+from screener.known_answer.verdict.reference import JobGroup
+from screener.known_answer.verdict.results import JobResult, first_difference
+from screener.known_answer.verdict.runs import JobRuns
+from screener.known_answer.verdict.screen_result import Issue, record_command
 from screener.types import KatReason, Outcome
 
 

@@ -1,7 +1,7 @@
 """Fault specs for a screening child: what the `--fault` option and the drills ask a device to get.
 
 A DeviceFault is the parent's light description of a fault (no torch: the parent process of a
-screen stays light); the child turns it into a screener.known_answer.faults.FaultSpec, which
+screen stays light); the child turns it into a screener.known_answer.engine.faults.FaultSpec, which
 applies it. `parse_fault` reads the CLI's `key=value,...` form.
 """
 
@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from screener.errors import BadInputError
 
-FAULT_MODES = ("flip", "scale", "nan", "inf", "set")  # = screener.known_answer.faults.MODES
+FAULT_MODES = ("flip", "scale", "nan", "inf", "set")  # = screener.known_answer.engine.faults.MODES
 _INT_KEYS = ("call", "element", "bit", "output", "step", "iteration")
 _FLOAT_KEYS = ("factor", "value")
 _STR_KEYS = ("op", "mode", "parameter", "job")
@@ -45,7 +45,7 @@ class DeviceFault:
     persistent: bool = False
 
     def __post_init__(self) -> None:
-        # Checked here without importing torch (screener.known_answer.faults does), so the parent
+        # Checked here without importing torch (screener.known_answer.engine.faults does), so the parent
         # process of a screen stays light; the child builds the FaultSpec, which checks again.
         if (self.op is None) == (self.parameter is None):
             raise BadInputError("a fault needs exactly one of op= and parameter=")
@@ -58,10 +58,10 @@ class DeviceFault:
             raise BadInputError("fault call, element, bit, output and step must be >= 0")
 
     def fault_spec(self) -> Any:
-        """The op fault as a screener.known_answer.faults.FaultSpec (in the child only)."""
+        """The op fault as a screener.known_answer.engine.faults.FaultSpec (in the child only)."""
         # faults imports torch at its top (about 1 s); only the child, which runs torch anyway,
         # calls this, and the parent and the CLI must not pay for it.
-        from screener.known_answer.faults import FaultSpec
+        from screener.known_answer.engine.faults import FaultSpec
 
         try:
             return FaultSpec(op=str(self.op), call=self.call, element=self.element, bit=self.bit,

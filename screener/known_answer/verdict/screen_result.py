@@ -1,7 +1,7 @@
 """A screen's result (pure): each device's verdict from the issues found against it, and the whole
 screen's outcome and exit code (the worst verdict decides).
 
-The judgment (screener.known_answer.judgment) finds the issues; this module turns them into the
+The judgment (screener.known_answer.verdict.judgment) finds the issues; this module turns them into the
 ScreenResult that `screener kat run --json`, the burn-in report and the daemon's records carry:
 which issue names a device's verdict, the evidence kept with it, and which requested faults fired.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
-from screener.known_answer.results import Difference
-from screener.known_answer.runs import DeviceRun
+from screener.known_answer.verdict.results import Difference
+from screener.known_answer.verdict.runs import DeviceRun
 from screener.types import ExitCode, KatReason, Outcome, RunStatus, Verdict
 
 
@@ -35,7 +35,7 @@ class ScreenResult:
     # device -> {"requested", "fired", "unfired"}: the faults a drill or `--inject` asked for
     faults: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     # platform hash -> job -> golden record text: what this screen promotes from a fleet quorum
-    # (screener.known_answer.promotion), for the daemon to store
+    # (screener.known_answer.engine.promotion), for the daemon to store
     promote: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
 
     @property

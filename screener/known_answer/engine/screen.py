@@ -2,8 +2,8 @@
 
 `run_screen` is the plain function the CLI, the burn-in and the daemon call; `record_goldens`
 is `screener golden record`'s. Each is the same two halves: run a child process per device
-(screener.known_answer.supervise.execute) and decide (screener.known_answer.judgment.judge, or
-screener.known_answer.recording.write_goldens). The other parts of the engine:
+(screener.known_answer.engine.supervise.execute) and decide (screener.known_answer.verdict.judgment.judge, or
+screener.known_answer.engine.recording.write_goldens). The other parts of the engine:
 
 - specs / workloads: the job specs (jobs/*.toml) and the work each describes;
 - fault_spec: the `--fault` option's DeviceFault, for drills and tests;
@@ -30,16 +30,16 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from screener.errors import BadInputError
-from screener.known_answer import golden as _golden
-from screener.known_answer import promotion
-from screener.known_answer.fault_spec import DeviceFault
-from screener.known_answer.judgment import GoldenLookup, Known, ScreenResult, judge
-from screener.known_answer.protocol import DEFAULT_THREADS
-from screener.known_answer.quorum import FleetView
-from screener.known_answer.runs import DeviceRun
-from screener.known_answer.recording import RecordResult, write_goldens
-from screener.known_answer.supervise import DEFAULT_TIMEOUT, Progress, execute
-from screener.known_answer.specs import JobSpec, select_jobs
+from screener.known_answer.engine import golden as _golden
+from screener.known_answer.engine import promotion
+from screener.known_answer.engine.fault_spec import DeviceFault
+from screener.known_answer.verdict.judgment import GoldenLookup, Known, ScreenResult, judge
+from screener.known_answer.engine.protocol import DEFAULT_THREADS
+from screener.known_answer.verdict.quorum import FleetView
+from screener.known_answer.verdict.runs import DeviceRun
+from screener.known_answer.engine.recording import RecordResult, write_goldens
+from screener.known_answer.engine.supervise import DEFAULT_TIMEOUT, Progress, execute
+from screener.known_answer.engine.specs import JobSpec, select_jobs
 
 
 log = logging.getLogger("screener.kat")
@@ -64,7 +64,7 @@ def resolve_jobs(jobs: Optional[Sequence[str | JobSpec]], jobs_dir: Optional[str
 def _local_devices() -> list[str]:
     # platform imports torch at its top (about 1 s): only when asked for "all", so that
     # `screener kat run --device cpu` and the CLI's start-up do not pay for it.
-    from screener.known_answer.platform import local_devices
+    from screener.known_answer.engine.platform import local_devices
 
     return local_devices()
 
@@ -90,7 +90,7 @@ def resolve_devices(devices: Optional[Sequence[str]]) -> list[str]:
 def golden_lookup(golden_dir: Optional[str],
                   promoted: Optional[Mapping[str, Mapping[str, str]]] = None) -> GoldenLookup:
     """The golden records of a folder (default: golden.default_golden_dir()), then the goldens
-    the fleet promoted from a quorum (screener.known_answer.promotion; the folder's come first:
+    the fleet promoted from a quorum (screener.known_answer.engine.promotion; the folder's come first:
     a person's record is never overridden by the fleet's)."""
     d = golden_dir or str(_golden.default_golden_dir())
     cache: dict[tuple[str, str], Any] = {}
@@ -138,7 +138,7 @@ def run_screen(jobs: Optional[Sequence[str | JobSpec]] = None,
     repeat: runs of each job per device (>= 2 adds the self-consistency check); duration: keep
     repeating for that many seconds instead. known: what this node's earlier screens produced
     (platform hash -> job -> digest): where no golden or majority exists it says which of a
-    device's disagreeing repeats is right (screener.known_answer.judgment). fleet: the other
+    device's disagreeing repeats is right (screener.known_answer.verdict.judgment). fleet: the other
     nodes' results and the promoted goldens (see judge_runs). Raises GoldenError
     (bad golden, exit 2) or ScreenerError (exit 1, a failure of ours); a bad device is a
     Verdict, never an exception.
@@ -160,10 +160,10 @@ def run_screen(jobs: Optional[Sequence[str | JobSpec]] = None,
 def judge_runs(runs: Mapping[str, DeviceRun], specs: Sequence[JobSpec], golden_dir: str, *,
                seconds: float, known: Optional[Known] = None,
                fleet: Optional[FleetView] = None) -> ScreenResult:
-    """Judge a screen's runs (screener.known_answer.judgment.judge) against the folder's goldens,
+    """Judge a screen's runs (screener.known_answer.verdict.judgment.judge) against the folder's goldens,
     then the fleet's promoted ones, a quorum of other nodes, and this node's earlier screens;
     with a fleet view, the result carries the goldens this screen promotes
-    (ScreenResult.promote: screener.known_answer.promotion), for the caller to store."""
+    (ScreenResult.promote: screener.known_answer.engine.promotion), for the caller to store."""
     lookup = golden_lookup(golden_dir, fleet.promoted if fleet is not None else None)
     result = judge(runs, specs, lookup, golden_dir=golden_dir, seconds=seconds, known=known,
                    fleet=fleet)
@@ -203,7 +203,7 @@ def local_platform(device: str = "cpu", threads: int = DEFAULT_THREADS) -> Any:
     import torch
 
     from screener.determinism import preserved
-    from screener.known_answer.platform import signature
+    from screener.known_answer.engine.platform import signature
 
     with preserved():
         torch.set_num_threads(threads)

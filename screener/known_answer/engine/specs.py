@@ -1,6 +1,6 @@
 """Job specs (jobs/*.toml): what a known-answer job may say, its hash, loading and choosing them.
 
-A job spec names a workload kind (screener.known_answer.workloads runs them) and its parameters;
+A job spec names a workload kind (screener.known_answer.engine.workloads runs them) and its parameters;
 this module loads and validates specs and computes their canonical hash, which keys golden
 records, so editing a job invalidates its goldens. Each kind has an implementation version that
 enters the spec hash, so a change in the code that changes result bits invalidates goldens just
@@ -31,8 +31,8 @@ except ModuleNotFoundError:  # Python 3.10
 
 from screener import boundedjson
 from screener.errors import BadInputError, ConfigError
-from screener.known_answer.packagedata import data_dir
-from screener.known_answer.results import canonical_json
+from screener.known_answer.engine.packagedata import data_dir
+from screener.known_answer.verdict.results import canonical_json
 
 JOBS_DIR_ENV = "SCREENER_JOBS_DIR"
 # A spec's version is bumped by hand at each edit; the bound keeps it an ordinary number (it
@@ -41,7 +41,7 @@ MAX_SPEC_VERSION = 1_000_000
 SPEC_FIELDS = ("name", "version", "kind", "description", "quick", "params", "cpu", "cuda")
 DTYPES = ("float32", "float16", "bfloat16")
 GEMM_DTYPES = (*DTYPES, "float8_e4m3fn")  # FP8 through torch._scaled_mm (gemm only)
-# scaled_dot_product_attention's backends (screener.known_answer.llm, which imports torch: named
+# scaled_dot_product_attention's backends (screener.known_answer.engine.llm, which imports torch: named
 # here too so a spec is checked without it)
 _SDPA_BACKENDS = ("math", "flash", "efficient", "cudnn")
 
@@ -78,7 +78,7 @@ KINDS: dict[str, tuple[int, dict[str, tuple[Any, Any]]]] = {
 
 def default_jobs_dir() -> Path:
     """$SCREENER_JOBS_DIR, or the specs shipped with the package (screener._jobs: in a checkout,
-    the repository's jobs/ folder; see screener/known_answer/packagedata.py)."""
+    the repository's jobs/ folder; see screener/known_answer/engine/packagedata.py)."""
     env = os.environ.get(JOBS_DIR_ENV)
     if env:
         return Path(env)

@@ -26,7 +26,7 @@ def data_dir(kind: str) -> Path:
     except ModuleNotFoundError:
         # Not installed (a checkout on sys.path, or an editable install made before the mapping):
         # the repository's folder, two levels above this file (screener/known_answer/).
-        return Path(__file__).resolve().parents[2] / kind
+        return Path(__file__).resolve().parents[3] / kind
     if not isinstance(found, Path):
         # A zip import has no folder that a child process or `golden record` could use.
         raise ScreenerError(f"screener's {kind} data is not on the filesystem ({found}); "

@@ -14,7 +14,7 @@ Identity fields (UUID, serial, hostname) and the CPU's name and flags are report
 
 `sibling_key` is the coarser key of platforms whose goldens a device may be compared with when
 it has no golden of its own platform (same kind, torch build and dispatch level, or GPU model):
-equal bits pass, different bits are inconclusive (screener.known_answer.judgment).
+equal bits pass, different bits are inconclusive (screener.known_answer.verdict.judgment).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any, Optional
 import torch
 
 from screener.errors import BadInputError
-from screener.known_answer.results import canonical_json
+from screener.known_answer.verdict.results import canonical_json
 
 # CPU feature flags shown for information (never hashed: torch dispatches on cpu_capability).
 _SHOWN_CPU_FLAGS = re.compile(r"^(fma|f16c|avx|avx2|avx512.*|amx.*|avx_vnni.*|sve.*|asimd.*)$")
