@@ -54,7 +54,7 @@ sys.path.insert(0, str(ROOT))
 from kubeapi import KubeAPI  # noqa: E402
 from screener.lifecycle.apply import apply_event  # noqa: E402
 from screener.lifecycle.records import Transition  # noqa: E402
-from screener.stores import kubeformat as kf  # noqa: E402
+from screener.stores.kube import formats as kf  # noqa: E402
 from screener.types import ANNOTATION_HISTORY, LABEL_STATE, NodeState, Outcome, Verdict  # noqa: E402
 
 BASELINE = "29ec35c"  # the last commit before issue 22's budget
@@ -129,9 +129,9 @@ def baseline_store_class() -> type:
     for name in ("kubeformat", "kube"):
         text = subprocess.run(["git", "show", f"{BASELINE}:screener/stores/{name}.py"], cwd=ROOT,
                               check=True, capture_output=True, text=True).stdout
-        text = text.replace("from screener.stores import kubeformat as kf",
+        text = text.replace("from screener.stores.kube import formats as kf",
                             "import screener_baseline.kubeformat as kf")
-        text = text.replace("from screener.stores.kubeformat import",
+        text = text.replace("from screener.stores.kube.formats import",
                             "from screener_baseline.kubeformat import")
         # stores/base.py is stores/common.py since (issue 26.3).
         text = text.replace("from screener.stores.base import", "from screener.stores.common import")

@@ -34,7 +34,7 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT), str(ROOT / "benchmarks")]
 
 from screener.audit.alarms import write_alarm_file  # noqa: E402
 from screener.lifecycle.records import Transition  # noqa: E402
-from screener.stores import kubeformat as kf  # noqa: E402
+from screener.stores.kube import formats as kf  # noqa: E402
 from screener.alarmfile import AlarmRecord
 from screener.types import ANNOTATION_HISTORY, LABEL_STATE, NodeState, SuspectNode  # noqa: E402
 

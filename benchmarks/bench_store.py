@@ -44,7 +44,7 @@ from screener.lifecycle import machine  # noqa: E402
 from screener.known_answer.verdict.crosscheck import peer_digests  # noqa: E402
 from screener.lifecycle.apply import apply_event
 from screener.lifecycle.records import lemon_counts  # noqa: E402
-from screener.stores import kubeformat as kf  # noqa: E402
+from screener.stores.kube import formats as kf  # noqa: E402
 from screener.lifecycle.records import Transition  # noqa: E402
 from screener.stores.kube import KubeStore  # noqa: E402
 from screener.stores.local import LocalStore  # noqa: E402

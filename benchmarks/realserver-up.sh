@@ -41,7 +41,7 @@ import sys, json, time; sys.path.insert(0, "tests")
 import os; os.environ.setdefault("KUBEBUILDER_ASSETS", "")
 import yaml
 from test_admission_apiserver import _manifests
-from screener.stores import kubeformat as kf
+from screener.stores.kube import formats as kf
 docs = [d for d in yaml.safe_load_all(_manifests(28)) if d]
 lease = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding" and d["metadata"]["name"] == "screener-budget-lease"]
 rest = [d for d in docs if d not in lease]

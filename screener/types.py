@@ -116,7 +116,7 @@ ANNOTATION_HISTORY = "screener.io/history"
 ANNOTATION_DIGESTS = "screener.io/kat-digests"
 # the results a node's devices reproduced, which other nodes of its platform count towards a
 # quorum where the platform has no golden (screener.known_answer.verdict.quorum,
-# stores/kubequorum.py)
+# stores/kube/quorum.py)
 ANNOTATION_CANDIDATES = "screener.io/kat-candidates"
 
 ALARM_DIR_ENV = "SCREENER_ALARM_DIR"

@@ -76,7 +76,7 @@ def store_body(operation: str, name: str, node: str = "n1") -> tuple[Any, Any]:
     daemon (its own history, slot, registration; the record's first count as the lease holder;
     a promoted golden added), built with the store's own format code: what a name-level check
     (does the policy admit this name at all, and in the store's shape?) evaluates."""
-    from screener.stores import kubeformat as kf
+    from screener.stores.kube import formats as kf
 
     ns, t = "screener-system", 1.7e9
     body: Any = {"metadata": {"name": name}, "data": {}}

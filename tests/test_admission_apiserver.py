@@ -24,7 +24,7 @@ from typing import Iterator, Optional
 import pytest
 import yaml
 
-from screener.stores import kubeformat as kf
+from screener.stores.kube import formats as kf
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMESPACE = "screener-system"

@@ -32,9 +32,9 @@ from manifests_util import NODE_CLAIM, SERVICE_ACCOUNT, by_kind, rendered
 from test_store_fleet import at_once
 from screener.lifecycle.apply import apply_event
 from screener.lifecycle.events import KIND_FULL, HumanCommand, KatScreen, NodeSeen, Remediation
-from screener.stores import kubeformat as kf
+from screener.stores.kube import formats as kf
 from screener.stores.kube import KubeStore
-from screener.stores.kubecalls import KubeApiError
+from screener.stores.kube.calls import KubeApiError
 from screener.stores.slots import KubeSlots
 from screener.types import LABEL_STATE, NodeState, Outcome, Verdict
 
@@ -200,7 +200,7 @@ def denials(api: AdmittingAPI) -> list[tuple[str, str, str, list[str]]]:
 
 
 def promote(store: KubeStore, phash: str, job: str, text: str) -> None:
-    """A promoted golden added as the fleet quorum adds it (stores/kubequorum.py: read, add the
+    """A promoted golden added as the fleet quorum adds it (stores/kube/quorum.py: read, add the
     key, write with the resourceVersion; created when missing)."""
     name = f"screener-quorum-{phash}"
     for _ in range(5):
@@ -460,7 +460,7 @@ def test_a_token_without_the_node_claim_writes_no_configmap(cluster):
 def test_events_about_another_node_are_denied(cluster):
     api, a = cluster
     from screener.lifecycle.records import Transition
-    from screener.stores.kubeevents import NodeEvents
+    from screener.stores.kube.events import NodeEvents
 
     t = Transition(node="gpu-b", from_state=S.HEALTHY, to_state=S.SUSPECT, reason="x",
                    actor="screener-daemon", time=1.7e9)

@@ -48,7 +48,7 @@ WORKER = textwrap.dedent("""
                   evidence={"confirmed": True})
     print("ready", flush=True)
     # Import the Kubernetes client while the SQLite rounds run (it takes a CPU-second).
-    threading.Thread(target=__import__, args=("screener.stores.kube",), daemon=True).start()
+    threading.Thread(target=__import__, args=("screener.stores.kube.store",), daemon=True).start()
     for line in sys.stdin:
         msg = json.loads(line)
         if msg["op"] == "quit":

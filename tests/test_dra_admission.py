@@ -10,7 +10,7 @@ import pytest
 
 from dra_policy import admit_rule, device_taint_policy
 from manifests_util import rendered
-from screener.stores.kubedevices import SliceDevice, rule_body
+from screener.stores.kube.devices import SliceDevice, rule_body
 
 NODE = "n1"
 KEY = "screener.io/gpu-suspect"

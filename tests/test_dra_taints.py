@@ -14,7 +14,7 @@ from kubeapi import KubeAPI, validate_published
 from screener.agent.device_taints import cuda_gpus
 from screener.health.snapshot import GpuSnapshot
 from screener.stores.kube import KubeStore
-from screener.stores.kubedevices import (KubeDeviceTaints, SliceDevice, rule_body, rule_name,
+from screener.stores.kube.devices import (KubeDeviceTaints, SliceDevice, rule_body, rule_name,
                                          slice_devices)
 from screener.alarmfile import AlarmRecord
 from screener.types import NodeState, Outcome, SuspectNode, Verdict
@@ -141,7 +141,7 @@ def test_a_rule_under_our_name_for_another_device_is_left_alone(api, tmp_path):
     foreign["metadata"]["name"] = rule_name(NODE, "gpu-1")
     api.device_taint_rules[foreign["metadata"]["name"]] = {
         **foreign, "metadata": {**foreign["metadata"], "uid": "u-x", "resourceVersion": "1"}}
-    from screener.stores.kubecalls import KubeApiError
+    from screener.stores.kube.calls import KubeApiError
 
     with pytest.raises(KubeApiError, match="left alone"):
         taints.create(taints.body(NODE, device, reason="x", gpu_uuid=uuid_of(1)), device)
@@ -312,7 +312,7 @@ def test_every_body_meets_the_published_1_37_schema():
     with KubeAPI() as api:
         store = KubeStore(api.api_client(), sleep=lambda s: None, instance="dra")
         bad = {**body, "spec": {**body["spec"], "taint": {**body["spec"]["taint"], "bogus": 1}}}
-        from screener.stores.kubecalls import KubeApiError
+        from screener.stores.kube.calls import KubeApiError
 
         with pytest.raises(KubeApiError) as e:
             KubeDeviceTaints(store.calls, driver=DRIVER, taint_key=KEY).create(bad, device)

@@ -12,7 +12,7 @@ from screener.audit.checkpoints import marker_path, read_marker, write_marker
 from screener.errors import BadInputError
 from screener.known_answer.verdict.crosscheck import peer_digests
 from screener.output.report import load_burnin_report
-from screener.stores.kubeformat import history_entries, parse_node_history
+from screener.stores.kube.formats import history_entries, parse_node_history
 
 
 def test_strict_refuses_a_duplicate_key_at_any_depth():

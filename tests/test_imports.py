@@ -59,7 +59,7 @@ def _importers(name: str) -> set[str]:
 
 
 @pytest.mark.parametrize("client,allowed", [
-    ("kubernetes", {"screener/stores/kube.py"}),
+    ("kubernetes", {"screener/stores/kube/store.py"}),
     ("boto3", {"screener/remediation/hyperpod.py"}),
     ("botocore", {"screener/remediation/hyperpod.py"}),
     ("pynvml", {"screener/health/nvml.py"}),

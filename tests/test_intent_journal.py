@@ -21,7 +21,7 @@ from screener.lifecycle.apply import apply_event
 from screener.lifecycle.machine import FleetCounts, decide
 from screener.stores.intents import IntentJournal
 from screener.stores.kube import KubeApiError, KubeStore
-from screener.stores import kubeformat as kf
+from screener.stores.kube import formats as kf
 from screener.stores.spool import Spool
 from screener.alarmfile import AlarmRecord
 from screener.types import LABEL_STATE, NodeState, SuspectNode

@@ -480,7 +480,7 @@ def test_the_ladder_bookkeeping_survives_the_kubernetes_history_shrink(tmp_path)
     rung must still be read back (else the reset repeats every episode, past the budget)."""
     from screener.lifecycle.records import Transition
     from screener.remediation.ladder import ladder_evidence, ladder_record
-    from screener.stores.kubeformat import EVIDENCE_BYTES, shrink_evidence
+    from screener.stores.kube.formats import EVIDENCE_BYTES, shrink_evidence
 
     bulk = {"gpus": list(range(8)), "resets": [{"argv": ["nvidia-smi", "-r", "-i", str(i)],
                                                 "output": "GPU %d was successfully reset. " % i * 40}

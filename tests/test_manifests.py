@@ -556,7 +556,7 @@ def _admit_event(spec, event, *, user="system:serviceaccount:screener-system:scr
 def _store_event(node="n1", **changes):
     """The Event the store really posts (NodeEvents.body, not retyped) about `node`."""
     from screener.lifecycle.records import Transition
-    from screener.stores.kubeevents import NodeEvents
+    from screener.stores.kube.events import NodeEvents
     from screener.types import NodeState
 
     t = Transition(node=node, from_state=NodeState.HEALTHY, to_state=NodeState.SUSPECT,

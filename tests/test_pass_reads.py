@@ -26,7 +26,7 @@ from kubeapi import KubeAPI
 from screener.audit.alarms import write_alarm_file
 from screener.lifecycle.apply import apply_event
 from screener.lifecycle.records import Transition
-from screener.stores import kubeformat as kf
+from screener.stores.kube import formats as kf
 from screener.stores.kube import KubeStore
 from screener.alarmfile import AlarmRecord
 from screener.types import LABEL_STATE, NodeState, SuspectNode

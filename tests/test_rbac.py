@@ -155,7 +155,7 @@ def exercise_dra(api: KubeAPI, tmp_path: Path) -> None:
     a passing retest (the node's rules listed, the rule deleted), and a replay of a rule already
     there (409, read back)."""
     from fakes.fake_nvml import h100
-    from screener.stores.kubedevices import KubeDeviceTaints
+    from screener.stores.kube.devices import KubeDeviceTaints
     from screener.types import Verdict
 
     api.add_node(DRA_NODE)

@@ -18,7 +18,7 @@ import pytest
 
 from fakes.race_workers import NAMESPACE, worker
 from kubeapi import KubeAPI
-from screener.stores import kubeformat as kf
+from screener.stores.kube import formats as kf
 from screener.stores.kube import KubeStore
 from screener.stores.slots import KubeSlots
 from screener.types import LABEL_STATE

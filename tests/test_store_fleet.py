@@ -23,7 +23,7 @@ from tcpproxy import TcpProxy
 from screener.lifecycle.apply import apply_event
 from screener.lifecycle.machine import NodeSeen
 from screener.lifecycle.records import Transition
-from screener.stores import kubeformat as kf
+from screener.stores.kube import formats as kf
 from screener.stores.kube import KubeStore, KubeTimeouts, RetryPolicy, TransientKubeError
 from screener.stores.spool import Spool
 from screener.types import CONDITION_TYPE, LABEL_STATE, NodeState, Outcome, Verdict

@@ -21,8 +21,9 @@ from screener.lifecycle.records import StaleTransition, Transition
 from screener.stores.kube import (KubeApiError, KubeStore, NodeNotFound, RetryPolicy,
                                   TransientKubeError)
 from screener.stores.spool import Spool
+from screener.alarmfile import AlarmRecord
 from screener.types import (ANNOTATION_HISTORY, ANNOTATION_VERDICT, CONDITION_TYPE, LABEL_STATE,
-                            AlarmRecord, NodeState, SuspectNode)
+                            NodeState, SuspectNode)
 
 S = NodeState
 NOW = 1_800_000_000.0
@@ -642,7 +643,7 @@ def test_a_count_raises_the_record_by_at_most_the_policys_step_and_a_future_stam
     write: a fleet that grew by more within one count is recorded that far, the rest at the next
     counts (a smaller budget meanwhile, the safe direction). A record counted in the future
     (rewritten, or a clock far off) is counted again at once instead of never growing stale."""
-    from screener.stores import kubeformat as kf
+    from screener.stores.kube import formats as kf
 
     step = kf.RECORD_MAX_RAISE
     with KubeAPI() as server:
@@ -668,7 +669,7 @@ def test_a_count_raises_the_record_by_at_most_the_policys_step_and_a_future_stam
 def test_a_lease_longer_than_any_the_store_takes_holds_nobody_off():
     """A record rewritten with a lease far in the future (admission has no clock to refuse it)
     would stop every honest count for ever; the store counts a stale record anyway."""
-    from screener.stores import kubeformat as kf
+    from screener.stores.kube import formats as kf
 
     with KubeAPI() as server:
         for k in range(3):

@@ -23,7 +23,8 @@ from screener.lifecycle.apply import apply_event
 from screener.lifecycle.records import StaleTransition, Transition
 from screener.stores import open_store
 from screener.stores.local import APPLICATION_ID, SCHEMA_VERSION, LocalStore
-from screener.types import AlarmRecord, NodeState, SuspectNode
+from screener.alarmfile import AlarmRecord
+from screener.types import NodeState, SuspectNode
 
 S = NodeState
 NOW = 1_800_000_000.0

@@ -14,8 +14,8 @@ import pytest
 from kubeapi import KubeAPI
 from screener.lifecycle.machine import NodeSeen, Remediation
 from screener.lifecycle.apply import apply_event, reconsider_held
-from screener.stores import kubebudget as kb
-from screener.stores import kubeformat as kf
+from screener.stores.kube import budget as kb
+from screener.stores.kube import formats as kf
 from screener.lifecycle.records import Transition
 from screener.stores.kube import KubeStore
 from screener.types import ANNOTATION_HISTORY, LABEL_STATE, NodeState, Outcome, Verdict

@@ -112,7 +112,7 @@ def test_the_check_leaves_the_builders_and_the_stores_alone():
                                 "Transition('n', 0, None, S.REPAIR, 'x')\n")
     assert not gateway_breaches("screener/stores/local.py", "self.record(t)\n")
     # A replace that keeps the states (the offline spool's note on the reason) is no new move.
-    assert not gateway_breaches("screener/stores/kube.py",
+    assert not gateway_breaches("screener/stores/kube/store.py",
                                 "import dataclasses\ndataclasses.replace(t, reason='r')\n")
 
 

@@ -2,7 +2,7 @@
 
 Where GPUs are allocated through Dynamic Resource Allocation, one bad GPU need not take its node's
 other GPUs out of service: a DeviceTaintRule with effect NoSchedule keeps new claims off exactly
-that device (screener.stores.kubedevices makes and removes them). This module is the daemon's
+that device (screener.stores.kube.devices makes and removes them). This module is the daemon's
 rule for it, behind the [dra] setting (screener.settings.dra; off by default):
 
 - A GPU found bad gets its rule, once: a known-answer screen's suspect verdict for device cuda:N
@@ -44,7 +44,7 @@ CUDA_PREFIX = "cuda:"
 
 
 class DeviceTaintApi(Protocol):
-    """What the rule needs of the API (screener.stores.kubedevices.KubeDeviceTaints)."""
+    """What the rule needs of the API (screener.stores.kube.devices.KubeDeviceTaints)."""
 
     def devices(self, node: str) -> list[Any]: ...
 

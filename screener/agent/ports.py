@@ -60,7 +60,7 @@ class DaemonPorts:
         boot_id(): the kernel's boot id (host.boot_id), which proves a reboot where it can be read.
     answer: the node-local health answer the daemon publishes into (health_answer.AnswerBoard;
         default: a fresh one), which the command serves on the socket and the HTTP port.
-    device_taints: the node's ResourceSlices and DeviceTaintRules (screener.stores.kubedevices.
+    device_taints: the node's ResourceSlices and DeviceTaintRules (screener.stores.kube.devices.
         KubeDeviceTaints, with the kube store and [dra] enabled), or None: no per-GPU taints.
     """
 

@@ -54,7 +54,7 @@ def build_daemon(app: AppContext, config: Any, *, stop: threading.Event,
                       finish=store.finish_intents,
                       node_created=lambda: _created(store.get_node(node)))
         if config.dra.enabled:  # per-GPU DeviceTaintRules (screener.agent.device_taints)
-            from screener.stores.kubedevices import KubeDeviceTaints
+            from screener.stores.kube.devices import KubeDeviceTaints
 
             kwargs["device_taints"] = KubeDeviceTaints(store.calls, driver=config.dra.driver,
                                                        taint_key=config.dra.taint_key)

@@ -115,7 +115,7 @@ def ladder_evidence(rung: str, *, bulk: Optional[Mapping[str, Any]] = None,
     """A rung's evidence: the bookkeeping the ladder reads back (rung, phase, method, boot
     identity, times) as flat scalars, and the bulk (tool output, DCGM's table) nested under
     "ladder". A Kubernetes history entry is shrunk to 2 KiB by dropping nested values first
-    (stores.kubeformat.shrink_evidence): the scalars survive, so a rung is never forgotten."""
+    (stores.kube.formats.shrink_evidence): the scalars survive, so a rung is never forgotten."""
     flat = {FLAT_PREFIX + k: v for k, v in {"rung": rung, **book}.items() if k in _FLAT_KEYS}
     return {**flat, EVIDENCE_KEY: {"rung": rung, **book, **dict(bulk or {})}}
 

@@ -37,7 +37,7 @@ class KubeTimeouts:
 
     connect_s: to open a connection. read_s: for each read of an answer (a black-holed server
     fails here). call_s: one call with all its retries, total time whatever the server sends (a
-    server dripping its answer cannot stretch it: screener.stores.kubedeadline). unreachable_s:
+    server dripping its answer cannot stretch it: screener.stores.kube.deadline). unreachable_s:
     after a call ran out of time, how long later calls fail at once (0: never). stop_s: after
     SIGTERM, every call (those in flight too) ends within this, so the daemon exits well inside
     the pod's terminationGracePeriodSeconds (60)."""

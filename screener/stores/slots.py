@@ -22,8 +22,8 @@ import sqlite3
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
-from screener.stores import kubeformat as kf
-from screener.stores.kubecalls import ApiCaller
+from screener.stores.kube import formats as kf
+from screener.stores.kube.calls import ApiCaller
 
 LABEL_POOL = "screener.io/slot-pool"
 _POOL_NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,30}[a-z0-9])?")

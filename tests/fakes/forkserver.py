@@ -29,7 +29,7 @@ def _serve() -> None:
     import screener.commands.daemon  # noqa: F401
     import screener.commands.context  # noqa: F401
     import screener.agent.daemon  # noqa: F401
-    import screener.stores.kube  # noqa: F401
+    import screener.stores.kube.store  # noqa: F401
     import screener.health.probes  # noqa: F401
     import screener.health.nvml  # noqa: F401
     import screener.agent.screening  # noqa: F401

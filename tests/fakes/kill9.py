@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 
 from kubeapi import KubeAPI
 from screener.audit.alarms import write_alarm_file
-from screener.stores import kubeformat as kf
+from screener.stores.kube import formats as kf
 from screener.alarmfile import AlarmRecord
 from screener.types import (CONDITION_TYPE, LABEL_STATE, TAINT_STATE_KEY,
                             SuspectNode)

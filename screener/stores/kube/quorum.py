@@ -15,7 +15,7 @@ places:
   an existing key and any delete of these objects), so a node whose result differs from the
   promoted one cannot replace it; it reports the conflict instead.
 
-Every request goes through the store's ApiCaller (timeouts, retries, deadlines: kubecalls.py).
+Every request goes through the store's ApiCaller (timeouts, retries, deadlines: calls.py).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import re
 from typing import Any, Callable, Mapping, Optional
 
 from screener import boundedjson
-from screener.stores.kubecalls import ApiCaller, KubeApiError
-from screener.stores.kubeformat import MANAGED_BY
+from screener.stores.kube.calls import ApiCaller, KubeApiError
+from screener.stores.kube.formats import MANAGED_BY
 from screener.types import ANNOTATION_CANDIDATES
 
 log = logging.getLogger("screener.kube")

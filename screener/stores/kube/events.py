@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 from screener.lifecycle.records import Transition
-from screener.stores.kubecalls import ApiCaller, KubeApiError, missing_namespace
-from screener.stores.kubenode import WARNING_STATES, iso, state_name
+from screener.stores.kube.calls import ApiCaller, KubeApiError, missing_namespace
+from screener.stores.kube.node import WARNING_STATES, iso, state_name
 
 
 class NodeEvents:

@@ -1,11 +1,11 @@
 """KubeStore: node states on the Kubernetes Node objects themselves (the only importer of kubernetes).
 
-What a transition writes (the names: screener.types; where each thing lives: kubeformat.py):
+What a transition writes (the names: screener.types; where each thing lives: formats.py):
   * label `screener.io/state=<state>`, and taint `screener.io/state=<state>:NoSchedule` on every
     state but healthy (replacing our previous taint, keeping everyone else's), with the bounded
     summary annotation `screener.io/history` (the last few transitions), in one patch;
   * the full transition in the node's history ConfigMap in the screener namespace;
-  * the quarantine budget (kubebudget.py): a slot claimed when the node leaves the service
+  * the quarantine budget (budget.py): a slot claimed when the node leaves the service
     (before its node write) and freed when it rejoins; its registration when it is new;
   * condition `GPUHardwareSuspect` (True for suspect/quarantined/repair) through nodes/status;
   * one Event on the Node (Warning for suspect, quarantined and repair), named after the
@@ -20,7 +20,7 @@ API calls made (the RBAC in manifests/): nodes get/list/patch, nodes/status patc
 pods list; configmaps get/list/create/update/delete in the screener namespace. Writes carry the
 resourceVersion that was read, so a concurrent writer makes ours fail with 409 and we read again
 and re-apply: nobody's labels, taints or conditions are lost. Every request has a connect and a
-read timeout and every call a deadline (kubecalls.py); transient errors (5xx, 429, connection
+read timeout and every call a deadline (calls.py); transient errors (5xx, 429, connection
 failures, timeouts) are retried with backoff within it. A transition is one unit: when any of its
 writes still fails (the API out of reach, or conflicts that do not settle), it goes to the spool
 and is replayed in order before anything newer is written; each write re-checks the current
@@ -28,10 +28,10 @@ objects, so a replay completes a partial write (a node patch whose answer was lo
 registration, condition or Event) and never does one twice.
 
 KubeStore is the facade of the Store protocol over its parts, each a module of its own: the API
-client (kubecalls.py: timeouts, retries, 409 read-modify-write), what goes on the Node
-(kubenode.py: label, taints, condition), the node histories and their migration (kubehistory.py),
-the quarantine budget (kubebudget.py), the Events (kubeevents.py) and the writer that makes one
-transition one unit of all of them (kubewrite.py). Here: the spool's order (record, replay), the
+client (calls.py: timeouts, retries, 409 read-modify-write), what goes on the Node
+(node.py: label, taints, condition), the node histories and their migration (history.py),
+the quarantine budget (budget.py), the Events (events.py) and the writer that makes one
+transition one unit of all of them (write.py). Here: the spool's order (record, replay), the
 reads, and the node-level calls the daemon makes besides the protocol.
 """
 
@@ -59,23 +59,23 @@ from kubernetes.client.exceptions import ApiException
 
 from screener.settings.stores import in_pod, kubeconfig_path
 from screener.errors import ConfigError
-from screener.stores import kubeformat as kf
+from screener.stores.kube import formats as kf
 from screener.stores.common import summary_row
-from screener.stores.kubebudget import FLEET_SHARDS, BudgetView, KubeBudget, decided_limit
+from screener.stores.kube.budget import FLEET_SHARDS, BudgetView, KubeBudget, decided_limit
 # Re-exported: the names callers and tests import from here.
-from screener.stores.kubecalls import (MERGE_PATCH, META_ACCEPT, TRANSIENT_STATUS,  # noqa: F401
+from screener.stores.kube.calls import (MERGE_PATCH, META_ACCEPT, TRANSIENT_STATUS,  # noqa: F401
                                        ApiCaller, KubeApiError, KubeTimeouts, NodeNotFound,
                                        RetryPolicy, TransientKubeError)
-from screener.stores.kubeconfig import check_kubeconfig, check_loaded
-from screener.stores.kubeevents import NodeEvents
-from screener.stores.kubeformat import EVIDENCE_BYTES, shrink_evidence  # noqa: F401 (re-exported)
-from screener.stores.kubehistory import NodeHistories
-from screener.stores.kubequorum import KubeQuorum
-from screener.stores.kubenode import (GPU_RESOURCE, WARNING_STATES,  # noqa: F401 (re-exported)
+from screener.stores.kube.config import check_kubeconfig, check_loaded
+from screener.stores.kube.events import NodeEvents
+from screener.stores.kube.formats import EVIDENCE_BYTES, shrink_evidence  # noqa: F401 (re-exported)
+from screener.stores.kube.history import NodeHistories
+from screener.stores.kube.quorum import KubeQuorum
+from screener.stores.kube.node import (GPU_RESOURCE, WARNING_STATES,  # noqa: F401 (re-exported)
                                       annotation, condition_status, gpus_requested, reason_patch,
                                       screening_patch, state_name,
                                       state_of)
-from screener.stores.kubewrite import Superseded, TransitionWriter
+from screener.stores.kube.write import Superseded, TransitionWriter
 from screener.stores.intents import IntentJournal
 from screener.lifecycle.records import (ACTOR_SCREENER, BUDGET_STATES, BudgetConflict,
                                         StaleTransition, Transition, json_safe)
@@ -182,7 +182,7 @@ class KubeStore:
     # --- Store protocol ---------------------------------------------------------------------
 
     def one_pass(self) -> ContextManager[None]:
-        """A daemon pass: each object it needs is read once (kubecalls.ApiCaller.one_pass)."""
+        """A daemon pass: each object it needs is read once (calls.ApiCaller.one_pass)."""
         return self.calls.one_pass()
 
     def get_state(self, node: str) -> Optional[NodeState]:
@@ -216,7 +216,7 @@ class KubeStore:
 
     def _write(self, t: Transition, *, check_from: bool, node_obj: Optional[dict[str, Any]] = None,
                cm: Any = ..., view: Optional[BudgetView] = None) -> None:
-        """One transition, as one unit (kubewrite.py), with the taints this store's mode allows."""
+        """One transition, as one unit (write.py), with the taints this store's mode allows."""
         self.writer.write(t, check_from=check_from, write_taints=self.write_taints,
                           node_obj=node_obj, cm=cm, view=view)
         self.spool.remember(t.node, t.to_state.value)
@@ -444,7 +444,7 @@ class KubeStore:
         self.spool.close()
         self.api.api_client.close()
 
-    # --- the quarantine budget (kubebudget.py) ----------------------------------------------
+    # --- the quarantine budget (budget.py) ----------------------------------------------
 
     def budget_view(self) -> BudgetView:
         """The budget as it stands (fleet, out, counted): one list; counted again when stale."""
@@ -452,7 +452,7 @@ class KubeStore:
 
     def _settle_slots(self, node: str) -> None:
         """After a claim whose node write was refused: the node keeps one slot if its label says
-        it is out (whoever's claim it was), none otherwise (kubebudget.KubeBudget.settle)."""
+        it is out (whoever's claim it was), none otherwise (budget.KubeBudget.settle)."""
         try:
             state = state_of(self.calls.read_node(node))
         except NodeNotFound:
@@ -482,7 +482,7 @@ class KubeStore:
         if self.calls.patch_node(node, {"metadata": {"annotations": dict(values)}}) is None:
             raise KubeApiError(f"node {node}: unexpected conflict setting annotations", 409)
 
-    # --- the fleet quorum (kubequorum.py) ----------------------------------------------------
+    # --- the fleet quorum (quorum.py) ----------------------------------------------------
 
     def publish_candidates(self, node: str,
                            candidates: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> None:
@@ -544,7 +544,7 @@ class KubeTxn:
 
     The budget holds exactly however many decide at once: a transition that takes the node out of
     service automatically is written only after it has claimed a free slot below the limit it was
-    decided under (kubebudget.py); when none is left, BudgetConflict makes apply_event decide
+    decided under (budget.py); when none is left, BudgetConflict makes apply_event decide
     again on fresh counts (the node is then held in suspect, tainted at once).
     """
 

@@ -5,7 +5,7 @@ Every request carries a connect and a read timeout, and every logical call (its 
 ends within `KubeTimeouts.call_s` of total time, whatever the server does: each attempt's timeouts
 are cut to the time the call has left, and a watchdog shuts down the call's sockets at its
 deadline, so a server that drips its answer a byte at a time cannot stretch it (a read timeout
-alone is per recv; kubedeadline.py says why nothing less bounds total time). An API server that
+alone is per recv; deadline.py says why nothing less bounds total time). An API server that
 accepts connections and never answers (black-holed, overloaded, a half-dead load balancer) or
 answers too slowly costs a bounded wait, after which the caller spools what it was writing and the
 daemon's tick goes on. `wind_down(s)` caps every call, those in flight included, to s seconds
@@ -44,7 +44,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import urllib3
 
 from screener.errors import BadInputError, ConfigError, ExternalServiceError
-from screener.stores import kubedeadline
+from screener.stores.kube import deadline as kubedeadline
 # The tables live in settings; re-exported, as they were defined here once.
 from screener.settings.stores import KubeTimeouts, RetryPolicy
 
@@ -87,7 +87,7 @@ class ApiCaller:
         self._guard = threading.Lock()
         self._deadlines = kubedeadline.Owner()
         # The client's connections enlist with the call on their thread, so the watchdog can end
-        # a call at its deadline however the server answers (kubedeadline.py).
+        # a call at its deadline however the server answers (deadline.py).
         client = getattr(getattr(api, "api_client", None), "rest_client", None)
         self.watched = kubedeadline.install(getattr(client, "pool_manager", None))
         self._pass = threading.local()  # the open pass's copies, on the thread that opened it

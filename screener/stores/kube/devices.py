@@ -26,7 +26,7 @@ device with the same key); deleted only with its uid as precondition (so a rule 
 again since is never removed by a stale look).
 
 API calls (the ClusterRole in manifests/): resourceslices list; devicetaintrules create, get,
-list, delete. Every call goes through the store's ApiCaller (kubecalls.py): timeouts, retries of
+list, delete. Every call goes through the store's ApiCaller (calls.py): timeouts, retries of
 transient errors, the call's deadline.
 """
 
@@ -37,8 +37,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Optional
 
-from screener.stores.kubecalls import ApiCaller, KubeApiError, TransientKubeError
-from screener.stores.kubeformat import MANAGED_BY
+from screener.stores.kube.calls import ApiCaller, KubeApiError, TransientKubeError
+from screener.stores.kube.formats import MANAGED_BY
 
 log = logging.getLogger("screener.stores.kube")
 

@@ -1,4 +1,4 @@
-"""What the Kubernetes store keeps where, as plain data: no API calls here (kubecalls.py makes them).
+"""What the Kubernetes store keeps where, as plain data: no API calls here (calls.py makes them).
 
 Node objects are watched by every kubelet, scheduler and controller, so what screener writes on
 them stays small and bounded. A node's full history lives off the Node:
@@ -12,7 +12,7 @@ them stays small and bounded. A node's full history lives off the Node:
     `screener.io/history=true` (so `lemons` lists them, paginated) and, for each GPU serial a
     failure in it blames, `gpu.screener.io/s-<hash>=true` (so the per-GPU lemon rule finds the few
     nodes that saw a serial with one label-selected list, whatever the fleet's size).
-  * The quarantine budget (kubebudget.py), ConfigMaps labelled `screener.io/budget=true`, read
+  * The quarantine budget (budget.py), ConfigMaps labelled `screener.io/budget=true`, read
     with one list: the record `screener-budget` (the fleet's size as last counted, and who is
     counting it now); one claim per node out of service, `screener-budget-slot-<k>`, created
     (atomically: a taken name is 409 AlreadyExists) and deleted on release, so claims do not
@@ -201,7 +201,7 @@ class BudgetRecord:
     whoever is counting it again.
 
     fleet: nodes with a screener state when the record was counted (nodes registered since are in
-    the shards, see kubebudget.py). counted: when that count's list of Node metadata began.
+    the shards, see budget.py). counted: when that count's list of Node metadata began.
     counter, counting_until: the store instance that holds the recount lease, and until when (at
     most one daemon recounts a stale record; the others use it as it is). out: node -> claim, the
     out-of-service set an earlier version kept here (read, counted, and moved into slots by the
@@ -382,7 +382,7 @@ SHARD_LEGACY_KEY = "nodes"  # earlier versions: one JSON object of every registr
 RECORD_MAX_FLEET = 1_000_000
 RECORD_MAX_BYTES = 16 * 1024 * 1024
 # How far one count may raise the record's fleet above the count before it (the admission
-# policy screener-configmaps holds every write to it; kubebudget clamps its count to it, and a
+# policy screener-configmaps holds every write to it; budget.py clamps its count to it, and a
 # fleet that grew more than this within one count reaches its size over the next counts: a
 # smaller budget meanwhile, the safe direction). A record never counted (counted 0) may take
 # any size: its first count.

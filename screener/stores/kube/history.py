@@ -1,7 +1,7 @@
 """A node's history on Kubernetes: its ConfigMap, the summary on the Node, and the migration.
 
 Every transition of a node goes into its history ConfigMap `screener-history-<node>` in the
-screener namespace (the format, and its bounds: kubeformat.py); the Node carries only a summary of
+screener namespace (the format, and its bounds: formats.py); the Node carries only a summary of
 the last few (written with the state label, by the transition writer). Reads merge the two, and
 the spool: a transition waiting there is part of the history already.
 
@@ -19,9 +19,9 @@ import logging
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from screener.lifecycle.records import Transition
-from screener.stores import kubeformat as kf
-from screener.stores.kubecalls import ApiCaller, KubeApiError
-from screener.stores.kubenode import annotation
+from screener.stores.kube import formats as kf
+from screener.stores.kube.calls import ApiCaller, KubeApiError
+from screener.stores.kube.node import annotation
 from screener.stores.spool import Spool
 from screener.types import ANNOTATION_HISTORY, LABEL_STATE
 

@@ -49,9 +49,9 @@ from datetime import datetime
 from typing import Any, Callable, Mapping, Optional
 
 from screener.lifecycle.records import BUDGET_STATES, BudgetConflict, Transition
-from screener.stores import kubeformat as kf
-from screener.stores.kubecalls import ApiCaller, KubeApiError, TransientKubeError
-from screener.stores.kubenode import state_of
+from screener.stores.kube import formats as kf
+from screener.stores.kube.calls import ApiCaller, KubeApiError, TransientKubeError
+from screener.stores.kube.node import state_of
 from screener.types import LABEL_STATE, NodeState
 
 log = logging.getLogger("screener.stores.kube")
@@ -277,7 +277,7 @@ class KubeBudget:
         fleet = len(labelled - visible) + len(in_flight)
         written_fleet = fleet
         if v.record.counted > 0 and fleet > v.record.fleet + kf.RECORD_MAX_RAISE:
-            # The policy admits no larger step; the next counts reach the rest (see kubeformat).
+            # The policy admits no larger step; the next counts reach the rest (see formats.py).
             written_fleet = v.record.fleet + kf.RECORD_MAX_RAISE
             log.warning("quarantine budget: the fleet grew from %d to %d nodes within one count; "
                         "recorded %d, the next counts add the rest", v.record.fleet, fleet,
@@ -583,7 +583,7 @@ class KubeBudget:
         its Node write (KubeTxn.commit; again after it, for a replay). Stamped REGISTER_AHEAD_S
         ahead of now (and never before the record's count): a count that begins while the write
         is in flight leaves it a registration; one that began before it landed reads it and
-        counts the node (kubebudget._count), so no count loses it (issue 36.7)."""
+        counts the node (budget._count), so no count loses it (issue 36.7)."""
         when = max(self.clock() + self.register_ahead_s, v.record.counted)
         index = kf.shard_of(node, self.shards)
         nodes, rv = v.shards.get(index, ({}, None))

@@ -6,7 +6,7 @@ taint `screener.io/screening=true:NoSchedule` during an idle-time screen; the co
 `GPUHardwareSuspect` (True for suspect, quarantined and repair). The names are screener.types'.
 
 Pure: no API calls here. Each patch is computed from the Node object just read, and the ApiCaller
-sends it with that object's resourceVersion (kubecalls.py), so a concurrent writer makes it fail
+sends it with that object's resourceVersion (calls.py), so a concurrent writer makes it fail
 with 409 and it is computed again from the fresh object: nobody's taints or conditions are lost.
 """
 

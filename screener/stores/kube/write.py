@@ -1,9 +1,9 @@
 """Writing one transition to Kubernetes as one unit, so that a replay completes a partial write.
 
 The order: the Node first (state label, state taint and history summary in one patch, with the
-resourceVersion read: kubenode.py), then the rest of the unit: the full entry in the history
-ConfigMap (kubehistory.py), the quarantine budget (registration, slot: kubebudget.py), condition
-`GPUHardwareSuspect` through nodes/status, and the Event (kubeevents.py). Each step re-checks the
+resourceVersion read: node.py), then the rest of the unit: the full entry in the history
+ConfigMap (history.py), the quarantine budget (registration, slot: budget.py), condition
+`GPUHardwareSuspect` through nodes/status, and the Event (events.py). Each step re-checks the
 current objects, so writing a transition again after a partial write completes it and never does
 a step twice; once the Node is written, a failure of the rest is transient (the store spools the
 transition and replays it), never a transition left half-written.
@@ -18,12 +18,12 @@ from typing import Any, Callable, Optional
 
 from screener.errors import ScreenerError
 from screener.lifecycle.records import ACTOR_HUMAN, StaleTransition, Transition
-from screener.stores import kubeformat as kf
-from screener.stores.kubebudget import BudgetView, KubeBudget
-from screener.stores.kubecalls import ApiCaller, KubeApiError, TransientKubeError
-from screener.stores.kubeevents import NodeEvents
-from screener.stores.kubehistory import NodeHistories, entry as history_entry
-from screener.stores.kubenode import annotation, condition_patch, state_name, state_of, state_patch
+from screener.stores.kube import formats as kf
+from screener.stores.kube.budget import BudgetView, KubeBudget
+from screener.stores.kube.calls import ApiCaller, KubeApiError, TransientKubeError
+from screener.stores.kube.events import NodeEvents
+from screener.stores.kube.history import NodeHistories, entry as history_entry
+from screener.stores.kube.node import annotation, condition_patch, state_name, state_of, state_patch
 from screener.types import ANNOTATION_HISTORY, NodeState
 
 
