@@ -54,7 +54,7 @@ RUN groupadd --system --gid 65532 screener \
     && useradd --system --uid 65532 --gid 65532 --no-create-home --home-dir /tmp \
        --shell /usr/sbin/nologin screener \
     && screener --version \
-    && python -c "import screener.agent.daemon, screener.stores.kube, screener.remediation.hyperpod, screener.audit"
+    && python -c "import screener.agent.daemon.loop, screener.stores.kube.store, screener.remediation.hyperpod, screener.audit"
 USER 65532:65532
 WORKDIR /tmp
 

@@ -16,8 +16,8 @@ on it), so both ends read their rules from here and cannot drift apart:
   (screener.atomicfile), so the intake never reads half a file; a dot name is a write in progress.
 
 How the intake opens a file it did not write (no symlinks, no FIFOs, bounded reads) is the
-reader's business and lives with it (screener.agent.intake). Imports only the standard library
-and screener's vocabulary (types, atomicfile): `import screener.audit` stays torch and the
+reader's business and lives with it (screener.agent.daemon.intake). Imports only the standard
+library and screener's vocabulary (types, atomicfile): `import screener.audit` stays torch and the
 standard library.
 """
 
@@ -116,7 +116,7 @@ class AlarmRecord:
     """The JSON content of one alarm file dropped by an in-job check for the DaemonSet.
 
     Written by `screener.audit` (write_alarm_file) into SCREENER_ALARM_DIR on the suspect node;
-    read exactly once by the daemon on that node (screener.agent.intake, through `validate`).
+    read exactly once by the daemon on that node (screener.agent.daemon.intake, through `validate`).
     """
 
     alarm_id: str  # unique; also the file's stem

@@ -337,8 +337,8 @@ def node_name(environ: Optional[Mapping[str, str]] = None) -> str:
 
 
 class ScreenStop(StrValue):
-    """Why an idle-time screening window ended without a verdict (screener.agent.screening): the
-    screen's `stopped`, the verdict annotation's, and the screener_screen_stops_total label. A
+    """Why an idle-time screening window ended without a verdict (screener.agent.screening.window):
+    the screen's `stopped`, the verdict annotation's, and the screener_screen_stops_total label. A
     stopped screen is inconclusive: it says nothing about the hardware."""
 
     YIELDED = "yielded"  # a job landed on the node

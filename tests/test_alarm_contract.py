@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from screener import alarmfile
-from screener.agent.intake import AlarmIntake
+from screener.agent.daemon.intake import AlarmIntake
 from screener.audit.alarms import SDCAlarm
 from screener.types import SuspectNode
 
@@ -72,7 +72,7 @@ def test_the_file_is_the_records_json_and_old_paths_still_work(tmp_path):
     assert path.name == "a1.json"
     assert path.read_bytes() == json.dumps(rec.to_dict(), sort_keys=True).encode()
     assert alarmfile.validate(json.loads(path.read_bytes()), now=1e9) == rec
-    import screener.agent.intake as intake
+    import screener.agent.daemon.intake as intake
     import screener.atomicfile as atomicfile
     import screener.audit.alarms as alarms
     import screener.types as types

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # health answer's listening socket bound under a temporary name and renamed over a killed
 # daemon's (a socket has no content to write: write_atomic cannot make one), and the intent
 # journal setting an unreadable intent aside
-MOVES = {"screener/agent/intake.py", "screener/stores/local.py", "screener/agent/health_answer.py",
+MOVES = {"screener/agent/daemon/intake.py", "screener/stores/local.py", "screener/agent/health_answer.py",
          "screener/stores/intents.py"}
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from screener.agent import burnin
+from screener.agent.burnin import full as burnin
 from screener.errors import BadInputError
 from screener.known_answer.engine import screen as kat
 from screener.types import ExitCode, Outcome

@@ -18,7 +18,7 @@ from typing import Any, Optional
 import pytest
 
 from fakes.daemon import NODE, DaemonRig, ScriptedRunner, outcome
-from screener.agent.screening import ScreenOutcome, ScreenRequest
+from screener.agent.screening.window import ScreenOutcome, ScreenRequest
 from screener.audit.alarms import write_alarm_file
 from screener.errors import ConfigError
 from screener.settings.daemon import DaemonConfig

@@ -10,8 +10,8 @@ import pytest
 
 from fakes.fake_nvml import FakeNvml, h100
 from kubeapi import KubeAPI
-from screener.agent.burnin import BurninPlan, BurninRequirement, run_burnin, run_full_burnin
-from screener.agent.screening import KatOptions, KatProcessRunner
+from screener.agent.burnin.full import BurninPlan, BurninRequirement, run_burnin, run_full_burnin
+from screener.agent.screening.window import KatOptions, KatProcessRunner
 from screener.health.hbm import stuck_bit
 from screener.health.probes import run_probes
 from screener.known_answer.verdict.crosscheck import platform_digests
@@ -248,7 +248,7 @@ def test_a_mismatch_in_the_timed_rounds_stands_even_when_too_few_repeats_ran(kat
     """The daemon's worker runs the burn-in's rounds for the configured seconds and, when that was
     too short for the required repeats, runs them again by count. A mismatch in the timed rounds is
     evidence and must stand: a second run that passes (an intermittent fault) never replaces it."""
-    from screener.agent.screening import first_is_final
+    from screener.agent.screening.window import first_is_final
 
     kat, _ = kat_env
     jobs, golden = kat.dirs

@@ -4,8 +4,8 @@ only advances (the real lifecycle, LocalStore, probes over a scripted NVML; Daem
 
 from __future__ import annotations
 
-from screener.agent.clock import StampClock, as_clock
-from screener.agent.daemon import Daemon
+from screener.agent.daemon.clock import StampClock, as_clock
+from screener.agent.daemon.loop import Daemon
 from screener.agent.metrics import DaemonMetrics
 from screener.lifecycle import machine
 from screener.lifecycle.apply import apply_event

@@ -20,11 +20,11 @@ import pytest
 
 from fakes.fake_nvml import FakeNvml, h100
 from screener.settings.daemon import DaemonConfig
-from screener.agent.daemon import Daemon
+from screener.agent.daemon.loop import Daemon
 from screener.settings.health import ProbeConfig
 from screener.health.nvml import NvmlAdapter
 from screener.health.probes import DeferredKernelLogReader, run_probes
-from screener.agent.screening import LocalTaint
+from screener.agent.screening.window import LocalTaint
 from screener.stores.local import LocalStore
 from screener.types import NodeState
 from fakes.clock import FakeClock

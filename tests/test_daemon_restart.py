@@ -17,8 +17,8 @@ import psutil
 import pytest
 
 from screener.settings.daemon import DaemonConfig
-from screener.agent.daemon import Daemon
-from screener.agent.screening import LocalTaint, reap_stale_screens
+from screener.agent.daemon.loop import Daemon
+from screener.agent.screening.window import LocalTaint, reap_stale_screens
 from screener.stores.local import LocalStore
 from fakes.clock import FakeClock
 from fakes.daemon import ScriptedRunner

@@ -96,7 +96,7 @@ def test_a_drill_whose_fault_never_fires_exits_2_not_a_pass_or_a_failure(tmp_pat
     """A fault past the last matmul of the step never fires: the drill tested nothing, which
     is a usage error (2), not a broken pipeline (1) and never a pass."""
     from screener.agent.drill import run_drill
-    from screener.agent.screening import LocalTaint
+    from screener.agent.screening.window import LocalTaint
 
     options = DrillOptions(steps=2, fault_step=1, call=10 ** 6)
     with LocalStore(str(tmp_path / "state.db")) as store:

@@ -284,7 +284,7 @@ NOT_ALARMS = {"not-object", "other-json-file", "other-json-list"}
 @pytest.mark.parametrize("case", sorted(ALARM_CASES))
 def test_alarm_intake_moves_hostile_files_aside_and_goes_on(case, tmp_path):
     from screener.audit.alarms import write_alarm_file
-    from screener.agent.intake import AlarmIntake
+    from screener.agent.daemon.intake import AlarmIntake
     from screener.alarmfile import AlarmRecord
 
     alarms = tmp_path / "alarms"

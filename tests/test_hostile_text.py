@@ -73,7 +73,7 @@ def test_a_hostile_alarm_is_refused_with_one_line_and_the_table_stays_clean(tmp_
     alarm at all."""
     import logging
 
-    from screener.agent.intake import AlarmIntake
+    from screener.agent.daemon.intake import AlarmIntake
     from screener.lifecycle.apply import apply_event
 
     alarms = tmp_path / "alarms"

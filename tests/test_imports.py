@@ -84,6 +84,6 @@ def test_cli_help_imports_nothing_heavy():
 
 def test_the_daemon_loads_no_torch():
     # The daemon runs on every node for months: torch (seconds to import, hundreds of MiB) is
-    # loaded only by its screen worker, a process of its own (screener.agent.screening).
-    loaded = _top_level_modules_after("import screener.agent.daemon")
+    # loaded only by its screen worker, a process of its own (screener.agent.screening.window).
+    loaded = _top_level_modules_after("import screener.agent.daemon.loop")
     assert "torch" not in loaded

@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 
-from screener.agent.intake import MAX_ALARM_BYTES, AlarmIntake, IntakeLimits
+from screener.agent.daemon.intake import MAX_ALARM_BYTES, AlarmIntake, IntakeLimits
 from screener.agent.metrics import DaemonMetrics, MetricsServer
 from screener.audit.alarms import write_alarm_file
 from screener.types import NodeState

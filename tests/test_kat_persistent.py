@@ -24,7 +24,8 @@ from typing import Any, Optional, Sequence
 
 import pytest
 
-from screener.agent.screening import KNOWN_DIGESTS, KatOptions, KatProcessRunner, ScreenRequest
+from screener.agent.screening.window import (KNOWN_DIGESTS, KatOptions, KatProcessRunner,
+                                             ScreenRequest)
 from screener.determinism import preserved
 from screener.errors import ScreenerError
 from screener.known_answer.engine import golden

@@ -22,8 +22,9 @@ from typing import Any
 
 import pytest
 
-from screener.agent.burnin_rounds import run_burnin
-from screener.agent.screening import KNOWN_DIGESTS, KatOptions, KatProcessRunner, ScreenRequest
+from screener.agent.burnin.rounds import run_burnin
+from screener.agent.screening.window import (KNOWN_DIGESTS, KatOptions, KatProcessRunner,
+                                             ScreenRequest)
 from screener.known_answer.engine import golden
 from screener.known_answer.verdict import node_memory
 from screener.known_answer.engine import screen as kat

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from kubeapi import KubeAPI
-from screener.agent.screening import ScreenRequest
+from screener.agent.screening.window import ScreenRequest
 from screener.settings.daemon import DaemonConfig
 from screener.errors import ConfigError
 from screener.stores.kube import KubeStore

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from screener.agent.burnin_summary import QUICK_SUMMARY, duration_flag, duration_words
+from screener.agent.burnin.summary import QUICK_SUMMARY, duration_flag, duration_words
 from screener.known_answer.engine import golden
 from screener.known_answer.engine import screen as kat
 from screener.types import ExitCode

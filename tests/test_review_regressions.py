@@ -33,8 +33,9 @@ def test_uninstalled_checkout_finds_the_repository_data(kind: str) -> None:
 
 
 @pytest.mark.parametrize("module,name", [
-    ("screener.agent.intake", "screener.intake"), ("screener.agent.screening", "screener.screening"),
-    ("screener.agent.daemon", "screener.daemon"), ("screener.remediation.hyperpod", "screener.hyperpod"),
+    ("screener.agent.daemon.intake", "screener.intake"),
+    ("screener.agent.screening.window", "screener.screening"),
+    ("screener.agent.daemon.loop", "screener.daemon"), ("screener.remediation.hyperpod", "screener.hyperpod"),
     ("screener.known_answer.verdict.crosscheck", "screener.crosscheck"),
 ])
 def test_log_lines_keep_their_logger_names_after_the_move(module, name):

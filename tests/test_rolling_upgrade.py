@@ -25,7 +25,7 @@ import pytest
 
 from fakes.daemon import DaemonRig, as_full_burnin
 from kubeapi import KubeAPI
-from screener.agent.screening import ScreenOutcome, ScreenRequest
+from screener.agent.screening.window import ScreenOutcome, ScreenRequest
 from screener.determinism import preserved
 from screener.known_answer.engine import golden as golden_mod
 from screener.known_answer.engine import screen as kat

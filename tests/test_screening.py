@@ -17,8 +17,8 @@ import psutil
 import pytest
 
 from kubeapi import KubeAPI
-from screener.agent.screening import (KatOptions, KatProcessRunner, LocalTaint, ScreeningWindow,
-                                      ScreenRequest)
+from screener.agent.screening.window import (KatOptions, KatProcessRunner, LocalTaint,
+                                             ScreeningWindow, ScreenRequest)
 from screener.stores.kube import KubeStore
 from screener.types import (ANNOTATION_DIGESTS, ANNOTATION_VERDICT, LABEL_STATE,
                             TAINT_SCREENING_KEY, ExitCode, NodeState, Outcome)

@@ -8,7 +8,8 @@ Anyone can run it on a laptop (`screener drill`), and it exercises the whole pat
    bit: the smallest error there is);
 3. the audit's ring replay sees the mismatch, a rank on a third node settles it, every rank raises
    the same SDCAlarm, and the faulty node's lowest rank writes the alarm file into the alarm folder;
-4. one daemon pass per node (screener.agent.daemon, screens off) takes the files in: the faulty node's
+4. one daemon pass per node (screener.agent.daemon.loop, screens off) takes the files in: the faulty
+node's
    daemon applies the settled alarm through the lifecycle and records the transition in the store
    (the local SQLite store, or with a kubeconfig the cluster's Node objects);
 5. the drill prints the path the alarm took with the time of each hop, and passes (exit 0) when the
@@ -27,8 +28,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from screener.agent.daemon import Daemon, DaemonPorts, PassReport
-from screener.agent.screening import ScreenOutcome, ScreenRequest
+from screener.agent.daemon.loop import Daemon, DaemonPorts, PassReport
+from screener.agent.screening.window import ScreenOutcome, ScreenRequest
 from screener.errors import BadInputError
 from screener.lifecycle.ports import Store
 from screener.health.probes import run_probes

@@ -39,7 +39,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
-from screener.agent.clock import ClockLike, as_clock
+from screener.agent.daemon.clock import ClockLike, as_clock
 from screener.errors import ConfigError
 from screener.node_answer import MAX_ANSWER_BYTES, PATH, answer_body, encode
 from screener.types import NodeState

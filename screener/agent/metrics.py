@@ -43,7 +43,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from screener.agent.clock import ClockLike, as_clock
+from screener.agent.daemon.clock import ClockLike, as_clock
 from screener.errors import ConfigError
 from screener.lifecycle.incidents import mtbi_seconds
 from screener.remediation.ladder import RUNGS

@@ -1,4 +1,4 @@
-"""`screener burnin`: burn in this node from the shell (screener.agent.burnin does the work).
+"""`screener burnin`: burn in this node from the shell (screener.agent.burnin.full does the work).
 
 Parses the options, runs the full burn-in (the probes, the known-answer rounds, the HBM test, the
 collective, the cross-check, the lifecycle), prints the table (or JSON with --json) on stdout and
@@ -107,7 +107,7 @@ def burnin_cmd(app: AppContext, devices: tuple[str, ...], jobs: tuple[str, ...],
                     heartbeat_s=HEARTBEAT_S, t0=wall.started())
     prog.announce("loading torch and the job specs")
     try:
-        from screener.agent.burnin import DEFAULT_ITERATIONS, run_burnin
+        from screener.agent.burnin.full import DEFAULT_ITERATIONS, run_burnin
         from screener.known_answer.engine.screen import resolve_devices, resolve_jobs
 
         # The quick screen's jobs for --quick (the committed goldens cover them on every x86-64
@@ -118,7 +118,7 @@ def burnin_cmd(app: AppContext, devices: tuple[str, ...], jobs: tuple[str, ...],
         prog.close()
         raise
     n = iterations if iterations is not None else (None if seconds else DEFAULT_ITERATIONS)
-    from screener.agent.burnin import BurninPlan, run_full_burnin
+    from screener.agent.burnin.full import BurninPlan, run_full_burnin
 
     def known_answer() -> Any:
         return run_burnin(devs, specs, duration=seconds, iterations=iterations,

@@ -2,7 +2,7 @@
 
 Thin wiring: build the configuration, then take the store, NVML and clients from the AppContext
 (screener.commands.context), build the probes, the screen runner, the metrics server and the signal
-handlers, and hand them to screener.agent.daemon.Daemon (or screener.agent.drill).
+handlers, and hand them to screener.agent.daemon.loop.Daemon (or screener.agent.drill).
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ def build_daemon(app: AppContext, config: Any, *, stop: threading.Event,
                  metrics: Any = None, answer: Any = None) -> Any:
     """The real Daemon for a config, wired from the AppContext (store, NVML, SageMaker client);
     what it opens is closed when the command ends."""
-    from screener.agent.daemon import Daemon, DaemonPorts
+    from screener.agent.daemon.loop import Daemon, DaemonPorts
     from screener.health.probes import DeferredKernelLogReader, run_probes
     from screener.health.host import own_pids
-    from screener.agent.screening import KatOptions, KatProcessRunner, LocalTaint, reap_stale_screens
+    from screener.agent.screening.window import (KatOptions, KatProcessRunner, LocalTaint,
+                                                 reap_stale_screens)
     from screener.stores import default_state_dir
 
     choice = StoreChoice(kind=config.store, db=config.db, kubeconfig=config.kubeconfig,
@@ -53,7 +54,7 @@ def build_daemon(app: AppContext, config: Any, *, stop: threading.Event,
                       replay=lambda: store.replay() if store.pending() else 0,
                       finish=store.finish_intents,
                       node_created=lambda: _created(store.get_node(node)))
-        if config.dra.enabled:  # per-GPU DeviceTaintRules (screener.agent.device_taints)
+        if config.dra.enabled:  # per-GPU DeviceTaintRules (screener.agent.daemon.device_taints)
             from screener.stores.kube.devices import KubeDeviceTaints
 
             kwargs["device_taints"] = KubeDeviceTaints(store.calls, driver=config.dra.driver,
@@ -179,8 +180,8 @@ def daemon_cmd(app: AppContext, config_path: Optional[str], once: bool, node: Op
     from screener.errors import ScreenerError
     from screener.settings.daemon import DaemonConfig
 
-    try:  # screener.agent.daemon imports the metrics module too
-        from screener.agent.daemon import setup_json_logging
+    try:  # screener.agent.daemon.loop imports the metrics module too
+        from screener.agent.daemon.loop import setup_json_logging
         from screener.agent.metrics import DaemonMetrics, MetricsServer
     except MissingExtra as e:
         # The daemon needs the metrics client and the Kubernetes one: name the extra with both.
@@ -335,7 +336,7 @@ def drill_cmd(ctx: click.Context, workdir: Optional[str], kubeconfig: Optional[s
     failed (the pipeline is broken).
     """
     from screener.agent.drill import DEFAULT_NODES, DrillOptions, run_drill, with_nodes
-    from screener.agent.screening import LocalTaint
+    from screener.agent.screening.window import LocalTaint
 
     if kubeconfig and not nodes:
         raise click.UsageError("with --kubeconfig, name the three real nodes with --node")

@@ -90,8 +90,8 @@ class SlotLooks:
     `min_interval_s` seconds of `now` (one read of the node and of the budget record per look).
 
     Held by the caller (a tool, a test), so the lifecycle keeps no state between calls. The daemon
-    holds none: it spaces its looks on the monotonic clock (screener.agent.feed), which a stepped
-    wall clock cannot defeat.
+    holds none: it spaces its looks on the monotonic clock (screener.agent.daemon.feed), which a
+    stepped wall clock cannot defeat.
     """
 
     min_interval_s: float = 30.0

@@ -1,5 +1,5 @@
 """The [dra] settings: per-GPU taints where the cluster allocates GPUs through DRA
-(screener.agent.device_taints, screener.stores.kube.devices)."""
+(screener.agent.daemon.device_taints, screener.stores.kube.devices)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """The one fake clock the tests share: time that moves only when a test moves it.
 
 Called, it answers the wall time (what probes and stamps read). It also has the two methods of
-screener.agent.clock.Clock, `wall()` and `monotonic()`, which advance together; `step(s)` moves
-the wall clock alone, as NTP stepping it or an RTC reset would, so the daemon's clock tests can
-tell the two apart. `t` is the wall time and may be set directly (`clock.t += 1.5`): the
+screener.agent.daemon.clock.Clock, `wall()` and `monotonic()`, which advance together; `step(s)`
+moves the wall clock alone, as NTP stepping it or an RTC reset would, so the daemon's clock tests
+can tell the two apart. `t` is the wall time and may be set directly (`clock.t += 1.5`): the
 monotonic clock moves with it, since only `step` separates them.
 
 Thread-safe: a daemon thread reads it while the test advances it.

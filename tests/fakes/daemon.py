@@ -17,9 +17,9 @@ from typing import Any, Callable, Optional
 
 from fakes.clock import FakeClock
 from fakes.fake_nvml import FakeNvml, h100
-from screener.agent.daemon import Daemon
+from screener.agent.daemon.loop import Daemon
 from screener.agent.metrics import DaemonMetrics
-from screener.agent.screening import LocalTaint, ScreenOutcome, ScreenRequest
+from screener.agent.screening.window import LocalTaint, ScreenOutcome, ScreenRequest
 from screener.audit.alarms import write_alarm_file
 from screener.health.nvml import NvmlAdapter
 from screener.health.probes import run_probes

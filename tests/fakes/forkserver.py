@@ -28,11 +28,11 @@ def _serve() -> None:
     import screener.cli  # noqa: F401
     import screener.commands.daemon  # noqa: F401
     import screener.commands.context  # noqa: F401
-    import screener.agent.daemon  # noqa: F401
+    import screener.agent.daemon.loop  # noqa: F401
     import screener.stores.kube.store  # noqa: F401
     import screener.health.probes  # noqa: F401
     import screener.health.nvml  # noqa: F401
-    import screener.agent.screening  # noqa: F401
+    import screener.agent.screening.window  # noqa: F401
 
     out = sys.stdout
     print(json.dumps({"ready": os.getpid()}), file=out, flush=True)

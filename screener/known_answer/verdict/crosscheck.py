@@ -31,7 +31,7 @@ def platform_digests(verdicts: Sequence[Verdict],
                      digests: Mapping[str, Mapping[str, str]]) -> dict[str, dict[str, str]]:
     """{platform hash: {job: digest}} of a screen's passing devices (what a node publishes).
 
-    verdicts/digests: a screen's (screener.known_answer.verdict.judgment.ScreenResult or screener.agent.screening.ScreenOutcome).
+    verdicts/digests: a screen's (screener.known_answer.verdict.judgment.ScreenResult or screener.agent.screening.window.ScreenOutcome).
     Only passing devices count: a suspect device's digests are not the platform's answer."""
     out: dict[str, dict[str, str]] = {}
     for v in verdicts:

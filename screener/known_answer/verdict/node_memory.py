@@ -1,7 +1,7 @@
 """A node's memory of its own earlier known-answer results (pure): what to keep, never to replace.
 
-The daemon keeps, in known-digests.json under its state folder (screener.agent.screening), the
-digest each job gave on each platform in its earlier screens, so that a later screen with no
+The daemon keeps, in known-digests.json under its state folder (screener.agent.screening.window),
+the digest each job gave on each platform in its earlier screens, so that a later screen with no
 golden can tell a device that disagrees with itself from a job that does (the judgment reads it
 as `known`: screener.known_answer.verdict.reference). A memory that a faulty unit can rewrite is worse
 than none: a persistently bad lane that overwrote the good digest made the next screen blame

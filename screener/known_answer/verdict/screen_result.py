@@ -21,7 +21,7 @@ class ScreenResult:
     """What one known-answer screen found (judgment.judge's return value): one Verdict per
     device, the overall outcome and exit code, the result digest of every job on every device,
     platforms, timings and the faults that fired. The daemon keeps a screening window's account
-    of it in screener.agent.screening.ScreenOutcome."""
+    of it in screener.agent.screening.window.ScreenOutcome."""
 
     verdicts: tuple[Verdict, ...]
     outcome: Outcome

@@ -6,7 +6,7 @@ spec.devices[] with a name and attributes). A DeviceTaintRule (resource.k8s.io/v
 Kubernetes 1.37, cluster-scoped) taints the devices its selector names, as if the driver had
 tainted them in the slice: with NoSchedule, no new claim that does not tolerate it is allocated
 that device, while the node's other devices stay in service. This module is the API part;
-screener.agent.device_taints decides when.
+screener.agent.daemon.device_taints decides when.
 
 Finding a GPU: the node's slices of the driver, listed with the field selectors spec.nodeName and
 spec.driver (the API server supports both), newest pool generation only (a consumer must ignore

@@ -105,8 +105,8 @@ def screening_patch(obj: Mapping[str, Any], on: bool) -> Optional[dict[str, Any]
 def reason_patch(obj: Mapping[str, Any], reason: str, message: str, now: float, *,
                  only_if: Optional[str] = None) -> Optional[dict[str, Any]]:
     """The status patch giving GPUHardwareSuspect another reason and message without a
-    transition (a platform waiting for its fleet quorum: screener.agent.fleet), its status and
-    transition time kept; None when it already says so. The status follows the node's state
+    transition (a platform waiting for its fleet quorum: screener.agent.daemon.fleet), its status
+    and transition time kept; None when it already says so. The status follows the node's state
     label when the condition is not there yet. only_if: change it only from this reason (a
     reason a transition wrote since is left as it is)."""
     conditions = list((obj.get("status") or {}).get("conditions") or [])

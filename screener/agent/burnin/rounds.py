@@ -4,7 +4,7 @@
 one child process for the whole burn-in (screener.known_answer.engine.screen.execute); every repeat
 is compared with the first (self-consistency), the first with the golden record of the device's
 platform and with the device's peers. Its BurninReport has a per-device, per-job table.
-This is stage 2 of the full burn-in (screener.agent.burnin orders the stages around it).
+This is stage 2 of the full burn-in (screener.agent.burnin.full orders the stages around it).
 `TextProgress` is the older known-answer-only progress bar, kept for library callers.
 """
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from screener.agent.intake import IntakeResult
-from screener.agent.screening import ScreenOutcome
+from screener.agent.daemon.intake import IntakeResult
+from screener.agent.screening.window import ScreenOutcome
 from screener.health.idle import Activity
 from screener.types import NO_WORK_STATES, ExitCode, NodeState, Outcome
 

@@ -1,6 +1,6 @@
 """What the daemon touches outside itself, as one value: `DaemonPorts`.
 
-The daemon (screener.agent.daemon) reads, writes and runs nothing directly: every store, probe,
+The daemon (screener.agent.daemon.loop) reads, writes and runs nothing directly: every store, probe,
 runner, clock and callback it uses is a field here. `screener.commands.daemon` wires the real ones
 (the kube or local store, NVML, the screen worker, the SageMaker deep check), the fire drill wires
 simulated ones, and tests pass fakes at the same boundary. A field left None is a capability this
@@ -13,11 +13,11 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
-from screener.agent.clock import ClockLike
-from screener.agent.device_taints import DeviceTaintApi
+from screener.agent.daemon.clock import ClockLike
+from screener.agent.daemon.device_taints import DeviceTaintApi
 from screener.agent.health_answer import AnswerBoard
 from screener.agent.metrics import DaemonMetrics
-from screener.agent.screening import ScreenRunner, TaintControl
+from screener.agent.screening.window import ScreenRunner, TaintControl
 from screener.health import host
 from screener.health.probes import ProbeReport
 from screener.lifecycle.ports import Store

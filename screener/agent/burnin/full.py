@@ -3,7 +3,7 @@
 `screener burnin` on a new, replaced or repaired node runs, in order (`run_full_burnin`):
 
 1. the probes (NVML, kernel log, host): a node that is already visibly broken is reported so;
-2. the known-answer rounds (`run_burnin`, in screener.agent.burnin_rounds): every job on every
+2. the known-answer rounds (`run_burnin`, in screener.agent.burnin.rounds): every job on every
    device for the duration, each device in one child process for the whole burn-in; every repeat
    is compared with the first (self-consistency), the first with the golden record of the
    device's platform and with the device's peers. Its BurninReport has a per-device, per-job table;
@@ -36,9 +36,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 # The known-answer rounds (stage 2) live in burnin_rounds; callers import their names from here too.
-from screener.agent.burnin_rounds import (DEFAULT_ITERATIONS, BurninReport, BurninRow, TextProgress,
+from screener.agent.burnin.rounds import (DEFAULT_ITERATIONS, BurninReport, BurninRow, TextProgress,
                                           run_burnin)
-from screener.agent.burnin_summary import QUICK_SUMMARY, node_line, passed_lines
+from screener.agent.burnin.summary import QUICK_SUMMARY, node_line, passed_lines
 from screener.health.rules import is_condition
 from screener.known_answer.collective.allreduce import run_collective
 from screener.known_answer.verdict.crosscheck import cross_check, peer_digests, platform_digests
@@ -109,7 +109,7 @@ class FullBurninReport:
     store_exit: ExitCode = ExitCode.SCREENER_ERROR
     wall_s: Optional[float] = None  # the command's wall time, when the caller measured it
     # `screener burnin --quick`: every stage, no node state kept; a pass is exit 0 and says
-    # what a full burn-in would add (screener.agent.burnin_summary).
+    # what a full burn-in would add (screener.agent.burnin.summary).
     quick: bool = False
     required_seconds: float = DEFAULT_BURNIN_SECONDS  # how long a full run keeps the jobs going
 
@@ -318,7 +318,7 @@ def hbm_stage(devices: Sequence[str], plan: BurninPlan, inject: Any = None,
               step: Optional[Callable[[str], None]] = None) -> Stage:
     """The HBM pattern test on every device; step(item) after each pattern (progress)."""
     # Here, not at the top: screener.health.hbm imports torch (2.5 s measured with -X importtime
-    # here, against 0.5 s for all of screener.agent.daemon), and the daemon, which imports this
+    # here, against 0.5 s for all of screener.agent.daemon.loop), and the daemon, which imports this
     # module, never runs the HBM test itself (its screen worker does).
     from screener.health.hbm import hbm_test
 

@@ -4,7 +4,7 @@ A daemon rolled out onto a running fleet must not put every node through burn-in
 would be evicted or starved). A node with no state starts in burnin unless it was already serving:
 GPU pods running on it (other than the daemon's own), or a Node object older than
 `adopt_min_age_s` or created before `adopt_created_before`. Such a node is adopted as
-healthy-but-unscreened and gets a quick screen at its next idle window (screener.agent.daemon).
+healthy-but-unscreened and gets a quick screen at its next idle window (screener.agent.daemon.loop).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, Optional
 
-from screener.agent.ports import PodsFn
+from screener.agent.daemon.ports import PodsFn
 from screener.settings.daemon import DaemonConfig
 
 log = logging.getLogger("screener.daemon")

@@ -9,7 +9,7 @@ whatever its exit code says about the node (4: it stays in burnin; 0 for `--quic
 no node state). When a stage did not pass these lines are left out: the tables above say what
 went wrong and the `overall:` line says what it means.
 
-Pure text from a FullBurninReport (screener.agent.burnin); no I/O.
+Pure text from a FullBurninReport (screener.agent.burnin.full); no I/O.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 from screener.types import Outcome
 
 if TYPE_CHECKING:
-    from screener.agent.burnin import FullBurninReport
+    from screener.agent.burnin.full import FullBurninReport
 
-# missing_for_full's words for a run shorter than the required time (screener.agent.burnin).
+# missing_for_full's words for a run shorter than the required time (screener.agent.burnin.full).
 SHORT_RUN = "the known-answer jobs ran "
 
 QUICK_SUMMARY = "pass: quick screen, every check passed; no node state kept"

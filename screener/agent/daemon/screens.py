@@ -1,14 +1,14 @@
 """The daemon's screening step: whether a screen is due, which kind, and what follows it.
 
-When a screen is due (screener.agent.daemon's docstring says when) and the node has been idle for
-the window, the daemon hands the pass to `DaemonScreens.run`: it opens a screening window
-(screener.agent.screening) for a quick screen or a full burn-in, and for a full one adds the
+When a screen is due (screener.agent.daemon.loop's docstring says when) and the node has been idle
+for the window, the daemon hands the pass to `DaemonScreens.run`: it opens a screening window
+(screener.agent.screening.window) for a quick screen or a full burn-in, and for a full one adds the
 daemon's half (the probes before and after, the cross-check with same-platform peers, and whether
-the run was full or partial: screener.agent.burnin.missing_for_full). It then feeds the verdicts
-to the lifecycle, stores the verdict annotation (which kind passed), and publishes the digests
-same-platform peers cross-check against; where the cluster uses DRA, a suspect GPU gets its own
-device taint and a passing one loses it (screener.agent.device_taints). A screen stopped early (a job landed, the time cap, a
-shutdown) is inconclusive and moves nothing.
+the run was full or partial: screener.agent.burnin.full.missing_for_full). It then feeds the
+verdicts to the lifecycle, stores the verdict annotation (which kind passed), and publishes the
+digests same-platform peers cross-check against; where the cluster uses DRA, a suspect GPU gets its
+own device taint and a passing one loses it (screener.agent.daemon.device_taints). A screen stopped
+early (a job landed, the time cap, a shutdown) is inconclusive and moves nothing.
 """
 
 from __future__ import annotations
@@ -17,17 +17,17 @@ import json
 import logging
 from typing import Any, Callable, Optional
 
-from screener.agent.burnin import (BurninRequirement, crosscheck_digests_stage, missing_for_full,
-                                   probe_report_stage)
-from screener.agent.clock import StampClock
-from screener.agent.device_taints import DeviceTaints
-from screener.agent.feed import LifecycleFeed
-from screener.agent.fleet import FleetQuorum
-from screener.agent.findings import FindingsTracker
+from screener.agent.burnin.full import (BurninRequirement, crosscheck_digests_stage,
+                                        missing_for_full, probe_report_stage)
+from screener.agent.daemon.clock import StampClock
+from screener.agent.daemon.device_taints import DeviceTaints
+from screener.agent.daemon.feed import LifecycleFeed
+from screener.agent.daemon.fleet import FleetQuorum
+from screener.agent.daemon.findings import FindingsTracker
 from screener.agent.metrics import DaemonMetrics
-from screener.agent.passreport import PassReport
-from screener.agent.ports import DaemonPorts
-from screener.agent.screening import KIND_FULL, KIND_QUICK, ScreeningWindow, ScreenOutcome
+from screener.agent.daemon.passreport import PassReport
+from screener.agent.daemon.ports import DaemonPorts
+from screener.agent.screening.window import KIND_FULL, KIND_QUICK, ScreeningWindow, ScreenOutcome
 from screener.errors import BadInputError, ScreenerError
 from screener.health.idle import IdleTracker
 from screener.health.probes import ProbeReport

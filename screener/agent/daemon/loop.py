@@ -1,14 +1,15 @@
 """The DaemonSet loop: alarm intake, probes, idle detection, screening windows, metrics.
 
 One `Daemon` per node. Everything it touches is passed in as one `DaemonPorts`
-(screener.agent.ports): the store (LocalStore or KubeStore), the probe function, the screen runner,
-the taint control, the GPU-pod lister, the clocks (a monotonic one for every interval, wall-clock
-stamps that never run backward: clock.py) and the stop event; `screener.commands.daemon` wires the
-real ones, tests pass fakes at the boundary. Its parts, each a module of its own: the findings bookkeeping (findings),
-the way into the lifecycle (feed), the screening step (screens), the adoption rule (adoption), the
-pass report (passreport), the per-GPU taints where the cluster uses DRA (device_taints: a GPU a
-screen finds suspect, or a settled alarm names by serial, gets a DeviceTaintRule of its own; a
-passing retest of it removes it; the node's state is the lifecycle's as ever).
+(screener.agent.daemon.ports): the store (LocalStore or KubeStore), the probe function, the screen
+runner, the taint control, the GPU-pod lister, the clocks (a monotonic one for every interval,
+wall-clock stamps that never run backward: clock.py) and the stop event; `screener.commands.daemon`
+wires the real ones, tests pass fakes at the boundary. Its parts, each a module of its own: the
+findings bookkeeping (findings), the way into the lifecycle (feed), the screening step (screens),
+the adoption rule (adoption), the pass report (passreport), the per-GPU taints where the cluster
+uses DRA (device_taints: a GPU a screen finds suspect, or a settled alarm names by serial, gets a
+DeviceTaintRule of its own; a passing retest of it removes it; the node's state is the lifecycle's
+as ever).
 
 Start-up (`start`): ends the screen workers a killed predecessor left running and removes their
 folders (screening.reap_stale_screens), clears the screening taint, and makes the node known: a
@@ -23,30 +24,31 @@ ladder and screens wait for it.
 Each pass (`tick`):
   0. finishes a transition a killed predecessor left half-written (the kube store's intent
      journal, screener.stores.intents), before anything reads the node;
-  1. takes in alarm files (screener.agent.intake): each applied through the lifecycle exactly
+  1. takes in alarm files (screener.agent.daemon.intake): each applied through the lifecycle exactly
      once, with the GPU serials it names kept only when this node's NVML reports them (the first
      pass after start-up probes before the intake, so that those serials are known);
   2. replays transitions the kube store spooled while the API was unreachable;
   3. lets a node the quarantine budget held (suspect, or not yet recorded) take a slot another
      node freed: looked at most every BUDGET_LOOK_S, and then a quarantine like any other
-     (screener.agent.feed);
+     (screener.agent.daemon.feed);
   4. removes a screening taint an earlier window could not remove;
   5. every `probe_interval_s`: runs the probes and feeds the findings to the lifecycle
-     (screener.agent.findings keeps the bookkeeping). An event finding (a rising counter, a warning
-     Xid) is fed once; a persisting condition (a pending or failed row remap, retired pages over
-     the threshold, a GPU off the bus, a critical Xid not yet recovered by a reboot, a remediation
-     or a person) is fed on every probe (level-triggered) and blocks every pass while present. A
-     finding is marked seen, and the kernel-log position saved, only after its transition is
-     recorded (or spooled); a failed write is retried on every tick;
+     (screener.agent.daemon.findings keeps the bookkeeping). An event finding (a rising counter, a
+     warning Xid) is fed once; a persisting condition (a pending or failed row remap, retired pages
+     over the threshold, a GPU off the bus, a critical Xid not yet recovered by a reboot, a
+     remediation or a person) is fed on every probe (level-triggered) and blocks every pass while
+     present. A finding is marked seen, and the kernel-log position saved, only after its transition
+     is recorded (or spooled); a failed write is retried on every tick;
   6. for a quarantined node that is idle: one look at the repair ladder, when configured
      (screener.remediation.ladder; in observe mode only what it would have started);
   7. when a screen is due and the node has been idle for the idle window, opens a screening window
-     (screener.agent.screens, screener.agent.screening) and feeds its verdicts to the lifecycle.
+     (screener.agent.daemon.screens, screener.agent.screening.window) and feeds its verdicts to the
+     lifecycle.
 
 What a screen is: a node in burnin, or suspect without having been healthy since it entered
 burnin, gets the FULL burn-in (the worker runs the known-answer jobs for `burnin_duration_s`, the
 HBM test and the collective; the daemon adds the probes before and after and the cross-check with
-same-platform peers, and screener.agent.burnin.missing_for_full decides whether it was full or partial);
+same-platform peers, and screener.agent.burnin.full.missing_for_full decides whether it was full or partial);
 a node that earned healthy gets the quick known-answer screen. The verdict annotation says which
 kind passed (quick, full, partial, or unscreened for an adopted node).
 
@@ -65,20 +67,20 @@ import threading
 from dataclasses import replace
 from typing import Any, Callable, Optional
 
-from screener.agent.adoption import adoption_reason
-from screener.agent.clock import StampClock, as_clock
-from screener.agent.device_taints import DeviceTaints
-from screener.agent.feed import BUDGET_LOOK_S, LifecycleFeed
-from screener.agent.findings import FindingsTracker
+from screener.agent.daemon.adoption import adoption_reason
+from screener.agent.daemon.clock import StampClock, as_clock
+from screener.agent.daemon.device_taints import DeviceTaints
+from screener.agent.daemon.feed import BUDGET_LOOK_S, LifecycleFeed
+from screener.agent.daemon.findings import FindingsTracker
 from screener.agent.health_answer import AnswerBoard
-from screener.agent.intake import AlarmIntake, IntakeLimits, applied_in_history
+from screener.agent.daemon.intake import AlarmIntake, IntakeLimits, applied_in_history
 # The names below were defined in this module before it was split; callers import them from here.
-from screener.agent.jsonlog import JsonFormatter, setup_json_logging  # noqa: F401
+from screener.agent.daemon.jsonlog import JsonFormatter, setup_json_logging  # noqa: F401
 from screener.agent.metrics import DaemonMetrics
-from screener.agent.passreport import PassReport
-from screener.agent.ports import DaemonPorts, PodsFn, ProbeFn  # noqa: F401
-from screener.agent.screening import ScreeningWindow
-from screener.agent.screens import DaemonScreens
+from screener.agent.daemon.passreport import PassReport
+from screener.agent.daemon.ports import DaemonPorts, PodsFn, ProbeFn  # noqa: F401
+from screener.agent.screening.window import ScreeningWindow
+from screener.agent.daemon.screens import DaemonScreens
 from screener.errors import ScreenerError
 from screener.health.idle import Activity, IdleTracker, observe
 from screener.health.probes import ProbeReport

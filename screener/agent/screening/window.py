@@ -11,11 +11,11 @@ An idle-time screen must never compete with a job for the GPUs, so the daemon op
    start-up the daemon also removes a screening taint a previous run left (`clear_stale`).
 
 The production runner (`KatProcessRunner`) runs screener.known_answer.engine.screen.run_screen (a
-quick screen) or the device stages of a full burn-in (screener.agent.burnin: the known-answer rounds
-for the configured duration, the HBM test, the intra-node collective) in a worker process of its own
-(`python -m screener.agent.screening worker`, whose code is screener.agent.screen_worker), so
-stopping it is a kill that takes effect at once, and the daemon itself never imports torch. Test
-runners are plain functions of a ScreenRequest.
+quick screen) or the device stages of a full burn-in (screener.agent.burnin.full: the known-answer
+rounds for the configured duration, the HBM test, the intra-node collective) in a worker process of
+its own (`python -m screener.agent.screening worker`, whose code is
+screener.agent.screening.worker), so stopping it is a kill that takes effect at once, and the daemon
+itself never imports torch. Test runners are plain functions of a ScreenRequest.
 
 Restart hygiene: each worker runs in a folder of its own under the runner's `work_dir`, with a
 `worker.json` naming its PID and start time, and every process of the screen (the worker and the
@@ -45,7 +45,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Protocol, Sequenc
 from screener.atomicfile import write_atomic
 from screener import boundedjson
 # The worker process's code (first_is_final is imported from here by callers).
-from screener.agent.screen_worker import first_is_final  # noqa: F401
+from screener.agent.screening.worker import first_is_final  # noqa: F401
 from screener.health import host
 from screener.known_answer.verdict import node_memory
 from screener.lifecycle.events import KIND_FULL, KIND_QUICK
@@ -65,7 +65,8 @@ class ScreenRequest:
     deadline: float  # on the window's clock
     clock: Callable[[], float] = time.time
     kind: str = KIND_QUICK
-    # the fleet quorum's view (screener.agent.fleet) and the runs per job it asks for, or None
+    # the fleet quorum's view (screener.agent.daemon.fleet) and the runs per job it asks for, or
+    # None
     fleet: Optional[Mapping[str, Any]] = None
     repeat: Optional[int] = None
 
@@ -84,7 +85,7 @@ class ScreenOutcome:
     was stopped). stopped: a ScreenStop (why it was stopped), or "" when it ran to the end. digests: device -> job -> result digest, for publishing and cross-checks.
     platforms: device -> platform signature (with its hash) when the runner reports them.
     kind: what ran (KIND_QUICK, or KIND_FULL for a burn-in's device stages); stages: for a
-    burn-in, screener.agent.burnin.Stage.to_dict() of every stage that ran.
+    burn-in, screener.agent.burnin.full.Stage.to_dict() of every stage that ran.
     """
 
     outcome: Outcome
@@ -522,10 +523,3 @@ def _recorded_workers(records: Iterable[Mapping[str, Any]]) -> list[host.Proc]:
                 found.append(proc)
     return found
 
-
-if __name__ == "__main__":  # pragma: no cover - exercised through KatProcessRunner
-    # The worker's command line has always named this module (ps, the tests); its code lives in
-    # screen_worker.
-    from screener.agent.screen_worker import main
-
-    sys.exit(main())

@@ -14,10 +14,10 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Optional, Sequence
 
-from screener.agent.clock import StampClock
+from screener.agent.daemon.clock import StampClock
 from screener.agent.metrics import DaemonMetrics
-from screener.agent.passreport import PassReport
-from screener.agent.ports import DaemonPorts
+from screener.agent.daemon.passreport import PassReport
+from screener.agent.daemon.ports import DaemonPorts
 from screener.lifecycle import machine
 from screener.lifecycle.apply import apply_event, release_held
 from screener.lifecycle.records import Transition

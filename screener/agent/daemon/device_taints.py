@@ -30,7 +30,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Optional, Protocol, Sequence
 
-from screener.agent.passreport import PassReport
+from screener.agent.daemon.passreport import PassReport
 from screener.alarmfile import CHECKS, AlarmRecord
 from screener.errors import ScreenerError
 from screener.health.snapshot import GpuSnapshot

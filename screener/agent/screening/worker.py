@@ -1,12 +1,13 @@
-"""The screen worker: the process in which the daemon's screens run (see screener.agent.screening).
+"""The screen worker: the process in which the daemon's screens run (see
+screener.agent.screening.window).
 
 `KatProcessRunner` starts it as `python -m screener.agent.screening worker RESULT.json MODE`, with
 its KatOptions as JSON on stdin. MODE "screen" runs the quick known-answer screen
 (screener.known_answer.engine.screen.run_screen); MODE "burnin" runs the device stages of a full
 burn-in (the known-answer rounds for the configured duration, the HBM test, the intra-node
-collective: screener.agent.burnin). It writes the result as JSON and exits with the screen's code. A
-process of its own, so that stopping a screen is a kill that takes effect at once, and so that the
-daemon never imports torch.
+collective: screener.agent.burnin.full). It writes the result as JSON and exits with the screen's
+code. A process of its own, so that stopping a screen is a kill that takes effect at once, and so
+that the daemon never imports torch.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import sys
 from typing import Any, Mapping, Optional, Sequence
 
 from screener.atomicfile import write_atomic
-from screener.agent import burnin
+from screener.agent.burnin import full as burnin
 from screener.errors import ScreenerError
 from screener.known_answer.engine import screen as kat
 from screener.known_answer.verdict.quorum import FleetView

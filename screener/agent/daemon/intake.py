@@ -55,7 +55,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from screener.atomicfile import fsync_dir
 from screener import boundedjson
-from screener.agent.clock import ClockLike, as_clock
+from screener.agent.daemon.clock import ClockLike, as_clock
 # The alarm file's rules (its fields, check names and bounds, `validate`, `is_ours`) are the
 # contract's, shared with the writer in screener.audit; the names stay importable from here.
 from screener.alarmfile import (MAX_ALARM_BYTES, MAX_CLOCK_SKEW_S, MAX_CREATED,  # noqa: F401
