@@ -86,3 +86,4 @@ def test_the_file_is_the_records_json_and_old_paths_still_work(tmp_path):
     assert intake.validate is alarmfile.validate
     with pytest.raises(AttributeError):
         types.NoSuchName  # noqa: B018
+

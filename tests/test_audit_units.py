@@ -334,3 +334,20 @@ def test_audit_imports_nothing_of_ours_but_the_vocabulary_and_fingerprint():
     # screener.alarmfile: the alarm file's contract, which the daemon's intake reads by
     assert ours <= {"screener", "screener.types", "screener.fingerprint", "screener.atomicfile",
                     "screener.alarmfile"}, ours
+
+
+def test_the_three_auditors_share_one_base():
+    """Auditor(model) returns an Auditor, a ShardedAuditor or a PipelineAuditor: the three share
+    AuditorBase (the cadence and the context manager written once), which is not an auditor on
+    its own."""
+    from screener.audit import AuditorBase
+    from screener.audit.auditor import Auditor
+    from screener.audit.pipeline import PipelineAuditor
+    from screener.audit.sharded import ShardedAuditor
+
+    for cls in (Auditor, ShardedAuditor, PipelineAuditor):
+        assert issubclass(cls, AuditorBase), cls
+        for name in ("is_audit_step", "is_weights_step", "__enter__", "__exit__"):
+            assert getattr(cls, name) is getattr(AuditorBase, name), (cls, name)
+    with pytest.raises(TypeError, match="abstract"):
+        AuditorBase()  # type: ignore[abstract]

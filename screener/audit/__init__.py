@@ -41,7 +41,8 @@ on another node), reduction (the rule that says
 whom a reduction that went bad names, for both), layout (what every rank holds, agreed at
 construction: audited or refused alike), tensor_parallel (which ranks replay together under
 TP). The parts below them: topology
-(rank -> node, host, instance), hooks (the DDP comm hook recording local gradients), ring (replay
+(rank -> node, host, instance), base (what the three auditors share: AuditorBase, the
+cadence and the context manager), hooks (the DDP comm hook recording local gradients), ring (replay
 assignment and recomputation), sentinel (the spike test and the verdict of its rerun), vote
 (majority over replicas), blast (the blast-radius rule), capture (RNG states and loss scale a
 replay starts from), collective (the gathers), alarms (SDCAlarm, the exception classes and alarm
@@ -55,10 +56,11 @@ from __future__ import annotations
 
 from screener.audit.alarms import AuditError, AuditUsageError, NumericFailure, SDCAlarm
 from screener.audit.auditor import AuditConfig, Auditor
+from screener.audit.base import AuditorBase
 from screener.audit.checkpoints import rollback_target
 from screener.audit.guard import classify, run_guarded, shutdown
 from screener.audit.topology import RankInfo, Topology, gather_topology
 
-__all__ = ["Auditor", "AuditConfig", "AuditError", "AuditUsageError", "SDCAlarm", "NumericFailure",
+__all__ = ["Auditor", "AuditorBase", "AuditConfig", "AuditError", "AuditUsageError", "SDCAlarm", "NumericFailure",
            "rollback_target", "run_guarded", "shutdown", "classify", "RankInfo", "Topology",
            "gather_topology"]

@@ -93,6 +93,7 @@ import torch.distributed as dist
 from screener.audit import ring
 from screener.audit.alarms import AuditError, AuditUsageError
 from screener.audit.attribution import LocalRerun, SpikeWatch
+from screener.audit.base import AuditorBase
 from screener.audit.cadence import Cadence
 from screener.audit.config import AuditConfig
 from screener.audit.capture import StateCodec, StepState, capture, scaler_scale
@@ -134,7 +135,7 @@ DDP_STEP = Schedule("check_gradients (DDP)", (
 DDP_WEIGHTS = Schedule("check_weights (DDP)", ("weights_digest", "weights_full"))
 
 
-class Auditor:
+class Auditor(AuditorBase):
     """In-job SDC checks for a DistributedDataParallel model; see the module docstring.
 
     model: the DDP-wrapped model (the auditor registers a comm hook on it: construct the auditor
@@ -347,22 +348,6 @@ class Auditor:
         self._recorder.record_step = None
         self._recorder.remove()
         self._state = None
-
-    def __enter__(self) -> "Auditor":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    # ---- cadence -----------------------------------------------------------------------------
-
-    def is_audit_step(self, step: int) -> bool:
-        """Whether check 2 runs at this step."""
-        return self.cadence.is_audit_step(step)
-
-    def is_weights_step(self, step: int) -> bool:
-        """Whether check_weights(step) runs the periodic weight vote at this step."""
-        return self.cadence.is_weights_step(step)
 
     # ---- check 1 and check 2 -----------------------------------------------------------------
 

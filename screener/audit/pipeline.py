@@ -72,6 +72,7 @@ import torch.distributed as dist
 
 from screener.audit.alarms import AuditUsageError, SDCAlarm
 from screener.audit.blast import LIKELY_CAUSES
+from screener.audit.base import AuditorBase
 from screener.audit.cadence import Cadence
 from screener.audit.capture import StateCodec, StepState, capture, restored
 from screener.audit.collective import comm_device, exchange
@@ -174,7 +175,7 @@ class _StageRecord:
         return out
 
 
-class PipelineAuditor:
+class PipelineAuditor(AuditorBase):
     """Checks 1 and 2 for a pipeline-parallel job; see the module docstring.
 
     schedule: this rank's ScheduleGPipe or Schedule1F1B over a PipelineStage whose module is
@@ -287,20 +288,6 @@ class PipelineAuditor:
             for h in self._hooks:
                 h.remove()
             self._tap.record = False
-
-    def __enter__(self) -> "PipelineAuditor":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def is_audit_step(self, step: int) -> bool:
-        """Whether check 2 runs at this step."""
-        return self.cadence.is_audit_step(step)
-
-    def is_weights_step(self, step: int) -> bool:
-        """Whether check_weights(step) records the stage's shards at this step."""
-        return self.cadence.is_weights_step(step)
 
     # ---- the shard record ---------------------------------------------------------------------
 

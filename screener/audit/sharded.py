@@ -79,6 +79,7 @@ import torch.distributed as dist
 from screener.audit import ring
 from screener.audit.alarms import AuditUsageError
 from screener.audit.attribution import LockstepRerun, SpikeWatch
+from screener.audit.base import AuditorBase
 from screener.audit.cadence import Cadence
 from screener.audit.capture import StateCodec, StepState, capture, scaler_scale
 from screener.audit.collective import comm_device
@@ -147,7 +148,7 @@ def is_sharded(model: Any) -> bool:
     return fsdp_root(model) is not None
 
 
-class ShardedAuditor:
+class ShardedAuditor(AuditorBase):
     """The three checks for an FSDP2 or HSDP model; see the module docstring.
 
     model: the root module sharded with `fully_shard` (or torch.compile of it). loss_fn(model,
@@ -341,17 +342,7 @@ class ShardedAuditor:
             if self.buddy is not None:
                 self.buddy.close()
 
-    def __enter__(self) -> "ShardedAuditor":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
     # ---- cadence ----------------------------------------------------------------------------
-
-    def is_audit_step(self, step: int) -> bool:
-        """Whether check 2 runs at this step."""
-        return self.cadence.is_audit_step(step)
 
     def is_update_step(self, step: int) -> bool:
         """Whether the update buddy checks this step's optimizer update (the audit steps, with
@@ -359,10 +350,6 @@ class ShardedAuditor:
         every = self.audit_every
         return self.buddy is not None and bool(every) and (step % every == 0
                                                            or self.cadence.guarded(step))
-
-    def is_weights_step(self, step: int) -> bool:
-        """Whether check_weights(step) votes at this step."""
-        return self.cadence.is_weights_step(step)
 
     # ---- check 1 and check 2 -------------------------------------------------------------------
 
