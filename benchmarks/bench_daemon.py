@@ -9,7 +9,7 @@ Run:  python benchmarks/bench_daemon.py [--idle-seconds 30] [--samples 5] [--jso
 2. Alarm-to-label latency: the daemon running (screens off: only the path of the alarm is timed),
    an alarm file dropped as the in-job audit drops it (temp file, rename), and the time until the
    node's new state is readable in the store: the local SQLite store, and the Kubernetes store
-   against tests/kubeapi.py (the label on the Node object). Alarms are dropped at random phases of
+   against tests/fakes/kubeapi.py (the label on the Node object). Alarms are dropped at random phases of
    the tick, so the latency is the wait for the next tick (uniform over one tick) plus the cost of
    the path itself, which the minimum approaches.
 """
@@ -41,7 +41,7 @@ from screener.types import LABEL_STATE, NodeState, Outcome, SuspectNode, Verdict
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the Kubernetes API test server
-from kubeapi import KubeAPI  # noqa: E402 - found through the line above
+from fakes.kubeapi import KubeAPI  # noqa: E402 - found through the line above
 
 NODE = "bench-node"
 PHASE = random.Random(0)  # when, within a tick, each alarm is dropped
@@ -74,7 +74,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def idle_footprint(seconds: float, kind: str = "local") -> dict[str, Any]:
-    """kind "local": the SQLite store; "kube": the Kubernetes store against tests/kubeapi.py (the
+    """kind "local": the SQLite store; "kube": the Kubernetes store against tests/fakes/kubeapi.py (the
     DaemonSet's case: the kubernetes client loaded, the node's pods listed at every probe)."""
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         work = Path(tmp)

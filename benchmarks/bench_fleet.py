@@ -1,7 +1,7 @@
 """A fleet failing at once, against the Kubernetes API test server: this store and the one before
 issue 22, side by side in one run.
 
-The API test server (tests/kubeapi.py: real HTTP, the real wire protocol, 409 on a stale
+The API test server (tests/fakes/kubeapi.py: real HTTP, the real wire protocol, 409 on a stale
 resourceVersion or a taken name) runs in its own process with the fleet loaded as screener leaves
 it (every Node labelled healthy with its summary, its history ConfigMap, the budget record). Then
 N of its nodes fail at once: one thread per failing node, each with its own KubeStore and its own
@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
-from kubeapi import KubeAPI  # noqa: E402
+from fakes.kubeapi import KubeAPI  # noqa: E402
 from screener.lifecycle.apply import apply_event  # noqa: E402
 from screener.lifecycle.records import Transition  # noqa: E402
 from screener.stores.kube import formats as kf  # noqa: E402

@@ -5,7 +5,7 @@ never twice.
 
     python benchmarks/bench_kill9.py [--kills 100] [--seed N] [--fresh] [--json]
 
-Against the Kubernetes API test server (tests/kubeapi.py) with each write's answer held a random
+Against the Kubernetes API test server (tests/fakes/kubeapi.py) with each write's answer held a random
 moment, so a kill lands between writes (tests/fakes/kill9.py says how). Children come from a fork
 server by default (the real console entry point without its 1-3 s of imports); --fresh starts
 each as `python -m screener.cli`, start-up and all. The CI slice is

@@ -96,7 +96,7 @@ def run(failing: int, fleet: int, *, code: Path, real: tuple[str, str] | None,
     summary = {ANNOTATION_HISTORY: kf.summary_annotation(history("x", now))}
     api: Any = None
     if real is None:
-        from kubeapi import KubeAPI
+        from fakes.kubeapi import KubeAPI
 
         api = KubeAPI(backlog=1024).start()
         kubeconfig = api.write_kubeconfig(tmp / "kubeconfig")

@@ -2,7 +2,7 @@
 without it (quorum_nodes = 0, the screener before issue 33.3), side by side in one run.
 
 N nodes (default 20), each a real Daemon on a fake clock, on one store the fleet shares: the
-Kubernetes API test server (tests/kubeapi.py: real HTTP, the official client, one KubeStore per
+Kubernetes API test server (tests/fakes/kubeapi.py: real HTTP, the official client, one KubeStore per
 node with its own User-Agent) or one SQLite file. They come up on the new platform one by one
 (one pass each, in a shuffled order), then every node passes again each `retry_inconclusive_s`
 (601 s on its clock) for up to --rounds rounds. The device boundary is tests/test_rolling_upgrade.py's
@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import kubernetes.client  # noqa: E402
 
 from fakes.daemon import DaemonRig  # noqa: E402
-from kubeapi import KubeAPI  # noqa: E402
+from fakes.kubeapi import KubeAPI  # noqa: E402
 from screener.determinism import preserved  # noqa: E402
 from screener.known_answer.engine import workloads as w  # noqa: E402
 from screener.known_answer.engine.faults import FaultSpec, inject  # noqa: E402

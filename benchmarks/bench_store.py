@@ -1,7 +1,7 @@
 """What one node event costs the Kubernetes API, and what the fleet-wide commands cost, by fleet size.
 
 For each fleet size (default 100, 1,000 and 5,000 nodes) a fleet is loaded into the Kubernetes API
-test server (tests/kubeapi.py, real HTTP, the official client) as screener leaves it: every Node
+test server (tests/fakes/kubeapi.py, real HTTP, the official client) as screener leaves it: every Node
 with its state label, the bounded history summary, a verdict and published known-answer digests,
 plus 3 KB of other controllers' annotations; every node's history ConfigMap; 2% of the nodes with a
 recorded failure naming a GPU serial; the budget record. Then, through KubeStore:
@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
-from kubeapi import KubeAPI  # noqa: E402
+from fakes.kubeapi import KubeAPI  # noqa: E402
 from screener.lifecycle import machine  # noqa: E402
 from screener.known_answer.verdict.crosscheck import peer_digests  # noqa: E402
 from screener.lifecycle.apply import apply_event

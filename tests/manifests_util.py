@@ -25,7 +25,7 @@ def load_all(path: Path) -> list[dict[str, Any]]:
 def resolve_kustomization() -> list[dict[str, Any]]:
     """The second-best renderer, used only where kubectl is missing: the resources listed in
     kustomization.yaml, its JSON6902 patches and image tags, nothing else of kustomize."""
-    from kubeapi import json_patch
+    from fakes.kubeapi import json_patch
 
     k = load_all(MANIFESTS / "kustomization.yaml")[0]
     objs = [d for r in k["resources"] for d in load_all(MANIFESTS / r)]

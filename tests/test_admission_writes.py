@@ -3,7 +3,7 @@
 
 The policies are read from manifests/ (rendered as `kubectl kustomize` renders them) and evaluated
 with cel-python, as the API server evaluates them, on every write the test API server
-(tests/kubeapi.py) receives: `AdmittingAPI` answers 403 with the policy's message when one
+(tests/fakes/kubeapi.py) receives: `AdmittingAPI` answers 403 with the policy's message when one
 denies, as a real server does, and records each decision. The writes come from the real store
 code (KubeStore, KubeBudget, KubeSlots, the quorum's add-only ConfigMaps), each simulated daemon
 with the node claim of a token bound to a pod on its node (told apart by its User-Agent, as in
@@ -27,7 +27,7 @@ from typing import Any, Optional
 import kubernetes.client
 import pytest
 
-from kubeapi import ApiError, KubeAPI, merge_patch
+from fakes.kubeapi import ApiError, KubeAPI, merge_patch
 from manifests_util import NODE_CLAIM, SERVICE_ACCOUNT, by_kind, rendered
 from test_store_fleet import at_once
 from screener.lifecycle.apply import apply_event

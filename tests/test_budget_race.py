@@ -25,7 +25,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from kubeapi import KubeAPI
+from fakes.kubeapi import KubeAPI
 from screener.stores.local import LocalStore
 from screener.lifecycle.records import Transition
 from screener.types import LABEL_STATE, NodeState

@@ -22,7 +22,7 @@ from screener.cli import main
 from screener.commands.context import AppContext
 from screener.errors import BadInputError, ExternalServiceError
 from screener.types import Severity
-from promserver import DCGM_LABELS, PROMETHEUS_BIN, FakePrometheus, RealPrometheus
+from fakes.promserver import DCGM_LABELS, PROMETHEUS_BIN, FakePrometheus, RealPrometheus
 
 T0 = 1_760_000_000.0  # the alarm, in the fake's timelines
 UUIDS = [f"GPU-0000000{i}-aaaa-bbbb-cccc-dddddddddddd" for i in range(4)]

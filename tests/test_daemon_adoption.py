@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from kubeapi import KubeAPI
+from fakes.kubeapi import KubeAPI
 from screener.commands.daemon import _created
 from screener.stores.kube import KubeStore
 from screener.types import ANNOTATION_VERDICT, LABEL_STATE, TAINT_STATE_KEY, NodeState, Outcome

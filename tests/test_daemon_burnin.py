@@ -9,7 +9,7 @@ import json
 import pytest
 
 from fakes.fake_nvml import FakeNvml, h100
-from kubeapi import KubeAPI
+from fakes.kubeapi import KubeAPI
 from screener.agent.burnin.full import BurninPlan, BurninRequirement, run_burnin, run_full_burnin
 from screener.agent.screening.window import KatOptions, KatProcessRunner
 from screener.health.hbm import stuck_bit

@@ -4,7 +4,7 @@ alone; the DaemonSet's priority and node selection are what docs/placement.md sa
 training Job lives in examples/ and its podFailurePolicy is the one the docs show.
 
 The re-apply test runs the official kubernetes client against the Kubernetes API test server
-(tests/kubeapi.py) with kubectl's client-side apply: the last-applied-configuration annotation and
+(tests/fakes/kubeapi.py) with kubectl's client-side apply: the last-applied-configuration annotation and
 its three-way merge, which is what deleted the goldens. kubectl itself cannot talk to that server
 (it needs the discovery and OpenAPI endpoints of a real kube-apiserver, which the server does not
 serve), so the merge kubectl computes is written out below, as kubectl documents it.
@@ -20,7 +20,7 @@ from typing import Any, Optional
 import pytest
 import yaml
 
-from kubeapi import KubeAPI
+from fakes.kubeapi import KubeAPI
 from manifests_util import by_kind, load_all, rendered
 
 ROOT = Path(__file__).resolve().parents[1]

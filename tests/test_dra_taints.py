@@ -10,7 +10,7 @@ import pytest
 
 from fakes.daemon import NODE, DaemonRig, ScriptedRunner, outcome
 from fakes.fake_nvml import FakeNvml, h100
-from kubeapi import KubeAPI, validate_published
+from fakes.kubeapi import KubeAPI, validate_published
 from screener.agent.daemon.device_taints import cuda_gpus
 from screener.health.snapshot import GpuSnapshot
 from screener.stores.kube import KubeStore

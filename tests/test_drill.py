@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from cli_util import screener
-from kubeapi import KubeAPI
+from fakes.kubeapi import KubeAPI
 from screener.cli import main
 from screener.agent.drill import DrillOptions, daemon_passes
 from screener.stores.kube import KubeStore

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import kubernetes.client
 import pytest
 
-from kubeapi import KubeAPI
+from fakes.kubeapi import KubeAPI
 from screener.determinism import preserved
 from screener.known_answer.engine import golden, promotion
 from screener.known_answer.engine import screen as kat

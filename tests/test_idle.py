@@ -11,7 +11,7 @@ import sys
 from pynvml import NVML_ERROR_NO_PERMISSION
 
 from fakes.fake_nvml import FakeNvml, h100
-from kubeapi import KubeAPI
+from fakes.kubeapi import KubeAPI
 from screener.health.host import own_pids
 from screener.health.idle import IdleTracker, observe
 from screener.health.nvml import NvmlAdapter

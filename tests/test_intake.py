@@ -13,7 +13,7 @@ import pytest
 
 from fakes.clock import FakeClock
 from fakes.daemon import NODE, alarm
-from kubeapi import KubeAPI
+from fakes.kubeapi import KubeAPI
 from screener.agent.daemon.intake import AlarmIntake, applied_in_history
 from screener.agent.metrics import DaemonMetrics
 from screener.audit.alarms import SDCAlarm, node_records, write_alarm_file

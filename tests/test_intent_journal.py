@@ -1,7 +1,7 @@
 """A transition is completed after any crash (issue 36.7): what a pass is about to write is on
 file (screener.stores.intents) before its first write, and the next pass finishes it.
 
-Real parts only: the Kubernetes API test server (tests/kubeapi.py) over HTTP through the official
+Real parts only: the Kubernetes API test server (tests/fakes/kubeapi.py) over HTTP through the official
 client, the store's journal on disk, and for the campaign real `screener daemon --once` processes
 killed with SIGKILL at random moments of a quarantine (tests/fakes/kill9.py says how the kills
 land between writes). Before: of 35 kills mid-quarantine, 2 left the label, taint and slot with no
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from fakes.kill9 import NAMESPACE, Campaign, TappedAPI, audit
-from kubeapi import KubeAPI
+from fakes.kubeapi import KubeAPI
 from screener.lifecycle.apply import apply_event
 from screener.lifecycle.machine import FleetCounts, decide
 from screener.stores.intents import IntentJournal

@@ -1,8 +1,8 @@
 """A deadline per API call that no server behaviour can stretch, SIGTERM within the grace period,
 and a daemon that starts while the API is out of reach (issue 36.4).
 
-Real parts only: the Kubernetes API test server (tests/kubeapi.py) behind a real TCP proxy
-(tests/tcpproxy.py) that drips the real answers one byte at a time or black-holes them; the
+Real parts only: the Kubernetes API test server (tests/fakes/kubeapi.py) behind a real TCP proxy
+(tests/fakes/tcpproxy.py) that drips the real answers one byte at a time or black-holes them; the
 store through the official client over HTTP, and `screener daemon` as a child process.
 Before: a dripped answer held a call (and `daemon --once`) for ever and SIGTERM did not end it;
 a black hole took read_s per attempt past call_s; a daemon starting in an outage took no alarms.
@@ -24,8 +24,8 @@ from typing import Any
 import kubernetes.client
 import pytest
 
-from kubeapi import KubeAPI
-from tcpproxy import TcpProxy
+from fakes.kubeapi import KubeAPI
+from fakes.tcpproxy import TcpProxy
 from screener.audit.alarms import write_alarm_file
 from screener.stores.kube import KubeStore, KubeTimeouts, RetryPolicy, TransientKubeError
 from screener.alarmfile import AlarmRecord

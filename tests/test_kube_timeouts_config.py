@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from kubeapi import KubeAPI
-from tcpproxy import TcpProxy
+from fakes.kubeapi import KubeAPI
+from fakes.tcpproxy import TcpProxy
 from screener.commands.context import AppContext
 from screener.errors import ConfigError
 from screener.settings.daemon import DaemonConfig

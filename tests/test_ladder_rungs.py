@@ -330,7 +330,7 @@ def test_threads_of_one_process_share_the_slot_file_safely(tmp_path):
     assert sum(wins) == 2
 
 
-# --- slots on Kubernetes (the official client over HTTP, against tests/kubeapi.py) -------------
+# --- slots on Kubernetes (the official client over HTTP, against tests/fakes/kubeapi.py) -------------
 
 def _kube_slots(server, capacity: int, clock, instance: str):
     from screener.stores.kube import KubeStore
@@ -341,7 +341,7 @@ def _kube_slots(server, capacity: int, clock, instance: str):
 
 
 def test_kube_slots_race_exactly_capacity_win_and_release_by_uid():
-    from kubeapi import KubeAPI
+    from fakes.kubeapi import KubeAPI
 
     with KubeAPI() as server:
         now = [1000.0]
@@ -434,7 +434,7 @@ def test_the_daemon_resets_then_reboots_and_its_restart_on_the_new_boot_rescreen
 def test_a_repair_step_on_kubernetes_keeps_the_taint_label_and_budget_slot():
     """The reboot request (quarantined -> quarantined) through KubeStore: appended to the
     history, the node stays labelled and tainted, and it still holds its one budget slot."""
-    from kubeapi import KubeAPI
+    from fakes.kubeapi import KubeAPI
     from screener.stores.kube import KubeStore
     from screener.types import LABEL_STATE
 

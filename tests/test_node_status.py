@@ -9,7 +9,7 @@ import json
 import re
 
 from cli_util import screener
-from kubeapi import KubeAPI
+from fakes.kubeapi import KubeAPI
 from screener.lifecycle.records import Transition
 from screener.stores.local import LocalStore
 from screener.types import ANNOTATION_VERDICT, LABEL_STATE, NodeState as S

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kubeapi import KubeAPI
+from fakes.kubeapi import KubeAPI
 from screener.agent.screening.window import ScreenRequest
 from screener.settings.daemon import DaemonConfig
 from screener.errors import ConfigError

@@ -6,7 +6,7 @@ Before: one `screener daemon --once` taking a settled alarm made 21 requests on 
 of them failing together made 23-24 each. The pass (KubeStore.one_pass) now answers a read from
 what it has read or written of the object, and forgets the object when a write to it fails.
 
-Real parts: the Kubernetes API test server (tests/kubeapi.py) over HTTP through the official
+Real parts: the Kubernetes API test server (tests/fakes/kubeapi.py) over HTTP through the official
 client, and a real `screener daemon --once` process for the pass.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from fakes.kill9 import NAMESPACE, Campaign, TappedAPI, audit
-from kubeapi import KubeAPI
+from fakes.kubeapi import KubeAPI
 from screener.audit.alarms import write_alarm_file
 from screener.lifecycle.apply import apply_event
 from screener.lifecycle.records import Transition

@@ -26,7 +26,7 @@ from screener.known_answer.engine import workloads as w
 from screener.known_answer.engine.fault_spec import parse_fault
 from screener.alarmfile import CHECKS as ALARM_CHECK_REASONS
 from screener.types import ExitCode, Reason
-from tests.kubeapi import KubeAPI
+from fakes.kubeapi import KubeAPI
 
 ROOT = Path(__file__).resolve().parents[1]
 NOW = 1_800_000_000.0

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from kubeapi import KubeAPI
+from fakes.kubeapi import KubeAPI
 from screener.stores.kube import KubeStore
 from screener.types import ANNOTATION_DIGESTS, TAINT_SCREENING_KEY, Outcome
 from screener.settings.daemon import DaemonConfig

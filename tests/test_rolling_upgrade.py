@@ -24,7 +24,7 @@ import kubernetes.client
 import pytest
 
 from fakes.daemon import DaemonRig, as_full_burnin
-from kubeapi import KubeAPI
+from fakes.kubeapi import KubeAPI
 from screener.agent.screening.window import ScreenOutcome, ScreenRequest
 from screener.determinism import preserved
 from screener.known_answer.engine import golden as golden_mod

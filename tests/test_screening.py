@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from kubeapi import KubeAPI
+from fakes.kubeapi import KubeAPI
 from screener.agent.screening.window import (KatOptions, KatProcessRunner, LocalTaint,
                                              ScreeningWindow, ScreenRequest)
 from screener.stores.kube import KubeStore

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from fakes.race_workers import NAMESPACE, worker
-from kubeapi import KubeAPI
+from fakes.kubeapi import KubeAPI
 from screener.stores.kube import formats as kf
 from screener.stores.kube import KubeStore
 from screener.stores.slots import KubeSlots

@@ -4,7 +4,7 @@ Kubernetes API test server through the official client over HTTP.
 Each simulated daemon is a thread with its own KubeStore and connections, told apart on the server
 by its User-Agent. The long runs (150 of 1,500, 300 of 3,000, before and after side by side) are
 benchmarks/bench_fleet.py; these are their small slices. The outages go through a real TCP proxy
-(tests/tcpproxy.py) that black-holes or resets connections.
+(tests/fakes/tcpproxy.py) that black-holes or resets connections.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any
 import kubernetes.client
 import pytest
 
-from kubeapi import KubeAPI
-from tcpproxy import TcpProxy
+from fakes.kubeapi import KubeAPI
+from fakes.tcpproxy import TcpProxy
 from screener.lifecycle.apply import apply_event
 from screener.lifecycle.machine import NodeSeen
 from screener.lifecycle.records import Transition

@@ -1,4 +1,4 @@
-"""KubeStore through the official kubernetes client over HTTP, against tests/kubeapi.py."""
+"""KubeStore through the official kubernetes client over HTTP, against tests/fakes/kubeapi.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 import cli_util
-from kubeapi import KubeAPI, json_patch, merge_patch, strategic_merge_patch
+from fakes.kubeapi import KubeAPI, json_patch, merge_patch, strategic_merge_patch
 from screener.cli import main
 from screener.lifecycle.machine import NodeSeen, decide
 from screener.lifecycle.apply import apply_event

@@ -1,7 +1,7 @@
 """The Kubernetes store at fleet scale: O(1) API work per node event, history off the Node, the
 budget record, and nodes still carrying the old long history annotation.
 
-Against tests/kubeapi.py through the official client over HTTP. The API test server records every
+Against tests/fakes/kubeapi.py through the official client over HTTP. The API test server records every
 request with its bytes, so "bounded per event" is a count, not a timing.
 """
 
@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from kubeapi import KubeAPI
+from fakes.kubeapi import KubeAPI
 from screener.lifecycle.machine import NodeSeen, Remediation
 from screener.lifecycle.apply import apply_event, reconsider_held
 from screener.stores.kube import budget as kb

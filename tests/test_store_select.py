@@ -1,7 +1,7 @@
 """Which cluster a command talks to (issue 25.5): `--store auto`, `--kubeconfig` and `--context`
 as kubectl picks them: --kubeconfig, else the files $KUBECONFIG lists, else ~/.kube/config, else
 the pod's service account; a context by name. End to end through the console entry point against
-two Kubernetes API test servers (tests/kubeapi.py) that hold different nodes, so a command that
+two Kubernetes API test servers (tests/fakes/kubeapi.py) that hold different nodes, so a command that
 talks to the wrong one, or to the local store, shows it."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, Iterator, Optional
 import pytest
 
 from cli_util import screener
-from kubeapi import KubeAPI
+from fakes.kubeapi import KubeAPI
 from screener.settings.daemon import DaemonConfig
 from screener.settings.stores import (IN_CLUSTER_ENV, KubeTimeouts, StoreChoice, kubeconfig_path,
                                       resolve_store_kind)

@@ -2,7 +2,7 @@
 quarantine, restarted, and every node's transition checked whole or absent, never half, never
 twice. Shared by tests/test_intent_journal.py (the CI slice) and benchmarks/bench_kill9.py.
 
-The API server is the Kubernetes API test server (tests/kubeapi.py) with a tap on its writes
+The API server is the Kubernetes API test server (tests/fakes/kubeapi.py) with a tap on its writes
 (`TappedAPI`): each write is applied and then its answer held for a random moment, and the
 campaign kills the child while the k-th write of its pass is held (k at random: the write is
 in, the child never learns it), or at a random time after the child started (before its first
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from kubeapi import KubeAPI
+from fakes.kubeapi import KubeAPI
 from screener.audit.alarms import write_alarm_file
 from screener.stores.kube import formats as kf
 from screener.alarmfile import AlarmRecord
