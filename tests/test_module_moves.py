@@ -1,6 +1,5 @@
-"""Regressions found reviewing the issue-15 restructuring (modules moved into subpackages).
-
-Each test names the promise it holds: behaviour unchanged by the move.
+"""What moving modules into subpackages must leave as it was: an uninstalled checkout still finds
+the repository's data, and log lines keep the logger names log queries filter on.
 """
 
 from __future__ import annotations
