@@ -17,7 +17,8 @@ import torch.nn as nn
 from ddp_util import run_ranks
 import fsdp_workers
 from screener.audit import Auditor, AuditUsageError
-from screener.audit.sharded import _finite, is_sharded
+from screener.audit.fsdp_tap import finite as _finite
+from screener.audit.sharded import is_sharded
 
 NODES = ["n1", "n1", "n2", "n2", "n3", "n3"]
 pytestmark = pytest.mark.timeout(600)

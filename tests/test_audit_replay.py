@@ -200,7 +200,7 @@ def test_run_guarded_records_its_code_and_alarms_its_node_on_a_hardware_error(tm
     assert (rec.check, rec.settled, rec.node, rec.suspect_ranks) == (
         "hardware_error", False, "hyperpod-i-0123456789abcdef0", ())
     assert rec.suspect_nodes[0].instance_id == "i-0123456789abcdef0"
-    from screener.agent.daemon.intake import validate  # the DaemonSet's reader takes it as it is
+    from screener.alarmfile import validate
     assert validate(json.loads(f.read_text())).check == "hardware_error"
     assert run_guarded(lambda: 0) == 0 and len(list(exits.glob("*.code"))) == 1  # same pid: rewritten
     assert len(list(alarms.glob("*.json"))) == 1  # a clean exit alarms nobody

@@ -15,7 +15,7 @@ import torch
 
 import buddy_workers as bw
 from ddp_util import run_ranks
-from screener.agent.daemon.intake import validate
+from screener.alarmfile import validate
 from screener.audit.alarms import CHECKS
 from screener.audit.update_buddy import (MIN_PER_PARAM, _bucket, _digest, _first_difference,
                                          _hyper, _joined, _state_of, coverage, recompute,

@@ -248,7 +248,7 @@ def test_a_mismatch_in_the_timed_rounds_stands_even_when_too_few_repeats_ran(kat
     """The daemon's worker runs the burn-in's rounds for the configured seconds and, when that was
     too short for the required repeats, runs them again by count. A mismatch in the timed rounds is
     evidence and must stand: a second run that passes (an intermittent fault) never replaces it."""
-    from screener.agent.screening.window import first_is_final
+    from screener.agent.screening.worker import first_is_final
 
     kat, _ = kat_env
     jobs, golden = kat.dirs

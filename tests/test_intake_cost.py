@@ -14,7 +14,8 @@ import urllib.request
 
 import pytest
 
-from screener.agent.daemon.intake import MAX_ALARM_BYTES, AlarmIntake, IntakeLimits
+from screener.agent.daemon.intake import AlarmIntake, IntakeLimits
+from screener.alarmfile import MAX_ALARM_BYTES
 from screener.agent.metrics import DaemonMetrics, MetricsServer
 from screener.audit.alarms import write_alarm_file
 from screener.types import NodeState

@@ -36,6 +36,8 @@ def test_uninstalled_checkout_finds_the_repository_data(kind: str) -> None:
     ("screener.agent.screening.window", "screener.screening"),
     ("screener.agent.daemon.loop", "screener.daemon"), ("screener.remediation.hyperpod", "screener.hyperpod"),
     ("screener.known_answer.verdict.crosscheck", "screener.crosscheck"),
+    ("screener.stores.kube.store", "screener.stores.kube"),
+    ("screener.stores.kube.calls", "screener.stores.kube"),
 ])
 def test_log_lines_keep_their_logger_names_after_the_move(module, name):
     """The daemon's JSON log lines carry the logger's name; log queries filter on it, so moving a

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from screener.agent.daemon.intake import validate
+from screener.alarmfile import validate
 from screener.agent.preflight import fast_path, parse_verdict_text
 from screener.known_answer.engine import screen as kat
 from screener.known_answer.engine import workloads as w

@@ -213,7 +213,7 @@ def test_monitor_reports_stragglers_with_their_nodes_over_gloo(tmp_path):
     from fakes.clock import FakeClock
 
     # the daemon's clock where the job's was: an alarm from past the node's clock plus its skew
-    # allowance is refused (intake.MAX_CLOCK_SKEW_S)
+    # allowance is refused (alarmfile.MAX_CLOCK_SKEW_S)
     rig = DaemonRig(tmp_path / "daemon", ScriptedRunner(outcome(Outcome.PASS), outcome(Outcome.PASS)),
                     node=NODES[2], alarm_dir=str(files[0].parent), idle_window_s=0.0,
                     clock=FakeClock(time.time()))

@@ -28,7 +28,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from screener.agent.daemon.loop import Daemon, DaemonPorts, PassReport
+from screener.agent.daemon.loop import Daemon
+from screener.agent.daemon.passreport import PassReport
+from screener.agent.daemon.ports import DaemonPorts
 from screener.agent.screening.window import ScreenOutcome, ScreenRequest
 from screener.errors import BadInputError
 from screener.lifecycle.ports import Store

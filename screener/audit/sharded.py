@@ -84,7 +84,6 @@ from screener.audit.cadence import Cadence
 from screener.audit.capture import StateCodec, StepState, capture, scaler_scale
 from screener.audit.collective import comm_device
 from screener.audit.config import AuditConfig
-from screener.audit.fsdp_tap import finite as _finite  # noqa: F401 - tests import it from here
 from screener.audit.fsdp_tap import fsdp_module_class, install_recorders
 from screener.audit.layout import Layout, describe, join
 from screener.audit.nonfinite import ShardedNonFinite

@@ -29,7 +29,8 @@ def build_daemon(app: AppContext, config: Any, *, stop: threading.Event,
                  metrics: Any = None, answer: Any = None) -> Any:
     """The real Daemon for a config, wired from the AppContext (store, NVML, SageMaker client);
     what it opens is closed when the command ends."""
-    from screener.agent.daemon.loop import Daemon, DaemonPorts
+    from screener.agent.daemon.loop import Daemon
+    from screener.agent.daemon.ports import DaemonPorts
     from screener.health.probes import DeferredKernelLogReader, run_probes
     from screener.health.host import own_pids
     from screener.agent.screening.window import (KatOptions, KatProcessRunner, LocalTaint,
@@ -181,7 +182,7 @@ def daemon_cmd(app: AppContext, config_path: Optional[str], once: bool, node: Op
     from screener.settings.daemon import DaemonConfig
 
     try:  # screener.agent.daemon.loop imports the metrics module too
-        from screener.agent.daemon.loop import setup_json_logging
+        from screener.agent.daemon.jsonlog import setup_json_logging
         from screener.agent.metrics import DaemonMetrics, MetricsServer
     except MissingExtra as e:
         # The daemon needs the metrics client and the Kubernetes one: name the extra with both.

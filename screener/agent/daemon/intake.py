@@ -57,11 +57,9 @@ from screener.atomicfile import fsync_dir
 from screener import boundedjson
 from screener.agent.daemon.clock import ClockLike, as_clock
 # The alarm file's rules (its fields, check names and bounds, `validate`, `is_ours`) are the
-# contract's, shared with the writer in screener.audit; the names stay importable from here.
-from screener.alarmfile import (MAX_ALARM_BYTES, MAX_CLOCK_SKEW_S, MAX_CREATED,  # noqa: F401
-                                MAX_DEPTH, MAX_EVIDENCE_BYTES, MAX_NAME_LEN, MAX_RANKS,
-                                MAX_SUSPECT_NODES, MIN_CREATED, SCHEMA, STRAGGLER_BOUNDS,
-                                AlarmRecord, is_ours, validate)
+# contract's, shared with the writer in screener.audit.
+from screener.alarmfile import (MAX_ALARM_BYTES, MAX_DEPTH, SCHEMA, AlarmRecord, is_ours,
+                                validate)
 
 # The name the daemon's JSON log lines have always carried (log queries filter on it), not the
 # module's path since the move into subpackages.

@@ -74,11 +74,9 @@ from screener.agent.daemon.feed import BUDGET_LOOK_S, LifecycleFeed
 from screener.agent.daemon.findings import FindingsTracker
 from screener.agent.health_answer import AnswerBoard
 from screener.agent.daemon.intake import AlarmIntake, IntakeLimits, applied_in_history
-# The names below were defined in this module before it was split; callers import them from here.
-from screener.agent.daemon.jsonlog import JsonFormatter, setup_json_logging  # noqa: F401
 from screener.agent.metrics import DaemonMetrics
 from screener.agent.daemon.passreport import PassReport
-from screener.agent.daemon.ports import DaemonPorts, PodsFn, ProbeFn  # noqa: F401
+from screener.agent.daemon.ports import DaemonPorts
 from screener.agent.screening.window import ScreeningWindow
 from screener.agent.daemon.screens import DaemonScreens
 from screener.errors import ScreenerError
@@ -93,8 +91,7 @@ from screener.types import AlarmResult, ExitCode, NodeState, Severity
 log = logging.getLogger("screener.daemon")
 
 VERDICT_UNSCREENED = "unscreened"  # the verdict annotation's kind for an adopted node
-__all__ = ["BUDGET_LOOK_S", "VERDICT_UNSCREENED", "Daemon", "DaemonPorts", "JsonFormatter",
-           "PassReport", "PodsFn", "ProbeFn", "setup_json_logging"]
+__all__ = ["BUDGET_LOOK_S", "VERDICT_UNSCREENED", "Daemon"]
 
 
 class _Port:

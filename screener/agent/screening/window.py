@@ -44,8 +44,6 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Protocol, Sequenc
 
 from screener.atomicfile import write_atomic
 from screener import boundedjson
-# The worker process's code (first_is_final is imported from here by callers).
-from screener.agent.screening.worker import first_is_final  # noqa: F401
 from screener.health import host
 from screener.known_answer.verdict import node_memory
 from screener.lifecycle.events import KIND_FULL, KIND_QUICK

@@ -83,7 +83,8 @@ from screener.stores.paths import default_state_dir
 from screener.stores.spool import Spool
 from screener.types import ANNOTATION_HISTORY, ANNOTATION_VERDICT, LABEL_STATE, NodeState, node_name
 
-log = logging.getLogger(__name__)
+# The name it had as one module (screener/stores/kube.py): log queries filter on it.
+log = logging.getLogger("screener.stores.kube")
 
 DEFAULT_NAMESPACE = "screener-system"
 
