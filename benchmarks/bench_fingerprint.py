@@ -15,7 +15,11 @@ All implementations must agree bit for bit on every workload (checked; the run f
 --load-test: with 2 threads, times single calls on a 256 MiB tensor on a quiet machine, then while
 busy processes (one per core, spinning) compete for the CPUs, and prints the worst call under load
 as a multiple of the quiet median (target <= 3x: one parallel region per call, so a descheduled
-thread can stall a call at most once). --device cuda adds the HBM copy bandwidth as the yardstick
+thread can stall a call at most once). With more than one thread, set OMP_WAIT_POLICY=PASSIVE to
+measure the kernel alone: torch's OpenMP workers (libgomp) spin for some milliseconds after every
+parallel region (300,000 pause instructions: ~15 ms on a Xeon with 140-cycle PAUSE) and take a core
+from the kernel's helper thread, while the read pass runs on those very workers. The header prints
+the policy in force. --device cuda adds the HBM copy bandwidth as the yardstick
 (target: ours >= 0.7 of copy).
 """
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import statistics
 import time
 from typing import Callable, Sequence
@@ -190,7 +195,8 @@ def main() -> None:
     kernel = native_cpu.load()[0]
     isa = f" ({kernel.isa})" if kernel is not None and backend(dev) == "native" else ""
     print(f"device={dev} threads={torch.get_num_threads()} torch={torch.__version__} "
-          f"backend={backend(dev)}{isa} rounds={args.rounds} (median GB/s)")
+          f"backend={backend(dev)}{isa} OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')} "
+          f"rounds={args.rounds} (median GB/s)")
     if dev.startswith("cuda"):
         copy = copy_bandwidth(dev)
         print(f"HBM copy bandwidth: {copy:.0f} GB/s (read + write)")

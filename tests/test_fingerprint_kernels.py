@@ -94,16 +94,36 @@ def test_every_size_class_across_lane_block_and_piece_boundaries(size):
 
 
 @pytest.mark.parametrize("size", [1, 2, 4, 8])
-def test_portable_kernels_match_the_definition_too(size):
-    # This machine runs the AVX2 kernels; a CPU without AVX2 (or not x86) runs the portable ones.
+def test_every_kernel_set_this_cpu_runs_matches_the_definition(size):
+    # A CPU runs one set (AVX-512, else AVX2, else the portable vector extensions); each set is
+    # checked on every machine that can run it, so an AVX-512 machine also checks the AVX2 and
+    # portable kernels that other nodes run, and the sets cannot drift apart.
     dtype = INT_VIEW[size]
     cases = [random_bits(n, dtype, seed=n + size) for n in SIZES]
     cases += [torch.full((5 * 4096 + 3,), v, dtype=dtype) for v in
               ((0, 255) if size == 1 else (-(1 << (8 * size - 1)), (1 << (8 * size - 1)) - 1))]
+    sets = kernel().runnable() + ["native"]
+    assert sets[0] == "generic"
     for t in cases:
         want = definition(t)
-        assert kernel().sums(t.data_ptr(), t.numel(), size, generic=True) == want, t.numel()
-        assert kernel().sums(t.data_ptr(), t.numel(), size, generic=False) == want, t.numel()
+        for kernels in sets:
+            assert kernel().sums(t.data_ptr(), t.numel(), size, kernels) == want, (kernels, t.numel())
+
+
+def test_the_kernel_set_a_cpu_runs_is_the_widest_it_has():
+    # The choice follows the CPU's flags: the widest set it can run, and a set it cannot is refused
+    # in one line rather than run (an AVX-512 instruction on an AVX2 CPU is SIGILL).
+    k = kernel()
+    flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
+    want = ("avx512" if "avx512f" in flags and "avx512bw" in flags else
+            "avx2" if "avx2" in flags else "generic")
+    if os.uname().machine != "x86_64":
+        want = "generic"
+    assert k.isa == want
+    assert k.runnable()[-1] == want
+    for missing in set(native.KERNEL_SETS) - set(k.runnable()) - {"native"}:
+        with pytest.raises(ValueError, match=f"cannot run the {missing} kernels"):
+            k.sums(0, 0, 1, missing)
 
 
 @pytest.mark.parametrize("dtype,values", [
@@ -120,12 +140,13 @@ def test_extreme_values_in_long_runs_do_not_overflow_the_lanes(dtype, values):
     assert tuple(fingerprints([t])[0].tolist()) == definition(t)
 
 
-def test_bytes_past_the_flush_of_the_avx2_byte_kernel():
-    # The AVX2 byte kernel flushes its 32-bit weighted lanes every 2**16 rows of 32 bytes (2 MiB):
-    # runs of 255 (the largest byte) past that, in one piece and on one thread.
-    for t in (torch.full(((5 << 20) + 13,), 255, dtype=torch.uint8), random_bits((5 << 20) + 31, torch.uint8, 7)):
+def test_bytes_past_the_flush_of_the_x86_byte_kernels():
+    # The x86 byte kernels flush their 32-bit weighted lanes every 2**16 rows (of 32 bytes for AVX2,
+    # 2 MiB; of 64 for AVX-512, 4 MiB): runs of 255 (the largest byte) past that, on one thread.
+    for t in (torch.full(((9 << 20) + 13,), 255, dtype=torch.uint8), random_bits((9 << 20) + 31, torch.uint8, 7)):
         want = definition(t)
-        assert kernel().sums(t.data_ptr(), t.numel(), 1, generic=False) == want
+        for kernels in kernel().runnable():
+            assert kernel().sums(t.data_ptr(), t.numel(), 1, kernels) == want, kernels
         assert run_kernel([t], 1, 1 << 30) == [want]
 
 

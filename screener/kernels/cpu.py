@@ -16,7 +16,10 @@ from typing import Optional
 
 # The extension's module name; the file is _fingerprint.<python tag>.so next to this module.
 LIBRARY = "screener.kernels._fingerprint"
-_ABI_VERSION = 1
+_ABI_VERSION = 2
+
+# The kernel sets a build has, by the number sfp_sums takes ("native" = the one this CPU runs).
+KERNEL_SETS = {"native": 0, "generic": 1, "avx2": 2, "avx512": 3}
 
 # Large tensors are cut into pieces of this many bytes for the threads; runs of small tensors are
 # grouped to about this size. ~1 MiB: a few hundred microseconds of work at most, so threads share
@@ -41,16 +44,28 @@ class CpuKernel:
                                ctypes.c_void_p]
         isa = lib.sfp_isa
         isa.restype = ctypes.c_char_p
-        self.isa: str = isa().decode()  # "avx2" or "generic": the kernels this CPU runs
+        self.isa: str = isa().decode()  # "avx512", "avx2" or "generic": the kernels this CPU runs
 
-    def sums(self, address: int, numel: int, element_size: int, generic: bool) -> tuple[int, int]:
-        """One contiguous tensor's (S, W) on one thread, with the portable kernels if `generic`
-        (those a CPU without AVX2 runs) or with this CPU's: for tests on any machine."""
+    def sums(self, address: int, numel: int, element_size: int, kernels: str = "native") -> tuple[int, int]:
+        """One contiguous tensor's (S, W) on one thread, with the kernel set named (a key of
+        KERNEL_SETS): for tests that check, on any machine, every set the CPU can run."""
         out = (ctypes.c_int64 * 2)()
-        rc = self._sums(address, numel, element_size, int(generic), out)
+        rc = self._sums(address, numel, element_size, KERNEL_SETS[kernels], out)
+        if rc == -3:
+            raise ValueError(f"fingerprint kernel: this CPU or build cannot run the {kernels} kernels")
         if rc != 0:
             raise RuntimeError(f"fingerprint kernel: failed with code {rc}")
         return out[0], out[1]
+
+    def runnable(self) -> list[str]:
+        """The kernel sets this CPU can run, the generic ones first."""
+        return ["generic"] + [k for k in ("avx2", "avx512") if self._can_run(k)]
+
+    def _can_run(self, kernels: str) -> bool:
+        one = (ctypes.c_int64 * 1)(0)
+        out = (ctypes.c_int64 * 2)()
+        rc: int = self._sums(ctypes.addressof(one), 1, 8, KERNEL_SETS[kernels], out)
+        return rc == 0
 
     def run(self, desc: "array[int]", out_address: int, threads: int,
             piece_bytes: int = PIECE_BYTES, parallel_min_bytes: int = PARALLEL_MIN_BYTES) -> None:
