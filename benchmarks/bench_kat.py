@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from screener.known_answer.engine import faults
-from screener.known_answer.engine import screen as kat  # noqa: E402
+from screener.known_answer.engine.screen import quick_jobs  # noqa: E402
 from screener.known_answer.engine import supervise  # noqa: E402
 from screener.known_answer.engine import workloads as w  # noqa: E402
 
@@ -68,7 +68,7 @@ def time_jobs(device: str, repeats: int = 3) -> list[dict[str, Any]]:
 
 def time_screen(device: str) -> dict[str, Any]:
     t0 = time.monotonic()
-    runs = supervise.execute(kat.quick_jobs(str(ROOT / "jobs")), [device], iterations=2)
+    runs = supervise.execute(quick_jobs(str(ROOT / "jobs")), [device], iterations=2)
     total = time.monotonic() - t0
     run = runs[device]
     jobs = sum(sum(r.seconds) for r in run.jobs.values())

@@ -47,7 +47,7 @@ from screener.determinism import preserved  # noqa: E402
 from screener.errors import ScreenerError  # noqa: E402
 from screener.known_answer.engine import faults, golden
 from screener.known_answer.verdict import judgment  # noqa: E402
-from screener.known_answer.engine import screen as kat  # noqa: E402
+from screener.known_answer.engine.screen import golden_lookup  # noqa: E402
 from screener.known_answer.engine import workloads as w  # noqa: E402
 from screener.known_answer.engine.faults import FaultSpec, inject  # noqa: E402
 from screener.known_answer.verdict.runs import DeviceRun  # noqa: E402
@@ -150,7 +150,7 @@ def campaign(per_cell: int, repeat: int, seed: int) -> dict[str, Any]:
             rec = golden.record_from_results(spec, {"name": "bench"}, "bench", [("x", clean)],
                                              repeats=1)
             golden.write(rec, tmp)
-            lookup = kat.golden_lookup(str(tmp))
+            lookup = golden_lookup(str(tmp))
             dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(
                 str(spec.params_for("cpu").get("dtype")), torch.float32)
             for op in OPS[spec.kind]:

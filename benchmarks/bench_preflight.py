@@ -58,10 +58,10 @@ def _once(env: dict[str, str], golden: str) -> float:
 
 
 def timing(runs: int) -> dict[str, Any]:
-    from screener.known_answer.engine import screen as kat
+    from screener.known_answer.engine.screen import record_goldens, resolve_jobs
 
     golden = tempfile.mkdtemp(prefix="bench-preflight-golden-")
-    rec = kat.record_goldens(kat.resolve_jobs(list(DEFAULT_JOBS)), ["cpu"], out_dir=golden,
+    rec = record_goldens(resolve_jobs(list(DEFAULT_JOBS)), ["cpu"], out_dir=golden,
                              repeat=2)
     if int(rec.exit_code) != 0:
         raise SystemExit("could not record goldens: " + "; ".join(rec.lines()))
@@ -108,7 +108,7 @@ def coverage(per_cell: int, seed: int) -> dict[str, Any]:
 
     from screener.determinism import preserved
     from screener.known_answer.engine import faults, golden
-    from screener.known_answer.engine import screen as kat
+    from screener.known_answer.engine.screen import golden_lookup
     from screener.known_answer.engine import workloads as w
 
     rng = random.Random(seed)
@@ -126,7 +126,7 @@ def coverage(per_cell: int, seed: int) -> dict[str, Any]:
             setup[spec.name] = (spec, clean, found)
             for op, (dtype, _, _) in found.items():
                 exercisers[(op, str(dtype).replace("torch.", ""))].append(spec.name)
-        lookup = kat.golden_lookup(str(tmp))
+        lookup = golden_lookup(str(tmp))
         classes: dict[str, dict[str, int]] = {}
         for (op, dname), names in sorted(exercisers.items()):
             dtype = setup[names[0]][2][op][0]

@@ -73,15 +73,15 @@ def cpu_goldens(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
     test asks first, instead of a recording per test module. Read-only to the tests: a test that
     needs a broken golden copies it first."""
     from screener.known_answer.engine import golden
-    from screener.known_answer.engine import screen as kat
+    from screener.known_answer.engine.screen import local_platform, record_goldens, resolve_jobs
     from screener.types import ExitCode
 
-    phash = kat.local_platform("cpu").numeric_hash
+    phash = local_platform("cpu").numeric_hash
     recorded: list[Path] = []  # the session's folder, made on the first recording
 
     def goldens(*jobs: str) -> str:
         committed = ROOT / "golden"
-        specs_all = kat.resolve_jobs(list(jobs), str(ROOT / "jobs"))
+        specs_all = resolve_jobs(list(jobs), str(ROOT / "jobs"))
         # a record may cover this platform in its 'also' list (bit-identical to another CPU's)
         if all(golden.find(committed, s, phash) is not None for s in specs_all):
             return str(committed)
@@ -90,8 +90,8 @@ def cpu_goldens(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
         out = recorded[0]
         missing = [j for j in jobs if not golden.golden_path(out, j, phash).exists()]
         if missing:
-            specs = kat.resolve_jobs(missing, str(ROOT / "jobs"))
-            rec = kat.record_goldens(specs, ["cpu"], out_dir=str(out), repeat=2)
+            specs = resolve_jobs(missing, str(ROOT / "jobs"))
+            rec = record_goldens(specs, ["cpu"], out_dir=str(out), repeat=2)
             assert rec.exit_code == ExitCode.PASS, rec.lines()
         return str(out)
 

@@ -12,7 +12,7 @@ import pytest
 
 from screener.agent.burnin import full as burnin
 from screener.errors import BadInputError
-from screener.known_answer.engine import screen as kat
+from screener.known_answer.engine.screen import DeviceFault
 from screener.types import ExitCode, Outcome
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +49,7 @@ def test_cli_burnin_for_a_duration_passes_with_report(golden_dir, tmp_path):
 
 @pytest.mark.slow
 def test_a_fault_in_a_later_iteration_is_caught(golden_dir):
-    fault = kat.DeviceFault(op="mm", call=2, element=5, bit=4, job="gemm-fp32", iteration=1)
+    fault = DeviceFault(op="mm", call=2, element=5, bit=4, job="gemm-fp32", iteration=1)
     rep = burnin.run_burnin(["cpu"], JOBS, iterations=2, golden_dir=golden_dir,
                             faults={"cpu": [fault]})
     assert rep.exit_code == ExitCode.HARDWARE_SUSPECT and rep.outcome == Outcome.SUSPECT

@@ -20,7 +20,7 @@ import pytest
 from fakes.kubeapi import KubeAPI
 from screener.determinism import preserved
 from screener.known_answer.engine import golden, promotion
-from screener.known_answer.engine import screen as kat
+from screener.known_answer.engine.screen import judge_runs
 from screener.known_answer.engine import workloads as w
 from screener.known_answer.engine.faults import FaultSpec, inject
 from screener.known_answer.verdict.quorum import FleetView, candidates_of
@@ -77,7 +77,7 @@ def _fleet(digests: dict[str, str], *, node: str = "me", need: int = 3,
 def _judge(spec, runs: dict[str, DeviceRun], fleet: FleetView, tmp_path: Path):
     empty = tmp_path / "golden"
     empty.mkdir(exist_ok=True)
-    return kat.judge_runs(runs, [spec], str(empty), seconds=0.0, fleet=fleet)
+    return judge_runs(runs, [spec], str(empty), seconds=0.0, fleet=fleet)
 
 
 # --- the quorum itself ------------------------------------------------------------------------
@@ -185,10 +185,10 @@ def test_this_nodes_memory_never_overrides_a_quorum(spec, clean, tmp_path):
     fleet = _fleet({"a": clean.digest, "b": clean.digest, "c": clean.digest})
     empty = tmp_path / "g"
     empty.mkdir()
-    res = kat.judge_runs({"cpu": _device("cpu", [clean, clean])}, [spec], str(empty),
+    res = judge_runs({"cpu": _device("cpu", [clean, clean])}, [spec], str(empty),
                          seconds=0.0, known=known, fleet=fleet)
     assert res.verdict("cpu").outcome == Outcome.PASS
-    res = kat.judge_runs({"cpu": _device("cpu", [bad, bad])}, [spec], str(empty), seconds=0.0,
+    res = judge_runs({"cpu": _device("cpu", [bad, bad])}, [spec], str(empty), seconds=0.0,
                          known=known, fleet=fleet)
     assert res.verdict("cpu").reason == KatReason.QUORUM_MISMATCH
 
@@ -225,7 +225,7 @@ def test_a_folder_golden_comes_before_a_promoted_one(spec, clean, tmp_path):
     fleet = _fleet({"a": clean.digest, "b": clean.digest, "c": clean.digest})
     promoted = _judge(spec, {"cpu": _device("cpu", [clean, clean])}, fleet, tmp_path).promote
     assert promoted
-    res = kat.judge_runs({"cpu": _device("cpu", [bad, bad])}, [spec], str(folder), seconds=0.0,
+    res = judge_runs({"cpu": _device("cpu", [bad, bad])}, [spec], str(folder), seconds=0.0,
                          fleet=FleetView("me", 3, {}, promoted))
     assert res.verdict("cpu").outcome == Outcome.PASS
     assert res.verdict("cpu").evidence["jobs"][JOB]["golden"].startswith(str(folder))

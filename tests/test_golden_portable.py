@@ -22,7 +22,7 @@ import pytest
 from screener.known_answer.engine import golden
 from screener.known_answer.engine import recording, text
 from screener.known_answer.verdict import judgment
-from screener.known_answer.engine import screen as kat
+from screener.known_answer.engine.screen import golden_lookup, local_platform
 from screener.known_answer.verdict.results import first_difference
 from screener.known_answer.verdict.runs import DeviceRun
 from screener.known_answer.engine import workloads as w
@@ -38,7 +38,7 @@ FAULT = dict(call=3, element=9, bit=1)
 def setup():
     spec = next(s for s in w.load_jobs(ROOT / "jobs") if s.name == "gemm-fp32")
     with preserved():
-        plat = kat.local_platform("cpu")
+        plat = local_platform("cpu")
         good = w.run_job(spec, "cpu")
         bad = w.run_job(spec, "cpu", injector=inject(FaultSpec("mm", **FAULT)))
     assert good.digest != bad.digest
@@ -65,7 +65,7 @@ def test_a_sibling_platforms_golden_passes_equal_bits_and_names_itself(setup, tm
     assert sibling.numeric_hash != plat.numeric_hash
     path = _write(spec, sibling, good, tmp_path)
     res = judgment.judge({"cpu": _run("cpu", [good, good], plat)}, [spec],
-                    kat.golden_lookup(str(tmp_path)), golden_dir=str(tmp_path))
+                    golden_lookup(str(tmp_path)), golden_dir=str(tmp_path))
     v = res.verdict("cpu")
     assert (res.outcome, res.exit_code) == (Outcome.PASS, ExitCode.PASS)
     assert v.evidence["jobs"]["gemm-fp32"]["golden"] == str(path)
@@ -77,7 +77,7 @@ def test_a_sibling_platforms_golden_with_other_bits_is_inconclusive_never_suspec
     spec, plat, good, bad = setup
     _write(spec, replace(plat, onednn="onednn other"), good, tmp_path)
     res = judgment.judge({"cpu": _run("cpu", [bad, bad], plat)}, [spec],
-                    kat.golden_lookup(str(tmp_path)), golden_dir=str(tmp_path))
+                    golden_lookup(str(tmp_path)), golden_dir=str(tmp_path))
     v = res.verdict("cpu")
     assert (v.outcome, v.reason, res.exit_code) == (Outcome.INCONCLUSIVE, "sibling_golden_differs",
                                                    ExitCode.INCONCLUSIVE)
@@ -91,7 +91,7 @@ def test_a_golden_of_another_dispatch_level_is_not_a_sibling(setup, tmp_path):
     spec, plat, good, _ = setup
     other = "AVX512" if plat.cpu_capability != "AVX512" else "AVX2"
     _write(spec, replace(plat, cpu_capability=other), good, tmp_path)
-    res = judgment.judge({"cpu": _run("cpu", [good], plat)}, [spec], kat.golden_lookup(str(tmp_path)))
+    res = judgment.judge({"cpu": _run("cpu", [good], plat)}, [spec], golden_lookup(str(tmp_path)))
     assert (res.verdict("cpu").reason, res.exit_code) == ("no_golden", ExitCode.INCONCLUSIVE)
 
 
@@ -99,7 +99,7 @@ def test_expected_is_the_goldens_value_when_the_first_repeat_went_wrong(setup, t
     spec, plat, good, bad = setup
     _write(spec, plat, good, tmp_path)
     res = judgment.judge({"cpu": _run("cpu", [bad, good], plat)}, [spec],
-                    kat.golden_lookup(str(tmp_path)))
+                    golden_lookup(str(tmp_path)))
     v = res.verdict("cpu")
     diff = first_difference(good.steps, bad.steps)
     assert (v.outcome, v.reason) == (Outcome.SUSPECT, "self_mismatch")
@@ -110,7 +110,7 @@ def test_expected_is_the_goldens_value_when_the_first_repeat_went_wrong(setup, t
     assert (issue["expected"], issue["observed"]) == (diff.expected, diff.observed)
     # the same when it is the second repeat that went wrong
     v2 = judgment.judge({"cpu": _run("cpu", [good, bad], plat)}, [spec],
-                   kat.golden_lookup(str(tmp_path))).verdict("cpu")
+                   golden_lookup(str(tmp_path))).verdict("cpu")
     assert (v2.expected, v2.observed) == (diff.expected, diff.observed)
 
 

@@ -18,7 +18,7 @@ from screener.known_answer.engine import golden
 from screener.known_answer.engine import (child, fault_spec, protocol, recording, supervise,
                                            text)
 from screener.known_answer.verdict import judgment
-from screener.known_answer.engine import screen as kat
+from screener.known_answer.engine.screen import golden_lookup, quick_jobs, run_screen
 from screener.known_answer.verdict.results import first_difference
 from screener.known_answer.verdict.runs import DeviceRun
 from screener.known_answer.engine import workloads as w
@@ -218,7 +218,7 @@ def test_nondeterministic_on_every_device_is_inconclusive_not_our_bug(results):
 def _golden_of(spec, result, tmp_path, phash="p1"):
     rec = golden.record_from_results(spec, {"name": "test"}, phash, [("x", result)], repeats=1)
     golden.write(rec, tmp_path)
-    return kat.golden_lookup(str(tmp_path))
+    return golden_lookup(str(tmp_path))
 
 
 def test_golden_comparison(results, tmp_path):
@@ -343,16 +343,16 @@ def test_the_protocol_reads_only_its_own_lines():
 @pytest.fixture(scope="session")
 def golden_dir(cpu_goldens) -> str:
     """Goldens of the quick jobs for this machine's CPU platform (conftest.cpu_goldens)."""
-    return cpu_goldens(*(s.name for s in kat.quick_jobs(str(ROOT / "jobs"))))
+    return cpu_goldens(*(s.name for s in quick_jobs(str(ROOT / "jobs"))))
 
 
 @pytest.mark.slow
 def test_healthy_cpu_passes_against_the_golden(golden_dir):
-    res = kat.run_screen(None, ["cpu"], golden_dir=golden_dir, repeat=2)
+    res = run_screen(None, ["cpu"], golden_dir=golden_dir, repeat=2)
     v = res.verdict("cpu")
     assert res.exit_code == ExitCode.PASS and v.outcome == Outcome.PASS, text.format_verdicts(res)
     phash = v.platform_hash
-    for spec in kat.quick_jobs(str(ROOT / "jobs")):
+    for spec in quick_jobs(str(ROOT / "jobs")):
         rec = golden.find(golden_dir, spec, phash)
         assert rec is not None and res.digests["cpu"][spec.name] == rec.digest
         job = v.evidence["jobs"][spec.name]
@@ -449,7 +449,7 @@ def test_a_job_too_big_for_the_device_is_bad_input_before_allocating(tmp_path):
         '[65536, 65536], [65536, 65536], [65536, 65536], [65536, 65536]]\n')
     t0 = time.monotonic()
     with pytest.raises(BadInputError, match="big.toml: job big needs about .* GiB .* reduce shapes"):
-        kat.run_screen(["big"], ["cpu"], jobs_dir=str(tmp_path), golden_dir=str(tmp_path),
+        run_screen(["big"], ["cpu"], jobs_dir=str(tmp_path), golden_dir=str(tmp_path),
                        timeout=60)
     assert time.monotonic() - t0 < 60
     spec = w.JobSpec.from_dict({"name": "big", "version": 1, "kind": "gemm",
@@ -480,7 +480,7 @@ def test_an_error_of_ours_in_the_child_is_reported_not_a_crash(request_, kind):
 
 def test_a_crashing_child_is_suspect_with_reason_crash(tmp_path):
     jobs = _selftest_dir(tmp_path, abort=True)
-    res = kat.run_screen(["st"], ["cpu"], jobs_dir=jobs, golden_dir=str(tmp_path), timeout=60)
+    res = run_screen(["st"], ["cpu"], jobs_dir=jobs, golden_dir=str(tmp_path), timeout=60)
     v = res.verdict("cpu")
     assert (v.outcome, v.reason, v.job) == (Outcome.SUSPECT, "crash", "st")
     assert "SIGABRT" in v.evidence["detail"]

@@ -30,7 +30,7 @@ from screener.determinism import preserved
 from screener.errors import ScreenerError
 from screener.known_answer.engine import golden
 from screener.known_answer.verdict import judgment
-from screener.known_answer.engine import screen as kat
+from screener.known_answer.engine.screen import golden_lookup
 from screener.known_answer.engine import workloads as w
 from screener.known_answer.engine.fault_spec import DeviceFault, parse_fault
 from screener.known_answer.engine.faults import FaultSpec, inject
@@ -99,7 +99,7 @@ def _device(name: str, results: Sequence[JobResult], phash: str = "p1") -> Devic
 def _golden(spec: w.JobSpec, clean: JobResult, tmp: Path, phash: str = "p1") -> Any:
     rec = golden.record_from_results(spec, {"name": "test"}, phash, [("x", clean)], repeats=1)
     golden.write(rec, tmp)
-    return kat.golden_lookup(str(tmp))
+    return golden_lookup(str(tmp))
 
 
 def _no_golden(spec: Any, phash: str) -> None:

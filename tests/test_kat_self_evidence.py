@@ -27,7 +27,7 @@ from screener.agent.screening.window import (KNOWN_DIGESTS, KatOptions, KatProce
                                              ScreenRequest)
 from screener.known_answer.engine import golden
 from screener.known_answer.verdict import node_memory
-from screener.known_answer.engine import screen as kat
+from screener.known_answer.engine.screen import resolve_jobs, run_screen
 from screener.known_answer.engine.fault_spec import DeviceFault
 from screener.lifecycle.events import KIND_FULL, KIND_QUICK
 from screener.types import ExitCode, KatReason, Outcome
@@ -60,7 +60,7 @@ def _request(kind: str = KIND_QUICK) -> ScreenRequest:
 
 
 def _clean_digest(no_golden: str) -> str:
-    res = kat.run_screen(["gemm-fp32"], ["cpu"], golden_dir=no_golden, repeat=1)
+    res = run_screen(["gemm-fp32"], ["cpu"], golden_dir=no_golden, repeat=1)
     return res.digests["cpu"]["gemm-fp32"]
 
 
@@ -92,7 +92,7 @@ def test_four_of_five_runs_agreeing_with_a_golden_is_suspect_even_when_run_0_is_
     v = out["verdicts"][0]
     assert (v["outcome"], v["reason"]) == ("suspect", "self_mismatch")
     assert "1 of 5 runs differ from the golden (first: iteration 0" in v["evidence"]["detail"]
-    rec = golden.find(goldens, kat.resolve_jobs(["gemm-fp32"], str(ROOT / "jobs"))[0],
+    rec = golden.find(goldens, resolve_jobs(["gemm-fp32"], str(ROOT / "jobs"))[0],
                       v["platform_hash"])
     step = next(s for s in rec.steps if s.step == v["step"])
     assert v["expected"] == "{:016x}:{:016x}".format(
@@ -141,13 +141,13 @@ def test_a_job_that_raises_in_every_run(no_golden, cpu_goldens):
     """Raised again in every re-run: with nothing to show the job completes, inconclusive
     (exit 3, the record command); with a golden that records completed runs, suspect."""
     fault = {"cpu": [DeviceFault(op="arange", call=1, element=3, bit=40, job="replay-fp32")]}
-    res = kat.run_screen(["replay-fp32"], ["cpu"], golden_dir=no_golden, faults=fault)
+    res = run_screen(["replay-fp32"], ["cpu"], golden_dir=no_golden, faults=fault)
     v = res.verdict("cpu")
     assert res.exit_code == ExitCode.INCONCLUSIVE
     assert (v.outcome, v.reason) == (Outcome.INCONCLUSIVE, KatReason.CRASH)
     assert "it raised in 3 of 3 run(s)" in v.evidence["detail"]
     assert v.evidence["command"].startswith("screener golden record --job replay-fp32")
-    res = kat.run_screen(["replay-fp32"], ["cpu"], golden_dir=cpu_goldens("replay-fp32"),
+    res = run_screen(["replay-fp32"], ["cpu"], golden_dir=cpu_goldens("replay-fp32"),
                          faults=fault)
     assert (res.verdict("cpu").outcome, res.verdict("cpu").reason) == (Outcome.SUSPECT,
                                                                        KatReason.CRASH)

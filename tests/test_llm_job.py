@@ -19,7 +19,7 @@ import torch
 from screener.determinism import preserved
 from screener.errors import ConfigError
 from screener.known_answer.engine import golden
-from screener.known_answer.engine import screen as kat
+from screener.known_answer.engine.screen import local_platform, resolve_jobs
 from screener.known_answer.engine import workloads as w
 from screener.known_answer.engine.faults import FaultSpec, inject
 from screener.known_answer.engine.synthetic import batch_for
@@ -111,8 +111,8 @@ def test_a_bad_llm_spec_is_one_line_at_load(tmp_path, field, value, message):
 
 
 def test_the_llm_jobs_are_in_the_full_burn_in_not_the_quick_screen():
-    quick = {s.name for s in kat.resolve_jobs(None, str(ROOT / "jobs"))}
-    every = {s.name for s in kat.resolve_jobs(None, str(ROOT / "jobs"), quick_only=False)}
+    quick = {s.name for s in resolve_jobs(None, str(ROOT / "jobs"))}
+    every = {s.name for s in resolve_jobs(None, str(ROOT / "jobs"), quick_only=False)}
     assert {"llm-fp32", "llm-bf16"} <= every and not quick & {"llm-fp32", "llm-bf16"}
 
 
@@ -134,7 +134,7 @@ def test_kat_run_of_the_llm_jobs_through_the_children(tmp_path):
     """`screener kat run --job llm-fp32 --job llm-bf16 --repeat 2` in the child processes:
     a pass against the committed golden where it covers this CPU, otherwise inconclusive
     (no golden), never suspect or our failure."""
-    phash = kat.local_platform("cpu").numeric_hash
+    phash = local_platform("cpu").numeric_hash
     covered = all(golden.find(ROOT / "golden", _spec(n), phash) is not None
                   for n in ("llm-fp32", "llm-bf16"))
     r = subprocess.run([sys.executable, "-m", "screener.cli", "kat", "run", "--job", "llm-fp32",

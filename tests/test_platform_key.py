@@ -14,7 +14,7 @@ import torch
 
 from screener.known_answer.engine import golden
 from screener.known_answer.engine import protocol
-from screener.known_answer.engine import screen as kat
+from screener.known_answer.engine.screen import local_platform
 from screener.known_answer.engine.platform import Platform, cpu_math_paths, sibling_key, signature
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,5 +84,5 @@ def test_screener_platform_shows_the_key_the_goldens_use():
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert d["threads"] == protocol.DEFAULT_THREADS  # pinned, as in a screening child
-    assert d["numeric_hash"] == kat.local_platform("cpu").numeric_hash
+    assert d["numeric_hash"] == local_platform("cpu").numeric_hash
     assert "\nMKL_VERBOSE" not in r.stdout and "onednn_verbose" not in r.stdout

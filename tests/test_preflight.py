@@ -21,7 +21,7 @@ import pytest
 
 from screener.alarmfile import validate
 from screener.agent.preflight import fast_path, parse_verdict_text
-from screener.known_answer.engine import screen as kat
+from screener.known_answer.engine.screen import record_goldens
 from screener.known_answer.engine import workloads as w
 from screener.known_answer.engine.fault_spec import parse_fault
 from screener.alarmfile import CHECKS as ALARM_CHECK_REASONS
@@ -48,7 +48,7 @@ def wrong_goldens(tmp_path_factory) -> str:
     third on: a healthy device now disagrees with it, as a bad device disagrees with a good one."""
     out = tmp_path_factory.mktemp("golden-bad")
     _, fault = parse_fault("op=mm,call=2,element=7,bit=30,persistent=true")
-    rec = kat.record_goldens([_spec("gemm-fp32")], ["cpu"], out_dir=str(out), repeat=1,
+    rec = record_goldens([_spec("gemm-fp32")], ["cpu"], out_dir=str(out), repeat=1,
                              faults={"cpu": [fault]})
     assert rec.exit_code == ExitCode.PASS, rec.lines()
     return str(out)

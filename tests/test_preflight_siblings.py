@@ -13,7 +13,7 @@ import pytest
 
 from cli_util import screener
 from screener.known_answer.engine import golden
-from screener.known_answer.engine import screen as kat
+from screener.known_answer.engine.screen import local_platform, resolve_jobs
 from screener.known_answer.verdict.results import Step
 
 SIBLING_HASH = "0123456789abcdef"
@@ -23,10 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def sibling_only(cpu_goldens, out) -> None:
     """This platform's gemm-fp32 golden as a sibling platform's (another hash, 2 threads) whose
     bits differ in one fingerprint: the folder then has no golden of this platform."""
-    phash = kat.local_platform("cpu").numeric_hash
+    phash = local_platform("cpu").numeric_hash
     folder = cpu_goldens("gemm-fp32")
     # this platform's golden: its own file, or an entry in another CPU's record whose bits agree
-    mine = golden.find(folder, kat.resolve_jobs(["gemm-fp32"], str(ROOT / "jobs"))[0], phash)
+    mine = golden.find(folder, resolve_jobs(["gemm-fp32"], str(ROOT / "jobs"))[0], phash)
     assert mine is not None, folder
     platform = dict(next(pl for h, pl in mine.platforms() if h == phash))
     first = mine.steps[0]

@@ -18,7 +18,7 @@ import pytest
 
 from screener.agent.burnin.summary import QUICK_SUMMARY, duration_flag, duration_words
 from screener.known_answer.engine import golden
-from screener.known_answer.engine import screen as kat
+from screener.known_answer.engine.screen import local_platform, resolve_jobs
 from screener.types import ExitCode
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -157,8 +157,8 @@ def test_the_readme_quick_start_is_the_quick_screen():
 def test_the_readme_quick_start_passes_on_a_covered_cpu(env, tmp_path):
     """The README's quick-start command, as written, from a folder of its own, against the
     committed goldens: exit 0 wherever they cover this CPU's platform."""
-    specs = kat.resolve_jobs(None, str(ROOT / "jobs"))  # the quick screen's, what --quick runs
-    phash = kat.local_platform("cpu").numeric_hash
+    specs = resolve_jobs(None, str(ROOT / "jobs"))  # the quick screen's, what --quick runs
+    phash = local_platform("cpu").numeric_hash
     uncovered = [s.name for s in specs if golden.find(ROOT / "golden", s, phash) is None]
     if uncovered:
         pytest.skip(f"the committed goldens do not cover CPU platform {phash} "

@@ -28,7 +28,7 @@ from fakes.kubeapi import KubeAPI
 from screener.agent.screening.window import ScreenOutcome, ScreenRequest
 from screener.determinism import preserved
 from screener.known_answer.engine import golden as golden_mod
-from screener.known_answer.engine import screen as kat
+from screener.known_answer.engine.screen import judge_runs
 from screener.known_answer.engine import workloads as w
 from screener.known_answer.engine.faults import FaultSpec, inject
 from screener.known_answer.verdict.quorum import FleetView
@@ -84,7 +84,7 @@ class DeviceBoundary:
             run.iterations = runs_per_job
             runs[dev] = run
         fleet = FleetView.from_dict(request.fleet) if request.fleet is not None else None
-        res = kat.judge_runs(runs, [self.spec], str(self.golden_dir), seconds=5.0, fleet=fleet)
+        res = judge_runs(runs, [self.spec], str(self.golden_dir), seconds=5.0, fleet=fleet)
         out = ScreenOutcome.from_screen_dict(json.loads(json.dumps(res.to_dict(), default=str)))
         return as_full_burnin(out) if request.kind == "full" else out
 

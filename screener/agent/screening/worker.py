@@ -20,7 +20,13 @@ from typing import Any, Mapping, Optional, Sequence
 from screener.atomicfile import write_atomic
 from screener.agent.burnin import full as burnin
 from screener.errors import ScreenerError
-from screener.known_answer.engine import screen as kat
+from screener.known_answer.engine.screen import (
+    DEFAULT_TIMEOUT,
+    DeviceFault,
+    resolve_devices,
+    resolve_jobs,
+    run_screen,
+)
 from screener.known_answer.verdict.quorum import FleetView
 from screener.lifecycle.machine import KIND_FULL
 from screener.types import Outcome
@@ -39,8 +45,8 @@ def first_is_final(first: burnin.BurninReport, iterations: int) -> bool:
 
 def _burnin_stages(opts: Mapping[str, Any], faults: Any) -> dict[str, Any]:
     """The device stages of a full burn-in, as a screen result dict with the stages."""
-    devices = kat.resolve_devices(opts.get("devices") or None)
-    specs = kat.resolve_jobs(opts.get("jobs") or None, opts.get("jobs_dir"), quick_only=False)
+    devices = resolve_devices(opts.get("devices") or None)
+    specs = resolve_jobs(opts.get("jobs") or None, opts.get("jobs_dir"), quick_only=False)
     seconds = float(opts.get("burnin_seconds") or 0.0)
     iterations = int(opts.get("burnin_min_iterations") or 2)
     # What this node's earlier screens produced, and what the fleet says: a burn-in judges with
@@ -54,13 +60,13 @@ def _burnin_stages(opts: Mapping[str, Any], faults: Any) -> dict[str, Any]:
             first = burnin.run_burnin(devices, specs, duration=seconds,
                                       golden_dir=opts.get("golden_dir"),
                                       jobs_dir=opts.get("jobs_dir"),
-                                      timeout=float(opts.get("job_timeout_s") or kat.DEFAULT_TIMEOUT),
+                                      timeout=float(opts.get("job_timeout_s") or DEFAULT_TIMEOUT),
                                       faults=faults, known=known, fleet=fleet)
             if first_is_final(first, iterations):
                 return first
         return burnin.run_burnin(devices, specs, iterations=iterations,
                                  golden_dir=opts.get("golden_dir"), jobs_dir=opts.get("jobs_dir"),
-                                 timeout=float(opts.get("job_timeout_s") or kat.DEFAULT_TIMEOUT),
+                                 timeout=float(opts.get("job_timeout_s") or DEFAULT_TIMEOUT),
                                  faults=faults, known=known, fleet=fleet)
 
     plan = burnin.BurninPlan(probes=False, crosscheck=False, lifecycle=False,
@@ -88,22 +94,22 @@ def _worker(result_path: str, mode: str = "screen") -> int:
     stages), write the result JSON."""
 
     def on_term(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)  # unwinds through kat.execute, which kills its children
+        raise SystemExit(128 + signum)  # unwinds through the screen's execute, which kills its children
 
     signal.signal(signal.SIGTERM, on_term)
     opts = json.loads(sys.stdin.read() or "{}")
-    faults = {dev: [kat.DeviceFault(**f) for f in fs] for dev, fs in (opts.get("faults") or {}).items()}
+    faults = {dev: [DeviceFault(**f) for f in fs] for dev, fs in (opts.get("faults") or {}).items()}
     try:
         if mode == "burnin":
             data = _burnin_stages(opts, faults or None)
             code = int(data["exit_code"])
         else:
-            result = kat.run_screen(opts.get("jobs") or None, opts.get("devices") or None,
-                                    golden_dir=opts.get("golden_dir"), jobs_dir=opts.get("jobs_dir"),
-                                    repeat=int(opts.get("repeat") or 1),
-                                    timeout=float(opts.get("job_timeout_s") or kat.DEFAULT_TIMEOUT),
-                                    faults=faults or None, known=opts.get("known") or None,
-                                    fleet=_fleet(opts))
+            result = run_screen(opts.get("jobs") or None, opts.get("devices") or None,
+                                golden_dir=opts.get("golden_dir"), jobs_dir=opts.get("jobs_dir"),
+                                repeat=int(opts.get("repeat") or 1),
+                                timeout=float(opts.get("job_timeout_s") or DEFAULT_TIMEOUT),
+                                faults=faults or None, known=opts.get("known") or None,
+                                fleet=_fleet(opts))
             data, code = result.to_dict(), int(result.exit_code)
     except ScreenerError as e:
         print(f"screener: {e}", file=sys.stderr)
