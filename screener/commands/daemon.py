@@ -93,29 +93,23 @@ def build_daemon(app: AppContext, config: Any, *, stop: threading.Event,
                                max_attempts=hp.max_attempts)
         kwargs["on_quarantine"] = lambda node: hyperpod.on_quarantine(client, hp, node)
     if config.ladder.enabled and (config.ladder.reboot != "off" or config.ladder.final == "replace"):
-        kwargs.update(_repair_ports(app, config, store, kind))
+        kwargs.update(_repair_ports(app, config, store))
     return Daemon(config, DaemonPorts(store=store, probe=probe, runner=runner, taint=taint,
                                       gpu_pods=gpu_pods, own_pids=own_pids, stop=stop,
                                       metrics=metrics, answer=answer, **kwargs))
 
 
-def _repair_ports(app: AppContext, config: Any, store: Any, kind: str) -> dict[str, Any]:
+def _repair_ports(app: AppContext, config: Any, store: Any) -> dict[str, Any]:
     """The reboot slots and the reboot/replace calls of a ladder that takes rungs 2 or 3."""
     import time
 
     from screener.errors import ConfigError
     from screener.remediation.repairs import CommandRepairs, HyperPodRepairs
-    from screener.stores.slots import KubeSlots, SqliteSlots
 
     ladder, hp = config.ladder, config.hyperpod
-    slots: Any
-    if kind == "kube":
-        slots = KubeSlots(store.calls, "reboot", ladder.max_rebooting,
-                          ttl=ladder.reboot_timeout_s, clock=time.time)
-    else:
-        slots = SqliteSlots(store.path, "reboot", ladder.max_rebooting,
-                            ttl=ladder.reboot_timeout_s, clock=time.time)
-        app.on_close(slots.close)
+    slots = store.slots("reboot", ladder.max_rebooting, ttl=ladder.reboot_timeout_s,
+                        clock=time.time)
+    app.on_close(slots.close)
     hyperpod = None
     if ladder.reboot == "hyperpod" or ladder.final == "replace":
         if not hp.cluster:

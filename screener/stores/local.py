@@ -26,7 +26,7 @@ import threading
 import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, ContextManager, Iterator, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Mapping, Optional, Sequence
 
 from screener import boundedjson
 from screener.errors import BadInputError, ScreenerError
@@ -34,6 +34,9 @@ from screener.lifecycle.records import BUDGET_STATES, StaleTransition, Transitio
 from screener.lifecycle.records import json_safe
 from screener.stores.common import DiskFullError, summary_row
 from screener.types import NodeState
+
+if TYPE_CHECKING:
+    from screener.stores.slots import SqliteSlots
 
 SCHEMA_VERSION = 1
 APPLICATION_ID = 0x5343524E  # "SCRN" in PRAGMA application_id: this file is a screener store
@@ -515,6 +518,15 @@ class LocalStore:
             if "no such table" in str(e):
                 return []
             raise self._error("read the store", e) from e
+
+    def slots(self, pool: str, capacity: int, *, ttl: float,
+              clock: Callable[[], float]) -> "SqliteSlots":
+        """A fleet-wide slot pool (stores/slots.py) in this store's file: at most `capacity`
+        nodes hold one at once, a claim older than `ttl` may be taken over. Closed by its
+        caller."""
+        from screener.stores.slots import SqliteSlots
+
+        return SqliteSlots(self.path, pool, capacity, ttl=ttl, clock=clock)
 
     def close(self) -> None:
         with self._lock:

@@ -9,9 +9,11 @@ A claim holds its time: one older than the pool's `ttl` belongs to a node that n
 (or a daemon that died between its claim and its release) and may be taken over by the next
 claimer, so a lost node does not hold a slot forever.
 
-Two homes, as for the node states: the state database (SQLite, a table of its own) and ConfigMaps
-`screener-<pool>-slot-<k>` in the screener namespace on Kubernetes (the API calls the quarantine
-budget already makes: configmaps list, create, delete).
+Two homes, as for the node states (each store hands out its own: `store.slots(...)`): the state
+database (SQLite, a table of its own, one transaction per claim) and ConfigMaps
+`screener-<pool>-slot-<k>` in the screener namespace on Kubernetes, the places of the fleet
+semaphore the quarantine budget's slots use too (stores/kube/semaphore.py: claim by create,
+release by uid-preconditioned delete, one place per node); the ttl takeover is this pool's rule.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from screener.stores.kube import formats as kf
 from screener.stores.kube.calls import ApiCaller
+from screener.stores.kube.semaphore import Semaphore
 
 LABEL_POOL = "screener.io/slot-pool"
 _POOL_NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,30}[a-z0-9])?")
@@ -104,28 +107,23 @@ class SqliteSlots:
 
 
 class KubeSlots:
-    """Slots as ConfigMaps: a create claims (409 when taken), a delete with the uid as
-    precondition releases, so a slot someone took over is never freed by its old holder."""
+    """Slots as places of the fleet semaphore (stores/kube/semaphore.py): a create claims (409
+    when taken), a delete with the uid as precondition releases, so a slot someone took over is
+    never freed by its old holder. The pool's own rule is the takeover after its ttl."""
 
     def __init__(self, calls: ApiCaller, pool: str, capacity: int, *, ttl: float,
                  clock: Callable[[], float], rng: Callable[[], float] = random.random) -> None:
         _check(pool, capacity, ttl)
         self.calls, self.pool, self.capacity, self.ttl = calls, pool, capacity, ttl
         self.clock, self.rng = clock, rng
+        self.places: Semaphore[SlotClaim] = Semaphore(
+            calls, what=f"{pool} slots", selector=f"{LABEL_POOL}={pool}", name=self._name,
+            parse=self._parse)
 
     def _name(self, index: int) -> str:
         return f"screener-{self.pool}-slot-{index}"
 
-    def _read(self) -> dict[int, tuple[SlotClaim, str]]:
-        """The pool's claims by index, with each one's uid (one label-selected list)."""
-        out: dict[int, tuple[SlotClaim, str]] = {}
-        for cm in self.calls.cm_list(f"list {self.pool} slots", f"{LABEL_POOL}={self.pool}"):
-            parsed = self._parse(cm)
-            if parsed is not None:
-                out[parsed[0].index] = parsed
-        return out
-
-    def _parse(self, cm: Mapping[str, Any]) -> Optional[tuple[SlotClaim, str]]:
+    def _parse(self, cm: Mapping[str, Any]) -> Optional[SlotClaim]:
         meta, data = cm.get("metadata") or {}, cm.get("data") or {}
         prefix = f"screener-{self.pool}-slot-"
         name = str(meta.get("name") or "")
@@ -138,7 +136,7 @@ class KubeSlots:
             return None
         if not isinstance(node, str) or not node or since != since:
             return None
-        return SlotClaim(int(name[len(prefix):]), node, since), str(meta.get("uid") or "")
+        return SlotClaim(int(name[len(prefix):]), node, since)
 
     def _body(self, index: int, node: str, since: float) -> dict[str, Any]:
         return {"apiVersion": "v1", "kind": "ConfigMap",
@@ -150,19 +148,19 @@ class KubeSlots:
         """The node's slot (the one it holds, or a free one, or one past its ttl); None when all
         are taken."""
         for _ in range(self.capacity + 3):
-            held = self._read()
-            for claim, _uid in held.values():
-                if claim.node == node:
-                    return claim  # ours: held already, or a create whose answer was lost
+            held = self.places.places()
+            for place in held.values():
+                if place.claim.node == node:
+                    return place.claim  # ours: held already, or a create whose answer was lost
             now = self.clock()
-            for index, (claim, uid) in list(held.items()):
-                if now - claim.since >= self.ttl and index < self.capacity:
+            for index, place in list(held.items()):
+                if now - place.claim.since >= self.ttl and index < self.capacity:
                     # A holder that never came back: take its place (only if it is still that
                     # object). Free now whoever's delete it was: a racer whose delete lost to
                     # another's tries its create too (before, it gave up, and of 3 expired slots
                     # 10 racers once claimed 2 with one left free, issue 36.7); a create that a
                     # new claim beat is refused, and the pool is read again.
-                    self.calls.cm_delete(self._name(index), uid)
+                    self.places.free(index, place.uid)
                     del held[index]
             free = [k for k in range(self.capacity) if k not in held]
             if not free:
@@ -170,29 +168,20 @@ class KubeSlots:
             # A random free index, so many claimers mostly try different ones. A refused
             # create (taken meanwhile, or our own create whose answer was lost) reads again.
             index = free[int(self.rng() * len(free)) % len(free)]
-            if self.calls.cm_write(self._body(index, node, now)) is not None:
-                return self._one_of(node, SlotClaim(index, node, now))
+            if self.places.take(self._body(index, node, now)) is not None:
+                # one slot per node: two claimers for one node, each missing the other's
+                # create, took two; the lowest is kept
+                kept, _ = self.places.keep_lowest(node)
+                return kept or SlotClaim(index, node, now)
         return None
-
-    def _one_of(self, node: str, mine: SlotClaim) -> SlotClaim:
-        """One slot per node: after a create, the node's lowest slot is kept, any other freed
-        (two claimers for one node, each missing the other's create, took two)."""
-        ours = sorted((c.index, uid) for c, uid in self._read().values() if c.node == node)
-        for index, uid in ours[1:]:
-            self.calls.cm_delete(self._name(index), uid)
-        if ours and ours[0][0] != mine.index:
-            return self._read().get(ours[0][0], (mine, ""))[0]
-        return mine
 
     def release(self, node: str) -> None:
         """Free the node's slot (nothing when it holds none)."""
-        for index, (claim, uid) in self._read().items():
-            if claim.node == node:
-                self.calls.cm_delete(self._name(index), uid)
+        self.places.keep_lowest(node, keep=False)
 
     def holders(self) -> dict[int, SlotClaim]:
         """The claims on file, by index (expired ones included)."""
-        return {i: c for i, (c, _) in self._read().items()}
+        return {i: p.claim for i, p in self.places.places().items()}
 
     def close(self) -> None:
         """Nothing to close: the calls belong to the store."""

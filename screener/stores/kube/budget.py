@@ -52,6 +52,7 @@ from screener.lifecycle.records import BUDGET_STATES, BudgetConflict, Transition
 from screener.stores.kube import formats as kf
 from screener.stores.kube.calls import ApiCaller, KubeApiError, TransientKubeError
 from screener.stores.kube.node import state_of
+from screener.stores.kube.semaphore import Semaphore
 from screener.types import LABEL_STATE, NodeState
 
 log = logging.getLogger("screener.stores.kube")
@@ -123,6 +124,11 @@ class KubeBudget:
         self.recount_s, self.claim_grace_s, self.lease_s = recount_s, claim_grace_s, lease_s
         self.shards, self.max_registered = max(1, shards), max_registered
         self.register_ahead_s = register_ahead_s
+        # The slots are places of the fleet semaphore (semaphore.py): claimed by a create, freed
+        # by a uid-preconditioned delete; the limit and the strays are this module's rules.
+        self.slots: Semaphore[kf.Claim] = Semaphore(
+            calls, what="budget slots", selector=f"{kf.LABEL_BUDGET}=true,{kf.LABEL_BUDGET_KIND}=slot",
+            name=kf.slot_name, parse=kf.parse_slot)
         self._jitter = rng()  # each store's own extra wait before a record counts as stale
         # Slot names a create found taken by something that is no claim, and not labelled as the
         # budget's (so no list shows them): remembered, so no pick takes them again.
@@ -353,7 +359,7 @@ class KubeBudget:
         its claim and its node write); give a slot to each node out of service without one."""
         for claim in list(v.claims.values()):
             if claim.node not in out and now - claim.since > self.claim_grace_s:
-                if self._tidy(self.calls.cm_delete, claim.name, claim.uid):
+                if self._tidy(self.slots.free, claim.index, claim.uid):
                     log.warning("budget slot %s of %s freed: the node is not out of service",
                                 claim.name, claim.node)
                 v.claims.pop(claim.index, None)
@@ -361,7 +367,7 @@ class KubeBudget:
             # Under a slot's name but no claim (hand-made, or of no format screener writes):
             # nobody is out by it, and the name is the budget's.
             if now - created > self.claim_grace_s and uid:
-                if self._tidy(self.calls.cm_delete, kf.slot_name(index), uid):
+                if self._tidy(self.slots.free, index, uid):
                     log.warning("budget slot %s freed: it holds no claim", kf.slot_name(index))
                 v.foreign.pop(index, None)
                 self._foreign.pop(index, None)
@@ -372,7 +378,7 @@ class KubeBudget:
             for claim in claims[1:]:
                 # A node out of service holds one slot (its lowest, as KubeBudget.settle keeps):
                 # two claims for it raced (two daemons on one node), and one lost.
-                if self._tidy(self.calls.cm_delete, claim.name, claim.uid):
+                if self._tidy(self.slots.free, claim.index, claim.uid):
                     log.warning("budget slot %s of %s freed: the node holds another", claim.name,
                                 node)
                 v.claims.pop(claim.index, None)
@@ -410,15 +416,13 @@ class KubeBudget:
                                      f"({v.others_out(node)} of {limit} out of service)")
             body = kf.slot_configmap(index, node, state.value, self.clock(),
                                      namespace=self.calls.namespace)
-            created = self.calls.cm_write(body)
-            if created is not None:
-                claim = kf.parse_slot(created)
-                if claim is not None:
-                    v.claims[claim.index] = claim
-                    return v
+            claim = self.slots.take(body)
+            if claim is not None:
+                v.claims[claim.index] = claim
+                return v
             # Taken meanwhile, or created by our own earlier try whose answer was lost: ask the
             # slot itself (a consistent read), and look at the budget again.
-            cm = self.calls.cm_get(kf.slot_name(index))
+            cm = self.slots.look(index)
             mine = kf.parse_slot(cm) if cm else None
             v = self.read() or v
             if mine is not None and mine.node == node:
@@ -501,7 +505,7 @@ class KubeBudget:
     def release(self, v: BudgetView, node: str) -> None:
         """Free the node's slot(s); an earlier version's entry for it leaves the record."""
         for claim in v.claims_of(node):
-            self.calls.cm_delete(claim.name, claim.uid)
+            self.slots.free(claim.index, claim.uid)
             v.claims.pop(claim.index, None)
         if node in v.record.out:
             self._drop_legacy(node)
@@ -529,13 +533,8 @@ class KubeBudget:
     def slots_of(self, node: str) -> list[kf.Claim]:
         """The node's slots as they stand (a consistent list, not the cache's): for the rare
         paths that must not miss a claim made a moment ago (a lost race, a finished intent)."""
-        out = []
-        for cm in self.calls.cm_list("list the budget slots",
-                                     f"{kf.LABEL_BUDGET}=true,{kf.LABEL_BUDGET_KIND}=slot"):
-            claim = kf.parse_slot(cm)
-            if claim is not None and claim.node == node:
-                out.append(claim)
-        return sorted(out, key=lambda c: c.index)
+        return sorted((p.claim for p in self.slots.places().values() if p.claim.node == node),
+                      key=lambda c: c.index)
 
     def settle(self, node: str, state: Optional[NodeState]) -> None:
         """One slot per node whatever raced (issue 36.7: two daemons on one node left it holding
@@ -543,13 +542,11 @@ class KubeBudget:
         slot, whoever claimed it, and every other goes; in service, all go. Every daemon that
         settles the same node keeps the same one, so racing settles agree. Called after a claim
         whose node write lost to another writer, and when an unfinished transition is finished."""
-        mine = self.slots_of(node)
-        extra = mine[1:] if state in BUDGET_STATES else mine
-        for claim in extra:
-            if self.calls.cm_delete(claim.name, claim.uid):
-                log.info("budget slot %s of %s freed: %s", claim.name, node,
-                         "the node holds another" if state in BUDGET_STATES
-                         else "the node is not out of service")
+        _, freed = self.slots.keep_lowest(node, keep=state in BUDGET_STATES)
+        for claim in freed:
+            log.info("budget slot %s of %s freed: %s", claim.name, node,
+                     "the node holds another" if state in BUDGET_STATES
+                     else "the node is not out of service")
 
     def _drop_legacy(self, node: str) -> None:
         """Take `node` out of an earlier version's out-of-service list in the record. Only the

@@ -47,7 +47,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterator, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Mapping, Optional, Sequence
 
 from screener import boundedjson
 from screener._optional import require
@@ -82,6 +82,9 @@ from screener.lifecycle.records import (ACTOR_SCREENER, BUDGET_STATES, BudgetCon
 from screener.stores.paths import default_state_dir
 from screener.stores.spool import Spool
 from screener.types import ANNOTATION_HISTORY, ANNOTATION_VERDICT, LABEL_STATE, NodeState, node_name
+
+if TYPE_CHECKING:
+    from screener.stores.slots import KubeSlots
 
 # The name it had as one module (screener/stores/kube.py): log queries filter on it.
 log = logging.getLogger("screener.stores.kube")
@@ -440,6 +443,15 @@ class KubeStore:
             data = None
         # Anyone who may edit the Node may write it: what is not an object is unparsable.
         return data if isinstance(data, dict) else {"unparsable": raw[:200]}
+
+    def slots(self, pool: str, capacity: int, *, ttl: float,
+              clock: Callable[[], float]) -> "KubeSlots":
+        """A fleet-wide slot pool (stores/slots.py) as places of the fleet semaphore in this
+        store's namespace: at most `capacity` nodes hold one at once, a claim older than `ttl`
+        may be taken over."""
+        from screener.stores.slots import KubeSlots
+
+        return KubeSlots(self.calls, pool, capacity, ttl=ttl, clock=clock)
 
     def close(self) -> None:
         self.spool.close()
