@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import pytest
 
-from fakes.daemon import NODE, DaemonRig, ScriptedRunner, outcome
+from fakes.daemon import NODE, DaemonRig, FakeNodeObject, ScriptedRunner, outcome
 from screener.agent.screening.window import ScreenOutcome, ScreenRequest
 from screener.audit.alarms import write_alarm_file
 from screener.errors import ConfigError
@@ -240,7 +240,7 @@ def test_run_loop_stops_on_the_stop_event(rig_factory):
             healthy.set()
         return 0
 
-    rig = rig_factory(runner, idle_window_s=0.0, tick_s=0.01, daemon_kw={"replay": replay})
+    rig = rig_factory(runner, idle_window_s=0.0, tick_s=0.01, node_object=FakeNodeObject(replay=replay))
     t = threading.Thread(target=rig.daemon.run)
     t.start()
     assert healthy.wait(10), "the loop never screened the node healthy"

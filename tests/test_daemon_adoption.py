@@ -11,8 +11,8 @@ import json
 import pytest
 
 from fakes.kubeapi import KubeAPI
-from screener.commands.daemon import _created
 from screener.stores.kube import KubeStore
+from screener.stores.kube.bound import KubeNodeObject
 from screener.types import ANNOTATION_VERDICT, LABEL_STATE, TAINT_STATE_KEY, NodeState, Outcome
 from fakes.daemon import DaemonRig, ScriptedRunner, outcome
 
@@ -37,8 +37,8 @@ def rig_for(tmp_path, api, node: str, runner, **config) -> DaemonRig:
     store = KubeStore(api.api_client(), sleep=lambda s: None, rng=lambda: 0.0, instance=node)
     folder = tmp_path / node
     folder.mkdir()
-    rig = DaemonRig(folder, runner, store=store, taint=store, gpu_pods=lambda: store.gpu_pods(node),
-                    node=node, daemon_kw={"node_created": lambda: _created(store.get_node(node))},
+    rig = DaemonRig(folder, runner, store=store, taint=store,
+                    node_object=KubeNodeObject(store, node), node=node,
                     **config)
     rig.clock.t = NOW
     return rig

@@ -18,6 +18,7 @@ from screener.agent.screening.window import ScreenRequest
 from screener.settings.daemon import DaemonConfig
 from screener.errors import ConfigError
 from screener.stores.kube import KubeStore
+from screener.stores.kube.bound import KubeNodeObject
 from screener.types import (ANNOTATION_VERDICT, CONDITION_TYPE, LABEL_STATE, TAINT_SCREENING_KEY,
                             TAINT_STATE_KEY, NodeState, Outcome)
 from fakes.daemon import NODE, DaemonRig, ScriptedRunner, outcome
@@ -37,7 +38,7 @@ def _run_script(tmp_path, api: KubeAPI, mode: str) -> dict[str, Any]:
 
     store = KubeStore(api.api_client(), sleep=lambda s: None, rng=lambda: 0.0, instance=NODE)
     rig = DaemonRig(tmp_path, ScriptedRunner(outcome(Outcome.PASS), during=during), store=store,
-                    taint=store, gpu_pods=lambda: store.gpu_pods(NODE), idle_window_s=0.0,
+                    taint=store, node_object=KubeNodeObject(store, NODE), idle_window_s=0.0,
                     mode=mode, daemon_kw={"on_quarantine": lambda n: seen["checks"].append(n)})
     try:
         rig.daemon.start()

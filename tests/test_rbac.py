@@ -18,6 +18,7 @@ import yaml
 
 from fakes.kubeapi import KubeAPI
 from screener.stores.kube import KubeStore
+from screener.stores.kube.bound import KubeNodeObject
 from screener.types import ANNOTATION_DIGESTS, TAINT_SCREENING_KEY, Outcome
 from screener.settings.daemon import DaemonConfig
 from fakes.daemon import NODE, DaemonRig, ScriptedRunner, outcome
@@ -90,10 +91,8 @@ def exercise_daemon(api: KubeAPI, tmp_path: Path) -> None:
     store = KubeStore(api.api_client(), sleep=lambda s: None, rng=lambda: 0.0, instance="rbac")
     runner = ScriptedRunner(outcome(Outcome.PASS), outcome(Outcome.SUSPECT))
     rig = DaemonRig(tmp_path, runner, store=store, taint=store,
-                    gpu_pods=lambda: store.gpu_pods(NODE), idle_window_s=0.0,
+                    node_object=KubeNodeObject(store, NODE), idle_window_s=0.0,
                     screen_interval_s=3600.0)
-    rig.daemon.publish = store.set_annotations
-    rig.daemon.replay = lambda: store.replay() if store.pending() else 0
     try:
         rig.tick()  # start-up, probe, pods, screen -> healthy, digests published
         assert json.loads(api.node(NODE)["metadata"]["annotations"][ANNOTATION_DIGESTS])

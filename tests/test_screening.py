@@ -20,9 +20,10 @@ from fakes.kubeapi import KubeAPI
 from screener.agent.screening.window import (KatOptions, KatProcessRunner, LocalTaint,
                                              ScreeningWindow, ScreenRequest)
 from screener.stores.kube import KubeStore
+from screener.stores.kube.bound import KubeNodeObject
 from screener.types import (ANNOTATION_DIGESTS, ANNOTATION_VERDICT, LABEL_STATE,
                             TAINT_SCREENING_KEY, ExitCode, NodeState, Outcome)
-from fakes.daemon import NODE, DaemonRig, ScriptedRunner, outcome, wait_for_cancel
+from fakes.daemon import NODE, DaemonRig, FakeNodeObject, ScriptedRunner, outcome, wait_for_cancel
 
 ROOT = Path(__file__).resolve().parents[1]
 FOREIGN_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
@@ -51,7 +52,7 @@ def kube_rig(tmp_path, api):
     def make(runner, **kw):
         store = kube_store(api)
         rig = DaemonRig(tmp_path, runner, store=store, taint=store,
-                        gpu_pods=lambda: store.gpu_pods(NODE), **kw)
+                        node_object=KubeNodeObject(store, NODE), **kw)
         rigs.append(rig)
         return rig
 
@@ -154,7 +155,7 @@ def test_a_foreign_gpu_process_mid_screen_stops_it_but_our_own_does_not(tmp_path
         return wait_for_cancel()(request)
 
     rig = DaemonRig(tmp_path, ScriptedRunner(during=land), idle_window_s=0.0,
-                    own_pids=lambda: {mine}, gpu_pods=pods)
+                    own_pids=lambda: {mine}, node_object=FakeNodeObject(pods))
     try:
         report = rig.tick()
         assert report.screen.stopped == "yielded" and "999999" in report.screen.detail

@@ -206,14 +206,14 @@ def test_a_black_holed_api_fails_within_the_timeout_and_the_transition_is_spoole
 @pytest.mark.slow
 def test_the_daemons_tick_goes_on_while_the_api_is_black_holed(proxied, tmp_path):
     from fakes.daemon import NODE, DaemonRig, ScriptedRunner, outcome
+    from screener.stores.kube.bound import KubeNodeObject
 
     api, proxy = proxied
     api.add_node(NODE, labels={LABEL_STATE: "healthy"})
     store = daemon_store(proxy.url, NODE, timeouts=QUICK, spool=Spool(tmp_path / "spool.db"),
                          retry=RetryPolicy(base_delay=0.05))
     rig = DaemonRig(tmp_path, ScriptedRunner(outcome(Outcome.PASS)), store=store, taint=store,
-                    idle_window_s=10_000.0)
-    rig.daemon.replay = lambda: store.replay() if store.pending() else 0
+                    idle_window_s=10_000.0, node_object=KubeNodeObject(store, NODE))
     try:
         rig.tick()
         probes = rig.probe_calls

@@ -50,11 +50,9 @@ def build_daemon(app: AppContext, config: Any, *, stop: threading.Event,
         # and spooled, from the first pass on (issue 36.4).
         store.decide_offline()
         taint: Any = store
-        gpu_pods: Any = lambda: store.gpu_pods(node)  # noqa: E731
-        kwargs.update(publish=store.set_annotations,
-                      replay=lambda: store.replay() if store.pending() else 0,
-                      finish=store.finish_intents,
-                      node_created=lambda: _created(store.get_node(node)))
+        from screener.stores.kube.bound import KubeNodeObject
+
+        kwargs["node_object"] = KubeNodeObject(store, node)
         if config.dra.enabled:  # per-GPU DeviceTaintRules (screener.agent.daemon.device_taints)
             from screener.stores.kube.devices import KubeDeviceTaints
 
@@ -62,7 +60,6 @@ def build_daemon(app: AppContext, config: Any, *, stop: threading.Event,
                                                        taint_key=config.dra.taint_key)
     else:
         taint = LocalTaint(state_dir)
-        gpu_pods = None
 
     nvml = app.nvml(events=config.probes.nvml_events)
     reader = None
@@ -95,7 +92,7 @@ def build_daemon(app: AppContext, config: Any, *, stop: threading.Event,
     if config.ladder.enabled and (config.ladder.reboot != "off" or config.ladder.final == "replace"):
         kwargs.update(_repair_ports(app, config, store))
     return Daemon(config, DaemonPorts(store=store, probe=probe, runner=runner, taint=taint,
-                                      gpu_pods=gpu_pods, own_pids=own_pids, stop=stop,
+                                      own_pids=own_pids, stop=stop,
                                       metrics=metrics, answer=answer, **kwargs))
 
 
@@ -127,19 +124,6 @@ def _repair_ports(app: AppContext, config: Any, store: Any) -> dict[str, Any]:
     boot_id_path = config.probes.boot_id_path
     return {"repair_slots": slots, "repairs": repairs,
             "boot_id": lambda: host.boot_id(boot_id_path)}
-
-
-def _created(node_obj: Any) -> Optional[float]:
-    """A Node's metadata.creationTimestamp as unix seconds (None when absent or unreadable)."""
-    import datetime as dt
-
-    text = ((node_obj or {}).get("metadata") or {}).get("creationTimestamp")
-    if not isinstance(text, str):
-        return None
-    try:
-        return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
 
 
 @click.command("daemon")

@@ -111,11 +111,36 @@ def wait_for_cancel(limit: float = 20.0) -> Callable[[ScreenRequest], Optional[S
     return during
 
 
+class FakeNodeObject:
+    """A NodeObject (screener.agent.daemon.ports) for a rig outside a cluster: the pods a test
+    scripts, the annotations published kept, the spool replay a test's function (none: 0), no
+    intents, no creation time."""
+
+    def __init__(self, pods: Any = None, *, replay: Any = None) -> None:
+        self.pods, self._replay = pods, replay
+        self.published: list[dict[str, Any]] = []
+
+    def gpu_pods(self) -> list[Any]:
+        return list(self.pods()) if self.pods is not None else []
+
+    def publish(self, annotations: Any) -> None:
+        self.published.append(dict(annotations))
+
+    def created(self) -> Optional[float]:
+        return None
+
+    def replay(self) -> int:
+        return int(self._replay()) if self._replay is not None else 0
+
+    def finish(self) -> int:
+        return 0
+
+
 class DaemonRig:
     """A daemon on the fake clock with a scripted NVML (two healthy H100s)."""
 
     def __init__(self, tmp_path: Path, runner: Any, *, store: Any = None, taint: Any = None,
-                 gpu_pods: Any = None, nvml: Optional[FakeNvml] = None, own_pids=None,
+                 node_object: Any = None, nvml: Optional[FakeNvml] = None, own_pids=None,
                  daemon_kw: Optional[dict[str, Any]] = None, clock: Any = None,
                  **config: Any) -> None:
         self.tmp = tmp_path
@@ -144,7 +169,7 @@ class DaemonRig:
         self.metrics = DaemonMetrics(NODE, clock=self.clock)
         self.stop = threading.Event()
         self.daemon = Daemon(self.config, store=self.store, probe=probe, runner=runner,
-                             taint=self.taint, gpu_pods=gpu_pods,
+                             taint=self.taint, node_object=node_object,
                              own_pids=own_pids or (lambda: set()), metrics=self.metrics,
                              clock=self.clock, stop=self.stop, untaint_delay_s=0.01,
                              **(daemon_kw or {}))

@@ -12,40 +12,37 @@ from __future__ import annotations
 import logging
 from typing import Callable, Optional
 
-from screener.agent.daemon.ports import PodsFn
+from screener.agent.daemon.ports import NodeObject
 from screener.settings.daemon import DaemonConfig
 
 log = logging.getLogger("screener.daemon")
 
 
-def adoption_reason(config: DaemonConfig, gpu_pods: Optional[PodsFn],
-                    node_created: Optional[Callable[[], Optional[float]]],
+def adoption_reason(config: DaemonConfig, node_object: Optional[NodeObject],
                     now: Callable[[], float]) -> str:
     """Why this node, unknown to the store, is adopted as serving ("" when it is not).
 
-    gpu_pods / node_created: the daemon's ports (None: not known here). now(): the stamp clock,
-    read only when the Node's creation time is known. A failure to read either is logged and
-    taken as "not serving": the safe default is burnin.
+    node_object: the daemon's port to the Node (None: outside a cluster, nothing known). now():
+    the stamp clock, read only when the Node's creation time is known. A failure to read the
+    pods or the creation time is logged and taken as "not serving": the safe default is burnin.
     """
-    if config.adopt == "off":
+    if config.adopt == "off" or node_object is None:
         return ""
     node = config.node
-    if gpu_pods is not None:
-        try:
-            pods = [p for p in gpu_pods()
-                    if not (config.own_pod and p.get("name") == config.own_pod)]
-        except Exception as e:  # noqa: BLE001 - cannot tell: the safe default is burnin
-            log.warning("cannot list the GPU pods on %s for adoption: %s", node, e)
-            pods = []
-        if pods:
-            names = ", ".join(f"{p.get('namespace', '')}/{p.get('name', '')}" for p in pods[:3])
-            return f"already running {len(pods)} GPU pod(s) ({names})"
+    try:
+        pods = [p for p in node_object.gpu_pods()
+                if not (config.own_pod and p.get("name") == config.own_pod)]
+    except Exception as e:  # noqa: BLE001 - cannot tell: the safe default is burnin
+        log.warning("cannot list the GPU pods on %s for adoption: %s", node, e)
+        pods = []
+    if pods:
+        names = ", ".join(f"{p.get('namespace', '')}/{p.get('name', '')}" for p in pods[:3])
+        return f"already running {len(pods)} GPU pod(s) ({names})"
     created = None
-    if node_created is not None:
-        try:
-            created = node_created()
-        except Exception as e:  # noqa: BLE001
-            log.warning("cannot read when node %s was created: %s", node, e)
+    try:
+        created = node_object.created()
+    except Exception as e:  # noqa: BLE001
+        log.warning("cannot read when node %s was created: %s", node, e)
     if created is None:
         return ""
     if config.adopt_created_before > 0 and created < config.adopt_created_before:

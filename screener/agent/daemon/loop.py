@@ -94,20 +94,6 @@ VERDICT_UNSCREENED = "unscreened"  # the verdict annotation's kind for an adopte
 __all__ = ["BUDGET_LOOK_S", "VERDICT_UNSCREENED", "Daemon"]
 
 
-class _Port:
-    """A Daemon attribute that is one of its ports: read from, and replaced in, `Daemon.ports`
-    (so a test that swaps `daemon.publish` swaps what every part of the daemon calls)."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, daemon: Any, owner: Optional[type] = None) -> Any:
-        return self if daemon is None else getattr(daemon.ports, self.name)
-
-    def __set__(self, daemon: Any, value: Any) -> None:
-        setattr(daemon.ports, self.name, value)
-
-
 class Daemon:
     """The per-node loop (see the module docstring).
 
@@ -117,14 +103,6 @@ class Daemon:
     ports' monotonic clock and every history stamp comes from a StampClock over it, so a stepped
     wall clock neither stops the probes nor reorders the history (clock.py).
     """
-
-    store = _Port()
-    probe = _Port()
-    publish = _Port()
-    replay = _Port()
-    finish = _Port()
-    gpu_pods = _Port()
-    on_quarantine = _Port()
 
     def __init__(self, config: DaemonConfig, ports: Optional[DaemonPorts] = None,
                  **fields: Any) -> None:
@@ -188,6 +166,11 @@ class Daemon:
                        if config.ladder.enabled else None)
 
     @property
+    def store(self) -> Any:
+        """The store the ports hold (a test replaces `daemon.ports.store`, not this)."""
+        return self.ports.store
+
+    @property
     def state(self) -> Optional[NodeState]:
         """The node's state as the lifecycle last decided it (None before start-up)."""
         return self.feed.state
@@ -210,8 +193,7 @@ class Daemon:
         event: Any = machine.NodeSeen()
         why = ""
         if self.store.get_state(self.node) is None:
-            why = adoption_reason(self.config, self.ports.gpu_pods, self.ports.node_created,
-                                  self.stamps.now)
+            why = adoption_reason(self.config, self.ports.node_object, self.stamps.now)
         if why:
             event = machine.Adopted(why)
         decision = self.feed.begin(event)
@@ -282,11 +264,12 @@ class Daemon:
         # Every step up to the screen in one pass of the store: each object read once (a screen
         # runs for minutes: what it writes afterwards reads the node afresh).
         with self.store.one_pass():
-            if self.finish is not None:
+            cluster = self.ports.node_object
+            if cluster is not None:
                 # Before anything reads the node: a transition a killed predecessor left
                 # half-written is finished (or dropped, undone), so the intake does not take its
                 # alarm for done.
-                self._step(report, "intents", self.finish)
+                self._step(report, "intents", cluster.finish)
             if not self.started and not self.stop.is_set():
                 # Retried on every pass; not started, the pass still probes and takes in alarms.
                 self._step(report, "start", self.start)
@@ -299,8 +282,8 @@ class Daemon:
             else:
                 probed_first = False
             self._step(report, "intake", lambda: self._intake(report))
-            if self.replay is not None:
-                self._step(report, "replay", self.replay)
+            if cluster is not None:
+                self._step(report, "replay", cluster.replay)
             if self.devices.pending:  # device taints a pass could not write (API out of reach)
                 self._step(report, "devices", lambda: self.devices.retry(report))
             if self.started:
@@ -415,7 +398,7 @@ class Daemon:
 
     def _probe(self, into: PassReport) -> ProbeReport:
         """Probe, and feed what is new to the lifecycle; `into` gets the findings and conditions."""
-        report = self.probe(self.last_report)
+        report = self.ports.probe(self.last_report)
         self.metrics.probes.labels(self.node).inc()
         for e in report.errors:
             self.metrics.error("probe")
@@ -453,9 +436,9 @@ class Daemon:
 
     def _activity(self, report: Optional[ProbeReport]) -> Activity:
         pods, pods_error = None, ""
-        if self.gpu_pods is not None:
+        if self.ports.node_object is not None:
             try:
-                pods = self.gpu_pods()
+                pods = self.ports.node_object.gpu_pods()
             except Exception as e:  # noqa: BLE001 - cannot tell: not idle
                 pods_error = str(e)
                 log.warning("cannot list the GPU pods on %s: %s", self.node, e)

@@ -4,14 +4,18 @@ The daemon (screener.agent.daemon.loop) reads, writes and runs nothing directly:
 runner, clock and callback it uses is a field here. `screener.commands.daemon` wires the real ones
 (the kube or local store, NVML, the screen worker, the SageMaker deep check), the fire drill wires
 simulated ones, and tests pass fakes at the same boundary. A field left None is a capability this
-node does not have (outside a cluster: no GPU pods, no annotations, no spool).
+node does not have (outside a cluster: no node object, so no GPU pods, no annotations, no spool).
+
+The outside world comes at its own grain where it is one thing: the node's object in the cluster
+is one port (`NodeObject`: its GPU pods, its annotations, when it was created, and the two
+catch-ups of every pass), not five callables unbundled from one store.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Protocol
 
 from screener.agent.daemon.clock import ClockLike
 from screener.agent.daemon.device_taints import DeviceTaintApi
@@ -24,8 +28,27 @@ from screener.lifecycle.ports import Store
 from screener.remediation.ladder import Repairs, Slots
 
 ProbeFn = Callable[[Optional[ProbeReport]], ProbeReport]
-PodsFn = Callable[[], list]  # the node's GPU pods (KubeStore.gpu_pods(node))
-PublishFn = Callable[[str, Mapping[str, Optional[str]]], None]
+
+
+class NodeObject(Protocol):
+    """This node's object in the cluster (screener.stores.kube.bound.KubeNodeObject: the kube
+    store bound to the node)."""
+
+    def gpu_pods(self) -> list[Any]:
+        """The pods on the node that hold GPUs (dicts with name and namespace)."""
+
+    def publish(self, annotations: Mapping[str, Optional[str]]) -> None:
+        """Set (a None value: remove) annotations on the Node."""
+
+    def created(self) -> Optional[float]:
+        """When the Node object was created (unix seconds; None when unknown)."""
+
+    def replay(self) -> int:
+        """Write the transitions the API did not take (the spool); how many were written."""
+
+    def finish(self) -> int:
+        """Finish the transitions a killed predecessor left half-written (the intents); how
+        many."""
 
 
 def _no_pids() -> set[int]:
@@ -39,16 +62,14 @@ class DaemonPorts:
     store: where states live (LocalStore or KubeStore). probe(previous) -> ProbeReport. runner:
         the screen runner (screening.KatProcessRunner, or a test's function). taint: adds and
         removes the screening taint (KubeStore, or screening.LocalTaint).
-    gpu_pods(): the node's GPU pods (KubeStore.gpu_pods bound to the node), or None outside a
-        cluster. own_pids(): our PIDs (host.own_pids). publish(node, annotations): sets
-        annotations on the Node (KubeStore.set_annotations) or None. on_quarantine(node): the
-        optional deep health check. replay(): writes spooled transitions (KubeStore.replay) or
-        None. finish(): finishes the transitions a killed predecessor left half-written
-        (KubeStore.finish_intents), at the start of every pass, or None. reap(): ends screen workers a killed predecessor left (screening.reap_stale_screens
-        bound to the runner's work_dir) or None. node_created(): the Node object's creation time
-        (unix seconds, None when unknown) for the adoption rule, or None. commit_kmsg(): saves
-        the kernel-log position (DeferredKernelLogReader.commit) once what it read is durable, or
-        None. boot_time(): when the host booted (an Xid before it was recovered by the reboot).
+    node_object: the node's object in the cluster (NodeObject; KubeNodeObject on the kube
+        store), or None outside a cluster: then no GPU pods are listed, nothing is published,
+        nothing spooled is replayed and no intent finished. own_pids(): our PIDs
+        (host.own_pids). on_quarantine(node): the optional deep health check. reap(): ends
+        screen workers a killed predecessor left (screening.reap_stale_screens bound to the
+        runner's work_dir) or None. commit_kmsg(): saves the kernel-log position
+        (DeferredKernelLogReader.commit) once what it read is durable, or None. boot_time():
+        when the host booted (an Xid before it was recovered by the reboot).
     metrics: the daemon's metrics (default: fresh ones for the node). clock: a clock.Clock (wall
         and monotonic) or one callable standing for both (a test clock that never steps); default
         the system's. stop: set to end the loop (SIGTERM); default a fresh event.
@@ -68,14 +89,10 @@ class DaemonPorts:
     probe: ProbeFn
     runner: ScreenRunner
     taint: TaintControl
-    gpu_pods: Optional[PodsFn] = None
+    node_object: Optional[NodeObject] = None
     own_pids: Callable[[], set[int]] = _no_pids
-    publish: Optional[PublishFn] = None
     on_quarantine: Optional[Callable[[str], Any]] = None
-    replay: Optional[Callable[[], int]] = None
-    finish: Optional[Callable[[], int]] = None
     reap: Optional[Callable[[], Any]] = None
-    node_created: Optional[Callable[[], Optional[float]]] = None
     commit_kmsg: Optional[Callable[[], None]] = None
     boot_time: Callable[[], float] = host.boot_time
     metrics: Optional[DaemonMetrics] = None

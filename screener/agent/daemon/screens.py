@@ -209,11 +209,11 @@ class DaemonScreens:
 
     def _publish_digests(self, outcome: ScreenOutcome) -> None:
         """A passing screen's digests on the Node, for same-platform peers' cross-checks."""
-        publish = self.ports.publish
-        if outcome.outcome == Outcome.PASS and publish is not None and self.config.publish_digests:
+        cluster = self.ports.node_object
+        if outcome.outcome == Outcome.PASS and cluster is not None and self.config.publish_digests:
             digests = platform_digests(outcome.verdicts, outcome.digests)
             if digests:
-                publish(self.node, {ANNOTATION_DIGESTS: json.dumps(digests, sort_keys=True)})
+                cluster.publish({ANNOTATION_DIGESTS: json.dumps(digests, sort_keys=True)})
 
     def _assess_burnin(self, outcome: ScreenOutcome, before: Optional[ProbeReport],
                        report: PassReport
