@@ -28,7 +28,7 @@ from screener.agent.screening.window import LocalTaint
 from screener.stores.local import LocalStore
 from screener.types import NodeState
 from fakes.clock import FakeClock
-from fakes.daemon import ScriptedRunner
+from fakes.daemon import FakeHost, ScriptedRunner
 
 NODE = "gpu-node-1"
 XID_79 = ("[ 4242.000001] NVRM: Xid (PCI:0000:18:00): 79, pid=1234, name=python3, "
@@ -109,7 +109,7 @@ def make_daemon(tmp_path: Path, disk: FullDisk, clock: FakeClock, nvml: FakeNvml
                                             metrics_port=-1))
     daemon = Daemon(config, store=store, probe=probe, runner=ScriptedRunner(),
                     taint=LocalTaint(tmp_path / "taint"), clock=clock, commit_kmsg=reader.commit,
-                    boot_time=lambda: 0.0, untaint_delay_s=0.01)
+                    host=FakeHost(boot=lambda: 0.0), untaint_delay_s=0.01)
 
     def close() -> None:
         reader.close()

@@ -30,9 +30,8 @@ def build_daemon(app: AppContext, config: Any, *, stop: threading.Event,
     """The real Daemon for a config, wired from the AppContext (store, NVML, SageMaker client);
     what it opens is closed when the command ends."""
     from screener.agent.daemon.loop import Daemon
-    from screener.agent.daemon.ports import DaemonPorts
+    from screener.agent.daemon.ports import DaemonPorts, ThisHost
     from screener.health.probes import DeferredKernelLogReader, run_probes
-    from screener.health.host import own_pids
     from screener.agent.screening.window import (KatOptions, KatProcessRunner, LocalTaint,
                                                  reap_stale_screens)
     from screener.stores import default_state_dir
@@ -92,7 +91,8 @@ def build_daemon(app: AppContext, config: Any, *, stop: threading.Event,
     if config.ladder.enabled and (config.ladder.reboot != "off" or config.ladder.final == "replace"):
         kwargs.update(_repair_ports(app, config, store))
     return Daemon(config, DaemonPorts(store=store, probe=probe, runner=runner, taint=taint,
-                                      own_pids=own_pids, stop=stop,
+                                      host=ThisHost(config.probes.boot_id_path or None),
+                                      stop=stop,
                                       metrics=metrics, answer=answer, **kwargs))
 
 
@@ -119,11 +119,7 @@ def _repair_ports(app: AppContext, config: Any, store: Any) -> dict[str, Any]:
     repairs: Any = hyperpod
     if ladder.reboot == "command":
         repairs = CommandRepairs(ladder.reboot_command, replacer=hyperpod)
-    from screener.health import host
-
-    boot_id_path = config.probes.boot_id_path
-    return {"repair_slots": slots, "repairs": repairs,
-            "boot_id": lambda: host.boot_id(boot_id_path)}
+    return {"repair_slots": slots, "repairs": repairs}
 
 
 @click.command("daemon")

@@ -21,6 +21,7 @@ from screener.agent.daemon.loop import Daemon
 from screener.agent.metrics import DaemonMetrics
 from screener.agent.screening.window import LocalTaint, ScreenOutcome, ScreenRequest
 from screener.audit.alarms import write_alarm_file
+from screener.health import host
 from screener.health.nvml import NvmlAdapter
 from screener.health.probes import run_probes
 from screener.settings.daemon import DaemonConfig
@@ -136,11 +137,28 @@ class FakeNodeObject:
         return 0
 
 
+class FakeHost:
+    """A Host (screener.agent.daemon.ports) a test scripts: our PIDs (none by default), the boot
+    time (the real host's by default) and the boot id (None: not read)."""
+
+    def __init__(self, pids: Any = None, *, boot: Any = None, ident: Any = None) -> None:
+        self.pids, self.boot, self.ident = pids, boot, ident
+
+    def own_pids(self) -> set[int]:
+        return set(self.pids()) if self.pids is not None else set()
+
+    def boot_time(self) -> float:
+        return float(self.boot()) if self.boot is not None else host.boot_time()
+
+    def boot_id(self) -> Optional[str]:
+        return self.ident() if self.ident is not None else None
+
+
 class DaemonRig:
     """A daemon on the fake clock with a scripted NVML (two healthy H100s)."""
 
     def __init__(self, tmp_path: Path, runner: Any, *, store: Any = None, taint: Any = None,
-                 node_object: Any = None, nvml: Optional[FakeNvml] = None, own_pids=None,
+                 node_object: Any = None, nvml: Optional[FakeNvml] = None, own_pids=None, boot=None,
                  daemon_kw: Optional[dict[str, Any]] = None, clock: Any = None,
                  **config: Any) -> None:
         self.tmp = tmp_path
@@ -170,7 +188,7 @@ class DaemonRig:
         self.stop = threading.Event()
         self.daemon = Daemon(self.config, store=self.store, probe=probe, runner=runner,
                              taint=self.taint, node_object=node_object,
-                             own_pids=own_pids or (lambda: set()), metrics=self.metrics,
+                             host=FakeHost(own_pids, boot=boot), metrics=self.metrics,
                              clock=self.clock, stop=self.stop, untaint_delay_s=0.01,
                              **(daemon_kw or {}))
 

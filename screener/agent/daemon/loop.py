@@ -160,9 +160,9 @@ class Daemon:
         self.reaped: Any = None
         # The repair ladder for an idle quarantined node (issue 24.3), when configured.
         self.ladder = (RepairLadder(config.ladder, node=self.node, env=ports.tool_env,
-                                    monotonic=self.clock.monotonic, boot_time=ports.boot_time,
+                                    monotonic=self.clock.monotonic, boot_time=ports.host.boot_time,
                                     slots=ports.repair_slots, repairs=ports.repairs,
-                                    boot_id=ports.boot_id)
+                                    boot_id=ports.host.boot_id)
                        if config.ladder.enabled else None)
 
     @property
@@ -232,7 +232,7 @@ class Daemon:
         """Critical Xids recorded since this boot and not recovered stay conditions across a
         restart of the daemon."""
         try:
-            boot = self.ports.boot_time()
+            boot = self.ports.host.boot_time()
         except Exception:  # noqa: BLE001 - without it, only this run's Xids count
             return
         self.findings.seed_xids(self.store.history(self.node, since=boot))
@@ -442,7 +442,7 @@ class Daemon:
             except Exception as e:  # noqa: BLE001 - cannot tell: not idle
                 pods_error = str(e)
                 log.warning("cannot list the GPU pods on %s: %s", self.node, e)
-        return observe(report.gpus if report is not None else (), pods, own=self.ports.own_pids(),
+        return observe(report.gpus if report is not None else (), pods, own=self.ports.host.own_pids(),
                        own_pod=self.config.own_pod,
                        utilization_pct=self.config.idle_utilization_pct, pods_error=pods_error)
 

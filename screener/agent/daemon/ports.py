@@ -14,7 +14,7 @@ catch-ups of every pass), not five callables unbundled from one store.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Protocol
 
 from screener.agent.daemon.clock import ClockLike
@@ -51,8 +51,36 @@ class NodeObject(Protocol):
         many."""
 
 
-def _no_pids() -> set[int]:
-    return set()
+class Host(Protocol):
+    """The machine the daemon runs on (ThisHost: the real one, as health.host reads it)."""
+
+    def own_pids(self) -> set[int]:
+        """This daemon's processes and their children (its screens): not a job's."""
+
+    def boot_time(self) -> float:
+        """When the host booted (unix seconds): an Xid from before it was recovered by the
+        reboot, and a reboot the ladder asked for shows as a later boot."""
+
+    def boot_id(self) -> Optional[str]:
+        """The kernel's id of this boot (a new one at every boot, whatever the wall clock
+        does), or None where it is not read: it proves a reboot where it can be."""
+
+
+@dataclass(frozen=True)
+class ThisHost:
+    """The real host. boot_id_path: where the kernel's boot id is read ([probes] boot_id_path);
+    None: not read."""
+
+    boot_id_path: Optional[str] = None
+
+    def own_pids(self) -> set[int]:
+        return host.own_pids()
+
+    def boot_time(self) -> float:
+        return host.boot_time()
+
+    def boot_id(self) -> Optional[str]:
+        return host.boot_id(self.boot_id_path) if self.boot_id_path else None
 
 
 @dataclass
@@ -64,12 +92,12 @@ class DaemonPorts:
         removes the screening taint (KubeStore, or screening.LocalTaint).
     node_object: the node's object in the cluster (NodeObject; KubeNodeObject on the kube
         store), or None outside a cluster: then no GPU pods are listed, nothing is published,
-        nothing spooled is replayed and no intent finished. own_pids(): our PIDs
-        (host.own_pids). on_quarantine(node): the optional deep health check. reap(): ends
-        screen workers a killed predecessor left (screening.reap_stale_screens bound to the
-        runner's work_dir) or None. commit_kmsg(): saves the kernel-log position
-        (DeferredKernelLogReader.commit) once what it read is durable, or None. boot_time():
-        when the host booted (an Xid before it was recovered by the reboot).
+        nothing spooled is replayed and no intent finished. host: the machine (Host: our
+        PIDs, its boot time and boot id; default ThisHost()). on_quarantine(node): the optional
+        deep health check. reap(): ends screen workers a killed predecessor left
+        (screening.reap_stale_screens bound to the runner's work_dir) or None. commit_kmsg():
+        saves the kernel-log position (DeferredKernelLogReader.commit) once what it read is
+        durable, or None.
     metrics: the daemon's metrics (default: fresh ones for the node). clock: a clock.Clock (wall
         and monotonic) or one callable standing for both (a test clock that never steps); default
         the system's. stop: set to end the loop (SIGTERM); default a fresh event.
@@ -77,8 +105,7 @@ class DaemonPorts:
         uid that must own the alarm folder (default: the daemon's own). tool_env: the environment
         (PATH) the repair ladder runs nvidia-smi and dcgmi in (default: the daemon's own).
     repair_slots: the fleet-wide reboot slots (screener.stores.slots) and repairs: the reboot and
-        replace calls (screener.remediation.repairs), for a ladder that reboots or replaces;
-        boot_id(): the kernel's boot id (host.boot_id), which proves a reboot where it can be read.
+        replace calls (screener.remediation.repairs), for a ladder that reboots or replaces.
     answer: the node-local health answer the daemon publishes into (health_answer.AnswerBoard;
         default: a fresh one), which the command serves on the socket and the HTTP port.
     device_taints: the node's ResourceSlices and DeviceTaintRules (screener.stores.kube.devices.
@@ -90,11 +117,10 @@ class DaemonPorts:
     runner: ScreenRunner
     taint: TaintControl
     node_object: Optional[NodeObject] = None
-    own_pids: Callable[[], set[int]] = _no_pids
+    host: Host = field(default_factory=ThisHost)
     on_quarantine: Optional[Callable[[str], Any]] = None
     reap: Optional[Callable[[], Any]] = None
     commit_kmsg: Optional[Callable[[], None]] = None
-    boot_time: Callable[[], float] = host.boot_time
     metrics: Optional[DaemonMetrics] = None
     clock: Optional[ClockLike] = None
     stop: Optional[threading.Event] = None
@@ -104,5 +130,4 @@ class DaemonPorts:
     repair_slots: Optional[Slots] = None
     repairs: Optional[Repairs] = None
     answer: Optional[AnswerBoard] = None
-    boot_id: Optional[Callable[[], Optional[str]]] = None
     device_taints: Optional[DeviceTaintApi] = None
