@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 import socket
+import ssl
 import struct
 import threading
 from dataclasses import dataclass
@@ -34,11 +35,16 @@ class Rule:
 class TcpProxy:
     """Listen on 127.0.0.1:<port>, forward to target_port; see the module docstring."""
 
-    def __init__(self, target_port: int, hold_s: float = 20.0, drip_s: float = 2.0) -> None:
+    def __init__(self, target_port: int, hold_s: float = 20.0, drip_s: float = 2.0, *,
+                 upstream_tls: bool = False) -> None:
         """hold_s: how long a black-holed connection is held before the proxy closes it (so a
         client without timeouts fails its test instead of hanging it). drip_s: the pause before
-        each byte of a dripped answer (a drip ends when the client goes, or at clear())."""
+        each byte of a dripped answer (a drip ends when the client goes, or at clear()).
+        upstream_tls: the target speaks TLS (a real kube-apiserver, its certificate not checked):
+        clients speak plain HTTP to the proxy, which asks the target to close after each answer
+        (the proxy reads an answer to its end)."""
         self.target = ("127.0.0.1", target_port)
+        self.upstream_tls = upstream_tls
         self.hold_s = hold_s
         self.drip_s = drip_s
         self._release = threading.Event()
@@ -126,6 +132,13 @@ class TcpProxy:
                 _reset(conn)
                 return
             upstream = socket.create_connection(self.target, timeout=30)
+            if self.upstream_tls:
+                tls = ssl.create_default_context()
+                tls.check_hostname, tls.verify_mode = False, ssl.CERT_NONE
+                upstream = tls.wrap_socket(upstream, server_hostname="127.0.0.1")
+                head, _, body = request.partition(b"\r\n\r\n")
+                head = re.sub(rb"(?im)^connection:[^\r\n]*\r\n?", b"", head)
+                request = head + b"\r\nConnection: close\r\n\r\n" + body
             upstream.sendall(request)
             answer = b""
             while True:
