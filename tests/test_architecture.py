@@ -25,8 +25,8 @@ def _contracts() -> list[dict]:
 def _modules() -> set[str]:
     """Every module of the package that imports something, by dotted name.
 
-    A package whose __init__ holds only its docstring (health, output, remediation: their modules
-    sit in different layers) imports nothing, so no layer needs to hold it.
+    A package whose __init__ holds only its docstring (health, output, known_answer: their
+    folders sit in different layers) imports nothing, so no layer needs to hold it.
     """
     out = set()
     for path in (ROOT / "screener").rglob("*.py"):

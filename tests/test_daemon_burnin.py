@@ -12,7 +12,7 @@ from fakes.fake_nvml import FakeNvml, h100
 from fakes.kubeapi import KubeAPI
 from screener.agent.burnin.full import BurninPlan, BurninRequirement, run_burnin, run_full_burnin
 from screener.agent.screening.window import KatOptions, KatProcessRunner
-from screener.health.hbm import stuck_bit
+from screener.health.sources.hbm import stuck_bit
 from screener.health.probes import run_probes
 from screener.known_answer.verdict.crosscheck import platform_digests
 from screener.known_answer.engine.screen import DeviceFault, record_goldens

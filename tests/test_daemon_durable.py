@@ -22,7 +22,7 @@ from fakes.fake_nvml import FakeNvml, h100
 from screener.settings.daemon import DaemonConfig
 from screener.agent.daemon.loop import Daemon
 from screener.settings.health import ProbeConfig
-from screener.health.nvml import NvmlAdapter
+from screener.health.sources.nvml import NvmlAdapter
 from screener.health.probes import DeferredKernelLogReader, run_probes
 from screener.agent.screening.window import LocalTaint
 from screener.stores.local import LocalStore

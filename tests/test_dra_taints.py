@@ -12,7 +12,7 @@ from fakes.daemon import NODE, DaemonRig, ScriptedRunner, outcome
 from fakes.fake_nvml import FakeNvml, h100
 from fakes.kubeapi import KubeAPI, validate_published
 from screener.agent.daemon.device_taints import cuda_gpus
-from screener.health.snapshot import GpuSnapshot
+from screener.health.verdict.snapshot import GpuSnapshot
 from screener.stores.kube import KubeStore
 from screener.stores.kube.devices import (KubeDeviceTaints, SliceDevice, rule_body, rule_name,
                                          slice_devices)

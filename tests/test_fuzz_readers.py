@@ -405,7 +405,7 @@ KMSG_CASES: dict[str, bytes] = {
 
 @pytest.mark.parametrize("case", sorted(KMSG_CASES) + ["no-newline-65MiB"])
 def test_kernel_log_reader_survives(case, tmp_path):
-    from screener.health.kmsg import KernelLogReader
+    from screener.health.sources.kmsg import KernelLogReader
 
     path = tmp_path / "kern.log"
     if case == "no-newline-65MiB":  # one "line" longer than a whole read: skipped, not re-read
@@ -427,7 +427,7 @@ def test_kernel_log_reader_survives(case, tmp_path):
                                    '{"kind": "file", "offset": -5}', '{"kind": "file", "inode": "x"}',
                                    "[]", "\xff", "fifo"])
 def test_kernel_log_state_file_garbage_starts_over(state, tmp_path):
-    from screener.health.kmsg import KernelLogReader
+    from screener.health.sources.kmsg import KernelLogReader
 
     log = tmp_path / "kern.log"
     log.write_text(XID + "\n")

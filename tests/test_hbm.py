@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from screener.errors import BadInputError
-from screener.health.hbm import PATTERNS, hbm_test, stuck_bit
+from screener.health.sources.hbm import PATTERNS, hbm_test, stuck_bit
 from screener.types import Outcome
 
 

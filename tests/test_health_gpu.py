@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from screener.settings.health import ProbeConfig
-from screener.health.nvml import NvmlAdapter
+from screener.health.sources.nvml import NvmlAdapter
 from screener.health.probes import run_probes
 
 pytestmark = pytest.mark.gpu

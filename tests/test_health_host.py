@@ -1,4 +1,4 @@
-"""screener.health.host, psutil's one importer, against real processes: a process is named by its
+"""screener.health.sources.host, psutil's one importer, against real processes: a process is named by its
 PID and start time, so a PID the kernel reused for someone else's process is never signalled."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from screener.health import host
+from screener.health.sources import host
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
 

@@ -6,8 +6,8 @@ import pynvml
 import pytest
 
 from fakes.fake_nvml import FakeNvml, Raise, h100
-from screener.health.nvml import NvmlAdapter, NvmlError
-from screener.health.snapshot import EccCounts, GpuProcess, RetiredPages, RowRemap
+from screener.health.sources.nvml import NvmlAdapter, NvmlError
+from screener.health.verdict.snapshot import EccCounts, GpuProcess, RetiredPages, RowRemap
 from screener.types import ExitCode
 
 

@@ -15,8 +15,8 @@ import pytest
 
 from fakes.fake_nvml import FakeNvml, h100
 from screener.errors import ConfigError
-from screener.health.kmsg import KernelLogReader
-from screener.health.nvml import NvmlAdapter
+from screener.health.sources.kmsg import KernelLogReader
+from screener.health.sources.nvml import NvmlAdapter
 from screener.health.probes import DeferredKernelLogReader, run_probes
 from screener.settings.health import ProbeConfig
 from screener.types import ExitCode, Severity

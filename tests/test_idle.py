@@ -12,9 +12,9 @@ from pynvml import NVML_ERROR_NO_PERMISSION
 
 from fakes.fake_nvml import FakeNvml, h100
 from fakes.kubeapi import KubeAPI
-from screener.health.host import own_pids
-from screener.health.idle import IdleTracker, observe
-from screener.health.nvml import NvmlAdapter
+from screener.health.sources.host import own_pids
+from screener.health.verdict.idle import IdleTracker, observe
+from screener.health.sources.nvml import NvmlAdapter
 from screener.stores.kube import KubeStore
 
 

@@ -62,10 +62,10 @@ def _importers(name: str) -> set[str]:
     ("kubernetes", {"screener/stores/kube/store.py"}),
     ("boto3", {"screener/remediation/hyperpod.py"}),
     ("botocore", {"screener/remediation/hyperpod.py"}),
-    ("pynvml", {"screener/health/nvml.py"}),
+    ("pynvml", {"screener/health/sources/nvml.py"}),
     ("prometheus_client", {"screener/agent/metrics.py"}),
     ("safetensors", {"screener/tensorfile.py"}),
-    ("psutil", {"screener/health/host.py"}),
+    ("psutil", {"screener/health/sources/host.py"}),
     ("grpc", {"screener/agent/nvrx_health.py"}),
 ])
 def test_each_vendor_client_has_one_importer(client, allowed):

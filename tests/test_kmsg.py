@@ -13,7 +13,7 @@ import time
 import pytest
 
 from screener.errors import BadInputError
-from screener.health.kmsg import KernelLogReader, KmsgUnavailable, parse_line
+from screener.health.sources.kmsg import KernelLogReader, KmsgUnavailable, parse_line
 
 DATA = pathlib.Path(__file__).parent / "data"
 SAMPLE = DATA / "kmsg_sample.log"

@@ -8,7 +8,7 @@ import json
 import threading
 
 from fakes.clock import FakeClock
-from screener.health.hbm import hbm_test
+from screener.health.sources.hbm import hbm_test
 from screener.output.progress import BAR_WIDTH, JobEvents, Progress
 
 

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from screener.remediation import plan as recovery
+from screener.lifecycle import recovery
 from screener.cli import main
 from screener.commands.context import AppContext
 from screener.errors import BadInputError

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from screener.health.xid import CATALOG, XidClass, lookup
+from screener.health.verdict.xid import CATALOG, XidClass, lookup
 from screener.types import Severity
 
 REQUIRED = [13, 31, 32, 43, 45, 48, 61, 62, 63, 64, 68, 69, 74, 79, 92, 94, 95, 109, 119, 120,

@@ -133,7 +133,7 @@ class AppContext:
         adapter all the same: the probes report NVML trouble as findings on every run."""
         if self._nvml is not None:
             return self._nvml
-        from screener.health.nvml import NvmlAdapter  # pynvml: only commands that read GPUs load it
+        from screener.health.sources.nvml import NvmlAdapter  # pynvml: only commands that read GPUs load it
 
         adapter = NvmlAdapter(events=events)
         try:

@@ -54,7 +54,7 @@ def probe_cmd(app: AppContext, as_json: bool, kmsg_file: Optional[str], kmsg_sta
     Exit 0 when nothing is suspect or worse, 75 when something is, 1 when a probe itself failed.
     """
     from screener.settings.health import ProbeConfig
-    from screener.health.kmsg import KernelLogReader
+    from screener.health.sources.kmsg import KernelLogReader
     from screener.health.probes import run_probes
 
     kwargs: dict[str, object] = {"expected_gpus": expected_gpus,

@@ -362,7 +362,7 @@ def plan_cmd(app: AppContext, checkpoint_minutes: float, job_mttf_hours: Optiona
     --node-mttf-hours and --nodes (job MTTF = 1 / (nodes * per-node failure rate)), or --history to
     measure the failure rate from the store (failures of in-service nodes per node-hour).
     """
-    from screener.remediation import plan as recovery
+    from screener.lifecycle import recovery
 
     sources = sum(x for x in (job_mttf_hours is not None, node_mttf_hours is not None, history))
     if sources != 1:

@@ -1,17 +1,18 @@
 """GPU and host health probes: what the hardware itself reports, turned into Findings.
 
-Modules, lowest first:
+Two folders, one per layer, and the probe run that joins them:
 
-- ``snapshot``: plain dataclasses of what was observed (GPUs, Xid events, host);
-- ``xid``: NVIDIA's Xid catalog with our classification (hardware / software / informational);
-- ``nvml``: the NVML adapter, the only importer of pynvml (imported lazily);
-- ``kmsg``: the kernel-log Xid parser and reader that keeps its position;
-- ``host``: the only importer of psutil: host checks (mounts, memory, disk), boot time, our own
-  PIDs, and the screen workers' processes named by PID and start time;
-- ``rules``: pure rules, snapshots (previous and current) -> Findings;
-- ``idle``: pure idle detection over probe snapshots and the GPU pod list;
-- ``hbm``: the HBM pattern test (torch; run by the burn-in's worker, never by the daemon);
-- ``probes``: ``run_probes``, which runs everything once and returns a ``ProbeReport``.
+- ``verdict/`` (pure logic): ``snapshot``, plain dataclasses of what was observed (GPUs, Xid
+  events, host); ``xid``, NVIDIA's Xid catalog with our classification (hardware / software /
+  informational); ``rules``, snapshots (previous and current) -> Findings; ``idle``, idle
+  detection over probe snapshots and the GPU pod list;
+- ``sources/`` (the adapters that read the node): ``nvml``, the only importer of pynvml
+  (imported lazily); ``kmsg``, the kernel-log Xid parser and reader that keeps its position;
+  ``host``, the only importer of psutil (mounts, memory, disk, boot time, our own PIDs, the
+  screen workers' processes named by PID and start time); ``hbm``, the HBM pattern test (torch;
+  run by the burn-in's worker, never by the daemon);
+- ``probes``: ``run_probes``, which reads the sources once, applies the rules and returns a
+  ``ProbeReport``.
 
 The probe configuration, ``ProbeConfig``, lives in ``screener.settings.health``.
 

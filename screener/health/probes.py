@@ -24,13 +24,13 @@ from typing import Any, Callable, Optional, Union
 
 from screener.errors import BadInputError, ScreenerError
 from screener.settings.health import ProbeConfig
-from screener.health.host import read_host
-from screener.health.kmsg import KernelLogReader, KmsgUnavailable
-from screener.health.nvml import NvmlAdapter, NvmlError
-from screener.health.rules import evaluate, worst_severity
-from screener.health.snapshot import (GpuSnapshot, HostSnapshot, NvmlSnapshot, ProbeSnapshot,
+from screener.health.sources.host import read_host
+from screener.health.sources.kmsg import KernelLogReader, KmsgUnavailable
+from screener.health.sources.nvml import NvmlAdapter, NvmlError
+from screener.health.verdict.rules import evaluate, worst_severity
+from screener.health.verdict.snapshot import (GpuSnapshot, HostSnapshot, NvmlSnapshot, ProbeSnapshot,
                                       XidEvent)
-from screener.health.xid import lookup
+from screener.health.verdict.xid import lookup
 from screener.types import ExitCode, Finding, Severity
 
 log = logging.getLogger(__name__)

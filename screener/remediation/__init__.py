@@ -1,2 +1,4 @@
-"""Remediation and planning: SageMaker HyperPod (deep health check, reboot, replace), DCGM correlation
-from Prometheus, and checkpoint-interval planning."""
+"""Remediation: SageMaker HyperPod (deep health check, reboot, replace), the repair ladder and the
+NVIDIA tools it drives, the ladder's reboot and replace calls (repairs), and DCGM correlation from
+Prometheus. One layer (adapters); the checkpoint-interval planning is pure and lives in
+screener.lifecycle.recovery."""

@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 from screener import boundedjson
 from screener.errors import BadInputError, ExternalServiceError
-from screener.health.xid import XidClass, lookup as xid_lookup
+from screener.health.verdict.xid import XidClass, lookup as xid_lookup
 from screener.types import Finding, Severity
 
 

@@ -21,8 +21,8 @@ from screener.agent.daemon.loop import Daemon
 from screener.agent.metrics import DaemonMetrics
 from screener.agent.screening.window import LocalTaint, ScreenOutcome, ScreenRequest
 from screener.audit.alarms import write_alarm_file
-from screener.health import host
-from screener.health.nvml import NvmlAdapter
+from screener.health.sources import host
+from screener.health.sources.nvml import NvmlAdapter
 from screener.health.probes import run_probes
 from screener.settings.daemon import DaemonConfig
 from screener.settings.health import ProbeConfig

@@ -31,7 +31,7 @@ def _serve() -> None:
     import screener.agent.daemon.loop  # noqa: F401
     import screener.stores.kube.store  # noqa: F401
     import screener.health.probes  # noqa: F401
-    import screener.health.nvml  # noqa: F401
+    import screener.health.sources.nvml  # noqa: F401
     import screener.agent.screening.window  # noqa: F401
 
     out = sys.stdout

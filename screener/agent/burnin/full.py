@@ -7,7 +7,7 @@
    device for the duration, each device in one child process for the whole burn-in; every repeat
    is compared with the first (self-consistency), the first with the golden record of the
    device's platform and with the device's peers. Its BurninReport has a per-device, per-job table;
-3. the HBM pattern test on every GPU (screener.health.hbm);
+3. the HBM pattern test on every GPU (screener.health.sources.hbm);
 4. the intra-node all-reduce check with its bandwidth (screener.known_answer.collective.allreduce);
 5. the cross-check of its known-answer digests with other nodes of the same platform, from their
    annotations (screener.known_answer.verdict.crosscheck; only with the kube store);
@@ -39,7 +39,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from screener.agent.burnin.rounds import (DEFAULT_ITERATIONS, BurninReport, BurninRow, TextProgress,
                                           run_burnin)
 from screener.agent.burnin.summary import QUICK_SUMMARY, node_line, passed_lines
-from screener.health.rules import is_condition
+from screener.health.verdict.rules import is_condition
 from screener.known_answer.collective.allreduce import run_collective
 from screener.known_answer.verdict.crosscheck import cross_check, peer_digests, platform_digests
 from screener.known_answer.engine.screen import ScreenResult
@@ -317,10 +317,10 @@ def mark_confirmed(v: Verdict, iterations: int) -> Verdict:
 def hbm_stage(devices: Sequence[str], plan: BurninPlan, inject: Any = None,
               step: Optional[Callable[[str], None]] = None) -> Stage:
     """The HBM pattern test on every device; step(item) after each pattern (progress)."""
-    # Here, not at the top: screener.health.hbm imports torch (2.5 s measured with -X importtime
+    # Here, not at the top: screener.health.sources.hbm imports torch (2.5 s measured with -X importtime
     # here, against 0.5 s for all of screener.agent.daemon.loop), and the daemon, which imports this
     # module, never runs the HBM test itself (its screen worker does).
-    from screener.health.hbm import hbm_test
+    from screener.health.sources.hbm import hbm_test
 
     t0 = time.monotonic()
     results = [hbm_test(d, fraction=plan.hbm_fraction, max_bytes=plan.hbm_max_bytes,

@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Protocol, Sequenc
 from screener.agent.daemon.passreport import PassReport
 from screener.alarmfile import CHECKS, AlarmRecord
 from screener.errors import ScreenerError
-from screener.health.snapshot import GpuSnapshot
+from screener.health.verdict.snapshot import GpuSnapshot
 from screener.lifecycle import machine
 from screener.settings.dra import DraConfig
 from screener.types import Outcome, Reason, Verdict

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 from screener.errors import ScreenerError
 from screener.health.probes import ProbeReport
-from screener.health.rules import is_condition
+from screener.health.verdict.rules import is_condition
 from screener.lifecycle import machine
 from screener.lifecycle.records import ACTOR_HUMAN
 from screener.types import Finding, NodeState, Reason, Severity

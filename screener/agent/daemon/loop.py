@@ -80,7 +80,7 @@ from screener.agent.daemon.ports import DaemonPorts
 from screener.agent.screening.window import ScreeningWindow
 from screener.agent.daemon.screens import DaemonScreens
 from screener.errors import ScreenerError
-from screener.health.idle import Activity, IdleTracker, observe
+from screener.health.verdict.idle import Activity, IdleTracker, observe
 from screener.health.probes import ProbeReport
 from screener.lifecycle import machine
 from screener.remediation.ladder import RepairLadder

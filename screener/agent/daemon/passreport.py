@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 from screener.agent.daemon.intake import IntakeResult
 from screener.agent.screening.window import ScreenOutcome
-from screener.health.idle import Activity
+from screener.health.verdict.idle import Activity
 from screener.types import NO_WORK_STATES, ExitCode, NodeState, Outcome
 
 

@@ -22,7 +22,7 @@ from screener.agent.daemon.device_taints import DeviceTaintApi
 from screener.agent.health_answer import AnswerBoard
 from screener.agent.metrics import DaemonMetrics
 from screener.agent.screening.window import ScreenRunner, TaintControl
-from screener.health import host
+from screener.health.sources import host
 from screener.health.probes import ProbeReport
 from screener.lifecycle.ports import Store
 from screener.remediation.ladder import Repairs, Slots

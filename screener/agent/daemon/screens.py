@@ -29,7 +29,7 @@ from screener.agent.daemon.passreport import PassReport
 from screener.agent.daemon.ports import DaemonPorts
 from screener.agent.screening.window import KIND_FULL, KIND_QUICK, ScreeningWindow, ScreenOutcome
 from screener.errors import BadInputError, ScreenerError
-from screener.health.idle import IdleTracker
+from screener.health.verdict.idle import IdleTracker
 from screener.health.probes import ProbeReport
 from screener.known_answer.verdict.crosscheck import platform_digests
 from screener.lifecycle import machine

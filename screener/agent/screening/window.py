@@ -44,7 +44,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Protocol, Sequenc
 
 from screener.atomicfile import write_atomic
 from screener import boundedjson
-from screener.health import host
+from screener.health.sources import host
 from screener.known_answer.verdict import node_memory
 from screener.lifecycle.events import KIND_FULL, KIND_QUICK
 from screener.types import ExitCode, Outcome, ScreenStop, Verdict

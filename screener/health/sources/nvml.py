@@ -3,7 +3,7 @@
 `NvmlAdapter` takes the NVML module as a constructor argument (by default it imports `pynvml`, from
 nvidia-ml-py, lazily), so tests pass a scripted module with the same function names, constants and
 `NVMLError` classes. It turns what NVML says into plain `GpuSnapshot`s and `XidEvent`s; it never
-decides what is good or bad (that is `screener.health.rules`).
+decides what is good or bad (that is `screener.health.verdict.rules`).
 
 Error policy, one place:
 
@@ -26,7 +26,7 @@ import logging
 from typing import Any, Callable, Optional
 
 from screener.errors import ExternalServiceError
-from screener.health.snapshot import (EccCounts, GpuProcess, GpuSnapshot, NvmlSnapshot,
+from screener.health.verdict.snapshot import (EccCounts, GpuProcess, GpuSnapshot, NvmlSnapshot,
                                       RetiredPages, RowRemap, XidEvent, normalize_pci)
 
 log = logging.getLogger(__name__)

@@ -42,7 +42,7 @@ from typing import Callable, Iterator, Optional
 from screener.atomicfile import write_atomic
 from screener import boundedjson
 from screener.errors import BadInputError, ScreenerError
-from screener.health.snapshot import XidEvent, normalize_pci
+from screener.health.verdict.snapshot import XidEvent, normalize_pci
 from screener.settings.health import DEFAULT_BOOT_ID, DEFAULT_KMSG
 
 log = logging.getLogger(__name__)

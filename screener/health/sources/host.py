@@ -4,7 +4,7 @@ psutil has this one importer (tests/test_imports.py holds it to that), so the re
 sees small typed functions and plain values, never a psutil object or a psutil exception:
 
 - host checks for the probes: required mounts, memory headroom, disk headroom (`read_host`; what
-  is too little is decided by `screener.health.rules`; the psutil module is passed in, default the
+  is too little is decided by `screener.health.verdict.rules`; the psutil module is passed in, default the
   real one, like every other client);
 - facts the agent needs: when the host booted, how much memory is available, our own PIDs;
 - the screen workers' processes, named by PID *and* start time (`Proc`), so that a PID the kernel
@@ -20,7 +20,7 @@ from typing import Any, Collection, Iterable, Optional
 import psutil
 
 from screener.settings.health import ProbeConfig
-from screener.health.snapshot import DiskUsage, HostSnapshot, MountCheck
+from screener.health.verdict.snapshot import DiskUsage, HostSnapshot, MountCheck
 
 # Two readings of one process's start time differ by float rounding only; a reused PID's differs by
 # at least the kernel's clock tick (10 ms).

@@ -26,8 +26,8 @@ from collections import defaultdict
 from typing import Iterable, Optional, Sequence
 
 from screener.settings.health import ProbeConfig
-from screener.health.snapshot import GpuSnapshot, HostSnapshot, ProbeSnapshot, XidEvent
-from screener.health.xid import lookup
+from screener.health.verdict.snapshot import GpuSnapshot, HostSnapshot, ProbeSnapshot, XidEvent
+from screener.health.verdict.xid import lookup
 from screener.types import Finding, Severity
 
 NO_DRIVER_MESSAGE = "no NVIDIA driver: GPU probes skipped"

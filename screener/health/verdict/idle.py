@@ -13,7 +13,7 @@ The PIDs NVML reports are those of the host's PID namespace, which is why the Da
 hostPID (see manifests/daemonset.yaml): only then can our own PIDs be told from a job's.
 
 Pure functions over plain snapshots; the clock is passed in, and our own PIDs too (the host
-adapter, screener.health.host.own_pids, reads them).
+adapter, screener.health.sources.host.own_pids, reads them).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
-from screener.health.snapshot import GpuSnapshot
+from screener.health.verdict.snapshot import GpuSnapshot
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Plain snapshots of what the probes observed: GPUs (from NVML), Xid events, the host.
 
-These are the inputs of the pure rules in `screener.health.rules`. They hold plain values only (no
+These are the inputs of the pure rules in `screener.health.verdict.rules`. They hold plain values only (no
 NVML handles, no ctypes), so a test or the daemon can build, store and compare them, and the rules
 can look at two successive snapshots to see a counter rising. ``None`` in a field means the value
 could not be read (not supported on this GPU, or an error recorded in ``errors``).

@@ -15,7 +15,7 @@ carries our classification:
 - ``informational``: expected, follows another Xid, or is already corrected;
 - ``unknown``: a code this table does not know. It is reported, never dropped.
 
-and the severity of the finding it produces. Severity meanings follow `screener.health.rules`:
+and the severity of the finding it produces. Severity meanings follow `screener.health.verdict.rules`:
 suspect = stop new work, drain, reset and re-screen; critical = unusable now or to be removed from
 service.
 """

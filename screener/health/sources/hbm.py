@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from screener.errors import BadInputError
-from screener.health import host
+from screener.health.sources import host
 from screener.lifecycle.events import EVIDENCE_CONFIRMED
 from screener.types import Outcome, Verdict
 
