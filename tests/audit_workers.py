@@ -174,7 +174,7 @@ def fault_matrix(rank: int, world: int, root: str) -> dict[str, Any]:
         after_step=flip_weight)
 
     # NaN written into rank 2's bucket inside the all-reduce from the hook's call 3 (step 3) on,
-    # so the redo of that all-reduce is NaN too (a one-off: tests/test_audit_ddp_redo.py).
+    # so the redo of that all-reduce is NaN too (a one-off: tests/test_audit_ddp_nonfinite_reduction.py).
     run("nan_allreduce", steps=6, audit_every=0, weights_every=1,
         reduce_hook=faults.corrupt_allreduce(rank=2, calls=range(3, 99), element=0))
     # NaN written into rank 3's reduced bucket after the all-reduce, on the hook's call 2 (step

@@ -19,7 +19,7 @@ import bench_audit_nd  # noqa: E402
 import nd_workers  # noqa: E402
 
 # (FSDP2 x TP with SP and LP, and pipeline parallel with checkpointing, train healthy in
-# tests/test_audit_edges.py and tests/test_audit_pipeline.py)
+# tests/test_audit_tensor_parallel.py and tests/test_audit_pipeline.py)
 # (per-block compile trains healthy in tests/test_audit_tp_compile.py, under inductor)
 SETUPS = ["tp_no_sp", "hsdp_tp"]
 FAULTS = (

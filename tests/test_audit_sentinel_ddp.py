@@ -4,6 +4,8 @@ and a data spike (one batch's loss times 1000). Ranks: n1 = {0, 1}, n2 = {2, 3},
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from ddp_util import run_ranks
@@ -59,3 +61,21 @@ def test_a_nan_made_by_the_reduction_is_explained_not_blamed_on_everyone(runs):
     assert place["element"] == 5 and len(place["sent"]) == 6
     assert all(isinstance(v, float) for v in place["sent"].values())
     assert "no rank is named" in redo["why"]
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_fault_before_the_sentinel_is_warm_is_caught_by_the_guard_audits(tmp_path, persistent):
+    """The default 20-step warm-up, no audit due (audit_every=1000), an exponent flip on rank 2
+    at step 6 (of a start at step 1). It used to pass unseen and end as a NumericFailure at step
+    8 with no node named; the first 20 steps of a start are audit steps, so the ring replay pins
+    it at step 6."""
+    outs = run_ranks(sentinel_workers.train, ["n1", "n1", "n2", "n2", "n3", "n3"], timeout=240,
+                     alarm_dir=str(tmp_path), fault=True, persistent=persistent, warmup=20)
+    assert all(o["numeric"] is None for o in outs), [o["numeric"] for o in outs]
+    a = outs[0]["alarm"]
+    assert a is not None and all(o["alarm"] == a for o in outs), [o["alarm"] for o in outs]
+    assert (a["check"], a["step"], a["settled"], a["suspect_ranks"]) == ("ring_replay", 6, True,
+                                                                         [2])
+    files = [json.loads(p.read_text()) for p in tmp_path.glob("*.json")]
+    assert [f["node"] for f in files] == ["n2"]
+    assert all(o["counters"]["audits"] == 5 for o in outs)  # steps 1-5 audited, clean

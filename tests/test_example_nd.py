@@ -1,6 +1,6 @@
 """examples/train_nd.py end to end under screener launch -- torchrun: a small Llama-style model,
 FSDP2 x tensor parallel on a (dp, tp) mesh, a TP group per simulated node (its healthy steps
-are the audit tests' SP+LP runs, tests/test_audit_edges.py). One bit flipped in rank 3's
+are the audit tests' SP+LP runs, tests/test_audit_tensor_parallel.py). One bit flipped in rank 3's
 embedding output at an audit step ends in exit 75, the alarm naming rank 3's TP group on its node, one alarm file there; under --pp 2 (pipeline parallel x FSDP2, a
 pipeline per node) it names rank 3 at its stage. --pp with --tp > 1 is refused in one line.
 """

@@ -1,6 +1,6 @@
-"""The audit at its edges (issue 32): a campaign over the setups the Auditor used to get wrong.
+"""The audit on the training setups it used to get wrong: a campaign (accumulation, shard flips).
 
-    python benchmarks/bench_audit_edges.py [--steps 60] [--faults 6] [--json]
+    python benchmarks/bench_audit_setups.py [--steps 60] [--faults 6] [--json]
 
 Six gloo ranks on three simulated nodes (n1 = {0, 1}, n2 = {2, 3}, n3 = {4, 5}), the TinyLM of
 tests/fsdp_workers.py. For each gradient-accumulation pattern (FSDP2 reducing on every
@@ -11,8 +11,8 @@ DDP without no_sync, DDP under no_sync; two micro-batches a step, audited every 
 settled and pinned to that rank with the alarm file on its node only. Then an HSDP weight shard
 (3 replicas x 2 shards) flipped between two votes on every rank in turn (five weights and bits),
 with a node = a shard group and again with every shard group spanning two nodes: the rank whose
-shard flipped must be named, settled, its node only. The refusals (FSDP2 x tensor parallel, pipeline stages) are counted
-too. tests/test_audit_edges.py is the CI slice of this campaign.
+shard flipped must be named, settled, its node only. The refusals (FSDP2 x tensor parallel,
+pipeline stages) are counted too. tests/test_audit_accumulation.py and tests/test_audit_shard_flips.py are its CI slice.
 """
 
 from __future__ import annotations
@@ -71,15 +71,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from ddp_util import run_ranks
-    import edge_workers
+    import audit_setup_workers
 
     start = time.monotonic()
-    refusals = [run_ranks(edge_workers.tensor_parallel, ["a", "b", "a", "b"], timeout=240)[0],
-                run_ranks(edge_workers.pipeline_stages, NODES[:4], timeout=240)[0]]
+    refusals = [run_ranks(audit_setup_workers.tensor_parallel, ["a", "b", "a", "b"], timeout=240)[0],
+                run_ranks(audit_setup_workers.pipeline_stages, NODES[:4], timeout=240)[0]]
     with tempfile.TemporaryDirectory() as root:
-        rows = run_ranks(edge_workers.campaign, NODES, timeout=3600, root=root,
+        rows = run_ranks(audit_setup_workers.campaign, NODES, timeout=3600, root=root,
                          steps=args.steps, faults_per_pattern=args.faults)[0]
-        rows += run_ranks(edge_workers.shard_flips, SPANNING, timeout=3600, root=root,
+        rows += run_ranks(audit_setup_workers.shard_flips, SPANNING, timeout=3600, root=root,
                           label="spanning")[0]
     for row in rows:
         row["verdict"] = judge(row)

@@ -1,5 +1,6 @@
-"""Rank-side code of tests/test_audit_edges.py: the setups at the edges of the audit, written as a
-user would write them (issue 32), each returning plain data.
+"""Rank-side code of the audit's setup tests (tests/test_audit_tensor_parallel.py, _refusals,
+_shard_flips, _accumulation) and of benchmarks/bench_audit_setups.py: the setups written as a
+user would write them, each returning plain data.
 
 - tensor parallel under FSDP2 (a (dp, tp) mesh) and pipeline stages sharded on their dp rows:
   refused at construction on every rank alike, one line;
@@ -265,7 +266,7 @@ PATTERNS = (("fsdp", sharded_accumulation, "every"), ("fsdp", sharded_accumulati
 
 def campaign(rank: int, world: int, *, root: str, steps: int, faults_per_pattern: int
              ) -> list[dict[str, Any]]:
-    """benchmarks/bench_audit_edges.py: every accumulation pattern for `steps` healthy steps,
+    """benchmarks/bench_audit_setups.py: every accumulation pattern for `steps` healthy steps,
     audited every 5th; then forward faults at audit step 5 on ranks 0.. in turn; then an HSDP
     shard flip on every rank in turn. One row per run (rank 0's view, identical on all)."""
     import os
@@ -448,7 +449,7 @@ def tensor_parallel_train(rank: int, world: int, *, alarm_dir: str, steps: int =
 
 
 def tensor_parallel_scenarios(rank: int, world: int, *, root: str) -> dict[str, Any]:
-    """The TP scenarios of tests/test_audit_edges.py in one process group."""
+    """The TP scenarios of tests/test_audit_tensor_parallel.py in one process group."""
     import os
 
     cases: dict[str, dict[str, Any]] = {
