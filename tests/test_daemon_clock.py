@@ -95,7 +95,7 @@ def test_the_lemon_rule_gives_repair_after_a_backward_step_across_a_restart(tmp_
             apply_event(rig.store, NODE, machine.Remediation(passed=True), now=clock.wall() + 1)
             clock.advance(DAY)
         clock.step(-10 * DAY)
-        rig.daemon = Daemon(rig.config, store=rig.store, probe=rig.daemon.ports.probe, runner=rig.runner,
+        rig.daemon = Daemon(rig.config, store=rig.store, probes=rig.probes, runner=rig.runner,
                             taint=rig.taint, metrics=rig.metrics, clock=clock, stop=rig.stop)
         rig.drop_alarm("lemon-3")
         report = rig.tick(advance=5.0)

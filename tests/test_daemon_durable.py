@@ -23,7 +23,7 @@ from screener.settings.daemon import DaemonConfig
 from screener.agent.daemon.loop import Daemon
 from screener.settings.health import ProbeConfig
 from screener.health.sources.nvml import NvmlAdapter
-from screener.health.probes import DeferredKernelLogReader, run_probes
+from screener.health.probes import DeferredKernelLogReader, NodeProbes
 from screener.agent.screening.window import LocalTaint
 from screener.stores.local import LocalStore
 from screener.types import NodeState
@@ -101,15 +101,15 @@ def make_daemon(tmp_path: Path, disk: FullDisk, clock: FakeClock, nvml: FakeNvml
     cfg = ProbeConfig(kmsg_path=None, disk_paths=(str(tmp_path),), min_free_disk_fraction=0.0,
                       min_free_memory_fraction=0.0)
 
-    def probe(previous: Any) -> Any:
-        return run_probes(cfg, nvml=adapter, kmsg=reader, previous=previous, clock=clock)
-
     config = DaemonConfig.from_mapping(dict(node=NODE, alarm_dir=str(tmp_path / "alarms"),
                                             store="local", probe_interval_s=60.0, screens=False,
-                                            metrics_port=-1))
-    daemon = Daemon(config, store=store, probe=probe, runner=ScriptedRunner(),
-                    taint=LocalTaint(tmp_path / "taint"), clock=clock, commit_kmsg=reader.commit,
-                    host=FakeHost(boot=lambda: 0.0), untaint_delay_s=0.01)
+                                            metrics_port=-1, untaint_retry_s=0.01))
+    # The real probes port: run_probes over the NVML adapter and the deferred reader, whose
+    # position commit() saves.
+    probes = NodeProbes(cfg, nvml=adapter, kmsg=reader, clock=clock)
+    daemon = Daemon(config, store=store, probes=probes, runner=ScriptedRunner(),
+                    taint=LocalTaint(tmp_path / "taint"), clock=clock,
+                    host=FakeHost(boot=lambda: 0.0))
 
     def close() -> None:
         reader.close()

@@ -21,7 +21,7 @@ from screener.agent.daemon.loop import Daemon
 from screener.agent.screening.window import LocalTaint, reap_stale_screens
 from screener.stores.local import LocalStore
 from fakes.clock import FakeClock
-from fakes.daemon import ScriptedRunner
+from fakes.daemon import FnProbes, ScriptedRunner
 
 ROOT = Path(__file__).resolve().parents[1]
 NODE = "restart-node"
@@ -77,12 +77,12 @@ def test_a_daemon_killed_mid_screen_is_cleaned_up_by_the_next_start(tmp_path):
 
     # The next start, as the DaemonSet restarts the container.
     cfg = DaemonConfig.from_mapping({"node": NODE, "alarm_dir": str(tmp_path / "alarms"),
-                                     "store": "local", "metrics_port": -1, "screens": False})
+                                     "store": "local", "metrics_port": -1, "screens": False,
+                                     "untaint_retry_s": 0.01})
     store = LocalStore(state / "screener" / "screener.db")
     try:
-        d = Daemon(cfg, store=store, probe=lambda prev: None, runner=ScriptedRunner(),
-                   taint=taint, clock=FakeClock(time.time()), reap=lambda: reap_stale_screens(work),
-                   untaint_delay_s=0.01)
+        d = Daemon(cfg, store=store, probes=FnProbes(lambda prev: None), runner=ScriptedRunner(),
+                   taint=taint, clock=FakeClock(time.time()), reap=lambda: reap_stale_screens(work))
         d.start()
         assert set(d.reaped.killed) >= {p.pid for p in family}
         gone, alive = psutil.wait_procs(family, timeout=10)

@@ -18,6 +18,7 @@ import pytest
 from botocore.stub import Stubber
 
 from fakes.nvidia_tools import install_tools, tool_calls
+from screener.agent.daemon.ports import RepairPorts
 from screener.lifecycle.apply import apply_event
 from screener.lifecycle.machine import HumanCommand, KatScreen, RepairStep
 from screener.remediation import hyperpod as hp
@@ -389,14 +390,13 @@ def test_the_daemon_resets_then_reboots_and_its_restart_on_the_new_boot_rescreen
     boot = [clock() - 3600.0]  # the host booted an hour before the daemon started
     store = LocalStore(db)
     slots = SqliteSlots(str(db), "reboot", 1, ttl=3600.0, clock=clock)
-    ports = {"tool_env": env, "repair_slots": slots,
-             "repairs": CommandRepairs(["fake-reboot"], env=env)}
+    ports = {"repair": RepairPorts(slots=slots, calls=CommandRepairs(["fake-reboot"], env=env))}
     ladder = {"enabled": True, "min_interval_s": 600.0, "reboot": "command",
               "reboot_command": ["fake-reboot"]}
     bad = outcome(Outcome.SUSPECT)
     runner = ScriptedRunner(outcome(Outcome.PASS), bad, bad, outcome(Outcome.PASS))
     rig = DaemonRig(tmp_path, runner, store=store, clock=clock, idle_window_s=0.0,
-                    ladder=ladder, daemon_kw=ports, boot=lambda: boot[0])
+                    ladder=ladder, daemon_kw=ports, boot=lambda: boot[0], env=env)
     assert rig.tick().state == NodeState.HEALTHY
     rig.drop_alarm("a-1", settled=True)
     rig.tick(advance=60.0)  # quarantined, reset, its burn-in mismatched: suspect
@@ -410,7 +410,7 @@ def test_the_daemon_resets_then_reboots_and_its_restart_on_the_new_boot_rescreen
     # The host rebooted; the DaemonSet's pod starts again on it: a new Daemon, same store.
     boot[0] = clock() + 5.0
     rig2 = DaemonRig(tmp_path, runner, store=store, clock=clock, idle_window_s=0.0,
-                     ladder=ladder, daemon_kw=ports, boot=lambda: boot[0])
+                     ladder=ladder, daemon_kw=ports, boot=lambda: boot[0], env=env)
     n = len(store.history(DNODE))
     rig2.tick(advance=120.0)
     rig2.tick(advance=60.0)

@@ -19,7 +19,7 @@ def _quarantined(tmp_path: Path, runner: ScriptedRunner, env: dict[str, str], **
     """A daemon with the ladder on, its node screened healthy, then quarantined by an alarm."""
     rig = DaemonRig(tmp_path, runner, idle_window_s=0.0,
                     ladder={"enabled": True, "min_interval_s": 600.0, **ladder},
-                    daemon_kw={"tool_env": env})
+                    env=env)
     assert rig.tick().state == NodeState.HEALTHY
     rig.drop_alarm("a-1", settled=True)
     return rig

@@ -34,7 +34,7 @@ from screener.agent.daemon.ports import DaemonPorts
 from screener.agent.screening.window import ScreenOutcome, ScreenRequest
 from screener.errors import BadInputError
 from screener.lifecycle.ports import Store
-from screener.health.probes import run_probes
+from screener.health.probes import NodeProbes
 from screener.known_answer.collective.peer_training import (PeerFault, PeerOptions, PeerResult,
                                                             run_local)
 from screener.settings.daemon import DaemonConfig
@@ -146,9 +146,7 @@ def daemon_passes(nodes: Sequence[str], alarm_dir: Path, store: Any, *, taint: A
     """Step 4: one daemon pass per node over the shared alarm folder; node -> PassReport."""
     probe_cfg = ProbeConfig(kmsg_path=None, disk_paths=(str(state_dir),), nvml_events=False,
                             min_free_disk_fraction=0.0, min_free_memory_fraction=0.0)
-
-    def probe(previous: Any) -> Any:
-        return run_probes(probe_cfg, previous=previous, clock=clock)
+    probes = NodeProbes(probe_cfg, clock=clock)
 
     def no_screens(request: ScreenRequest) -> ScreenOutcome:  # screens are off in the drill
         raise AssertionError("the drill runs no screens")
@@ -158,7 +156,7 @@ def daemon_passes(nodes: Sequence[str], alarm_dir: Path, store: Any, *, taint: A
         # The simulated nodes share one alarm folder: each leaves the others' files to them.
         config = DaemonConfig(node=node, alarm_dir=str(alarm_dir), screens=False, metrics_port=-1,
                               idle_window_s=0.0, probes=probe_cfg, foreign_alarms="leave")
-        daemon = Daemon(config, DaemonPorts(store=store, probe=probe, runner=no_screens,
+        daemon = Daemon(config, DaemonPorts(store=store, probes=probes, runner=no_screens,
                                             taint=taint, clock=clock))
         reports[node] = daemon.tick(once=True)
     return reports

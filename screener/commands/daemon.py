@@ -31,7 +31,7 @@ def build_daemon(app: AppContext, config: Any, *, stop: threading.Event,
     what it opens is closed when the command ends."""
     from screener.agent.daemon.loop import Daemon
     from screener.agent.daemon.ports import DaemonPorts, ThisHost
-    from screener.health.probes import DeferredKernelLogReader, run_probes
+    from screener.health.probes import DeferredKernelLogReader, NodeProbes
     from screener.agent.screening.window import (KatOptions, KatProcessRunner, LocalTaint,
                                                  reap_stale_screens)
     from screener.stores import default_state_dir
@@ -63,16 +63,13 @@ def build_daemon(app: AppContext, config: Any, *, stop: threading.Event,
     nvml = app.nvml(events=config.probes.nvml_events)
     reader = None
     if config.probes.kmsg_path:
-        # The position is saved only once what was read is durable (Daemon.commit_kmsg).
+        # The position is saved only once what was read is durable (NodeProbes.commit).
         reader = DeferredKernelLogReader(config.probes.kmsg_path,
                                          state_file=config.probes.kmsg_state_file,
                                          first_read=config.probes.kmsg_first_read,
                                          boot_id_path=config.probes.boot_id_path)
         app.on_close(reader.close)
-        kwargs["commit_kmsg"] = reader.commit
-
-    def probe(previous: Any) -> Any:
-        return run_probes(config.probes, nvml=nvml, kmsg=reader, previous=previous)
+    probes = NodeProbes(config.probes, nvml=nvml, kmsg=reader)
 
     work_dir = Path(config.work_dir) if config.work_dir else state_dir / "screens"
     runner = KatProcessRunner(KatOptions(jobs=config.jobs, devices=config.devices,
@@ -89,17 +86,18 @@ def build_daemon(app: AppContext, config: Any, *, stop: threading.Event,
                                max_attempts=hp.max_attempts)
         kwargs["on_quarantine"] = lambda node: hyperpod.on_quarantine(client, hp, node)
     if config.ladder.enabled and (config.ladder.reboot != "off" or config.ladder.final == "replace"):
-        kwargs.update(_repair_ports(app, config, store))
-    return Daemon(config, DaemonPorts(store=store, probe=probe, runner=runner, taint=taint,
+        kwargs["repair"] = _repair_ports(app, config, store)
+    return Daemon(config, DaemonPorts(store=store, probes=probes, runner=runner, taint=taint,
                                       host=ThisHost(config.probes.boot_id_path or None),
                                       stop=stop,
                                       metrics=metrics, answer=answer, **kwargs))
 
 
-def _repair_ports(app: AppContext, config: Any, store: Any) -> dict[str, Any]:
+def _repair_ports(app: AppContext, config: Any, store: Any) -> Any:
     """The reboot slots and the reboot/replace calls of a ladder that takes rungs 2 or 3."""
     import time
 
+    from screener.agent.daemon.ports import RepairPorts
     from screener.errors import ConfigError
     from screener.remediation.repairs import CommandRepairs, HyperPodRepairs
 
@@ -119,7 +117,7 @@ def _repair_ports(app: AppContext, config: Any, store: Any) -> dict[str, Any]:
     repairs: Any = hyperpod
     if ladder.reboot == "command":
         repairs = CommandRepairs(ladder.reboot_command, replacer=hyperpod)
-    return {"repair_slots": slots, "repairs": repairs}
+    return RepairPorts(slots=slots, calls=repairs)
 
 
 @click.command("daemon")

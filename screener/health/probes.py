@@ -98,6 +98,26 @@ class DeferredKernelLogReader(KernelLogReader):
             state.save(self.commit_file)
 
 
+class NodeProbes:
+    """The node's probes as the daemon runs them (its Probes port): `run` probes once with the
+    NVML adapter and kernel-log reader the caller keeps open; `commit` saves the kernel-log
+    position a DeferredKernelLogReader has reached (a plain reader, or none, saves its own)."""
+
+    def __init__(self, config: Optional[ProbeConfig] = None, *,
+                 nvml: Union[NvmlAdapter, Any, None] = None,
+                 kmsg: Optional[KernelLogReader] = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.config, self.nvml, self.kmsg, self.clock = config, nvml, kmsg, clock
+
+    def run(self, previous: Optional[ProbeReport]) -> ProbeReport:
+        return run_probes(self.config, nvml=self.nvml, kmsg=self.kmsg, previous=previous,
+                          clock=self.clock)
+
+    def commit(self) -> None:
+        if isinstance(self.kmsg, DeferredKernelLogReader):
+            self.kmsg.commit()
+
+
 def finding_dict(f: Finding) -> dict[str, Any]:
     """A finding as JSON; an Xid finding also carries its catalog entry at the top level."""
     d = f.to_dict()

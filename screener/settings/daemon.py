@@ -61,6 +61,7 @@ _YEAR = 365 * _DAY
 _NUMBERS: dict[str, tuple[float, float, bool, bool]] = {
     "tick_s": (0.0, _HOUR, True, False),
     "job_poll_s": (0.0, _HOUR, True, False),
+    "untaint_retry_s": (0.0, 60.0, True, False),
     "probe_interval_s": (0.0, 7 * _DAY, True, False),
     "liveness_s": (0.0, 7 * _DAY, True, False),
     "screen_time_cap_s": (0.0, 7 * _DAY, True, False),
@@ -107,6 +108,8 @@ class DaemonConfig:
         before trying again.
     screen_time_cap_s: a screen taking longer is stopped and counts as inconclusive.
     job_poll_s: how often, during a screen, the daemon looks for a job landing on the node.
+    untaint_retry_s: after a screen, the wait before another try at removing the screening taint
+        when a try failed (five tries in all).
     jobs: known-answer job names to run (empty: all in jobs_dir).
     jobs_dir, golden_dir: where job specs and golden records live (None: the package defaults).
     devices: devices to screen (empty: every GPU, or the CPU without one).
@@ -173,6 +176,7 @@ class DaemonConfig:
     retry_inconclusive_s: float = 600.0
     screen_time_cap_s: float = 1800.0
     job_poll_s: float = 2.0
+    untaint_retry_s: float = 1.0
     jobs: tuple[str, ...] = ()
     jobs_dir: Optional[str] = None
     golden_dir: Optional[str] = None

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -137,12 +138,30 @@ class FakeNodeObject:
         return 0
 
 
+class FnProbes:
+    """A Probes port (screener.agent.daemon.ports) over a test's probe function: run(previous)
+    calls it; commit() calls `commit` (default: nothing to save)."""
+
+    def __init__(self, fn: Any, commit: Any = None) -> None:
+        self.fn, self._commit, self.runs = fn, commit, 0
+
+    def run(self, previous: Any) -> Any:
+        self.runs += 1
+        return self.fn(previous)
+
+    def commit(self) -> None:
+        if self._commit is not None:
+            self._commit()
+
+
 class FakeHost:
     """A Host (screener.agent.daemon.ports) a test scripts: our PIDs (none by default), the boot
-    time (the real host's by default) and the boot id (None: not read)."""
+    time (the real host's by default), the boot id (None: not read), the uid (the real one by
+    default) and the tools' environment (None: the test's own)."""
 
-    def __init__(self, pids: Any = None, *, boot: Any = None, ident: Any = None) -> None:
-        self.pids, self.boot, self.ident = pids, boot, ident
+    def __init__(self, pids: Any = None, *, boot: Any = None, ident: Any = None,
+                 uid: Optional[int] = None, env: Optional[dict[str, str]] = None) -> None:
+        self.pids, self.boot, self.ident, self._uid, self.env = pids, boot, ident, uid, env
 
     def own_pids(self) -> set[int]:
         return set(self.pids()) if self.pids is not None else set()
@@ -153,32 +172,35 @@ class FakeHost:
     def boot_id(self) -> Optional[str]:
         return self.ident() if self.ident is not None else None
 
+    def uid(self) -> int:
+        return os.geteuid() if self._uid is None else self._uid
+
+    def tool_env(self) -> Optional[dict[str, str]]:
+        return self.env
+
 
 class DaemonRig:
     """A daemon on the fake clock with a scripted NVML (two healthy H100s)."""
 
     def __init__(self, tmp_path: Path, runner: Any, *, store: Any = None, taint: Any = None,
                  node_object: Any = None, nvml: Optional[FakeNvml] = None, own_pids=None, boot=None,
-                 daemon_kw: Optional[dict[str, Any]] = None, clock: Any = None,
+                 env: Optional[dict[str, str]] = None, daemon_kw: Optional[dict[str, Any]] = None, clock: Any = None,
                  **config: Any) -> None:
         self.tmp = tmp_path
         self.clock = clock if clock is not None else FakeClock()
         self.nvml = nvml or FakeNvml([h100(0), h100(1)])
         self.adapter = NvmlAdapter(self.nvml, events=False)
         self.adapter.open()
-        self.probe_calls = 0
         probe_cfg = ProbeConfig(kmsg_path=None, disk_paths=(str(tmp_path),),
                                 min_free_disk_fraction=0.0, min_free_memory_fraction=0.0)
 
-        def probe(previous: Any) -> Any:
-            self.probe_calls += 1
-            return run_probes(probe_cfg, nvml=self.adapter, previous=previous, clock=self.clock)
-
+        self.probes = FnProbes(lambda previous: run_probes(probe_cfg, nvml=self.adapter,
+                                                           previous=previous, clock=self.clock))
         settings = dict(node=NODE, alarm_dir=str(tmp_path / "alarms"), store="local",
                         tick_s=5.0, probe_interval_s=60.0, idle_window_s=300.0,
                         screen_interval_s=86400.0, retry_inconclusive_s=600.0,
                         screen_time_cap_s=900.0, job_poll_s=0.02, metrics_port=-1,
-                        burnin_duration_s=1.0)
+                        burnin_duration_s=1.0, untaint_retry_s=0.01)
         settings.update(config)
         self.config = DaemonConfig.from_mapping(settings)
         self.store = store if store is not None else LocalStore(tmp_path / "state.db")
@@ -186,11 +208,14 @@ class DaemonRig:
         self.runner = runner
         self.metrics = DaemonMetrics(NODE, clock=self.clock)
         self.stop = threading.Event()
-        self.daemon = Daemon(self.config, store=self.store, probe=probe, runner=runner,
+        self.daemon = Daemon(self.config, store=self.store, probes=self.probes, runner=runner,
                              taint=self.taint, node_object=node_object,
-                             host=FakeHost(own_pids, boot=boot), metrics=self.metrics,
-                             clock=self.clock, stop=self.stop, untaint_delay_s=0.01,
-                             **(daemon_kw or {}))
+                             host=FakeHost(own_pids, boot=boot, env=env), metrics=self.metrics,
+                             clock=self.clock, stop=self.stop, **(daemon_kw or {}))
+
+    @property
+    def probe_calls(self) -> int:
+        return self.probes.runs
 
     def tick(self, advance: float = 0.0, **kw: Any):
         self.clock.advance(advance)

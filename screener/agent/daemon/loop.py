@@ -97,9 +97,9 @@ __all__ = ["BUDGET_LOOK_S", "VERDICT_UNSCREENED", "Daemon"]
 class Daemon:
     """The per-node loop (see the module docstring).
 
-    Built from its config and its ports: `Daemon(config, DaemonPorts(store=..., probe=...,
+    Built from its config and its ports: `Daemon(config, DaemonPorts(store=..., probes=...,
     runner=..., taint=...))`, or with the same fields as keywords, `Daemon(config, store=...,
-    probe=..., runner=..., taint=...)` (see DaemonPorts for each). Every interval runs on the
+    probes=..., runner=..., taint=...)` (see DaemonPorts for each). Every interval runs on the
     ports' monotonic clock and every history stamp comes from a StampClock over it, so a stepped
     wall clock neither stops the probes nor reorders the history (clock.py).
     """
@@ -131,12 +131,13 @@ class Daemon:
                                                       processed_keep=config.processed_keep,
                                                       rejected_keep=config.rejected_keep,
                                                       max_age_s=config.aside_max_age_s),
-                                  foreign=config.foreign_alarms, uid=ports.uid, clock=self.clock)
+                                  foreign=config.foreign_alarms, uid=ports.host.uid(),
+                                  clock=self.clock)
         self.window = ScreeningWindow(self.node, ports.taint, ports.runner,
                                       time_cap_s=config.screen_time_cap_s, poll_s=config.job_poll_s,
                                       clock=self.clock.monotonic, stop=self.stop,
                                       heartbeat=self.metrics.beat,
-                                      untaint_delay_s=ports.untaint_delay_s)
+                                      untaint_delay_s=config.untaint_retry_s)
         self.idle = IdleTracker(config.idle_window_s)
         self.findings = FindingsTracker()
         self.feed = LifecycleFeed(config, ports, stamps=self.stamps, monotonic=self.clock.monotonic,
@@ -159,9 +160,11 @@ class Daemon:
         self.started = False
         self.reaped: Any = None
         # The repair ladder for an idle quarantined node (issue 24.3), when configured.
-        self.ladder = (RepairLadder(config.ladder, node=self.node, env=ports.tool_env,
+        repair = ports.repair
+        self.ladder = (RepairLadder(config.ladder, node=self.node, env=ports.host.tool_env(),
                                     monotonic=self.clock.monotonic, boot_time=ports.host.boot_time,
-                                    slots=ports.repair_slots, repairs=ports.repairs,
+                                    slots=repair.slots if repair else None,
+                                    repairs=repair.calls if repair else None,
                                     boot_id=ports.host.boot_id)
                        if config.ladder.enabled else None)
 
@@ -398,7 +401,7 @@ class Daemon:
 
     def _probe(self, into: PassReport) -> ProbeReport:
         """Probe, and feed what is new to the lifecycle; `into` gets the findings and conditions."""
-        report = self.ports.probe(self.last_report)
+        report = self.ports.probes.run(self.last_report)
         self.metrics.probes.labels(self.node).inc()
         for e in report.errors:
             self.metrics.error("probe")
@@ -431,8 +434,7 @@ class Daemon:
                 self.findings.not_written()
                 raise
         self.findings.written()
-        if self.ports.commit_kmsg is not None:
-            self.ports.commit_kmsg()
+        self.ports.probes.commit()
 
     def _activity(self, report: Optional[ProbeReport]) -> Activity:
         pods, pods_error = None, ""

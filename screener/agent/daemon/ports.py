@@ -8,11 +8,18 @@ node does not have (outside a cluster: no node object, so no GPU pods, no annota
 
 The outside world comes at its own grain where it is one thing: the node's object in the cluster
 is one port (`NodeObject`: its GPU pods, its annotations, when it was created, and the two
-catch-ups of every pass), not five callables unbundled from one store.
+catch-ups of every pass), not five callables unbundled from one store; the machine and the
+daemon's process on it are one (`Host`: PIDs, boot, uid, the tools' environment); the health
+probes are one (`Probes`: a run, and the kernel-log position saved once what it read is
+durable); the repair ladder's reach is one (`RepairPorts`: the fleet's reboot slots and the
+reboot and replace calls). The node's states, history and the quarantine budget are the store
+(`screener.lifecycle.ports.Store`, the lifecycle's own port). What the daemon decides by is its
+config (`DaemonConfig`), never a port.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Protocol
@@ -27,7 +34,16 @@ from screener.health.probes import ProbeReport
 from screener.lifecycle.ports import Store
 from screener.remediation.ladder import Repairs, Slots
 
-ProbeFn = Callable[[Optional[ProbeReport]], ProbeReport]
+class Probes(Protocol):
+    """The node's health probes (screener.health.probes.NodeProbes: NVML, the kernel log, the
+    host)."""
+
+    def run(self, previous: Optional[ProbeReport]) -> ProbeReport:
+        """Probe once; previous: the last report, which the rules compare with."""
+
+    def commit(self) -> None:
+        """Save the kernel-log position up to what the last run read: called once what that
+        run found is durable (recorded or spooled), so a crash before rereads it."""
 
 
 class NodeObject(Protocol):
@@ -65,6 +81,13 @@ class Host(Protocol):
         """The kernel's id of this boot (a new one at every boot, whatever the wall clock
         does), or None where it is not read: it proves a reboot where it can be."""
 
+    def uid(self) -> int:
+        """The uid the daemon runs as: the alarm folder must be its own."""
+
+    def tool_env(self) -> Optional[Mapping[str, str]]:
+        """The environment (PATH) the repair ladder runs nvidia-smi and dcgmi in; None: the
+        daemon's own."""
+
 
 @dataclass(frozen=True)
 class ThisHost:
@@ -82,30 +105,41 @@ class ThisHost:
     def boot_id(self) -> Optional[str]:
         return host.boot_id(self.boot_id_path) if self.boot_id_path else None
 
+    def uid(self) -> int:
+        return os.geteuid()
+
+    def tool_env(self) -> Optional[Mapping[str, str]]:
+        return None
+
+
+@dataclass(frozen=True)
+class RepairPorts:
+    """What the repair ladder's rungs 2 and 3 reach: the fleet-wide reboot slots (the store's
+    pool, store.slots) and the reboot and replace calls (screener.remediation.repairs)."""
+
+    slots: Slots
+    calls: Repairs
+
 
 @dataclass
 class DaemonPorts:
     """Everything a Daemon uses outside itself (see the module docstring).
 
-    store: where states live (LocalStore or KubeStore). probe(previous) -> ProbeReport. runner:
-        the screen runner (screening.KatProcessRunner, or a test's function). taint: adds and
+    store: where states, histories and the quarantine budget live (LocalStore or KubeStore).
+        probes: the health probes (Probes). runner: the screen runner (screening.KatProcessRunner, or a test's function). taint: adds and
         removes the screening taint (KubeStore, or screening.LocalTaint).
     node_object: the node's object in the cluster (NodeObject; KubeNodeObject on the kube
         store), or None outside a cluster: then no GPU pods are listed, nothing is published,
         nothing spooled is replayed and no intent finished. host: the machine (Host: our
-        PIDs, its boot time and boot id; default ThisHost()). on_quarantine(node): the optional
-        deep health check. reap(): ends screen workers a killed predecessor left
-        (screening.reap_stale_screens bound to the runner's work_dir) or None. commit_kmsg():
-        saves the kernel-log position (DeferredKernelLogReader.commit) once what it read is
-        durable, or None.
+        PIDs, its boot time and boot id, its uid, the tools' environment; default ThisHost()).
+        on_quarantine(node): the optional deep health check. reap(): ends screen workers a
+        killed predecessor left (screening.reap_stale_screens bound to the runner's work_dir)
+        or None.
     metrics: the daemon's metrics (default: fresh ones for the node). clock: a clock.Clock (wall
         and monotonic) or one callable standing for both (a test clock that never steps); default
         the system's. stop: set to end the loop (SIGTERM); default a fresh event.
-    untaint_delay_s: the screening window's wait before it retries removing the taint. uid: the
-        uid that must own the alarm folder (default: the daemon's own). tool_env: the environment
-        (PATH) the repair ladder runs nvidia-smi and dcgmi in (default: the daemon's own).
-    repair_slots: the fleet-wide reboot slots (screener.stores.slots) and repairs: the reboot and
-        replace calls (screener.remediation.repairs), for a ladder that reboots or replaces.
+    repair: the reboot slots and the reboot and replace calls (RepairPorts), for a ladder that
+        reboots or replaces; None: it does neither.
     answer: the node-local health answer the daemon publishes into (health_answer.AnswerBoard;
         default: a fresh one), which the command serves on the socket and the HTTP port.
     device_taints: the node's ResourceSlices and DeviceTaintRules (screener.stores.kube.devices.
@@ -113,21 +147,16 @@ class DaemonPorts:
     """
 
     store: Store
-    probe: ProbeFn
+    probes: Probes
     runner: ScreenRunner
     taint: TaintControl
     node_object: Optional[NodeObject] = None
     host: Host = field(default_factory=ThisHost)
     on_quarantine: Optional[Callable[[str], Any]] = None
     reap: Optional[Callable[[], Any]] = None
-    commit_kmsg: Optional[Callable[[], None]] = None
     metrics: Optional[DaemonMetrics] = None
     clock: Optional[ClockLike] = None
     stop: Optional[threading.Event] = None
-    untaint_delay_s: float = 1.0
-    uid: Optional[int] = None
-    tool_env: Optional[Mapping[str, str]] = None
-    repair_slots: Optional[Slots] = None
-    repairs: Optional[Repairs] = None
+    repair: Optional[RepairPorts] = None
     answer: Optional[AnswerBoard] = None
     device_taints: Optional[DeviceTaintApi] = None
