@@ -80,7 +80,7 @@ def idle_footprint(seconds: float, kind: str = "local") -> dict[str, Any]:
         work = Path(tmp)
         now = time.time()
         # A node that passed its full burn-in a moment ago: healthy, no screen due.
-        seed = machine.KatScreen((Verdict("cuda:0", Outcome.PASS),), kind=machine.KIND_FULL)
+        seed = machine.KnownAnswerScreen((Verdict("cuda:0", Outcome.PASS),), kind=machine.KIND_FULL)
         extra: tuple[str, ...] = ()
         if kind == "kube":
             # Here: the kubernetes client is an optional install, and only the kube mode needs it.

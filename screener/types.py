@@ -183,7 +183,7 @@ class Reason(StrValue):
     """
 
     # evidence against the hardware
-    KAT_MISMATCH = "KnownAnswerMismatch"
+    KNOWN_ANSWER_MISMATCH = "KnownAnswerMismatch"
     RING_REPLAY = "RingReplayMismatch"
     SPIKE_RERUN = "SpikeRerunMismatch"  # a loss/gradient spike a rerun elsewhere did not reproduce
     WEIGHTS = "WeightFingerprintMismatch"
@@ -197,7 +197,7 @@ class Reason(StrValue):
     PREFLIGHT = "PreflightFailed"  # screener preflight at a job's start: probes or known answers
     # the lifecycle's own moves
     NEW_NODE = "NewNode"
-    KAT_PASSED = "KnownAnswerPassed"
+    KNOWN_ANSWER_PASSED = "KnownAnswerPassed"
     BUDGET = "QuarantineBudgetExhausted"
     REMEDIATED = "RemediationPassed"
     REMEDIATION_FAILED = "RemediationFailed"
@@ -290,7 +290,7 @@ class RunStatus(StrValue):
     BAD_INPUT = "bad_input"  # a missing device, a job that cannot fit: BadInputError, exit 2
 
 
-class KatReason(StrValue):
+class KnownAnswerReason(StrValue):
     """Why a device's known-answer verdict is not a pass (Verdict.reason of a screen).
 
     The first four repeat the RunStatus a child ended with; the next eight come from comparing
@@ -372,4 +372,10 @@ def __getattr__(name: str) -> Any:
         warnings.warn(f"screener.types.{name} moved: import {new} from screener.alarmfile",
                       DeprecationWarning, stacklevel=2)
         return getattr(importlib.import_module("screener.alarmfile"), new)
+    if name == "KatReason":  # renamed: one name for the known-answer screen (issue 37.2)
+        import warnings
+
+        warnings.warn("screener.types.KatReason is now KnownAnswerReason", DeprecationWarning,
+                      stacklevel=2)
+        return KnownAnswerReason
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -31,7 +31,7 @@ from fakes.kubeapi import ApiError, KubeAPI, merge_patch
 from manifests_util import NODE_CLAIM, SERVICE_ACCOUNT, by_kind, rendered
 from test_store_fleet import at_once
 from screener.lifecycle.apply import apply_event
-from screener.lifecycle.events import KIND_FULL, HumanCommand, KatScreen, NodeSeen, Remediation
+from screener.lifecycle.events import KIND_FULL, HumanCommand, KnownAnswerScreen, NodeSeen, Remediation
 from screener.stores.kube import formats as kf
 from screener.stores.kube import KubeStore
 from screener.stores.kube.calls import KubeApiError
@@ -42,7 +42,7 @@ NS = "screener-system"
 S = NodeState
 BAD = Verdict(device="cuda:0", outcome=Outcome.SUSPECT, reason="mismatch", job="gemm-fp32",
               evidence={"confirmed": True})
-FULL_PASS = KatScreen((Verdict(device="cuda:0", outcome=Outcome.PASS, reason="ok",
+FULL_PASS = KnownAnswerScreen((Verdict(device="cuda:0", outcome=Outcome.PASS, reason="ok",
                                job="gemm-fp32"),), kind=KIND_FULL)
 POLICIES = ("screener-configmaps", "screener-budget-lease", "screener-events")
 

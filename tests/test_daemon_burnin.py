@@ -11,7 +11,7 @@ import pytest
 from fakes.fake_nvml import FakeNvml, h100
 from fakes.kubeapi import KubeAPI
 from screener.agent.burnin.full import BurninPlan, BurninRequirement, run_burnin, run_full_burnin
-from screener.agent.screening.window import KatOptions, KatProcessRunner
+from screener.agent.screening.window import ScreenOptions, ScreenProcessRunner
 from screener.health.sources.hbm import stuck_bit
 from screener.health.probes import run_probes
 from screener.known_answer.verdict.crosscheck import platform_digests
@@ -139,10 +139,10 @@ def test_a_reproduced_known_answer_mismatch_quarantines(kat_env, tmp_path):
     store = LocalStore(tmp_path / "s.db")
     try:
         rep = run_full_burnin("bad-1", ["cpu"], kat(fault), plan=PLAN, store=store)
-        kat_stage = rep.stages[0]
-        assert kat_stage.outcome == Outcome.SUSPECT
-        assert kat_stage.verdicts[0].reason == "golden_mismatch"
-        assert kat_stage.verdicts[0].evidence["confirmed"] is True  # both rounds mismatched
+        known_answer_stage = rep.stages[0]
+        assert known_answer_stage.outcome == Outcome.SUSPECT
+        assert known_answer_stage.verdicts[0].reason == "golden_mismatch"
+        assert known_answer_stage.verdicts[0].evidence["confirmed"] is True  # both rounds mismatched
         assert rep.state_after == NodeState.QUARANTINED
         assert rep.exit_code == ExitCode.HARDWARE_SUSPECT
     finally:
@@ -204,7 +204,7 @@ def test_the_daemon_runs_the_full_burnin_itself_in_its_worker(kat_env, tmp_path)
     adds the probes before and after, and the node becomes healthy with a verdict saying so."""
     kat, _ = kat_env
     jobs, golden = kat.dirs
-    runner = KatProcessRunner(KatOptions(jobs=("tiny-gemm",), devices=("cpu",), golden_dir=golden,
+    runner = ScreenProcessRunner(ScreenOptions(jobs=("tiny-gemm",), devices=("cpu",), golden_dir=golden,
                                          jobs_dir=jobs, burnin_seconds=1.0,
                                          hbm_max_bytes=1 << 20), work_dir=str(tmp_path / "screens"))
     # A CPU node: NVML reports no GPU, so the node has one device (the CPU).

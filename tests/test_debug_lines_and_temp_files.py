@@ -24,8 +24,8 @@ def test_vv_says_which_golden_and_which_child(tmp_path):
     quiet, loud = run("-v"), run("-vv")
     assert quiet.returncode == loud.returncode == 3  # no golden in an empty folder
     assert "DEBUG" not in quiet.stderr
-    assert "DEBUG screener.kat: child for cpu: pid" in loud.stderr
-    assert "DEBUG screener.kat: child for cpu ended: ok" in loud.stderr
+    assert "DEBUG screener.known_answer: child for cpu: pid" in loud.stderr
+    assert "DEBUG screener.known_answer: child for cpu ended: ok" in loud.stderr
     assert f"golden for gemm-fp32 on platform" in loud.stderr and str(tmp_path) in loud.stderr
 
 

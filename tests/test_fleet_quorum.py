@@ -28,7 +28,7 @@ from screener.known_answer.verdict.results import JobResult
 from screener.known_answer.verdict.runs import DeviceRun
 from screener.stores.kube import KubeStore
 from screener.stores.local import LocalStore
-from screener.types import ANNOTATION_CANDIDATES, KatReason, Outcome
+from screener.types import ANNOTATION_CANDIDATES, KnownAnswerReason, Outcome
 
 ROOT = Path(__file__).resolve().parents[1]
 PH = "00000000000000aa"  # the new platform: no golden anywhere
@@ -144,7 +144,7 @@ def test_with_a_quorum_a_persistently_wrong_device_is_suspect_naming_the_quorum(
     fleet = _fleet({"a": clean.digest, "b": clean.digest, "c": clean.digest})
     res = _judge(spec, {"cpu": _device("cpu", [bad, bad])}, fleet, tmp_path)
     v = res.verdict("cpu")
-    assert v.outcome == Outcome.SUSPECT and v.reason == KatReason.QUORUM_MISMATCH
+    assert v.outcome == Outcome.SUSPECT and v.reason == KnownAnswerReason.QUORUM_MISMATCH
     assert v.expected == clean.digest and v.observed == bad.digest
     assert "3 of 3 other node(s)" in v.evidence["detail"]
     assert not res.promote and candidates_of(res.to_dict()) == {}  # a suspect device tells nothing
@@ -158,7 +158,7 @@ def test_with_a_quorum_a_device_that_disagrees_with_itself_is_suspect_never_our_
     res = _judge(spec, {"cpu": _device("cpu", [clean, clean, flaky, clean, clean])}, fleet,
                  tmp_path)
     v = res.verdict("cpu")
-    assert v.outcome == Outcome.SUSPECT and v.reason == KatReason.SELF_MISMATCH
+    assert v.outcome == Outcome.SUSPECT and v.reason == KnownAnswerReason.SELF_MISMATCH
     assert "1 of 5 runs differ from the quorum" in v.evidence["detail"]
     assert int(res.exit_code) == 75 and not res.promote
 
@@ -168,13 +168,13 @@ def test_without_a_quorum_the_platform_visibly_waits_and_its_result_is_a_candida
     fleet = _fleet({"a": clean.digest, "b": clean.digest})
     res = _judge(spec, {"cpu": _device("cpu", [clean, clean])}, fleet, tmp_path)
     v = res.verdict("cpu")
-    assert v.outcome == Outcome.INCONCLUSIVE and v.reason == KatReason.AWAITING_QUORUM
+    assert v.outcome == Outcome.INCONCLUSIVE and v.reason == KnownAnswerReason.AWAITING_QUORUM
     assert "2 of the 3 other node(s)" in v.evidence["detail"]
     assert "screener golden record" in v.evidence["command"]
     assert candidates_of(res.to_dict())[PH][JOB]["digest"] == clean.digest
     # one run is no candidate: only a result the device reproduced counts towards a quorum
     res1 = _judge(spec, {"cpu": _device("cpu", [clean])}, fleet, tmp_path)
-    assert res1.verdict("cpu").reason == KatReason.AWAITING_QUORUM
+    assert res1.verdict("cpu").reason == KnownAnswerReason.AWAITING_QUORUM
     assert candidates_of(res1.to_dict()) == {}
 
 
@@ -190,7 +190,7 @@ def test_this_nodes_memory_never_overrides_a_quorum(spec, clean, tmp_path):
     assert res.verdict("cpu").outcome == Outcome.PASS
     res = judge_runs({"cpu": _device("cpu", [bad, bad])}, [spec], str(empty), seconds=0.0,
                          known=known, fleet=fleet)
-    assert res.verdict("cpu").reason == KatReason.QUORUM_MISMATCH
+    assert res.verdict("cpu").reason == KnownAnswerReason.QUORUM_MISMATCH
 
 
 def test_a_promoted_golden_is_a_golden_and_a_broken_one_is_left_out(spec, clean, tmp_path):
@@ -201,7 +201,7 @@ def test_a_promoted_golden_is_a_golden_and_a_broken_one_is_left_out(spec, clean,
     res = _judge(spec, {"cpu": _device("cpu", [bad, bad])}, FleetView("me", 3, {}, promoted),
                  tmp_path)
     v = res.verdict("cpu")
-    assert v.reason == KatReason.GOLDEN_MISMATCH and v.step is not None and v.tensor
+    assert v.reason == KnownAnswerReason.GOLDEN_MISMATCH and v.step is not None and v.tensor
     assert v.evidence["detail"] == promotion.store_path(JOB, PH)
     # a record edited in the store fails its checksum: left out, the quorum decides
     text = promoted[PH][JOB].replace('"repeats": 2', '"repeats": 3')
@@ -209,11 +209,11 @@ def test_a_promoted_golden_is_a_golden_and_a_broken_one_is_left_out(spec, clean,
     res = _judge(spec, {"cpu": _device("cpu", [bad, bad])},
                  _fleet({"a": clean.digest, "b": clean.digest, "c": clean.digest},
                         promoted={PH: {JOB: text}}), tmp_path)
-    assert res.verdict("cpu").reason == KatReason.QUORUM_MISMATCH
+    assert res.verdict("cpu").reason == KnownAnswerReason.QUORUM_MISMATCH
     # and with nothing else: waiting, never a verdict on the broken record
     res = _judge(spec, {"cpu": _device("cpu", [bad, bad])},
                  FleetView("me", 3, {}, {PH: {JOB: text}}), tmp_path)
-    assert res.verdict("cpu").reason == KatReason.AWAITING_QUORUM
+    assert res.verdict("cpu").reason == KnownAnswerReason.AWAITING_QUORUM
 
 
 def test_a_folder_golden_comes_before_a_promoted_one(spec, clean, tmp_path):
@@ -339,7 +339,7 @@ def test_one_other_node_that_reproduced_the_job_makes_a_self_mismatch_suspect(sp
     flaky = _bad(spec, persistent=False)
     runs = {"cpu": _device("cpu", [clean, flaky, clean])}
     alone = _judge(spec, runs, _fleet({}), tmp_path).verdict("cpu")
-    assert alone.outcome == Outcome.INCONCLUSIVE and alone.reason == KatReason.SELF_MISMATCH
+    assert alone.outcome == Outcome.INCONCLUSIVE and alone.reason == KnownAnswerReason.SELF_MISMATCH
     one = _judge(spec, runs, _fleet({"a": clean.digest}), tmp_path).verdict("cpu")
-    assert one.outcome == Outcome.SUSPECT and one.reason == KatReason.SELF_MISMATCH
+    assert one.outcome == Outcome.SUSPECT and one.reason == KnownAnswerReason.SELF_MISMATCH
     assert "1 other node(s) of the platform reproduced it (e.g. a" in one.evidence["detail"]

@@ -151,8 +151,7 @@ def test_the_daemon_stays_live_and_stops_within_a_file_under_hundreds_of_bulky_f
 
 
 def test_a_folder_another_uid_owns_is_refused_with_one_line_and_a_metric(tmp_path):
-    rig = DaemonRig(tmp_path, ScriptedRunner(), screens=False,
-                    daemon_kw={"uid": os.geteuid() + 1})
+    rig = DaemonRig(tmp_path, ScriptedRunner(), screens=False, uid=os.geteuid() + 1)
     try:
         rig.drop_alarm("not-taken")
         report = rig.tick()

@@ -25,7 +25,7 @@ from screener.known_answer.engine import workloads as w
 from screener.determinism import preserved
 from screener.errors import BadInputError, ScreenerError
 from screener.known_answer.engine.faults import FaultSpec, inject
-from screener.types import ExitCode, KatReason, Outcome, RunStatus
+from screener.types import ExitCode, KnownAnswerReason, Outcome, RunStatus
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -169,12 +169,12 @@ def test_two_devices_that_disagree_are_both_suspect(results):
 
 
 def test_reasons_and_statuses_are_the_vocabularys_enums_and_read_as_plain_strings(results):
-    """Verdict reasons and run statuses are KatReason / RunStatus members, yet the JSON, the
+    """Verdict reasons and run statuses are KnownAnswerReason / RunStatus members, yet the JSON, the
     verdict table and comparisons with the strings older records hold see the same text."""
     spec, good, bad, _ = results
     res = judgment.judge({"a": _run("a", [good]), "b": _run("b", [bad])}, [spec], _no_golden)
     v = res.verdict("a")
-    assert v.reason is KatReason.PEER_SPLIT and v.reason == "peer_split"
+    assert v.reason is KnownAnswerReason.PEER_SPLIT and v.reason == "peer_split"
     assert v.evidence["status"] is RunStatus.OK
     d = json.loads(json.dumps(res.to_dict()))
     assert d["verdicts"][0]["reason"] == "peer_split" and d["verdicts"][0]["evidence"]["status"] == "ok"

@@ -24,7 +24,7 @@ from typing import Any, Optional, Sequence
 
 import pytest
 
-from screener.agent.screening.window import (KNOWN_DIGESTS, KatOptions, KatProcessRunner,
+from screener.agent.screening.window import (KNOWN_DIGESTS, ScreenOptions, ScreenProcessRunner,
                                              ScreenRequest)
 from screener.determinism import preserved
 from screener.errors import ScreenerError
@@ -36,7 +36,7 @@ from screener.known_answer.engine.fault_spec import DeviceFault, parse_fault
 from screener.known_answer.engine.faults import FaultSpec, inject
 from screener.known_answer.verdict.results import JobResult, first_difference
 from screener.known_answer.verdict.runs import MAX_DISTINCT, DeviceRun
-from screener.types import ExitCode, KatReason, Outcome, RunStatus
+from screener.types import ExitCode, KnownAnswerReason, Outcome, RunStatus
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -128,7 +128,7 @@ def test_a_persistent_fault_from_mid_job_on_is_suspect_on_one_device(job, op, tm
     res = judgment.judge({"cpu": _device("cpu", [bad, bad, bad])}, [spec], lookup)
     v = res.verdict("cpu")
     assert res.exit_code == ExitCode.HARDWARE_SUSPECT
-    assert (v.outcome, v.reason, v.job) == (Outcome.SUSPECT, KatReason.GOLDEN_MISMATCH, job)
+    assert (v.outcome, v.reason, v.job) == (Outcome.SUSPECT, KnownAnswerReason.GOLDEN_MISMATCH, job)
     assert v.step == 1
     _located(v, clean, bad)
 
@@ -146,7 +146,7 @@ def test_wrong_differently_in_each_run_is_suspect_not_our_bug(job, op, tmp_path)
     res = judgment.judge({"cpu": _device("cpu", runs)}, [spec], _golden(spec, clean, tmp_path))
     v = res.verdict("cpu")
     assert res.exit_code == ExitCode.HARDWARE_SUSPECT
-    assert (v.outcome, v.reason, v.job) == (Outcome.SUSPECT, KatReason.GOLDEN_MISMATCH, job)
+    assert (v.outcome, v.reason, v.job) == (Outcome.SUSPECT, KnownAnswerReason.GOLDEN_MISMATCH, job)
     _located(v, clean, runs[0])
     assert "3 of 3 runs differ from the golden" in v.evidence["detail"]
     assert "no run reproduces it" in v.evidence["detail"]
@@ -164,7 +164,7 @@ def test_faults_in_the_first_two_runs_then_golden_runs_are_a_self_mismatch(job, 
     runs = [first, second] + [clean] * 8
     res = judgment.judge({"cpu": _device("cpu", runs)}, [spec], _golden(spec, clean, tmp_path))
     v = res.verdict("cpu")
-    assert (v.outcome, v.reason, v.job) == (Outcome.SUSPECT, KatReason.SELF_MISMATCH, job)
+    assert (v.outcome, v.reason, v.job) == (Outcome.SUSPECT, KnownAnswerReason.SELF_MISMATCH, job)
     _located(v, clean, first)
     assert "2 of 10 runs differ from the golden (first: iteration 0" in v.evidence["detail"]
     assert "8 run(s) reproduce it" in v.evidence["detail"]
@@ -179,7 +179,7 @@ def test_a_fault_in_later_runs_only_is_located_in_the_first_wrong_run(job, op, t
     runs = [clean, clean, clean, late, later, later]
     res = judgment.judge({"cpu": _device("cpu", runs)}, [spec], _golden(spec, clean, tmp_path))
     v = res.verdict("cpu")
-    assert (v.reason, v.job) == (KatReason.SELF_MISMATCH, job)
+    assert (v.reason, v.job) == (KnownAnswerReason.SELF_MISMATCH, job)
     _located(v, clean, late)
     assert "3 of 6 runs differ from the golden (first: iteration 3" in v.evidence["detail"]
 
@@ -203,7 +203,7 @@ def test_several_devices_each_wrong_its_own_way_are_each_suspect(tmp_path):
     runs["cuda:4"] = _device("cuda:4", [clean, clean])
     res = judgment.judge(runs, [spec], _no_golden)
     v = res.verdict("cuda:2")
-    assert (v.outcome, v.reason) == (Outcome.SUSPECT, KatReason.PEER_MISMATCH)
+    assert (v.outcome, v.reason) == (Outcome.SUSPECT, KnownAnswerReason.PEER_MISMATCH)
     _located(v, clean, shifting[0])
     assert res.verdict("cuda:1").outcome == Outcome.SUSPECT
 
@@ -228,7 +228,7 @@ def test_with_no_evidence_at_all_disagreement_is_inconclusive_saying_what_settle
     res = judgment.judge({"cpu": _device("cpu", runs)}, [spec], _no_golden, golden_dir="g")
     v = res.verdict("cpu")
     assert res.exit_code == ExitCode.INCONCLUSIVE
-    assert (v.outcome, v.reason, v.job) == (Outcome.INCONCLUSIVE, KatReason.SELF_MISMATCH, spec.name)
+    assert (v.outcome, v.reason, v.job) == (Outcome.INCONCLUSIVE, KnownAnswerReason.SELF_MISMATCH, spec.name)
     assert "nothing shows the job is deterministic" in v.evidence["detail"]
     assert v.evidence["command"] == f"screener golden record --job {spec.name} --device cpu --out g"
 
@@ -243,7 +243,7 @@ def test_earlier_screens_of_the_node_make_the_device_suspect_not_the_job():
     runs = {"cpu": _device("cpu", [clean, bad, bad])}
     known = {"p1": {spec.name: {"digest": clean.digest, "spec_hash": spec.spec_hash}}}
     v = judgment.judge(runs, [spec], _no_golden, known=known).verdict("cpu")
-    assert (v.outcome, v.reason) == (Outcome.SUSPECT, KatReason.SELF_MISMATCH)
+    assert (v.outcome, v.reason) == (Outcome.SUSPECT, KnownAnswerReason.SELF_MISMATCH)
     _located(v, clean, bad)
     assert "earlier screens" in v.evidence["detail"]
     # the plain published form {platform: {job: digest}} works too
@@ -264,10 +264,10 @@ def test_three_devices_all_different_with_earlier_screens_name_the_bad_ones():
     res = judgment.judge(runs, [spec], _no_golden)
     assert res.exit_code == ExitCode.INCONCLUSIVE  # nothing says which of three is right
     assert {(v.outcome, v.reason) for v in res.verdicts} == {(Outcome.INCONCLUSIVE,
-                                                              KatReason.PEER_SPLIT)}
+                                                              KnownAnswerReason.PEER_SPLIT)}
     res = judgment.judge(runs, [spec], _no_golden, known={"p1": {spec.name: clean.digest}})
     assert res.verdict("x").outcome == Outcome.INCONCLUSIVE  # no golden to pass it
-    assert {res.verdict(d).reason for d in "yz"} == {KatReason.PEER_SPLIT}
+    assert {res.verdict(d).reason for d in "yz"} == {KnownAnswerReason.PEER_SPLIT}
 
 
 # --- jobs that raise on a device -----------------------------------------------------------------
@@ -284,20 +284,20 @@ def test_a_job_that_raises_where_peers_or_the_golden_complete_it_is_a_crash(tmp_
     res = judgment.judge({"cuda:0": _device("cuda:0", [clean]), "cuda:1": _raised("cuda:1", spec.name)},
                          [spec], _no_golden)
     v = res.verdict("cuda:1")
-    assert (v.outcome, v.reason, v.job) == (Outcome.SUSPECT, KatReason.CRASH, spec.name)
+    assert (v.outcome, v.reason, v.job) == (Outcome.SUSPECT, KnownAnswerReason.CRASH, spec.name)
     assert "IndexError: index out of range in self" in v.evidence["detail"]
     assert "peer device" in v.evidence["detail"]
     # every device raised, but a golden of the platform records completed runs
     lookup = _golden(spec, clean, tmp_path)
     res = judgment.judge({d: _raised(d, spec.name) for d in ("cuda:0", "cuda:1")}, [spec], lookup)
-    assert {(v.outcome, v.reason) for v in res.verdicts} == {(Outcome.SUSPECT, KatReason.CRASH)}
+    assert {(v.outcome, v.reason) for v in res.verdicts} == {(Outcome.SUSPECT, KnownAnswerReason.CRASH)}
     assert "golden" in res.verdict("cuda:0").evidence["detail"]
     # it completed earlier on this very device
     run = _device("cpu", [clean])
     run.status, run.current = RunStatus.JOB_ERROR, (spec.name, 1)
     run.detail = "job replay-fp32 iteration 1: IndexError: index out of range in self"
     v = judgment.judge({"cpu": run}, [spec], _no_golden).verdict("cpu")
-    assert (v.reason, v.outcome) == (KatReason.CRASH, Outcome.SUSPECT)
+    assert (v.reason, v.outcome) == (KnownAnswerReason.CRASH, Outcome.SUSPECT)
 
 
 def test_a_job_that_raises_with_nothing_to_show_it_completes_is_inconclusive():
@@ -307,7 +307,7 @@ def test_a_job_that_raises_with_nothing_to_show_it_completes_is_inconclusive():
     res = judgment.judge({"cpu": _raised("cpu", spec.name)}, [spec], _no_golden, golden_dir="g")
     v = res.verdict("cpu")
     assert res.exit_code == ExitCode.INCONCLUSIVE
-    assert (v.outcome, v.reason, v.job) == (Outcome.INCONCLUSIVE, KatReason.CRASH, spec.name)
+    assert (v.outcome, v.reason, v.job) == (Outcome.INCONCLUSIVE, KnownAnswerReason.CRASH, spec.name)
     assert "nothing shows the job completes" in v.evidence["detail"]
     assert v.evidence["command"] == f"screener golden record --job {spec.name} --device cpu --out g"
     # a failure the child reports as ours is still exit 1
@@ -391,8 +391,8 @@ def test_the_daemons_runner_keeps_what_earlier_screens_produced(tmp_path):
     is suspect, not 'the screener failed'."""
     empty = tmp_path / "nogolden"
     empty.mkdir()
-    opts = KatOptions(jobs=("gemm-fp32",), devices=("cpu",), golden_dir=str(empty), repeat=2)
-    runner = KatProcessRunner(opts, work_dir=tmp_path / "work")
+    opts = ScreenOptions(jobs=("gemm-fp32",), devices=("cpu",), golden_dir=str(empty), repeat=2)
+    runner = ScreenProcessRunner(opts, work_dir=tmp_path / "work")
     def request() -> ScreenRequest:
         return ScreenRequest(node="n1", cancel=threading.Event(), deadline=time.time() + 300)
 
@@ -401,14 +401,14 @@ def test_the_daemons_runner_keeps_what_earlier_screens_produced(tmp_path):
     known = json.loads((tmp_path / "work" / KNOWN_DIGESTS).read_text())
     (phash, jobs), = known.items()
     assert jobs["gemm-fp32"]["digest"] == first.digests["cpu"]["gemm-fp32"]
-    faulty = KatProcessRunner(
-        KatOptions(**{**opts.__dict__, "faults": {"cpu": [DeviceFault(
+    faulty = ScreenProcessRunner(
+        ScreenOptions(**{**opts.__dict__, "faults": {"cpu": [DeviceFault(
             op="mm", call=3, element=7, bit=0, iteration=1).to_dict()]}}),
         work_dir=tmp_path / "work")
     second = faulty(request())
     assert second.outcome == Outcome.SUSPECT, second
     v = second.verdicts[0]
-    assert (v.reason, v.job) == (KatReason.SELF_MISMATCH, "gemm-fp32")
+    assert (v.reason, v.job) == (KnownAnswerReason.SELF_MISMATCH, "gemm-fp32")
     # the suspect screen did not overwrite what the node knows
     assert json.loads((tmp_path / "work" / KNOWN_DIGESTS).read_text()) == known
 
@@ -426,7 +426,7 @@ def test_every_device_flipping_between_the_golden_and_another_result_is_suspect(
     res = judgment.judge(runs, [spec], lookup)
     assert res.exit_code == ExitCode.HARDWARE_SUSPECT
     assert {(v.outcome, v.reason) for v in res.verdicts} == {(Outcome.SUSPECT,
-                                                              KatReason.SELF_MISMATCH)}
+                                                              KnownAnswerReason.SELF_MISMATCH)}
     assert "1 of 3 runs differ from the golden" in res.verdict("cuda:0").evidence["detail"]
     runs = {f"cuda:{i}": _device(f"cuda:{i}", [clean, clean, clean]) for i in range(8)}
     runs["cuda:3"] = _device("cuda:3", [clean, other, clean])
@@ -443,7 +443,7 @@ def test_an_earlier_screens_digest_no_run_reproduces_still_shows_the_job_determi
     res = judgment.judge({"cpu": _device("cpu", [a, b])}, [spec], _no_golden,
                          known={"p1": {spec.name: "0123456789abcdef"}})
     v = res.verdict("cpu")
-    assert (v.outcome, v.reason) == (Outcome.SUSPECT, KatReason.SELF_MISMATCH)
+    assert (v.outcome, v.reason) == (Outcome.SUSPECT, KnownAnswerReason.SELF_MISMATCH)
     assert "which no run reproduces" in v.evidence["detail"]
 
 

@@ -23,14 +23,14 @@ from typing import Any
 import pytest
 
 from screener.agent.burnin.rounds import run_burnin
-from screener.agent.screening.window import (KNOWN_DIGESTS, KatOptions, KatProcessRunner,
+from screener.agent.screening.window import (KNOWN_DIGESTS, ScreenOptions, ScreenProcessRunner,
                                              ScreenRequest)
 from screener.known_answer.engine import golden
 from screener.known_answer.verdict import node_memory
 from screener.known_answer.engine.screen import resolve_jobs, run_screen
 from screener.known_answer.engine.fault_spec import DeviceFault
 from screener.lifecycle.events import KIND_FULL, KIND_QUICK
-from screener.types import ExitCode, KatReason, Outcome
+from screener.types import ExitCode, KnownAnswerReason, Outcome
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -108,7 +108,7 @@ def test_a_burnin_with_four_of_five_rounds_agreeing(no_golden):
     rep = run_burnin(["cpu"], ["gemm-fp32"], iterations=5, golden_dir=no_golden, faults=fault)
     v = rep.screen.verdict("cpu")
     assert rep.exit_code == ExitCode.INCONCLUSIVE
-    assert (v.outcome, v.reason) == (Outcome.INCONCLUSIVE, KatReason.SELF_MISMATCH)
+    assert (v.outcome, v.reason) == (Outcome.INCONCLUSIVE, KnownAnswerReason.SELF_MISMATCH)
     assert "4 of 5 runs agree" in v.evidence["detail"]
     assert "inconclusive (self_mismatch, gemm-fp32" in rep.table()
     clean = _clean_digest(no_golden)
@@ -117,7 +117,7 @@ def test_a_burnin_with_four_of_five_rounds_agreeing(no_golden):
                      known=known)
     v = rep.screen.verdict("cpu")
     assert rep.exit_code == ExitCode.HARDWARE_SUSPECT
-    assert (v.outcome, v.reason) == (Outcome.SUSPECT, KatReason.SELF_MISMATCH)
+    assert (v.outcome, v.reason) == (Outcome.SUSPECT, KnownAnswerReason.SELF_MISMATCH)
     assert "1 of 5 runs differ from the earlier screens (first: iteration 0" in v.evidence["detail"]
 
 
@@ -144,13 +144,13 @@ def test_a_job_that_raises_in_every_run(no_golden, cpu_goldens):
     res = run_screen(["replay-fp32"], ["cpu"], golden_dir=no_golden, faults=fault)
     v = res.verdict("cpu")
     assert res.exit_code == ExitCode.INCONCLUSIVE
-    assert (v.outcome, v.reason) == (Outcome.INCONCLUSIVE, KatReason.CRASH)
+    assert (v.outcome, v.reason) == (Outcome.INCONCLUSIVE, KnownAnswerReason.CRASH)
     assert "it raised in 3 of 3 run(s)" in v.evidence["detail"]
     assert v.evidence["command"].startswith("screener golden record --job replay-fp32")
     res = run_screen(["replay-fp32"], ["cpu"], golden_dir=cpu_goldens("replay-fp32"),
                          faults=fault)
     assert (res.verdict("cpu").outcome, res.verdict("cpu").reason) == (Outcome.SUSPECT,
-                                                                       KatReason.CRASH)
+                                                                       KnownAnswerReason.CRASH)
 
 
 # --- the node's memory of its earlier results -------------------------------------------------
@@ -160,10 +160,10 @@ def test_a_persistent_fault_never_overwrites_the_nodes_memory(tmp_path, no_golde
     the healthy run (expected = the faulty value). Now the conflict is said (inconclusive,
     earlier_screens_differ), the good digest is kept, and the next screen's expected is it."""
     work = tmp_path / "work"
-    opts = KatOptions(jobs=("gemm-fp32",), devices=("cpu",), golden_dir=no_golden, repeat=2)
+    opts = ScreenOptions(jobs=("gemm-fp32",), devices=("cpu",), golden_dir=no_golden, repeat=2)
 
-    def runner(*faults: DeviceFault) -> KatProcessRunner:
-        return KatProcessRunner(KatOptions(**{**opts.__dict__, "faults": {
+    def runner(*faults: DeviceFault) -> ScreenProcessRunner:
+        return ScreenProcessRunner(ScreenOptions(**{**opts.__dict__, "faults": {
             "cpu": [f.to_dict() for f in faults]}}), work_dir=work)
 
     first = runner()(_request())
@@ -174,13 +174,13 @@ def test_a_persistent_fault_never_overwrites_the_nodes_memory(tmp_path, no_golde
     assert jobs["gemm-fp32"]["digest"] == good
     stuck = runner(DeviceFault(**FLIP, persistent=True))(_request())
     v = stuck.verdicts[0]
-    assert (v.outcome, v.reason) == (Outcome.INCONCLUSIVE, KatReason.EARLIER_SCREENS_DIFFER)
+    assert (v.outcome, v.reason) == (Outcome.INCONCLUSIVE, KnownAnswerReason.EARLIER_SCREENS_DIFFER)
     assert good in v.evidence["detail"] and stuck.digests["cpu"]["gemm-fp32"] != good
     assert json.loads((work / KNOWN_DIGESTS).read_text()) == kept  # not overwritten
     # the next screen: wrong in run 0 only; expected is the true value, observed the faulty one
     once = runner(DeviceFault(**FLIP, persistent=True, iteration=0))(_request())
     v = once.verdicts[0]
-    assert (once.outcome, v.reason) == (Outcome.SUSPECT, KatReason.SELF_MISMATCH)
+    assert (once.outcome, v.reason) == (Outcome.SUSPECT, KnownAnswerReason.SELF_MISMATCH)
     assert "1 of 2 runs differ from the earlier screens (first: iteration 0" in v.evidence["detail"]
     issue = v.evidence["issues"][0]
     faulty = stuck.verdicts[0].evidence["jobs"]["gemm-fp32"]["digest"]
@@ -192,14 +192,14 @@ def test_the_daemons_full_burnin_uses_the_nodes_memory(tmp_path, no_golden):
     """The issue: the full burn-in never used the memory. With it, a device wrong in one round
     of its burn-in is suspect (the earlier screens reproduced the job), not inconclusive."""
     work = tmp_path / "work"
-    opts = KatOptions(jobs=("gemm-fp32",), devices=("cpu",), golden_dir=no_golden, repeat=2,
+    opts = ScreenOptions(jobs=("gemm-fp32",), devices=("cpu",), golden_dir=no_golden, repeat=2,
                       burnin_seconds=0.0, burnin_min_iterations=4, hbm_max_bytes=1 << 20)
-    assert KatProcessRunner(opts, work_dir=work)(_request()).outcome == Outcome.INCONCLUSIVE
-    faulty = KatProcessRunner(KatOptions(**{**opts.__dict__, "faults": {"cpu": [
+    assert ScreenProcessRunner(opts, work_dir=work)(_request()).outcome == Outcome.INCONCLUSIVE
+    faulty = ScreenProcessRunner(ScreenOptions(**{**opts.__dict__, "faults": {"cpu": [
         DeviceFault(**FLIP, iteration=1).to_dict()]}}), work_dir=work)
     out = faulty(_request(KIND_FULL))
     assert out.outcome == Outcome.SUSPECT, out
-    v = next(v for v in out.verdicts if v.reason == KatReason.SELF_MISMATCH)
+    v = next(v for v in out.verdicts if v.reason == KnownAnswerReason.SELF_MISMATCH)
     assert "from the earlier screens" in v.evidence["detail"]
 
 

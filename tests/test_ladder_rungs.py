@@ -20,7 +20,7 @@ from botocore.stub import Stubber
 from fakes.nvidia_tools import install_tools, tool_calls
 from screener.agent.daemon.ports import RepairPorts
 from screener.lifecycle.apply import apply_event
-from screener.lifecycle.machine import HumanCommand, KatScreen, RepairStep
+from screener.lifecycle.machine import HumanCommand, KnownAnswerScreen, RepairStep
 from screener.remediation import hyperpod as hp
 from screener.remediation.ladder import RepairLadder, rungs_taken
 from screener.remediation.repairs import CommandRepairs, HyperPodRepairs
@@ -75,7 +75,7 @@ class Rig:
         assert self.state() == NodeState.BURNIN
         bad = Verdict(device="cuda:0", outcome=Outcome.SUSPECT, job="gemm", step=3,
                       tensor="out", evidence={"confirmed": True})
-        self.apply(KatScreen((bad,), confirmed=True, kind="full"))
+        self.apply(KnownAnswerScreen((bad,), confirmed=True, kind="full"))
         assert self.state() == NodeState.QUARANTINED
 
     def codes(self):
@@ -418,7 +418,7 @@ def test_the_daemon_resets_then_reboots_and_its_restart_on_the_new_boot_rescreen
              for t in store.history(DNODE)[n:]]
     # The later boot proves the reboot; the burn-in that follows re-screens (and passes).
     assert moves[:2] == [("quarantined", "burnin", Reason.REMEDIATED),
-                         ("burnin", "healthy", Reason.KAT_PASSED)], moves
+                         ("burnin", "healthy", Reason.KNOWN_ANSWER_PASSED)], moves
     assert slots.holders() == {}
     assert len([c for c in tool_calls(tools) if c.startswith("reboot")]) == 1
     # Each rung taken is counted once, by the daemon that took it (the metric is per process).

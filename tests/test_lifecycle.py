@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from screener.errors import ConfigError, TransitionRefused
 from screener.lifecycle.machine import (DEFAULT_POLICY, TRANSITIONS, Action, FleetCounts, Findings,
-                                HumanCommand, KatScreen, LifecyclePolicy, NodeSeen, Remediation,
+                                HumanCommand, KnownAnswerScreen, LifecyclePolicy, NodeSeen, Remediation,
                                 Trigger, camel, decide, earned_healthy)
 from screener.lifecycle.records import Transition
 from screener.alarmfile import AlarmRecord
@@ -37,13 +37,13 @@ def finding(sev: Severity, code: str = "row_remap_failure", **evidence: object) 
     return Findings((Finding(severity=sev, code=code, message="m", gpu="0", evidence=dict(evidence)),))
 
 
-KAT_PASS = KatScreen((verdict(Outcome.PASS), verdict(Outcome.PASS, "cuda:1")))
-FULL_PASS = KatScreen(KAT_PASS.verdicts, kind="full")
-PARTIAL_PASS = KatScreen(KAT_PASS.verdicts, kind="partial")
+KAT_PASS = KnownAnswerScreen((verdict(Outcome.PASS), verdict(Outcome.PASS, "cuda:1")))
+FULL_PASS = KnownAnswerScreen(KAT_PASS.verdicts, kind="full")
+PARTIAL_PASS = KnownAnswerScreen(KAT_PASS.verdicts, kind="partial")
 PENDING = Finding(Severity.SUSPECT, "row_remap_pending", "GPU 1: a row remap is pending", gpu="1")
-KAT_MISMATCH = KatScreen((verdict(Outcome.PASS), verdict(Outcome.SUSPECT, "cuda:1")))
-KAT_CONFIRMED = KatScreen((verdict(Outcome.SUSPECT, confirmed=True),))
-KAT_INCONCLUSIVE = KatScreen((verdict(Outcome.INCONCLUSIVE),))
+KNOWN_ANSWER_MISMATCH = KnownAnswerScreen((verdict(Outcome.PASS), verdict(Outcome.SUSPECT, "cuda:1")))
+KAT_CONFIRMED = KnownAnswerScreen((verdict(Outcome.SUSPECT, confirmed=True),))
+KAT_INCONCLUSIVE = KnownAnswerScreen((verdict(Outcome.INCONCLUSIVE),))
 
 RCS, DHC, SB, RR, ABE = (Action.REQUEST_CONFIRMING_SCREEN.value, Action.DEEP_HEALTH_CHECK.value,
                          Action.START_BURNIN.value, Action.REQUEST_REPAIR.value,
@@ -56,12 +56,12 @@ TABLE = [
     ("full burn-in passes", S.BURNIN, FULL_PASS, [S.HEALTHY], ()),
     ("quick screen never clears burnin", S.BURNIN, KAT_PASS, [], (SB,)),
     ("partial burn-in never clears burnin", S.BURNIN, PARTIAL_PASS, [], (SB,)),
-    ("full pass with a pending remap", S.BURNIN, KatScreen(FULL_PASS.verdicts, kind="full",
+    ("full pass with a pending remap", S.BURNIN, KnownAnswerScreen(FULL_PASS.verdicts, kind="full",
                                                            conditions=(PENDING,)), [], ()),
     ("pending remap: reset required", S.HEALTHY, Findings((PENDING,)), [S.SUSPECT], (RCS,)),
     ("remap failure goes to repair", S.HEALTHY, finding(Severity.CRITICAL), [S.REPAIR], (RR,)),
     ("critical xid quarantines", S.HEALTHY, finding(Severity.CRITICAL, "xid"), [S.QUARANTINED], (DHC,)),
-    ("burn-in single mismatch", S.BURNIN, KAT_MISMATCH, [S.SUSPECT], (RCS,)),
+    ("burn-in single mismatch", S.BURNIN, KNOWN_ANSWER_MISMATCH, [S.SUSPECT], (RCS,)),
     ("burn-in confirmed mismatch", S.BURNIN, KAT_CONFIRMED, [S.QUARANTINED], (DHC,)),
     ("burn-in inconclusive", S.BURNIN, KAT_INCONCLUSIVE, [], ()),
     ("unsettled alarm", S.HEALTHY, alarm(False), [S.SUSPECT], (RCS,)),
@@ -69,12 +69,12 @@ TABLE = [
     ("warning finding", S.HEALTHY, finding(Severity.WARNING, "ecc_correctable"), [S.SUSPECT], (RCS,)),
     ("suspect finding", S.HEALTHY, finding(Severity.SUSPECT, "xid"), [S.SUSPECT], (RCS,)),
     ("info finding", S.HEALTHY, finding(Severity.INFO), [], ()),
-    ("single mismatch on healthy", S.HEALTHY, KAT_MISMATCH, [S.SUSPECT], (RCS,)),
+    ("single mismatch on healthy", S.HEALTHY, KNOWN_ANSWER_MISMATCH, [S.SUSPECT], (RCS,)),
     ("confirmed mismatch on healthy", S.HEALTHY, KAT_CONFIRMED, [S.QUARANTINED], (DHC,)),
     ("pass on healthy", S.HEALTHY, KAT_PASS, [], ()),
     ("confirming screen passes", S.SUSPECT, FULL_PASS, [S.HEALTHY], ()),
     ("quick pass never clears a suspect that never earned healthy", S.SUSPECT, KAT_PASS, [], (SB,)),
-    ("confirming screen fails", S.SUSPECT, KAT_MISMATCH, [S.QUARANTINED], (DHC,)),
+    ("confirming screen fails", S.SUSPECT, KNOWN_ANSWER_MISMATCH, [S.QUARANTINED], (DHC,)),
     ("second unsettled alarm", S.SUSPECT, alarm(False), [], (RCS,)),
     ("settled alarm on suspect", S.SUSPECT, alarm(True), [S.QUARANTINED], (DHC,)),
     ("clean telemetry never clears", S.SUSPECT, finding(Severity.OK), [], ()),
@@ -116,10 +116,10 @@ def test_failure_flags_and_codes():
     assert not d.transition.failure
     d = decide("n1", S.HEALTHY, finding(Severity.CRITICAL, "row_remap_failure"), now=NOW)
     assert d.transition.failure and d.transition.code == "RowRemapFailure"
-    d = decide("n1", S.SUSPECT, KAT_MISMATCH, now=NOW)
+    d = decide("n1", S.SUSPECT, KNOWN_ANSWER_MISMATCH, now=NOW)
     assert d.transition.failure and d.transition.code == "KnownAnswerMismatch"
     assert d.transition.evidence["verdicts"][1]["device"] == "cuda:1"
-    d = decide("n1", S.HEALTHY, KatScreen((verdict(Outcome.SUSPECT),), confirmed=True), now=NOW)
+    d = decide("n1", S.HEALTHY, KnownAnswerScreen((verdict(Outcome.SUSPECT),), confirmed=True), now=NOW)
     assert d.state == S.QUARANTINED and d.transition.evidence["confirmed"] is True
     assert camel("nvlink-crc_errors") == "NvlinkCrcErrors"
 
@@ -186,7 +186,7 @@ def test_budget_allows_then_holds():
     assert decide("n1", S.HEALTHY, alarm(True), now=NOW, fleet=FleetCounts(3, 0)).state == S.QUARANTINED
     assert decide("n1", S.HEALTHY, alarm(True), now=NOW, fleet=FleetCounts(3, 1)).state == S.SUSPECT
     # A suspect node past the budget stays suspect and alerts; a burn-in node is held in suspect too.
-    d = decide("n1", S.SUSPECT, KAT_MISMATCH, now=NOW, fleet=FleetCounts(20, 2))
+    d = decide("n1", S.SUSPECT, KNOWN_ANSWER_MISMATCH, now=NOW, fleet=FleetCounts(20, 2))
     assert d.state == S.SUSPECT and d.actions == (ABE,)
     assert [(t.from_state, t.to_state) for t in d.transitions] == [(S.SUSPECT, S.SUSPECT)]
     d = decide("n1", S.BURNIN, KAT_CONFIRMED, now=NOW, fleet=FleetCounts(10, 1))
@@ -210,8 +210,8 @@ def test_a_suspect_nodes_failure_held_by_the_budget_is_recorded_and_not_cleared_
     # Healthy (earned), then an unconfirmed mismatch: suspect. The confirming screen fails while
     # the budget is used up: the node is held, and that is recorded.
     hist = [Transition("n1", NOW - 100, S.BURNIN, S.HEALTHY, "full burn-in passed"),
-            decide("n1", S.HEALTHY, KatScreen((verdict(Outcome.SUSPECT),)), now=NOW - 50).transition]
-    d = decide("n1", S.SUSPECT, KAT_MISMATCH, now=NOW, history=hist, fleet=FleetCounts(20, 2))
+            decide("n1", S.HEALTHY, KnownAnswerScreen((verdict(Outcome.SUSPECT),)), now=NOW - 50).transition]
+    d = decide("n1", S.SUSPECT, KNOWN_ANSWER_MISMATCH, now=NOW, history=hist, fleet=FleetCounts(20, 2))
     (t,) = d.transitions
     assert (t.from_state, t.to_state, t.code, t.failure) == (S.SUSPECT, S.SUSPECT,
                                                               "QuarantineBudgetExhausted", True)
@@ -222,7 +222,7 @@ def test_a_suspect_nodes_failure_held_by_the_budget_is_recorded_and_not_cleared_
     p = decide("n1", S.SUSPECT, KAT_PASS, now=NOW + 60, history=hist, fleet=FleetCounts(20, 2))
     assert p.state == S.SUSPECT and not p.transitions and p.actions == (ABE,)
     # Held once: another failure while held records nothing more.
-    again = decide("n1", S.SUSPECT, KAT_MISMATCH, now=NOW + 120, history=hist,
+    again = decide("n1", S.SUSPECT, KNOWN_ANSWER_MISMATCH, now=NOW + 120, history=hist,
                    fleet=FleetCounts(20, 2))
     assert again.state == S.SUSPECT and not again.transitions and again.actions == (ABE,)
 
@@ -286,7 +286,7 @@ def test_lemon_rule_follows_a_gpu_serial_across_nodes():
     assert lemon["nodes"] == ["n1", "n7", "n9"]
     assert d.transition.gpu_serials == ("GPU-SN-42",)
     # Serials from verdict and finding evidence work the same way.
-    d = decide("n1", S.HEALTHY, KatScreen((verdict(Outcome.SUSPECT, confirmed=True,
+    d = decide("n1", S.HEALTHY, KnownAnswerScreen((verdict(Outcome.SUSPECT, confirmed=True,
                                                    gpu_serial="GPU-SN-42"),)),
                now=NOW, failures=fails, fleet=FleetCounts(100, 0))
     assert d.state == S.REPAIR
@@ -305,11 +305,11 @@ def test_lemon_rule_follows_a_gpu_serial_across_nodes():
 def test_rollback_points_at_the_first_suspect_time_and_step():
     first = decide("n1", S.HEALTHY, alarm(False, step=1200, created=NOW - 300), now=NOW)
     assert first.transition.rollback == {"time": NOW - 300, "step": 1200, "job": "llm-7b"}
-    later = decide("n1", S.SUSPECT, KAT_MISMATCH, now=NOW + 3600, history=list(first.transitions))
+    later = decide("n1", S.SUSPECT, KNOWN_ANSWER_MISMATCH, now=NOW + 3600, history=list(first.transitions))
     assert later.state == S.QUARANTINED
     assert later.transition.rollback == {"time": NOW - 300, "step": 1200, "job": "llm-7b"}
     # Without an alarm, the suspect period starts when the node became suspect.
-    s = decide("n1", S.HEALTHY, KAT_MISMATCH, now=NOW)
+    s = decide("n1", S.HEALTHY, KNOWN_ANSWER_MISMATCH, now=NOW)
     q = decide("n1", S.SUSPECT, alarm(True, step=50), now=NOW + 10, history=list(s.transitions))
     assert q.transition.rollback == {"time": NOW, "step": 50, "job": "llm-7b"}
 
@@ -341,7 +341,7 @@ def test_transition_round_trip():
 
 # --- property: automatic decisions never leave the table -------------------------------------------
 
-EVENTS = st.sampled_from([KAT_PASS, FULL_PASS, PARTIAL_PASS, KAT_MISMATCH, KAT_CONFIRMED, KAT_INCONCLUSIVE, alarm(True),
+EVENTS = st.sampled_from([KAT_PASS, FULL_PASS, PARTIAL_PASS, KNOWN_ANSWER_MISMATCH, KAT_CONFIRMED, KAT_INCONCLUSIVE, alarm(True),
                           alarm(False), finding(Severity.CRITICAL), finding(Severity.WARNING),
                           finding(Severity.OK), Remediation(True), Remediation(False), NodeSeen()])
 
@@ -374,7 +374,7 @@ def test_only_a_full_burnin_earns_healthy_and_then_the_quick_screen_reverifies()
     hist: list[Transition] = []
     state = None
     for ev, want in ((NodeSeen(), S.BURNIN), (KAT_PASS, S.BURNIN), (PARTIAL_PASS, S.BURNIN),
-                     (FULL_PASS, S.HEALTHY), (KAT_MISMATCH, S.SUSPECT), (KAT_PASS, S.HEALTHY)):
+                     (FULL_PASS, S.HEALTHY), (KNOWN_ANSWER_MISMATCH, S.SUSPECT), (KAT_PASS, S.HEALTHY)):
         d = decide("n1", state, ev, now=NOW + len(hist), history=hist)
         hist += list(d.transitions)
         state = d.state
@@ -396,7 +396,7 @@ def test_a_pending_remap_keeps_the_node_out_with_reason_reset_required():
     assert t.reason.startswith("reset required")
     hist = [Transition("n1", NOW - 10, None, S.BURNIN, "new"),
             Transition("n1", NOW - 5, S.BURNIN, S.HEALTHY, "full"), t]
-    held = decide("n1", S.SUSPECT, KatScreen(KAT_PASS.verdicts, conditions=(PENDING,)),
+    held = decide("n1", S.SUSPECT, KnownAnswerScreen(KAT_PASS.verdicts, conditions=(PENDING,)),
                   now=NOW + 1, history=hist)
     assert held.state == S.SUSPECT and "row_remap_pending" in held.note
     # The same finding applied again (level-triggered) changes nothing while it is suspect.

@@ -45,3 +45,13 @@ def test_log_lines_keep_their_logger_names_after_the_move(module, name):
     import importlib
 
     assert importlib.import_module(module).log.name == name
+
+
+def test_the_renamed_known_answer_reason_answers_with_a_deprecation_line() -> None:
+    """One name for the known-answer screen (issue 37.2): KatReason is KnownAnswerReason, and
+    the old name still resolves, saying so."""
+    import screener.types as types
+
+    with pytest.warns(DeprecationWarning, match="KatReason is now KnownAnswerReason"):
+        assert types.KatReason is types.KnownAnswerReason
+    assert types.KnownAnswerReason("golden_mismatch") is types.KnownAnswerReason.GOLDEN_MISMATCH

@@ -36,7 +36,7 @@ from screener.known_answer.verdict.results import JobResult
 from screener.known_answer.verdict.runs import DeviceRun
 from screener.stores.kube import KubeStore
 from screener.stores.local import LocalStore
-from screener.types import CONDITION_TYPE, KatReason, NodeState
+from screener.types import CONDITION_TYPE, KnownAnswerReason, NodeState
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = "gemm-fp32"
@@ -145,7 +145,8 @@ def _check(nodes: list[tuple[str, DaemonRig, DeviceBoundary]], bad: int, seen: d
     # the bad node's last verdict names what it differs from
     bad_rig = nodes[bad][1]
     reasons = {v["reason"] for v in bad_rig.store.get_verdict(bad_name)["verdicts"]}
-    assert reasons & {KatReason.GOLDEN_MISMATCH.value, KatReason.QUORUM_MISMATCH.value}, reasons
+    assert reasons & {KnownAnswerReason.GOLDEN_MISMATCH.value,
+                      KnownAnswerReason.QUORUM_MISMATCH.value}, reasons
     # a screen after a waiting one repeats its jobs, so its results can count
     assert any(r.repeat == 2 for r in nodes[0][2].requests if r.kind != "full") or \
         all(r.kind == "full" for r in nodes[0][2].requests)
@@ -217,7 +218,7 @@ def test_healthy_nodes_that_upgrade_stay_healthy_wait_visibly_and_settle_by_quor
                 rig.tick(advance=advance)
             rounds.append({name: rig.store.get_verdict(name)["verdicts"][0]["reason"]
                            for name, rig, _ in nodes})
-        assert set(rounds[0].values()) == {KatReason.AWAITING_QUORUM.value}, rounds
+        assert set(rounds[0].values()) == {KnownAnswerReason.AWAITING_QUORUM.value}, rounds
         # the second round repeats the jobs: gpu-03 finds the three before it, and passes
         assert rounds[1] == {"gpu-00": "awaiting_quorum", "gpu-01": "awaiting_quorum",
                              "gpu-02": "awaiting_quorum", "gpu-03": ""}, rounds

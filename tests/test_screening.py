@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from fakes.kubeapi import KubeAPI
-from screener.agent.screening.window import (KatOptions, KatProcessRunner, LocalTaint,
+from screener.agent.screening.window import (ScreenOptions, ScreenProcessRunner, LocalTaint,
                                              ScreeningWindow, ScreenRequest)
 from screener.stores.kube import KubeStore
 from screener.stores.kube.bound import KubeNodeObject
@@ -188,10 +188,10 @@ def _sleepy_jobs(tmp_path: Path, seconds: float = 120.0) -> Path:
 
 
 def test_the_real_known_answer_runner_is_killed_at_once_when_a_job_lands(tmp_path):
-    """KatProcessRunner: a worker process with per-device children in sessions of their own; a
+    """ScreenProcessRunner: a worker process with per-device children in sessions of their own; a
     job landing kills the whole family within the poll interval."""
     jobs = _sleepy_jobs(tmp_path)
-    runner = KatProcessRunner(KatOptions(jobs=("sleepy",), devices=("cpu",), jobs_dir=str(jobs),
+    runner = ScreenProcessRunner(ScreenOptions(jobs=("sleepy",), devices=("cpu",), jobs_dir=str(jobs),
                                          golden_dir=str(tmp_path / "golden")), poll_s=0.05)
     me = psutil.Process()
     family: list = []

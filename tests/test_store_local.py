@@ -269,7 +269,7 @@ def test_a_node_held_by_the_budget_takes_the_slot_when_it_frees(tmp_path):
 
 def test_a_suspect_node_whose_confirming_screen_fails_past_the_budget_is_held_then_released(
         tmp_path):
-    from screener.lifecycle.machine import KatScreen, Remediation
+    from screener.lifecycle.machine import KnownAnswerScreen, Remediation
     from screener.lifecycle.apply import reconsider_held
     from screener.types import Outcome, Verdict
 
@@ -284,7 +284,7 @@ def test_a_suspect_node_whose_confirming_screen_fails_past_the_budget_is_held_th
     assert last.evidence.get("held_by_budget") is True and last.failure
     # A lucky pass does not clear a node with a confirmed failure.
     passed = Verdict(device="cuda:0", outcome=Outcome.PASS, reason="", job="gemm-fp32")
-    assert apply_event(store, "n1", KatScreen((passed,)), now=NOW + 3).state == S.SUSPECT
+    assert apply_event(store, "n1", KnownAnswerScreen((passed,)), now=NOW + 3).state == S.SUSPECT
     # The slot frees: the held node takes it.
     apply_event(store, "n0", Remediation(passed=True), now=NOW + 4)
     assert reconsider_held(store, "n1", S.SUSPECT, now=NOW + 5) == S.QUARANTINED

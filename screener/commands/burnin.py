@@ -141,14 +141,14 @@ def burnin_cmd(app: AppContext, devices: tuple[str, ...], jobs: tuple[str, ...],
                                progress=stage, step=prog.step)
     finally:
         prog.close()
-    assert full.kat is not None  # run_full_burnin always runs the known-answer stage
+    assert full.known_answer is not None  # run_full_burnin always runs the known-answer stage
     full.quick = quick
     full.wall_s = wall.elapsed()  # the summary's time: the wall time since the command started
-    rep = replace(full.kat, extra=full.extra())
+    rep = replace(full.known_answer, extra=full.extra())
     d = rep.to_dict()
     # A fault that never fired tested nothing: exit 2, and the printed verdict says so too, as
     # kat run's does (the table's last line said "(exit 4)" above an exit 2)
-    unfired = unfired_warnings(full.kat.screen if full.kat else None, inject)
+    unfired = unfired_warnings(full.known_answer.screen if full.known_answer else None, inject)
     code = int(ExitCode.USAGE) if unfired else int(full.exit_code)
     if unfired:
         d.update(exit_code=code, unfired=unfired)
@@ -167,7 +167,7 @@ def burnin_cmd(app: AppContext, devices: tuple[str, ...], jobs: tuple[str, ...],
         click.echo("\n".join(lines))
     if full.store_error is not None:
         click.echo(f"screener: the node's state was not recorded: {full.store_error}", err=True)
-    sys.exit(unfired_exit(full.kat.screen if full.kat else None, code, inject))
+    sys.exit(unfired_exit(full.known_answer.screen if full.known_answer else None, code, inject))
 
 
 def _refuse_with_quick(duration: Optional[float], store: StoreChoice) -> None:

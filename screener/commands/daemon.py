@@ -32,7 +32,7 @@ def build_daemon(app: AppContext, config: Any, *, stop: threading.Event,
     from screener.agent.daemon.loop import Daemon
     from screener.agent.daemon.ports import DaemonPorts, ThisHost
     from screener.health.probes import DeferredKernelLogReader, NodeProbes
-    from screener.agent.screening.window import (KatOptions, KatProcessRunner, LocalTaint,
+    from screener.agent.screening.window import (ScreenOptions, ScreenProcessRunner, LocalTaint,
                                                  reap_stale_screens)
     from screener.stores import default_state_dir
 
@@ -72,7 +72,7 @@ def build_daemon(app: AppContext, config: Any, *, stop: threading.Event,
     probes = NodeProbes(config.probes, nvml=nvml, kmsg=reader)
 
     work_dir = Path(config.work_dir) if config.work_dir else state_dir / "screens"
-    runner = KatProcessRunner(KatOptions(jobs=config.jobs, devices=config.devices,
+    runner = ScreenProcessRunner(ScreenOptions(jobs=config.jobs, devices=config.devices,
                                          golden_dir=config.golden_dir, jobs_dir=config.jobs_dir,
                                          burnin_seconds=config.burnin_duration_s,
                                          burnin_min_iterations=config.burnin_min_iterations),

@@ -21,7 +21,7 @@ EVIDENCE_GPU_SERIALS = "gpu_serials"  # a list of serials
 EVIDENCE_HELD_BY_BUDGET = "held_by_budget"  # on a transition into suspect held by the budget
 EVIDENCE_SERIAL = "serial"  # where probe findings (GpuSnapshot.identity) carry the GPU's serial
 
-# What a known-answer screen was (KatScreen.kind; also in the verdict annotation).
+# What a known-answer screen was (KnownAnswerScreen.kind; also in the verdict annotation).
 KIND_QUICK = "quick"  # the daemon's idle-time screen: re-verifies a node that earned healthy
 KIND_FULL = "full"  # a complete burn-in (every stage, the configured duration): earns healthy
 KIND_PARTIAL = "partial"  # a burn-in with a stage or the duration missing: clears nothing
@@ -58,7 +58,7 @@ class NodeSeen:
 
 
 @dataclass(frozen=True)
-class KatScreen:
+class KnownAnswerScreen:
     """The verdicts of one known-answer screen of the node (one per device).
 
     confirmed: the runner already re-ran a mismatching job and it mismatched again. A verdict can
@@ -141,7 +141,7 @@ class HumanCommand:
     user: str = ""  # who, if known; the actor is always "human"
 
 
-Event = Union[NodeSeen, Adopted, KatScreen, Findings, Remediation, RepairStep, Replaced, BudgetLook,
+Event = Union[NodeSeen, Adopted, KnownAnswerScreen, Findings, Remediation, RepairStep, Replaced, BudgetLook,
               HumanCommand, AlarmRecord, Verdict, Sequence[Verdict], Sequence[Finding]]
 
 

@@ -9,9 +9,9 @@ Inputs and what they do:
   * a new node (current state None) starts in burnin;
   * known-answer verdicts: all pass -> a suspect node that had earned healthy becomes healthy again
     (the quick screen re-verifies); a burnin node, or a suspect node that never earned healthy since
-    it last entered burnin, becomes healthy only on a FULL burn-in (KatScreen.kind == "full"); a
+    it last entered burnin, becomes healthy only on a FULL burn-in (KnownAnswerScreen.kind == "full"); a
     partial burn-in or a quick screen never clears it. While a persisting condition
-    (KatScreen.conditions: a pending row remap, a remap failure, retired pages over the threshold,
+    (KnownAnswerScreen.conditions: a pending row remap, a remap failure, retired pages over the threshold,
     a GPU off the bus, an unrecovered critical Xid) is present, no pass clears anything. A mismatch confirmed by a re-run, or a mismatch on a node already suspect (the
     confirming screen failed) -> quarantined; a single unconfirmed mismatch -> suspect, and a
     confirming screen is requested; inconclusive changes nothing;
@@ -48,7 +48,7 @@ from screener.lifecycle.events import (EVIDENCE_CONFIRMED, EVIDENCE_GPU_SERIAL, 
                                        EVIDENCE_SERIAL, KIND_FULL, KIND_PARTIAL, KIND_QUICK,
                                        REPAIR_CODES, RESET_CODES, SCREEN_KINDS, STRAGGLER_CHECK,
                                        Adopted, BudgetLook, Decision, Event, FleetCounts,
-                                       Findings, HumanCommand, KatScreen, NodeSeen, Remediation,
+                                       Findings, HumanCommand, KnownAnswerScreen, NodeSeen, Remediation,
                                        Replaced, RepairStep)
 from screener.lifecycle.records import ACTOR_HUMAN, ACTOR_SCREENER, Transition
 from screener.lifecycle.signals import (SignalKind, _classify, _held_by_budget,  # noqa: F401
@@ -64,7 +64,7 @@ __all__ = [
     "EVIDENCE_SERIAL", "KIND_FULL", "KIND_PARTIAL", "KIND_QUICK", "REPAIR_CODES", "RESET_CODES",
     "SCREEN_KINDS", "STRAGGLER_CHECK", "DEFAULT_POLICY", "TRANSITIONS", "Action", "Adopted",
     "BudgetLook", "Decision", "Event", "FleetCounts",
-    "Findings", "HumanCommand", "KatScreen", "LifecyclePolicy", "NodeSeen", "Remediation",
+    "Findings", "HumanCommand", "KnownAnswerScreen", "LifecyclePolicy", "NodeSeen", "Remediation",
     "Replaced", "RepairStep",
     "Trigger", "camel", "decide", "earned_healthy", "local_serials", "refusal",
 ]
@@ -267,8 +267,8 @@ def _on_repair_step(d: _Deciding, event: RepairStep) -> Decision:
 def _on_pass(d: _Deciding, sig: _Signal, event: Any) -> Decision:
     """A passing screen clears a node only when it is allowed to (see the module docstring)."""
     assert d.current is not None
-    kind = event.kind if isinstance(event, KatScreen) else KIND_QUICK
-    conditions = event.conditions if isinstance(event, KatScreen) else ()
+    kind = event.kind if isinstance(event, KnownAnswerScreen) else KIND_QUICK
+    conditions = event.conditions if isinstance(event, KnownAnswerScreen) else ()
     if d.current not in (NodeState.BURNIN, NodeState.SUSPECT):
         return d.stay(f"passing screen changes nothing for a {d.current.value} node")
     if d.current == NodeState.SUSPECT and _held_by_budget(d.history):

@@ -12,7 +12,7 @@ from typing import Any, Mapping, Optional, Sequence
 from screener.lifecycle.events import (EVIDENCE_CONFIRMED, EVIDENCE_GPU_SERIAL,
                                        EVIDENCE_GPU_SERIALS, EVIDENCE_HELD_BY_BUDGET,
                                        EVIDENCE_SERIAL, KIND_FULL, KIND_PARTIAL,
-                                       RESET_CODES, STRAGGLER_CHECK, Findings, KatScreen)
+                                       RESET_CODES, STRAGGLER_CHECK, Findings, KnownAnswerScreen)
 from screener.lifecycle.records import Transition
 from screener.alarmfile import CHECKS as ALARM_CHECK_REASONS, AlarmRecord
 from screener.types import Finding, NodeState, Outcome, Reason, Severity, Verdict
@@ -102,12 +102,12 @@ class _Signal:
 
 def _classify(event: Any, current: Optional[NodeState]) -> _Signal:
     if isinstance(event, Verdict):
-        event = KatScreen((event,))
+        event = KnownAnswerScreen((event,))
     elif isinstance(event, (list, tuple)) and event and all(isinstance(v, Verdict) for v in event):
-        event = KatScreen(tuple(event))
+        event = KnownAnswerScreen(tuple(event))
     elif isinstance(event, (list, tuple)) and all(isinstance(f, Finding) for f in event):
         event = Findings(tuple(event))
-    if isinstance(event, KatScreen):
+    if isinstance(event, KnownAnswerScreen):
         return _classify_screen(event, current)
     if isinstance(event, Findings):
         return _classify_findings(event)
@@ -118,7 +118,7 @@ def _classify(event: Any, current: Optional[NodeState]) -> _Signal:
     raise TypeError(f"not a lifecycle input: {type(event).__name__}")
 
 
-def _classify_screen(event: KatScreen, current: Optional[NodeState]) -> _Signal:
+def _classify_screen(event: KnownAnswerScreen, current: Optional[NodeState]) -> _Signal:
     bad = [v for v in event.verdicts if v.outcome == Outcome.SUSPECT]
     verdicts = [v.to_dict() for v in event.verdicts]
     if bad:
@@ -129,21 +129,21 @@ def _classify_screen(event: KatScreen, current: Optional[NodeState]) -> _Signal:
         confirmed = event.confirmed or any(v.evidence.get(EVIDENCE_CONFIRMED) for v in bad)
         evidence = {"verdicts": verdicts, EVIDENCE_CONFIRMED: bool(confirmed)}
         if confirmed:
-            return _Signal(SignalKind.FAILURE, Reason.KAT_MISMATCH,
+            return _Signal(SignalKind.FAILURE, Reason.KNOWN_ANSWER_MISMATCH,
                            f"known-answer mismatch confirmed by a re-run on {devices}{where}",
                            evidence, serials)
         if current == NodeState.SUSPECT:
             # The node is suspect and this is the confirming screen we asked for: it failed.
-            return _Signal(SignalKind.FAILURE, Reason.KAT_MISMATCH,
+            return _Signal(SignalKind.FAILURE, Reason.KNOWN_ANSWER_MISMATCH,
                            f"confirming known-answer screen mismatched on {devices}{where}",
                            evidence, serials)
-        return _Signal(SignalKind.AMBIGUOUS, Reason.KAT_MISMATCH,
+        return _Signal(SignalKind.AMBIGUOUS, Reason.KNOWN_ANSWER_MISMATCH,
                        f"known-answer mismatch on {devices}{where}, not yet re-run",
                        evidence, serials)
     if event.verdicts and all(v.outcome == Outcome.PASS for v in event.verdicts):
         what = {KIND_FULL: "full burn-in", KIND_PARTIAL: "partial burn-in"}.get(
             event.kind, "known-answer screen")
-        return _Signal(SignalKind.PASS, Reason.KAT_PASSED,
+        return _Signal(SignalKind.PASS, Reason.KNOWN_ANSWER_PASSED,
                        f"{what} passed on {len(event.verdicts)} device(s)",
                        {"verdicts": verdicts, "screen_kind": event.kind})
     return _Signal(SignalKind.NONE, "", "known-answer screen inconclusive; an inconclusive "

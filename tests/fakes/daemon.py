@@ -184,7 +184,7 @@ class DaemonRig:
 
     def __init__(self, tmp_path: Path, runner: Any, *, store: Any = None, taint: Any = None,
                  node_object: Any = None, nvml: Optional[FakeNvml] = None, own_pids=None, boot=None,
-                 env: Optional[dict[str, str]] = None, daemon_kw: Optional[dict[str, Any]] = None, clock: Any = None,
+                 env: Optional[dict[str, str]] = None, uid: Optional[int] = None, daemon_kw: Optional[dict[str, Any]] = None, clock: Any = None,
                  **config: Any) -> None:
         self.tmp = tmp_path
         self.clock = clock if clock is not None else FakeClock()
@@ -210,7 +210,7 @@ class DaemonRig:
         self.stop = threading.Event()
         self.daemon = Daemon(self.config, store=self.store, probes=self.probes, runner=runner,
                              taint=self.taint, node_object=node_object,
-                             host=FakeHost(own_pids, boot=boot, env=env), metrics=self.metrics,
+                             host=FakeHost(own_pids, boot=boot, env=env, uid=uid), metrics=self.metrics,
                              clock=self.clock, stop=self.stop, **(daemon_kw or {}))
 
     @property

@@ -98,7 +98,7 @@ class FullBurninReport:
 
     node: str
     stages: list[Stage] = field(default_factory=list)
-    kat: Optional[BurninReport] = None
+    known_answer: Optional[BurninReport] = None
     state_before: Optional[NodeState] = None
     state_after: Optional[NodeState] = None
     transitions: list[dict[str, Any]] = field(default_factory=list)
@@ -171,7 +171,7 @@ class FullBurninReport:
                 "state_before": self.state_before.value if self.state_before else None,
                 "state_after": self.state_after.value if self.state_after else None,
                 "transitions": self.transitions, "stages": [s.to_dict() for s in self.stages],
-                "known_answer": self.kat.to_dict() if self.kat is not None else None}
+                "known_answer": self.known_answer.to_dict() if self.known_answer is not None else None}
 
     def extra(self) -> dict[str, Any]:
         """What the full sequence adds to the known-answer burn-in's JSON report (the overall
@@ -183,8 +183,8 @@ class FullBurninReport:
 
     def table(self) -> str:
         lines = []
-        if self.kat is not None:
-            lines += [self.kat.table(), ""]
+        if self.known_answer is not None:
+            lines += [self.known_answer.table(), ""]
         lines.append(f"{'stage':14s} {'result':13s} {'seconds':>8s}  detail")
         for s in self.stages:
             lines.append(f"{s.name:14s} {s.outcome.value:13s} {s.seconds:8.1f}  {s.detail}")
@@ -232,9 +232,9 @@ def probe_report_stage(name: str, report: Any, seconds: float = 0.0) -> Stage:
                        "errors": list(report.errors)})
 
 
-def kat_stage(kat: Callable[[], BurninReport]) -> tuple[Stage, BurninReport]:
+def known_answer_stage(known_answer: Callable[[], BurninReport]) -> tuple[Stage, BurninReport]:
     t0 = time.monotonic()
-    rep = kat()
+    rep = known_answer()
     verdicts = tuple(mark_confirmed(v, rep.screen.iterations.get(v.device, 1))
                      for v in rep.screen.verdicts)
     bad = [v for v in verdicts if v.outcome != Outcome.PASS]
@@ -275,11 +275,11 @@ def missing_for_full(stages: Sequence[Mapping[str, Any]], req: BurninRequirement
     for name in ("probes-before", "probes-after"):
         if name not in by:
             out.append(f"{name} did not run")
-    kat = by.get("known-answer")
-    if kat is None:
+    known_answer = by.get("known-answer")
+    if known_answer is None:
         out.append("the known-answer rounds did not run")
     else:
-        d = kat.get("data") or {}
+        d = known_answer.get("data") or {}
         its = {str(k): int(v) for k, v in (d.get("iterations") or {}).items()}
         ran = set(d.get("devices") or its)
         if len(ran) < devices:
@@ -413,7 +413,7 @@ class _StoreAccess:
             return False
 
 
-def run_full_burnin(node: str, devices: Sequence[str], kat: Callable[[], BurninReport], *,
+def run_full_burnin(node: str, devices: Sequence[str], known_answer: Callable[[], BurninReport], *,
                     plan: BurninPlan = BurninPlan(), store: Any = None,
                     open_store: Optional[Callable[[], Any]] = None,
                     probe: Optional[Callable[[Any], Any]] = None, policy: Any = None,
@@ -425,7 +425,7 @@ def run_full_burnin(node: str, devices: Sequence[str], kat: Callable[[], BurninR
                     step: Optional[Callable[[str], None]] = None) -> FullBurninReport:
     """Run the stages in order (see the module docstring) and move the node through the lifecycle.
 
-    kat(): runs the known-answer rounds and returns a BurninReport (run_burnin). store: the
+    known_answer(): runs the known-answer rounds and returns a BurninReport (run_burnin). store: the
     node's store (local or kube), or None to move nothing; open_store(): opens it instead, when a
     stage first needs it (after the known-answer rounds). A failure of the store (opening, reading
     or writing) ends its use and is kept in `store_error`, never raised.
@@ -440,7 +440,7 @@ def run_full_burnin(node: str, devices: Sequence[str], kat: Callable[[], BurninR
     report = FullBurninReport(node=node)
     access = _StoreAccess(report, store, open_store)
     before, after, peers_available = _run_stages(
-        report, node, devices, kat, plan=plan, store=access, probe=probe, hbm_inject=hbm_inject,
+        report, node, devices, known_answer, plan=plan, store=access, probe=probe, hbm_inject=hbm_inject,
         collective_inject=collective_inject, peers=peers, peer_steps=peer_steps,
         progress=progress, step=step)
     report.required_seconds = (requirement or BurninRequirement()).min_seconds
@@ -456,7 +456,7 @@ def run_full_burnin(node: str, devices: Sequence[str], kat: Callable[[], BurninR
 
 
 def _run_stages(report: FullBurninReport, node: str, devices: Sequence[str],
-                kat: Callable[[], BurninReport], *, plan: BurninPlan, store: _StoreAccess,
+                known_answer: Callable[[], BurninReport], *, plan: BurninPlan, store: _StoreAccess,
                 probe: Optional[Callable[[Any], Any]], hbm_inject: Any, collective_inject: Any,
                 peers: Sequence[str], peer_steps: int, progress: Callable[[str], None],
                 step: Optional[Callable[[str], None]]) -> tuple[Any, Any, bool]:
@@ -468,7 +468,7 @@ def _run_stages(report: FullBurninReport, node: str, devices: Sequence[str],
         stage, before = probe_stage("probes-before", probe)
         report.stages.append(stage)
     progress("known-answer burn-in")
-    stage, report.kat = kat_stage(kat)
+    stage, report.known_answer = known_answer_stage(known_answer)
     report.stages.append(stage)
     gpus = [d for d in devices if d.startswith("cuda")] or list(devices)[:1]
     if plan.hbm:
@@ -482,7 +482,7 @@ def _run_stages(report: FullBurninReport, node: str, devices: Sequence[str],
     if plan.crosscheck and opened is not None and hasattr(opened, "annotations_by_node"):
         progress("cross-check with other nodes")
         found: list[Stage] = []
-        screen = report.kat.screen
+        screen = report.known_answer.screen
         if store.run(lambda: found.append(crosscheck_stage(node, screen, opened))):
             cc = found[0]
             peers_available = int((cc.data or {}).get("nodes_compared") or 0) > 0
@@ -513,7 +513,7 @@ def _record(report: FullBurninReport, node: str, store: Any, before: Any, after:
     verdicts = tuple(v for s in report.stages for v in s.verdicts)
     # Conditions seen after the load (a pending remap, a GPU gone) keep the node out.
     conditions = tuple(f for f in (after.findings if after is not None else ()) if is_condition(f))
-    events.append(machine.KatScreen(verdicts, kind=report.kind, conditions=conditions))
+    events.append(machine.KnownAnswerScreen(verdicts, kind=report.kind, conditions=conditions))
     for event in events:
         decision = apply_event(store, node, event, now=clock(), policy=policy)
         for t in decision.transitions:

@@ -55,8 +55,8 @@ def passed_parts(report: "FullBurninReport") -> list[str]:
               if name in by]
     if probes:
         parts.append(f"health probes {' and '.join(probes)}")
-    if report.kat is not None:
-        parts.append(known_answer_words(report.kat.screen))
+    if report.known_answer is not None:
+        parts.append(known_answer_words(report.known_answer.screen))
     if "hbm" in by:
         tested = sum(int(d.get("bytes_tested") or 0) for d in by["hbm"].data.get("devices") or ()
                      if isinstance(d, Mapping))
@@ -96,8 +96,8 @@ def known_answer_words(screen: Any) -> str:
 def full_adds(report: "FullBurninReport") -> str:
     """'a full burn-in adds 1 h of these jobs under sustained load (here: 3 s) and, when it
     passes, moves this node to healthy: screener burnin --duration 1h'."""
-    kat = next((s for s in report.stages if s.name == "known-answer"), None)
-    ran = float((kat.data.get("seconds") if kat is not None else 0.0) or 0.0)
+    known_answer = next((s for s in report.stages if s.name == "known-answer"), None)
+    ran = float((known_answer.data.get("seconds") if known_answer is not None else 0.0) or 0.0)
     adds = []
     if any(m.startswith(SHORT_RUN) for m in report.missing):
         adds.append(f"{duration_words(report.required_seconds)} of these jobs under sustained "

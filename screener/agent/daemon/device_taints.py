@@ -168,7 +168,7 @@ class DeviceTaints:
             if v.outcome == Outcome.SUSPECT:
                 self.to_clear.discard(gpu.uuid)
                 self.to_taint[gpu.uuid] = BadGpu(
-                    uuid=gpu.uuid, serial=gpu.serial or "", reason=str(Reason.KAT_MISMATCH),
+                    uuid=gpu.uuid, serial=gpu.serial or "", reason=str(Reason.KNOWN_ANSWER_MISMATCH),
                     evidence=f"known-answer screen: {v.device} {v.reason or 'suspect'}"
                              f"{f' in {v.job}' if v.job else ''}")
             else:  # passed: a taint not yet written is moot, one written goes

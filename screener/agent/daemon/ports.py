@@ -126,8 +126,9 @@ class DaemonPorts:
     """Everything a Daemon uses outside itself (see the module docstring).
 
     store: where states, histories and the quarantine budget live (LocalStore or KubeStore).
-        probes: the health probes (Probes). runner: the screen runner (screening.KatProcessRunner, or a test's function). taint: adds and
-        removes the screening taint (KubeStore, or screening.LocalTaint).
+        probes: the health probes (Probes). runner: the screen runner
+        (screening.ScreenProcessRunner, or a test's function). taint: adds and removes the
+        screening taint (KubeStore, or screening.LocalTaint).
     node_object: the node's object in the cluster (NodeObject; KubeNodeObject on the kube
         store), or None outside a cluster: then no GPU pods are listed, nothing is published,
         nothing spooled is replayed and no intent finished. host: the machine (Host: our

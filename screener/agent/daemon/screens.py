@@ -166,7 +166,7 @@ class DaemonScreens:
                 log.warning("burn-in on %s was partial: %s", self.node, "; ".join(missing),
                             extra={"event": "burnin_partial"})
         if not outcome.stopped:
-            self.feed.apply(machine.KatScreen(verdicts, kind=screen_kind,
+            self.feed.apply(machine.KnownAnswerScreen(verdicts, kind=screen_kind,
                                               conditions=self.findings.conditions),
                             "known-answer screen", report)
             if self.devices is not None:

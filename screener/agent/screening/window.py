@@ -10,7 +10,7 @@ An idle-time screen must never compete with a job for the GPUs, so the daemon op
 3. removes the taint, always: after a pass, a failure, an exception in the runner, a shutdown. At
    start-up the daemon also removes a screening taint a previous run left (`clear_stale`).
 
-The production runner (`KatProcessRunner`) runs screener.known_answer.engine.screen.run_screen (a
+The production runner (`ScreenProcessRunner`) runs screener.known_answer.engine.screen.run_screen (a
 quick screen) or the device stages of a full burn-in (screener.agent.burnin.full: the known-answer
 rounds for the configured duration, the HBM test, the intra-node collective) in a worker process of
 its own (`python -m screener.agent.screening worker`, whose code is
@@ -312,7 +312,7 @@ KNOWN_DIGESTS = "known-digests.json"  # in work_dir: what this node's earlier sc
 
 
 @dataclass(frozen=True)
-class KatOptions:
+class ScreenOptions:
     """What the worker passes to screener.known_answer.engine.screen.run_screen, and to the burn-in stages for a full one.
 
     burnin_seconds / burnin_min_iterations: how long and how often the known-answer jobs repeat in
@@ -341,7 +341,7 @@ class KatOptions:
                 "hbm_fraction": self.hbm_fraction, "hbm_max_bytes": self.hbm_max_bytes}
 
 
-class KatProcessRunner:
+class ScreenProcessRunner:
     """Runs a screen in `python -m screener.agent.screening worker`, killable at once.
 
     work_dir: where each screen gets its folder (result, stderr, worker.json); default a fresh
@@ -349,7 +349,7 @@ class KatProcessRunner:
     directory so that `reap_stale_screens` can clean up after a crash.
     """
 
-    def __init__(self, options: KatOptions, *, python: Optional[str] = None,
+    def __init__(self, options: ScreenOptions, *, python: Optional[str] = None,
                  poll_s: float = 0.2, kill_grace_s: float = 10.0,
                  work_dir: Optional[str | os.PathLike[str]] = None) -> None:
         self.options = options

@@ -1,8 +1,8 @@
 """The screen worker: the process in which the daemon's screens run (see
 screener.agent.screening.window).
 
-`KatProcessRunner` starts it as `python -m screener.agent.screening worker RESULT.json MODE`, with
-its KatOptions as JSON on stdin. MODE "screen" runs the quick known-answer screen
+`ScreenProcessRunner` starts it as `python -m screener.agent.screening worker RESULT.json MODE`, with
+its ScreenOptions as JSON on stdin. MODE "screen" runs the quick known-answer screen
 (screener.known_answer.engine.screen.run_screen); MODE "burnin" runs the device stages of a full
 burn-in (the known-answer rounds for the configured duration, the HBM test, the intra-node
 collective: screener.agent.burnin.full). It writes the result as JSON and exits with the screen's
@@ -73,8 +73,8 @@ def _burnin_stages(opts: Mapping[str, Any], faults: Any) -> dict[str, Any]:
                              hbm_fraction=float(opts.get("hbm_fraction") or 0.5),
                              hbm_max_bytes=opts.get("hbm_max_bytes"))
     rep = burnin.run_full_burnin("", devices, rounds, plan=plan, store=None)
-    assert rep.kat is not None
-    d = rep.kat.screen.to_dict()
+    assert rep.known_answer is not None
+    d = rep.known_answer.screen.to_dict()
     d["screen_kind"] = KIND_FULL
     d["stages"] = [st.to_dict() for st in rep.stages]
     d["verdicts"] = [v.to_dict() for st in rep.stages for v in st.verdicts]
@@ -90,7 +90,7 @@ def _fleet(opts: Mapping[str, Any]) -> Optional[FleetView]:
 
 
 def _worker(result_path: str, mode: str = "screen") -> int:
-    """The worker process: read KatOptions as JSON on stdin, screen (or run the burn-in's device
+    """The worker process: read ScreenOptions as JSON on stdin, screen (or run the burn-in's device
     stages), write the result JSON."""
 
     def on_term(signum: int, frame: Any) -> None:

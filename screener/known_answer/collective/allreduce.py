@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from screener.atomicfile import write_atomic
 from screener.errors import BadInputError, ScreenerError
-from screener.types import KatReason, Outcome, Verdict, node_name
+from screener.types import KnownAnswerReason, Outcome, Verdict, node_name
 
 # torch is imported inside the functions that run ranks: the burn-in imports this module at its
 # top and the CLI must start without torch; in a rank's process (_entry) it must come after
@@ -225,7 +225,7 @@ class CollectiveResult:
         for r in self.ranks:
             if r["mismatches"]:
                 out.append(Verdict(device=r["device"], outcome=Outcome.SUSPECT,
-                                   reason=KatReason.COLLECTIVE_MISMATCH, job="allreduce",
+                                   reason=KnownAnswerReason.COLLECTIVE_MISMATCH, job="allreduce",
                                    expected=(r["first"] or {}).get("expected"),
                                    observed=(r["first"] or {}).get("observed"),
                                    evidence={"mismatches": r["mismatches"], "first": r["first"],

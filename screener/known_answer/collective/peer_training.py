@@ -40,7 +40,7 @@ from typing import Any, Mapping, Optional, Sequence
 from screener.errors import BadInputError
 from screener.known_answer.collective.allreduce import known_sum_rank, run_group
 from screener.lifecycle.events import EVIDENCE_CONFIRMED
-from screener.types import ExitCode, KatReason, Outcome, Verdict
+from screener.types import ExitCode, KnownAnswerReason, Outcome, Verdict
 
 # torch, and the modules that import it at their top (faults, synthetic, screener.audit,
 # screener.determinism), are imported inside the functions that train: the burn-in and the drill
@@ -183,7 +183,7 @@ class PeerResult:
         if self.alarm:
             reason = f"peer_{self.alarm['check']}"  # the alarm's check: ring_replay, weights, ...
         elif self.collective and self.collective.get("mismatched_nodes"):
-            reason = KatReason.PEER_COLLECTIVE_MISMATCH
+            reason = KnownAnswerReason.PEER_COLLECTIVE_MISMATCH
         outcome = self.outcome if self.exit_code != ExitCode.PEER_FAILED else Outcome.INCONCLUSIVE
         return Verdict(device=f"node:{self.under_test}", outcome=outcome, reason=reason,
                        job="peer-burnin", step=(self.alarm or {}).get("step"),

@@ -31,7 +31,7 @@ from screener.known_answer.verdict.screen_result import ScreenResult
 from screener.known_answer.engine.specs import JobSpec
 from screener.types import Outcome
 
-log = logging.getLogger("screener.kat")
+log = logging.getLogger("screener.known_answer")
 
 STORE_PATH = "fleet-quorum"  # how a promoted record's path reads in verdicts and `golden list`
 

@@ -42,7 +42,7 @@ from screener.known_answer.engine.supervise import DEFAULT_TIMEOUT, Progress, ex
 from screener.known_answer.engine.specs import JobSpec, select_jobs
 
 
-log = logging.getLogger("screener.kat")
+log = logging.getLogger("screener.known_answer")
 
 
 def quick_jobs(jobs_dir: Optional[str] = None) -> list[JobSpec]:

@@ -36,7 +36,7 @@ from screener.known_answer.verdict.runs import DeviceRun
 from screener.known_answer.engine.specs import JobSpec
 from screener.types import RunStatus
 
-log = logging.getLogger("screener.kat")
+log = logging.getLogger("screener.known_answer")
 
 DEFAULT_TIMEOUT = 300.0
 STARTUP_TIMEOUT = 120.0  # importing torch and creating a CUDA context can be slow on a busy node

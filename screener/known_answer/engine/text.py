@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from screener.known_answer.verdict.judgment import ScreenResult
-from screener.types import KatReason, Outcome, Verdict
+from screener.types import KnownAnswerReason, Outcome, Verdict
 
 
 def _verdict_lines(v: Verdict) -> list[str]:
@@ -17,7 +17,7 @@ def _verdict_lines(v: Verdict) -> list[str]:
     if v.expected is not None or v.observed is not None:
         lines.append(f"{'':10s}   expected {v.expected}  observed {v.observed}")
     detail = v.evidence.get("detail")
-    if detail and v.outcome != Outcome.PASS and v.reason != KatReason.NO_GOLDEN:
+    if detail and v.outcome != Outcome.PASS and v.reason != KnownAnswerReason.NO_GOLDEN:
         lines.append(f"{'':10s}   {detail}")
     if v.evidence.get("command"):
         lines.append(f"{'':10s}   record a golden: {v.evidence['command']}")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from screener import boundedjson
-from screener.types import ANNOTATION_DIGESTS, KatReason, Outcome, Verdict
+from screener.types import ANNOTATION_DIGESTS, KnownAnswerReason, Outcome, Verdict
 
 # The name the daemon's JSON log lines have always carried (log queries filter on it), not the
 # module's path since the move into subpackages.
@@ -78,7 +78,7 @@ class CrossCheck:
         if bad:
             first = bad[0]
             return Verdict(device=f"node:{node}", outcome=Outcome.SUSPECT,
-                           reason=KatReason.FLEET_DIGEST_MISMATCH, job=first["job"],
+                           reason=KnownAnswerReason.FLEET_DIGEST_MISMATCH, job=first["job"],
                            platform_hash=first["platform"], expected=first["majority"],
                            observed=first["own"], evidence={"rows": list(self.rows)})
         return Verdict(device=f"node:{node}", outcome=self.outcome, job="crosscheck",

@@ -22,7 +22,7 @@ from screener.known_answer.verdict.quorum import FleetView
 from screener.known_answer.verdict.reference import Known, NamedJob, known_digest
 from screener.known_answer.verdict.runs import DeviceRun
 from screener.known_answer.verdict.screen_result import Issue
-from screener.types import KatReason, Outcome, RunStatus
+from screener.types import KnownAnswerReason, Outcome, RunStatus
 
 HANG_FACTOR = 10.0  # a timeout this many times the golden's recorded job time is a hang
 
@@ -45,7 +45,7 @@ def ending_issues(device: str, run: DeviceRun, runs: Mapping[str, DeviceRun],
     """What the way a device's child ended says (nothing when it finished)."""
     job = run.current[0] if run.current else None
     if run.status == RunStatus.KILLED:
-        return [Issue(Outcome.INCONCLUSIVE, KatReason.KILLED, job, detail=(
+        return [Issue(Outcome.INCONCLUSIVE, KnownAnswerReason.KILLED, job, detail=(
             f"{run.detail}: killed from outside (memory pressure, an operator), which says "
             f"nothing about the device"))]
     if run.status == RunStatus.TIMEOUT:
@@ -56,7 +56,7 @@ def ending_issues(device: str, run: DeviceRun, runs: Mapping[str, DeviceRun],
         raised.append(_raised(device, run, runs, goldens, known, fleet, job, run.detail, 1))
     if run.status not in (RunStatus.OK, RunStatus.JOB_ERROR):
         # crash or device_error (ours and bad input raised before)
-        raised.append(Issue(Outcome.SUSPECT, KatReason(run.status), job, detail=run.detail))
+        raised.append(Issue(Outcome.SUSPECT, KnownAnswerReason(run.status), job, detail=run.detail))
     return raised
 
 
@@ -72,12 +72,12 @@ def _raised(device: str, run: DeviceRun, runs: Mapping[str, DeviceRun],
     times = f"it raised in {count} of {count + done} run(s)"
     why = _completes(device, run, runs, goldens, known, fleet, job)
     if why is None:
-        return Issue(Outcome.INCONCLUSIVE, KatReason.CRASH, job, detail=(
+        return Issue(Outcome.INCONCLUSIVE, KnownAnswerReason.CRASH, job, detail=(
             f"{detail}; {times}, and nothing shows the job completes on this platform (no "
             f"golden, no peer device, no earlier screen), so a device that corrupts the job's "
             f"values in every run cannot be told from a bug of ours; record a golden for the "
             f"platform on a node you trust, or screen another device of it"))
-    return Issue(Outcome.SUSPECT, KatReason.CRASH, job, detail=f"{detail}; {times}; {why}")
+    return Issue(Outcome.SUSPECT, KnownAnswerReason.CRASH, job, detail=f"{detail}; {times}; {why}")
 
 
 def _completes(device: str, run: DeviceRun, runs: Mapping[str, DeviceRun],
@@ -113,16 +113,16 @@ def _hang(device: str, run: DeviceRun, runs: Mapping[str, DeviceRun], specs: Seq
              and (run.platform_hash is None or r.platform_hash == run.platform_hash)
              and (job is None or job in r.jobs)]
     if peers:
-        return Issue(Outcome.SUSPECT, KatReason.TIMEOUT, job, detail=(
+        return Issue(Outcome.SUSPECT, KnownAnswerReason.TIMEOUT, job, detail=(
             f"{run.detail}; {len(peers)} peer device(s) of the platform finished it "
             f"(e.g. {peers[0]})"))
     record = goldens.get((job, run.platform_hash)) if job and run.platform_hash else None
     took = _recorded_seconds(record)
     limit = run.timeout_s
     if took is not None and limit is not None and limit >= HANG_FACTOR * took:
-        return Issue(Outcome.SUSPECT, KatReason.TIMEOUT, job, detail=(
+        return Issue(Outcome.SUSPECT, KnownAnswerReason.TIMEOUT, job, detail=(
             f"{run.detail}; its golden records {took:g} s for the job"))
-    return Issue(Outcome.INCONCLUSIVE, KatReason.TIMEOUT, job, detail=(
+    return Issue(Outcome.INCONCLUSIVE, KnownAnswerReason.TIMEOUT, job, detail=(
         f"{run.detail}; no peer finished the job and its golden records no time for it, so a "
         f"slow job cannot be told from a hung device"))
 

@@ -58,7 +58,7 @@ from screener.known_answer.verdict.runs import DeviceRun
 from screener.known_answer.verdict.self_mismatch import self_mismatch_issue
 from screener.known_answer.verdict.screen_result import (Issue, ScreenResult, record_command,
                                                  screen_result, verdict_of)
-from screener.types import KatReason, Outcome, RunStatus
+from screener.types import KnownAnswerReason, Outcome, RunStatus
 
 MIN_PEERS = 3  # agreeing devices needed to pass without a golden
 
@@ -94,7 +94,7 @@ def judge(runs: Mapping[str, DeviceRun], specs: Sequence[NamedJob], golden: Gold
         for d in group.members:
             if d not in group.results and runs[d].status == RunStatus.OK \
                     and group.job not in runs[d].raised:  # a raise is its own issue
-                issues[d].append(Issue(Outcome.INCONCLUSIVE, KatReason.INCOMPLETE, group.job,
+                issues[d].append(Issue(Outcome.INCONCLUSIVE, KnownAnswerReason.INCOMPLETE, group.job,
                                        detail="the job produced no result"))
         for d in group.results:
             found, match = _device_issues(group, d, golden_dir)
@@ -128,7 +128,7 @@ def _device_issues(g: JobGroup, d: str,
             return out, {"golden": same.path, "platform_hash": same.platform_hash,
                          "sibling": True}
         out.append(Issue(
-            Outcome.INCONCLUSIVE, KatReason.SIBLING_GOLDEN_DIFFERS, g.job, g.kin[0].compare(ref),
+            Outcome.INCONCLUSIVE, KnownAnswerReason.SIBLING_GOLDEN_DIFFERS, g.job, g.kin[0].compare(ref),
             detail=f"no golden for platform {g.phash}; the results differ from the "
                    f"golden(s) of sibling platforms (same torch build and dispatch "
                    f"level, another library path, thread count or driver): "
@@ -153,7 +153,7 @@ def _quorum_issue(g: JobGroup, d: str) -> Optional[Issue]:
             if ref is not None and ref.steps is not None else None)
     if diff is None:  # no run here reproduced it: the quorum is known by its digest only
         diff = Difference(0, "digest", "digest", q.digest, runs.reference.digest)
-    return Issue(Outcome.SUSPECT, KatReason.QUORUM_MISMATCH, g.job, diff, detail=(
+    return Issue(Outcome.SUSPECT, KnownAnswerReason.QUORUM_MISMATCH, g.job, diff, detail=(
         f"no golden for platform {g.phash}; {q.describe()}; this device gave "
         f"{runs.reference.digest} in all {runs.runs} run(s)"))
 
@@ -167,7 +167,7 @@ def _memory_conflict(g: JobGroup, d: str, golden_dir: Optional[str]) -> Optional
     if g.known is None or g.reference is not None or not runs.consistent \
             or runs.reference.digest == g.known:
         return None
-    return Issue(Outcome.INCONCLUSIVE, KatReason.EARLIER_SCREENS_DIFFER, g.job, detail=(
+    return Issue(Outcome.INCONCLUSIVE, KnownAnswerReason.EARLIER_SCREENS_DIFFER, g.job, detail=(
         f"this node's earlier screens gave digest {g.known} on platform {g.phash}; this device "
         f"gave {runs.reference.digest} in all {runs.runs} run(s); one of them is wrong and no "
         f"golden or majority says which (the earlier digest is kept, not replaced); record a "
@@ -182,10 +182,10 @@ def _golden_issue(g: JobGroup, ref: JobResult) -> Optional[Issue]:
         return None
     agreeing = g.counts[ref.digest]
     if ref.digest == g.majority and agreeing >= MIN_PEERS:
-        return Issue(Outcome.INCONCLUSIVE, KatReason.GOLDEN_DISAGREES_WITH_PEERS, g.job, diff,
+        return Issue(Outcome.INCONCLUSIVE, KnownAnswerReason.GOLDEN_DISAGREES_WITH_PEERS, g.job, diff,
                      detail=f"{agreeing} devices agree with each other but not with "
                             f"{g.record.path}; re-record it if the platform changed")
-    return Issue(Outcome.SUSPECT, KatReason.GOLDEN_MISMATCH, g.job, diff, detail=g.record.path)
+    return Issue(Outcome.SUSPECT, KnownAnswerReason.GOLDEN_MISMATCH, g.job, diff, detail=g.record.path)
 
 
 def _peer_issue(g: JobGroup, ref: JobResult, golden_dir: Optional[str], *,
@@ -195,28 +195,28 @@ def _peer_issue(g: JobGroup, ref: JobResult, golden_dir: Optional[str], *,
     have = len(g.results)
     if have >= 2 and g.majority is not None and ref.digest != g.majority:
         peer = next(p for p in g.results if g.refs[p].digest == g.majority)
-        return Issue(Outcome.SUSPECT, KatReason.PEER_MISMATCH, g.job,
+        return Issue(Outcome.SUSPECT, KnownAnswerReason.PEER_MISMATCH, g.job,
                      first_difference(g.refs[peer].steps, ref.steps),
                      detail=f"differs from the {g.counts[g.majority]} of {have} devices "
                             f"that agree (e.g. {peer})")
     if have >= 3 and len(g.counts) == have and g.reference is None:
         # Every device different and nothing to say which is right: a nondeterministic job
         # and as many faulty devices look the same.
-        return Issue(Outcome.INCONCLUSIVE, KatReason.PEER_SPLIT, g.job, detail=(
+        return Issue(Outcome.INCONCLUSIVE, KnownAnswerReason.PEER_SPLIT, g.job, detail=(
             f"the {have} devices of platform {g.phash} give {have} different results and no "
             f"golden or earlier screen says which is right; record a golden on a node you "
             f"trust: {record_command([g.job], g.members, golden_dir)}"))
     if have >= 2 and g.majority is None and not (g.known and ref.digest == g.known):
-        return Issue(Outcome.SUSPECT, KatReason.PEER_SPLIT, g.job,
+        return Issue(Outcome.SUSPECT, KnownAnswerReason.PEER_SPLIT, g.job,
                      detail=f"{have} devices of one platform give {len(g.counts)} different "
                             f"results and no strict majority agrees")
     if g.quorum is not None and g.counts[ref.digest] < MIN_PEERS:
-        return Issue(Outcome.INCONCLUSIVE, KatReason.AWAITING_QUORUM, g.job, detail=(
+        return Issue(Outcome.INCONCLUSIVE, KnownAnswerReason.AWAITING_QUORUM, g.job, detail=(
             f"no golden for platform {g.phash}, and no quorum of other nodes yet: "
             f"{g.quorum.describe()}; it settles itself as more nodes of the platform are "
             f"screened, or record a golden: {record_command([g.job], g.members, golden_dir)}"))
     if g.counts[ref.digest] < MIN_PEERS and not sibling_differs:
-        return Issue(Outcome.INCONCLUSIVE, KatReason.NO_GOLDEN, g.job,
+        return Issue(Outcome.INCONCLUSIVE, KnownAnswerReason.NO_GOLDEN, g.job,
                      detail=f"no golden for platform {g.phash} and only {g.counts[ref.digest]} "
                             f"agreeing device(s); record one with: "
                             f"{record_command([g.job], g.members, golden_dir)}")

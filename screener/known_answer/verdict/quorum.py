@@ -35,12 +35,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Optional
 
-from screener.types import KatReason, Outcome
+from screener.types import KnownAnswerReason, Outcome
 
 DEFAULT_NEED = 3  # other nodes that must agree before their answer is the platform's reference
 # Issues that say nothing against a job's result: only its reference is missing.
-_HARMLESS = frozenset({KatReason.NO_GOLDEN.value, KatReason.AWAITING_QUORUM.value,
-                       KatReason.SIBLING_GOLDEN_DIFFERS.value})
+_HARMLESS = frozenset({KnownAnswerReason.NO_GOLDEN.value, KnownAnswerReason.AWAITING_QUORUM.value,
+                       KnownAnswerReason.SIBLING_GOLDEN_DIFFERS.value})
 MAX_NODES_SHOWN = 16  # nodes named in a quorum's provenance (the count is always exact)
 
 # node -> platform hash -> job -> {"digest": ..., "spec_hash": ...}
@@ -204,6 +204,6 @@ def awaiting(screen: Mapping[str, Any]) -> dict[str, int]:
     out: dict[str, int] = {}
     for v in screen.get("verdicts") or ():
         for i in (v.get("evidence") or {}).get("issues") or ():
-            if i.get("reason") == KatReason.AWAITING_QUORUM.value and v.get("platform_hash"):
+            if i.get("reason") == KnownAnswerReason.AWAITING_QUORUM.value and v.get("platform_hash"):
                 out[str(v["platform_hash"])] = out.get(str(v["platform_hash"]), 0) + 1
     return out

@@ -13,7 +13,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from screener.known_answer.verdict.results import Difference
 from screener.known_answer.verdict.runs import DeviceRun
-from screener.types import ExitCode, KatReason, Outcome, RunStatus, Verdict
+from screener.types import ExitCode, KnownAnswerReason, Outcome, RunStatus, Verdict
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ class Issue:
     """One thing found against a device: its outcome, reason, job and where results differ."""
 
     outcome: Outcome
-    reason: KatReason
+    reason: KnownAnswerReason
     job: Optional[str] = None
     diff: Optional[Difference] = None
     detail: str = ""
@@ -104,21 +104,22 @@ class Issue:
 
 
 # Which issue names a device's verdict when it has several: the most specific evidence first.
-_REASON_RANK = {KatReason.TIMEOUT: 0, KatReason.CRASH: 0, KatReason.KILLED: 0,
-                KatReason.DEVICE_ERROR: 0, KatReason.SELF_MISMATCH: 1,
-                KatReason.GOLDEN_MISMATCH: 2, KatReason.QUORUM_MISMATCH: 2,
-                KatReason.PEER_MISMATCH: 3,
-                KatReason.PEER_SPLIT: 4, KatReason.GOLDEN_DISAGREES_WITH_PEERS: 5,
-                KatReason.EARLIER_SCREENS_DIFFER: 5,
-                KatReason.SIBLING_GOLDEN_DIFFERS: 6, KatReason.NO_GOLDEN: 6,
-                KatReason.AWAITING_QUORUM: 5,
-                KatReason.INCOMPLETE: 6}
+_REASON_RANK = {KnownAnswerReason.TIMEOUT: 0, KnownAnswerReason.CRASH: 0, KnownAnswerReason.KILLED: 0,
+                KnownAnswerReason.DEVICE_ERROR: 0, KnownAnswerReason.SELF_MISMATCH: 1,
+                KnownAnswerReason.GOLDEN_MISMATCH: 2, KnownAnswerReason.QUORUM_MISMATCH: 2,
+                KnownAnswerReason.PEER_MISMATCH: 3,
+                KnownAnswerReason.PEER_SPLIT: 4, KnownAnswerReason.GOLDEN_DISAGREES_WITH_PEERS: 5,
+                KnownAnswerReason.EARLIER_SCREENS_DIFFER: 5,
+                KnownAnswerReason.SIBLING_GOLDEN_DIFFERS: 6, KnownAnswerReason.NO_GOLDEN: 6,
+                KnownAnswerReason.AWAITING_QUORUM: 5,
+                KnownAnswerReason.INCOMPLETE: 6}
 # Inconclusive reasons that a golden of the platform would settle: their verdict names the
 # command that records it (a self-mismatch, a raise or a split with nothing to say which
 # result is right, a conflict with the node's earlier screens, no golden at all).
-_NEEDS_GOLDEN = (KatReason.NO_GOLDEN, KatReason.AWAITING_QUORUM, KatReason.SIBLING_GOLDEN_DIFFERS,
-                 KatReason.SELF_MISMATCH,
-                 KatReason.CRASH, KatReason.PEER_SPLIT, KatReason.EARLIER_SCREENS_DIFFER)
+_NEEDS_GOLDEN = (KnownAnswerReason.NO_GOLDEN, KnownAnswerReason.AWAITING_QUORUM,
+                 KnownAnswerReason.SIBLING_GOLDEN_DIFFERS, KnownAnswerReason.SELF_MISMATCH,
+                 KnownAnswerReason.CRASH, KnownAnswerReason.PEER_SPLIT,
+                 KnownAnswerReason.EARLIER_SCREENS_DIFFER)
 
 
 def screen_result(runs: Mapping[str, DeviceRun], jobs: Sequence[str],
@@ -193,7 +194,7 @@ def verdict_of(device: str, run: DeviceRun, issues: Sequence[Issue], golden_dir:
         return Verdict(device=device, outcome=Outcome.PASS, reason="",
                        platform_hash=run.platform_hash, evidence=evidence)
     if chosen.outcome == Outcome.INCONCLUSIVE and chosen.reason in (*_NEEDS_GOLDEN,
-                                                                     KatReason.INCOMPLETE):
+                                                                     KnownAnswerReason.INCOMPLETE):
         names = list(dict.fromkeys(i.job for i in inconclusive
                                    if i.reason in _NEEDS_GOLDEN and i.job))
         if names:

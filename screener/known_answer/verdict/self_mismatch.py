@@ -33,7 +33,7 @@ from screener.known_answer.verdict.reference import JobGroup
 from screener.known_answer.verdict.results import JobResult, first_difference
 from screener.known_answer.verdict.runs import JobRuns
 from screener.known_answer.verdict.screen_result import Issue, record_command
-from screener.types import KatReason, Outcome
+from screener.types import KnownAnswerReason, Outcome
 
 
 def self_mismatch_issue(g: JobGroup, device: str, golden_dir: Optional[str]) -> Issue:
@@ -48,14 +48,14 @@ def self_mismatch_issue(g: JobGroup, device: str, golden_dir: Optional[str]) -> 
     counts = _counts(runs, expected)
     diff = first_difference(expected.steps, bad.steps)
     if evidence is None:
-        return Issue(Outcome.INCONCLUSIVE, KatReason.SELF_MISMATCH, g.job, diff, detail=(
+        return Issue(Outcome.INCONCLUSIVE, KnownAnswerReason.SELF_MISMATCH, g.job, diff, detail=(
             f"{counts}; nothing shows the job is deterministic on platform {g.phash} (no golden, "
             f"no other device or earlier screen of the platform that reproduced itself), so a "
             f"faulty device cannot be told from a nondeterministic job; expected is {settled_by}. "
             f"To settle it, record a golden for the platform on a node you trust "
             f"({record_command([g.job], g.members, golden_dir)}), or screen another device "
             f"of it"))
-    return Issue(Outcome.SUSPECT, KatReason.SELF_MISMATCH, g.job, diff, detail=(
+    return Issue(Outcome.SUSPECT, KnownAnswerReason.SELF_MISMATCH, g.job, diff, detail=(
         f"{counts}; the job is deterministic on platform {g.phash}: {evidence}; expected is "
         f"{settled_by}"))
 
@@ -70,10 +70,10 @@ def _against_reference(g: JobGroup, runs: JobRuns) -> Issue:
                 if any(r.digest == dg and ref.matches(r) for _, r in results))
     it, bad = wrong[0]
     # Wrong in every run is a golden (quorum, majority) mismatch, told by its own name.
-    reason = (KatReason.SELF_MISMATCH if right else
-              KatReason.GOLDEN_MISMATCH if ref.record is not None else
-              KatReason.QUORUM_MISMATCH if ref.source == "quorum" else
-              KatReason.PEER_MISMATCH)
+    reason = (KnownAnswerReason.SELF_MISMATCH if right else
+              KnownAnswerReason.GOLDEN_MISMATCH if ref.record is not None else
+              KnownAnswerReason.QUORUM_MISMATCH if ref.source == "quorum" else
+              KnownAnswerReason.PEER_MISMATCH)
     return Issue(Outcome.SUSPECT, reason, g.job, first_difference(ref.steps, bad.steps),
                  detail=f"{runs.runs - right} of {runs.runs} runs differ from the "
                         f"{ref.source} (first: iteration {it}; {len(runs.counts)} "
