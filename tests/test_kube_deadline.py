@@ -223,3 +223,81 @@ def test_sigterm_during_a_dripping_call_ends_the_daemon_within_its_grace(proxied
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_refusing_api_costs_a_pass_one_calls_retries_not_every_calls():
+    """A closed port refuses every connection at once, so no call times out and the unreachable
+    window stays shut; but each call used to back off through all its retries (call_s apiece: a
+    daemon pass took 45 s against a real server). Now, once a call of a pass had no answer, the
+    rest of the pass tries each call once; the next pass retries in full again."""
+    cfg = kubernetes.client.Configuration()
+    cfg.host, cfg.retries = f"http://127.0.0.1:{_closed_port()}", False
+    timeouts = KubeTimeouts(connect_s=1.0, read_s=1.0, call_s=3.0, unreachable_s=30.0)
+    store = KubeStore(kubernetes.client.ApiClient(cfg), namespace="screener-system",
+                      instance=NODE, timeouts=timeouts, retry=RetryPolicy(base_delay=0.3))
+
+    def calls(n: int) -> list[float]:
+        took = []
+        for _ in range(n):  # on this thread: a pass is the thread's that opened it
+            t0 = time.monotonic()
+            with pytest.raises(TransientKubeError, match="attempt"):
+                store.get_state(NODE)
+            took.append(time.monotonic() - t0)
+            assert took[-1] < 10.0  # call_s holds whatever happens
+        return took
+
+    try:
+        for _ in range(2):  # two passes: each starts with a call that retries in full
+            with store.one_pass():
+                first, *rest = calls(8)
+            assert first >= 0.3 + 0.6  # backed off at least twice: 0.3 s, then 0.6 s
+            assert sum(rest) < 0.5, rest  # one refused connect each
+        assert calls(2)[1] >= 0.9  # outside a pass, every call retries in full, as before
+    finally:
+        store.close()
+
+
+def _point_at(tmp_path: Path, url: str) -> None:
+    kubeconfig = tmp_path / "kubeconfig"
+    doc = json.loads(kubeconfig.read_text())
+    doc["clusters"] = [{"name": "test", "cluster": {"server": url}}]
+    kubeconfig.write_text(json.dumps(doc))
+
+
+@pytest.mark.slow
+def test_daemon_once_on_a_closed_port_takes_the_alarm_in_a_pass_of_one_calls_retries(proxied,
+                                                                                      tmp_path):
+    """A restarted daemon whose API refuses every connection (nothing listens on the port): its
+    pass probes and spools the alarm in about one call's retries (call_s 3 s; before, 3 s for
+    every call: 45 s against a real server), exit 1; the API back, the next pass writes it."""
+    api, proxy = proxied
+    env, spool = daemon_env(tmp_path, proxy, api, connect_s=1.0, read_s=1.0, call_s=3.0,
+                            unreachable_s=30.0)
+    cmd = [sys.executable, "-m", "screener.cli", "daemon", "--once", "--json"]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=90)
+    assert r.returncode == int(ExitCode.PASS), r.stderr[-2000:]
+    drop_alarm(tmp_path, "refused-1")
+    _point_at(tmp_path, f"http://127.0.0.1:{_closed_port()}")
+    t0 = time.monotonic()
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=90)
+    took = time.monotonic() - t0
+    assert r.returncode == int(ExitCode.SCREENER_ERROR), r.stderr[-2000:]
+    report = json.loads(r.stdout)
+    assert report["probed"] is True
+    assert report["alarms"]["applied"] == ["refused-1"], report["alarms"]
+    assert spooled(spool) == ["suspect"]
+    assert took < 15.0, took  # the process's start (torch) and one call's retries; was ~45 s
+
+    _point_at(tmp_path, proxy.url)
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=90)
+    assert r.returncode == int(ExitCode.HARDWARE_SUSPECT), r.stderr[-2000:]
+    assert spooled(spool) == []
+    assert api.node(NODE)["metadata"]["labels"][LABEL_STATE] == "quarantined"
