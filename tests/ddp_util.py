@@ -109,3 +109,10 @@ def run_ranks(fn: Callable[..., Any], nodes: Sequence[str], *, timeout: float = 
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             results.append(value)
         return results
+
+
+def agreed(outs: Sequence[dict[str, Any]], key: str) -> Any:
+    """What every rank's result says under `key`, asserted to be the same, and set, on all."""
+    values = [o[key] for o in outs]
+    assert values[0] is not None and all(v == values[0] for v in values), values
+    return values[0]

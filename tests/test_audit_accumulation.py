@@ -8,16 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from ddp_util import run_ranks
+from ddp_util import agreed, run_ranks
 import audit_setup_workers
 
 pytestmark = pytest.mark.timeout(600)
-
-
-def _one(outs, key):
-    values = [o[key] for o in outs]
-    assert values[0] is not None and all(v == values[0] for v in values), values
-    return values[0]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +40,7 @@ def test_every_accumulation_pattern_is_audited_without_an_alarm(accumulated, pat
 def test_a_forward_fault_under_every_accumulation_pattern_is_pinned(accumulated, pattern):
     outs = accumulated[f"{pattern}_fault"]
     assert all(o["numeric"] is None for o in outs), [o["numeric"] for o in outs]
-    a = _one(outs, "alarm")
+    a = agreed(outs, "alarm")
     assert (a["check"], a["step"], a["settled"], a["suspect_ranks"]) == ("ring_replay", 5,
                                                                          True, [3])
     assert [f["node"] for f in outs[0]["files"]] == ["n2"]

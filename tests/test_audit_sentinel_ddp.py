@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from ddp_util import run_ranks
+from ddp_util import agreed, run_ranks
 import sentinel_workers
 
 NODES = ["n1", "n1", "n2", "n2", "n3", "n3"]
@@ -72,8 +72,7 @@ def test_a_fault_before_the_sentinel_is_warm_is_caught_by_the_guard_audits(tmp_p
     outs = run_ranks(sentinel_workers.train, ["n1", "n1", "n2", "n2", "n3", "n3"], timeout=240,
                      alarm_dir=str(tmp_path), fault=True, persistent=persistent, warmup=20)
     assert all(o["numeric"] is None for o in outs), [o["numeric"] for o in outs]
-    a = outs[0]["alarm"]
-    assert a is not None and all(o["alarm"] == a for o in outs), [o["alarm"] for o in outs]
+    a = agreed(outs, "alarm")
     assert (a["check"], a["step"], a["settled"], a["suspect_ranks"]) == ("ring_replay", 6, True,
                                                                          [2])
     files = [json.loads(p.read_text()) for p in tmp_path.glob("*.json")]

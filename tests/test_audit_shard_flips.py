@@ -8,16 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from ddp_util import run_ranks
+from ddp_util import agreed, run_ranks
 import audit_setup_workers
 
 pytestmark = pytest.mark.timeout(600)
-
-
-def _one(outs, key):
-    values = [o[key] for o in outs]
-    assert values[0] is not None and all(v == values[0] for v in values), values
-    return values[0]
 
 
 @pytest.mark.slow
@@ -29,7 +23,7 @@ def test_hsdp_weight_shard_flip_between_votes_is_pinned_to_its_rank(tmp_path):
     outs = run_ranks(audit_setup_workers.hsdp_shard_flip, ["n1", "n1", "n2", "n2", "n3", "n3"],
                      timeout=300, alarm_dir=str(tmp_path))
     assert all(o["numeric"] is None for o in outs), [o["numeric"] for o in outs]
-    a = _one(outs, "alarm")
+    a = agreed(outs, "alarm")
     assert (a["check"], a["step"], a["settled"], a["suspect_ranks"]) == ("weights", 3, True, [3])
     assert [n["node"] for n in a["suspect_nodes"]] == ["n2"]
     assert a["evidence"]["prompted_by"]["alarm"] == "ring_replay"
@@ -53,7 +47,7 @@ def test_a_shard_flip_that_makes_a_partner_nonfinite_names_the_shard_not_the_par
     outs = run_ranks(audit_setup_workers.hsdp_shard_flip, nodes, timeout=300, alarm_dir=str(tmp_path),
                      target=0, parameter="tok.weight", bit=30)
     assert all(o["numeric"] is None for o in outs), [o["numeric"] for o in outs]
-    a = _one(outs, "alarm")
+    a = agreed(outs, "alarm")
     assert (a["check"], a["settled"], a["suspect_ranks"]) == ("weights", True, [0])
     assert a["evidence"]["prompted_by"]["alarm"] == "nonfinite_local"
     assert a["evidence"]["prompted_by"]["suspects"] == [1]
@@ -70,7 +64,7 @@ def test_a_pure_fsdp_shard_that_changes_after_the_weight_check_is_pinned_to_its_
     outs = run_ranks(audit_setup_workers.fsdp_shard_drift, ["n1", "n1", "n2", "n2", "n3", "n3"],
                      timeout=240, alarm_dir=str(tmp_path), target=4, bit=bit)
     assert all(o["numeric"] is None for o in outs), [o["numeric"] for o in outs]
-    a = _one(outs, "alarm")
+    a = agreed(outs, "alarm")
     assert (a["check"], a["step"], a["settled"], a["suspect_ranks"]) == ("weights", 3, True, [4])
     assert [f["node"] for f in outs[0]["files"]] == ["n3"]
 

@@ -7,16 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from ddp_util import run_ranks
+from ddp_util import agreed, run_ranks
 import audit_setup_workers
 
 pytestmark = pytest.mark.timeout(600)
-
-
-def _one(outs, key):
-    values = [o[key] for o in outs]
-    assert values[0] is not None and all(v == values[0] for v in values), values
-    return values[0]
 
 
 @pytest.mark.slow
@@ -34,7 +28,7 @@ def test_tensor_parallel_groups_that_span_nodes_are_refused_in_one_line():
     """TP partners on different nodes: the node-by-node ring would replay a rank without its
     TP partner (the issue's "three different results"): refused, every rank alike."""
     outs = run_ranks(audit_setup_workers.tensor_parallel, ["a", "b", "a", "b"], timeout=240)
-    line = _one(outs, "refused")
+    line = agreed(outs, "refused")
     assert all(o["exit"] == 2 and o["lines"] == 1 for o in outs)
     assert "tensor parallel" in line and "whole TP groups" in line
 
@@ -79,7 +73,7 @@ def test_fsdp_x_tp_faults_are_settled_on_the_tp_group_and_its_node_only(
     group (one node), the alarm file on n2 only; never an unsettled alarm on every node."""
     outs = tensor_parallel_runs[scenario]
     assert all(o["numeric"] is None for o in outs), [o["numeric"] for o in outs]
-    a = _one(outs, "alarm")
+    a = agreed(outs, "alarm")
     assert (a["check"], a["step"], a["settled"], a["suspect_ranks"]) == (check, step, True,
                                                                          ranks)
     assert [f["node"] for f in outs[0]["files"]] == ["n2"]
@@ -105,7 +99,7 @@ def test_hsdp_x_tp_on_a_3d_mesh_is_audited(tmp_path, fault, ranks):
             assert (o["alarm"], o["steps_done"]) == (None, 4) and not o["files"], o
             assert o["counters"]["audits"] == 4 and o["counters"]["weight_checks"] == 4
         return
-    a = _one(outs, "alarm")
+    a = agreed(outs, "alarm")
     assert (a["check"], a["step"], a["settled"], a["suspect_ranks"]) == ("ring_replay", 2, True,
                                                                          ranks)
     assert [f["node"] for f in outs[0]["files"]] == ["n3"]

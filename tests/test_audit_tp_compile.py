@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddp_util import run_ranks
+from ddp_util import agreed, run_ranks
 import tp_compile_workers as workers
 
 pytestmark = pytest.mark.timeout(300)
@@ -34,12 +34,6 @@ def compiled_runs(tmp_path_factory):
     return {name: [r[name] for r in per_rank] for name in per_rank[0]}
 
 
-def _one(outs, key):
-    values = [o[key] for o in outs]
-    assert values[0] is not None and all(v == values[0] for v in values), values
-    return values[0]
-
-
 @pytest.mark.slow
 def test_per_block_compile_under_fsdp_x_tp_is_audited_without_an_alarm(compiled_runs):
     # the blocks really ran compiled: one graph per block, no graph break, and no replay
@@ -61,7 +55,7 @@ def test_a_flip_inside_a_compiled_block_is_settled_on_its_tp_group_or_rank(compi
     fired = [len(o["fired"]) for o in outs]
     assert fired == [0, 0, 0, 1, 0, 0], fired  # the fault landed once, on rank 3
     assert all(o["numeric"] is None for o in outs), [o["numeric"] for o in outs]
-    a = _one(outs, "alarm")
+    a = agreed(outs, "alarm")
     assert (a["check"], a["step"], a["settled"], a["suspect_ranks"]) == ("ring_replay", 1, True,
                                                                          ranks)
     assert [n["node"] for n in a["suspect_nodes"]] == ["n2"]

@@ -204,9 +204,9 @@ def test_the_daemon_runs_the_full_burnin_itself_in_its_worker(kat_env, tmp_path)
     adds the probes before and after, and the node becomes healthy with a verdict saying so."""
     kat, _ = kat_env
     jobs, golden = kat.dirs
-    runner = ScreenProcessRunner(ScreenOptions(jobs=("tiny-gemm",), devices=("cpu",), golden_dir=golden,
-                                         jobs_dir=jobs, burnin_seconds=1.0,
-                                         hbm_max_bytes=1 << 20), work_dir=str(tmp_path / "screens"))
+    options = ScreenOptions(jobs=("tiny-gemm",), devices=("cpu",), golden_dir=golden, jobs_dir=jobs,
+                            burnin_seconds=1.0, hbm_max_bytes=1 << 20)
+    runner = ScreenProcessRunner(options, work_dir=str(tmp_path / "screens"))
     # A CPU node: NVML reports no GPU, so the node has one device (the CPU).
     rig = DaemonRig(tmp_path, runner, nvml=FakeNvml([]), idle_window_s=0.0, burnin_duration_s=1.0,
                     jobs=["tiny-gemm"], job_poll_s=0.2)

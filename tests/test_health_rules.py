@@ -7,10 +7,10 @@ from dataclasses import replace
 import pytest
 
 from screener.health.verdict.rules import (NO_DRIVER_MESSAGE, RETIRED_PAGES_REPAIR, evaluate, host_rules,
-                                   is_condition, worst_severity, xid_rules)
+                                           is_condition, worst_severity, xid_rules)
 from screener.health.verdict.snapshot import (DiskUsage, EccCounts, GpuProcess, GpuSnapshot, HostSnapshot,
-                                      MountCheck, NvmlSnapshot, ProbeSnapshot, RetiredPages,
-                                      RowRemap, XidEvent)
+                                              MountCheck, NvmlSnapshot, ProbeSnapshot, RetiredPages,
+                                              RowRemap, XidEvent)
 from screener.settings.health import ProbeConfig
 from screener.types import Severity
 

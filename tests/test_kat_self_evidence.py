@@ -193,7 +193,7 @@ def test_the_daemons_full_burnin_uses_the_nodes_memory(tmp_path, no_golden):
     of its burn-in is suspect (the earlier screens reproduced the job), not inconclusive."""
     work = tmp_path / "work"
     opts = ScreenOptions(jobs=("gemm-fp32",), devices=("cpu",), golden_dir=no_golden, repeat=2,
-                      burnin_seconds=0.0, burnin_min_iterations=4, hbm_max_bytes=1 << 20)
+                         burnin_seconds=0.0, burnin_min_iterations=4, hbm_max_bytes=1 << 20)
     assert ScreenProcessRunner(opts, work_dir=work)(_request()).outcome == Outcome.INCONCLUSIVE
     faulty = ScreenProcessRunner(ScreenOptions(**{**opts.__dict__, "faults": {"cpu": [
         DeviceFault(**FLIP, iteration=1).to_dict()]}}), work_dir=work)

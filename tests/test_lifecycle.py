@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from screener.errors import ConfigError, TransitionRefused
 from screener.lifecycle.machine import (DEFAULT_POLICY, TRANSITIONS, Action, FleetCounts, Findings,
-                                HumanCommand, KnownAnswerScreen, LifecyclePolicy, NodeSeen, Remediation,
-                                Trigger, camel, decide, earned_healthy)
+                                        HumanCommand, KnownAnswerScreen, LifecyclePolicy, NodeSeen,
+                                        Remediation, Trigger, camel, decide, earned_healthy)
 from screener.lifecycle.records import Transition
 from screener.alarmfile import AlarmRecord
 from screener.types import (Finding, NodeState, Outcome, Severity, SuspectNode,

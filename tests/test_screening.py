@@ -192,7 +192,7 @@ def test_the_real_known_answer_runner_is_killed_at_once_when_a_job_lands(tmp_pat
     job landing kills the whole family within the poll interval."""
     jobs = _sleepy_jobs(tmp_path)
     runner = ScreenProcessRunner(ScreenOptions(jobs=("sleepy",), devices=("cpu",), jobs_dir=str(jobs),
-                                         golden_dir=str(tmp_path / "golden")), poll_s=0.05)
+                                               golden_dir=str(tmp_path / "golden")), poll_s=0.05)
     me = psutil.Process()
     family: list = []
 

@@ -14,13 +14,16 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import click
 
 from screener.commands.context import AppContext, pass_app
 from screener.commands.options import store_options
 from screener.settings.stores import StoreChoice
+
+if TYPE_CHECKING:  # the daemon's modules load only when `daemon` runs
+    from screener.agent.daemon.ports import RepairPorts
 
 log = logging.getLogger("screener.daemon")
 
@@ -72,11 +75,11 @@ def build_daemon(app: AppContext, config: Any, *, stop: threading.Event,
     probes = NodeProbes(config.probes, nvml=nvml, kmsg=reader)
 
     work_dir = Path(config.work_dir) if config.work_dir else state_dir / "screens"
-    runner = ScreenProcessRunner(ScreenOptions(jobs=config.jobs, devices=config.devices,
-                                         golden_dir=config.golden_dir, jobs_dir=config.jobs_dir,
-                                         burnin_seconds=config.burnin_duration_s,
-                                         burnin_min_iterations=config.burnin_min_iterations),
-                              work_dir=work_dir)
+    options = ScreenOptions(jobs=config.jobs, devices=config.devices,
+                            golden_dir=config.golden_dir, jobs_dir=config.jobs_dir,
+                            burnin_seconds=config.burnin_duration_s,
+                            burnin_min_iterations=config.burnin_min_iterations)
+    runner = ScreenProcessRunner(options, work_dir=work_dir)
     kwargs["reap"] = lambda: reap_stale_screens(work_dir)
     if config.hyperpod.deep_check_on_quarantine:
         from screener.remediation import hyperpod
@@ -93,7 +96,7 @@ def build_daemon(app: AppContext, config: Any, *, stop: threading.Event,
                                       metrics=metrics, answer=answer, **kwargs))
 
 
-def _repair_ports(app: AppContext, config: Any, store: Any) -> Any:
+def _repair_ports(app: AppContext, config: Any, store: Any) -> RepairPorts:
     """The reboot slots and the reboot/replace calls of a ladder that takes rungs 2 or 3."""
     import time
 

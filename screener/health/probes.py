@@ -29,7 +29,7 @@ from screener.health.sources.kmsg import KernelLogReader, KmsgUnavailable
 from screener.health.sources.nvml import NvmlAdapter, NvmlError
 from screener.health.verdict.rules import evaluate, worst_severity
 from screener.health.verdict.snapshot import (GpuSnapshot, HostSnapshot, NvmlSnapshot, ProbeSnapshot,
-                                      XidEvent)
+                                              XidEvent)
 from screener.health.verdict.xid import lookup
 from screener.types import ExitCode, Finding, Severity
 

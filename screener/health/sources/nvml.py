@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 
 from screener.errors import ExternalServiceError
 from screener.health.verdict.snapshot import (EccCounts, GpuProcess, GpuSnapshot, NvmlSnapshot,
-                                      RetiredPages, RowRemap, XidEvent, normalize_pci)
+                                              RetiredPages, RowRemap, XidEvent, normalize_pci)
 
 log = logging.getLogger(__name__)
 

@@ -49,15 +49,15 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional, Sequence
 
 from screener.known_answer.verdict.endings import (HANG_FACTOR, ending_issues,
-                                           raise_for_failures_of_ours)
+                                                   raise_for_failures_of_ours)
 from screener.known_answer.verdict.quorum import FleetView
 from screener.known_answer.verdict.reference import (GoldenLookup, JobGroup, Known, NamedJob,
-                                             job_groups, known_digest, lookup_goldens)
+                                                     job_groups, known_digest, lookup_goldens)
 from screener.known_answer.verdict.results import Difference, JobResult, first_difference
 from screener.known_answer.verdict.runs import DeviceRun
 from screener.known_answer.verdict.self_mismatch import self_mismatch_issue
 from screener.known_answer.verdict.screen_result import (Issue, ScreenResult, record_command,
-                                                 screen_result, verdict_of)
+                                                         screen_result, verdict_of)
 from screener.types import KnownAnswerReason, Outcome, RunStatus
 
 MIN_PEERS = 3  # agreeing devices needed to pass without a golden

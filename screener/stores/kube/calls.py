@@ -143,7 +143,7 @@ class ApiCaller:
         attempt = 0
         in_pass = getattr(self._pass, "seen", None) is not None
         # Once a call of this pass had no answer at all, the rest of the pass tries each call once.
-        attempts = 1 if in_pass and getattr(self._pass, "unanswered", False) else self.retry.attempts
+        attempts = 1 if in_pass and self._pass.unanswered else self.retry.attempts
         for attempt in range(attempts):
             if attempt:
                 delay = self.retry.delay(attempt - 1, self.rng)
@@ -191,8 +191,9 @@ class ApiCaller:
             if self._deadlines.left(deadline) <= 0:
                 break
         timed_out = timed_out or _timed_out(last)
-        if in_pass and last is not None and not isinstance(last, self.api_exception):
-            self._pass.unanswered = True  # refused, reset or timed out: no answer at all
+        if in_pass and last is not None:
+            # refused, reset or timed out: no answer at all; a 5xx or 429 is an answer
+            self._pass.unanswered = not isinstance(last, self.api_exception)
         if timed_out and self.timeouts.unreachable_s > 0:
             with self._guard:
                 self._unreachable_until = time.monotonic() + self.timeouts.unreachable_s
