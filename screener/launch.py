@@ -26,7 +26,9 @@ the same way. A code above 128 is a signal (128 + N, as a shell reports it).
 Before it starts any worker, the launcher asks the screener DaemonSet on its node for the node's
 health answer (screener.node_answer: a Unix socket in the alarm folder, which job pods mount) and
 refuses to start on a node that may not run jobs: one line saying why, exit 75 (hardware
-suspect), so a podFailurePolicy that acts on the in-job audit's 75 acts on this too. An answer
+suspect), so a podFailurePolicy that acts on the in-job audit's 75 acts on this too. So does an
+answer that says hardware evidence about the node waits to be decided (an alarm the daemon took
+in at a first start while the Kubernetes API was out of reach), whatever `if_unavailable`. An answer
 that cannot be had (no socket: not on a screener node; a daemon that has not started or whose
 loop is stuck; a socket not the daemon's) is one warning line, and the workers start, unless
 `if_unavailable="refuse"` (`--if-unavailable refuse`), which refuses with exit 1 (the screener
@@ -178,6 +180,13 @@ def health_gate(socket_path: Optional[str] = None, *, if_unavailable: str = "run
     path = socket_path or default_socket()
     try:
         answer = ask(path, timeout_s=timeout_s)
+        if answer.waiting and not answer.may_run_jobs:
+            # Evidence about this node that the daemon could not decide yet (a first start
+            # while the API is out of reach): a refusal, not a missing answer.
+            print(f"screener launch: refusing to start workers: {answer.line()} (the screener "
+                  f"daemon's answer on {path}; --no-health-check starts anyway)",
+                  file=sys.stderr, flush=True)
+            return int(ExitCode.HARDWARE_SUSPECT)
         if answer.state is None or not answer.alive:
             raise AnswerUnavailable(f"{answer.line()}" if answer.state is None else
                                     f"node {answer.node}: the daemon's loop is not making "

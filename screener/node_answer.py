@@ -15,11 +15,20 @@ works): one request, one answer, then the daemon closes the connection.
      "last_screen": {"time": 1767225600.0, "outcome": "pass", "kind": "full"},
      "daemon": {"started": true, "alive": true, "mode": "enforce", "age_s": 2.1}}
 
-may_run_jobs is true exactly when the node is `healthy` in the daemon's view and the daemon has
-started, and also in observe mode (the state is recorded there, never enforced: a launcher that
-refused would act on the node's scheduling, which observe mode promises not to). `daemon.alive`
+may_run_jobs is true exactly when the node is `healthy` in the daemon's view, the daemon has
+started and no evidence about the node waits to be decided, and also in observe mode (the state
+is recorded there, never enforced: a launcher that refused would act on the node's scheduling,
+which observe mode promises not to). `daemon.alive`
 is false when the daemon's loop has not made progress within its liveness window: the answer may
 be stale, and the client reports it as unavailable.
+
+`waiting` (omitted when there is none) says what hardware evidence about the node the daemon holds
+but could not decide yet: an alarm file, or a probe's finding, while the Kubernetes API is out of
+reach at a first start, when the node's state is not known locally. The evidence stays where it
+is (the alarm in its file, durable; the finding re-read by the next probe) and is decided through
+the lifecycle once the API answers, on the node's real state: a state assumed now could put a
+serving node in burnin or undo a person's quarantine. Until then no job may start: a launcher
+takes `waiting` as a refusal, not as "no answer", even with `--if-unavailable run`.
 
 Trust: the socket lives in the alarm folder, which only the daemon (its owner) and the alarm
 writers' group can enter. A group member could bind a socket of its own at that name while the
@@ -82,10 +91,12 @@ def _as_said(state: NodeState) -> str:
 
 def answer_body(*, node: str, state: Optional[NodeState], since: Optional[float], reason: str,
                 code: str, last_screen: Optional[Mapping[str, Any]], started: bool, alive: bool,
-                mode: str, age_s: float) -> dict[str, Any]:
+                mode: str, age_s: float, waiting: str = "") -> dict[str, Any]:
     """The answer's JSON object (see the module docstring); pure, so both ends test it alike."""
     observe = mode == "observe"
-    if not started or state is None:
+    if waiting and not observe:
+        may, why = False, f"hardware evidence about the node waits to be decided: {waiting}"
+    elif not started or state is None:
         may, why = False, "the daemon has not started yet: the node's state is not known"
     elif state == NodeState.HEALTHY:
         may, why = True, "the node is healthy"
@@ -103,12 +114,15 @@ def answer_body(*, node: str, state: Optional[NodeState], since: Optional[float]
         t = last_screen.get("time")
         if isinstance(t, (int, float)) and not isinstance(t, bool):
             screen["time"] = float(t)
-    return {"schema": SCHEMA, "node": _text(node), "state": state.value if state else None,
+    body = {"schema": SCHEMA, "node": _text(node), "state": state.value if state else None,
             "since": since, "reason": _text(reason), "code": _text(code)[:64],
             "may_run_jobs": may, "why": _text(why),
             "last_screen": screen or None,
             "daemon": {"started": started, "alive": alive, "mode": _text(mode)[:16],
                        "age_s": round(max(0.0, age_s), 3)}}
+    if waiting:
+        body["waiting"] = _text(waiting)
+    return body
 
 
 @dataclass(frozen=True)
@@ -121,6 +135,7 @@ class NodeAnswer:
     why: str
     alive: bool
     raw: dict[str, Any]
+    waiting: str = ""  # undecided evidence about the node (see the module docstring)
 
     def line(self) -> str:
         """One line for people: the node, its state and why it may or may not run jobs."""
@@ -140,6 +155,7 @@ def parse_answer(data: bytes) -> NodeAnswer:
         state = NodeState.parse(obj["state"]) if obj.get("state") is not None else None
         node = printable_text(obj.get("node", ""), "node", 253)
         why = printable_text(obj.get("why", ""), "why", MAX_TEXT)
+        waiting = printable_text(obj.get("waiting", ""), "waiting", MAX_TEXT)
     except (ValueError, AttributeError) as e:
         raise AnswerUnavailable(f"the answer is malformed: {e}") from None
     may, daemon = obj.get("may_run_jobs"), obj.get("daemon")
@@ -148,8 +164,10 @@ def parse_answer(data: bytes) -> NodeAnswer:
         raise AnswerUnavailable("the answer is malformed: may_run_jobs or daemon.alive missing")
     if may and state is None:
         raise AnswerUnavailable("the answer is malformed: may run jobs, but no state")
+    if may and waiting and daemon.get("mode") != "observe":
+        raise AnswerUnavailable("the answer is malformed: may run jobs, but evidence waits")
     return NodeAnswer(node=node, state=state, may_run_jobs=may, why=why,
-                      alive=daemon["alive"], raw=obj)
+                      alive=daemon["alive"], raw=obj, waiting=waiting)
 
 
 def _check_owner(path: str) -> None:

@@ -371,6 +371,46 @@ def test_launch_takes_a_daemon_not_started_or_stuck_as_no_answer(answering):
     assert ran.returncode == 1 and "not making progress" in ran.stderr
 
 
+def test_evidence_waiting_for_a_decision_refuses_the_launch_whatever_if_unavailable(answering):
+    """A first start while the API is out of reach: the daemon has not started and knows no
+    state, but holds an alarm about its node. That is a refusal (exit 75, one line), not a
+    missing answer the default would start the workers on."""
+    board, d = answering
+    waiting = ("1 alarm file (ring_replay-7.json), held until decided (the node's state is not "
+               "known yet)")
+    board.update(state=None, started=False, waiting=waiting)
+    body = board.body()
+    assert body["may_run_jobs"] is False and body["waiting"] == waiting
+    assert body["why"] == f"hardware evidence about the node waits to be decided: {waiting}"
+    for opts in ((), ("--if-unavailable", "run"), ("--if-unavailable", "refuse")):
+        ran, started = _launch(d, *opts)
+        assert ran.returncode == 75 and not started, (opts, ran.stderr)
+        (line,) = ran.stderr.strip().splitlines()
+        assert line.startswith("screener launch: refusing to start workers: node gpu-7: hardware "
+                               "evidence about the node waits to be decided: 1 alarm file "
+                               "(ring_replay-7.json)"), line
+    # Decided: the answer is the state's again (here the alarm made the node suspect).
+    board.update(state=NodeState.SUSPECT, started=True, moved={"time": 3.0, "reason": "alarm"})
+    assert "waiting" not in board.body()
+    ran, started = _launch(d)
+    assert ran.returncode == 75 and "the node is suspect: alarm" in ran.stderr
+    # Observe mode never holds a job back, for waiting evidence neither.
+    observe = AnswerBoard("n1", mode="observe")
+    observe.update(state=NodeState.HEALTHY, started=True, waiting=waiting)
+    assert observe.body()["may_run_jobs"] is True
+
+
+def test_an_answer_that_may_run_jobs_while_evidence_waits_is_malformed():
+    body = AnswerBoard("n1")
+    body.update(state=NodeState.HEALTHY, started=True)
+    raw = {**body.body(), "waiting": "1 alarm file (x.json)"}
+    with pytest.raises(AnswerUnavailable, match="may run jobs, but evidence waits"):
+        parse_answer(json.dumps(raw).encode())
+    raw["waiting"] = "1 alarm\u202efile"
+    with pytest.raises(AnswerUnavailable, match="waiting holds U\\+202E"):
+        parse_answer(json.dumps(raw).encode())
+
+
 def test_launch_help_explains_the_health_check():
     out = screener("launch", "--help").stdout
     for text in ("--no-health-check", "--health-socket", "--if-unavailable", "exit 75"):

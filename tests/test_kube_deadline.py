@@ -24,12 +24,15 @@ from typing import Any
 import kubernetes.client
 import pytest
 
+from fakes.daemon import DaemonRig, ScriptedRunner, outcome
 from fakes.kubeapi import KubeAPI
 from fakes.tcpproxy import TcpProxy
 from screener.audit.alarms import write_alarm_file
 from screener.stores.kube import KubeStore, KubeTimeouts, RetryPolicy, TransientKubeError
 from screener.alarmfile import AlarmRecord
-from screener.types import ExitCode, LABEL_STATE, SuspectNode
+from screener.node_answer import encode, parse_answer
+from screener.stores.spool import Spool
+from screener.types import ExitCode, LABEL_STATE, NodeState, Outcome, SuspectNode
 
 ROOT = Path(__file__).resolve().parents[1]
 NODE = "gpu-node-1"
@@ -301,3 +304,49 @@ def test_daemon_once_on_a_closed_port_takes_the_alarm_in_a_pass_of_one_calls_ret
     assert r.returncode == int(ExitCode.HARDWARE_SUSPECT), r.stderr[-2000:]
     assert spooled(spool) == []
     assert api.node(NODE)["metadata"]["labels"][LABEL_STATE] == "quarantined"
+
+
+def test_a_first_start_in_an_outage_holds_jobs_back_for_the_alarm_it_could_not_decide(proxied,
+                                                                                     tmp_path):
+    """A daemon on a fresh state disk (its spool never saw the node) starts while every
+    connection to the API is reset: it cannot know the node's state, so it decides nothing (a
+    guess could put a serving node in burnin), but it probes, leaves the alarm in its file, and
+    its health answer refuses jobs naming the alarm. The API back, the alarm is decided on the
+    node's real state and the answer is that state's."""
+    api, proxy = proxied
+    timeouts = KubeTimeouts(connect_s=0.5, read_s=0.5, call_s=0.8, unreachable_s=0.0)
+    cfg = kubernetes.client.Configuration()
+    cfg.host, cfg.retries = proxy.url, False
+    store = KubeStore(kubernetes.client.ApiClient(cfg), namespace="screener-system",
+                      instance=NODE, timeouts=timeouts, retry=RetryPolicy(base_delay=0.05),
+                      spool=Spool(tmp_path / "spool.db"))
+    store.decide_offline()  # as `screener daemon` does
+    rig = DaemonRig(tmp_path, ScriptedRunner(outcome(Outcome.PASS)), store=store, node=NODE,
+                    idle_window_s=0.0)
+    try:
+        proxy.add("reset-before")
+        rig.drop_alarm("first-start-1")
+        rig.nvml.gpus[1].remapped_rows = (0, 0, 1, 0)  # a row remap pending: suspect-level
+        report = rig.tick(once=True)
+        assert rig.probe_calls == 1  # probed although nothing could be decided
+        assert report.intake.failed == ["first-start-1.json"], report.intake
+        assert [p.name for p in rig.daemon.intake.pending()] == ["first-start-1.json"]
+        assert len(store.spool) == 0  # no decision on an assumed state
+        answer = parse_answer(encode(rig.daemon.answer.body()))
+        assert answer.state is None and not answer.may_run_jobs
+        assert answer.waiting.startswith("1 alarm file (first-start-1.json) and 1 finding "
+                                         "(row_remap_pending on GPU GPU-00000001-"), answer.waiting
+        assert answer.waiting.endswith("), held until decided (the node's state is not known "
+                                       "yet)"), answer.waiting
+        assert api.node(NODE)["metadata"]["labels"][LABEL_STATE] == "healthy"
+
+        proxy.clear()
+        report = rig.tick(advance=5.0)
+        assert report.intake.failed == [] and rig.daemon.intake.pending() == []
+        label = api.node(NODE)["metadata"]["labels"][LABEL_STATE]
+        assert label in ("suspect", "quarantined"), label
+        answer = parse_answer(encode(rig.daemon.answer.body()))
+        assert answer.waiting == "" and answer.state == NodeState(label)
+        assert not answer.may_run_jobs and answer.why.startswith(f"the node is {label}")
+    finally:
+        rig.close()

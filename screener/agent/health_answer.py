@@ -71,16 +71,18 @@ class AnswerBoard:
         self._reason = ""
         self._code = ""
         self._screen: Optional[dict[str, Any]] = None
+        self._waiting = ""
         self._updated = self.clock.monotonic()
 
     def update(self, *, state: Optional[NodeState], started: bool,
                moved: Optional[Mapping[str, Any]] = None,
-               verdict: Optional[Mapping[str, Any]] = None) -> None:
+               verdict: Optional[Mapping[str, Any]] = None, waiting: str = "") -> None:
         """What the loop holds now. moved: the newest transition ({"time", "reason", "code"}),
-        when there is a newer one than the board has; verdict: the last verdict written or read."""
+        when there is a newer one than the board has; verdict: the last verdict written or read;
+        waiting: the hardware evidence it holds undecided ("" when none)."""
         screen = dict(verdict) if isinstance(verdict, Mapping) else None
         with self._lock:
-            self._state, self._started = state, started
+            self._state, self._started, self._waiting = state, started, waiting
             if moved is not None:
                 t = moved.get("time")
                 self._since = float(t) if isinstance(t, (int, float)) else None
@@ -97,7 +99,8 @@ class AnswerBoard:
             return answer_body(node=self.node, state=self._state, since=self._since,
                                reason=self._reason, code=self._code, last_screen=self._screen,
                                started=self._started, alive=alive, mode=self.mode,
-                               age_s=self.clock.monotonic() - self._updated)
+                               age_s=self.clock.monotonic() - self._updated,
+                               waiting=self._waiting)
 
     def render(self) -> tuple[int, bytes]:
         """(HTTP status, body): 200 once the daemon has started, 503 before (the body says so)."""

@@ -104,6 +104,14 @@ class FindingsTracker:
         """Findings whose transition could not be written: retried on every tick."""
         return bool(self.pending) or self.unwritten
 
+    def undecided(self, state: Optional[NodeState]) -> tuple[Finding, ...]:
+        """The findings that would take the node out of service whose transition the last feed
+        could not write (a first start while the API is out of reach): what the node's health
+        answer holds jobs back for until they are decided."""
+        if not self.unwritten:
+            return ()
+        return tuple(f for f in self.todo(state) if f.severity >= Severity.SUSPECT)
+
     def todo(self, state: Optional[NodeState]) -> tuple[Finding, ...]:
         """What to feed the lifecycle now: the pending event findings and the conditions that
         can still change the node's state."""

@@ -155,6 +155,7 @@ class Daemon:
             self.node, mode=config.mode, clock=self.clock,
             alive=lambda: self.metrics.alive(config.liveness_s))
         self._newest: Optional[dict[str, Any]] = None  # the newest transition read at start
+        self._undecided_alarms: list[str] = []  # alarm files the last intake could not apply
         self.last_report: Optional[ProbeReport] = None
         self.next_probe = 0.0  # monotonic
         self.started = False
@@ -318,7 +319,27 @@ class Daemon:
     def _publish(self, moved: Optional[dict[str, Any]]) -> None:
         """The node-local health answer from what the loop holds now (no store read)."""
         self.answer.update(state=self.state, started=self.started, moved=moved,
-                           verdict=self.screens.last_verdict)
+                           verdict=self.screens.last_verdict, waiting=self._waiting())
+
+    def _waiting(self) -> str:
+        """The hardware evidence this loop holds but could not decide (node_answer's `waiting`):
+        alarm files whose apply failed on the last intake, and findings that would take the node
+        out of service whose transition could not be written. "" when there is none."""
+        alarms = self._undecided_alarms
+        findings = self.findings.undecided(self.state)
+        if not alarms and not findings:
+            return ""
+        parts = []
+        if alarms:
+            parts.append(f"{len(alarms)} alarm file{'s' if len(alarms) > 1 else ''} "
+                         f"({', '.join(alarms[:3])}{', ...' if len(alarms) > 3 else ''})")
+        if findings:
+            names = [f.code + (f" on GPU {f.gpu}" if f.gpu else "") for f in findings[:3]]
+            parts.append(f"{len(findings)} finding{'s' if len(findings) > 1 else ''} "
+                         f"({', '.join(names)}{', ...' if len(findings) > 3 else ''})")
+        why = ("the node's state is not known yet" if self.state is None
+               else "its transition could not be written")
+        return f"{' and '.join(parts)}, held until decided ({why})"
 
     def _climb(self, report: PassReport) -> None:
         """One look at the repair ladder (screener.remediation.ladder); a rung taken goes through
@@ -385,6 +406,7 @@ class Daemon:
         result = self.intake.run(apply=lambda record: self._apply_alarm(record, report),
                                  keep_going=self._between_files)
         report.intake = result
+        self._undecided_alarms = list(result.failed)
         self.metrics.alarm(AlarmResult.DUPLICATE, len(result.duplicates))
         self.metrics.alarm(AlarmResult.REJECTED, len(result.rejected))
         self.metrics.intake_pass(len(result.stuck), result.stalled, result.refused,
