@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from screener.cli import main
 from screener.commands.context import AppContext
-from screener.lifecycle.incidents import format_mtbi, mtbi_by_node, mtbi_seconds
+from screener.lifecycle.incidents import format_mtbi, mtbi_seconds
 from screener.lifecycle.records import Transition
 from screener.stores.local import LocalStore
 from screener.types import NodeState

@@ -149,6 +149,25 @@ def test_a_daemon_that_does_not_know_is_unavailable_which_nvrx_skips(served):
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
+def test_evidence_waiting_for_a_decision_is_an_explicit_failure_not_unavailable(served):
+    """A first start while the API is out of reach: the state is unknown, but an alarm waits to be
+    decided. UNAVAILABLE would let NVRx skip the check and start the ranks on the node."""
+    board, path = served
+    board.update(state=None, started=False,
+                 waiting="1 alarm file (x.json), held until decided (the node's state is not known yet)")
+    response = _call(path)
+    assert response.success is False and response.exit_code == 75
+    output = json.loads(response.output)
+    assert output["fail_count"] == 1 and output["failed_checks"] == ["screener.io/waiting"]
+    assert output["screener"]["waiting"].startswith("1 alarm file (x.json)")
+    assert response.error.startswith("hardware evidence about the node waits to be decided")
+    assert nvrx_says_healthy(path) is False
+    board.update(state=None, started=False, waiting="")  # decided: back to "not known"
+    with pytest.raises(grpc.RpcError) as e:
+        _call(path)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
 def test_any_args_are_taken_and_an_oversized_request_is_refused(served):
     board, path = served
     board.update(state=NodeState.HEALTHY, started=True)

@@ -133,11 +133,16 @@ def encode_response(success: bool, exit_code: int, output: str, error: str) -> b
 def respond(board: AnswerBoard) -> Optional[tuple[bool, int, str, str]]:
     """(success, exit_code, output, error) for the board's answer now; None: unavailable."""
     body = board.body()
-    if not body["daemon"]["started"] or not body["daemon"]["alive"] or body["state"] is None:
+    # Evidence waiting to be decided (a first start while the API is out of reach) is a known
+    # "no", not an unknown: NVRx skips an unavailable service and would start the ranks.
+    held = bool(body.get("waiting")) and not body["may_run_jobs"] and body["daemon"]["alive"]
+    if not held and (not body["daemon"]["started"] or not body["daemon"]["alive"]
+                     or body["state"] is None):
         return None
     ok = bool(body["may_run_jobs"])
+    check = "screener.io/waiting" if held else f"screener.io/state={body['state']}"
     output = json.dumps({"fail_count": 0 if ok else 1,
-                         "failed_checks": [] if ok else [f"screener.io/state={body['state']}"],
+                         "failed_checks": [] if ok else [check],
                          "screener": body}, separators=(",", ":"), sort_keys=True)
     if ok:
         return True, 0, output, ""
