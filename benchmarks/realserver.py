@@ -38,10 +38,11 @@ urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
 
 
 class Counted(kubernetes.client.ApiClient):
-    """An ApiClient that appends (agent, method, path, status, seconds) of every request to
-    `log` (a list shared by the benchmark's clients)."""
+    """An ApiClient that appends (agent, method, path, status, seconds, answered) of every request
+    to `log` (a list shared by the benchmark's clients); answered: time.perf_counter() when the
+    answer came."""
 
-    def __init__(self, configuration: Any, log: list[tuple[str, str, str, int, float]],
+    def __init__(self, configuration: Any, log: list[tuple[str, str, str, int, float, float]],
                  agent: str) -> None:
         super().__init__(configuration)
         self.log, self.agent = log, agent
@@ -57,11 +58,12 @@ class Counted(kubernetes.client.ApiClient):
             raise
         finally:
             path = url.split("://", 1)[-1].split("/", 1)[-1].split("?", 1)[0]
-            self.log.append((self.agent, method, "/" + path, status, time.perf_counter() - t0))
+            t1 = time.perf_counter()
+            self.log.append((self.agent, method, "/" + path, status, t1 - t0, t1))
 
 
 def client(url: str, token: str, node: str = "",
-           log: Optional[list[tuple[str, str, str, int, float]]] = None) -> Any:
+           log: Optional[list[tuple[str, str, str, int, float, float]]] = None) -> Any:
     """The admin (no node), or the daemon of `node`: the service account with its node claim."""
     cfg = kubernetes.client.Configuration()
     cfg.host, cfg.verify_ssl, cfg.retries = url, False, False
