@@ -295,8 +295,7 @@ def mass_failure_real(url: str, token: str, fleet: int, failing: int) -> dict[st
     kinds: dict[str, list[float]] = {}
     for _, method, path, _, seconds, _ in log:
         parts = path.strip("/").split("/")
-        named = parts[-1].startswith(("gpu-", "screener-"))
-        verb = "LIST" if method == "GET" and not named and parts[-1] in ("configmaps", "nodes") else method
+        verb = "LIST" if method == "GET" and parts[-1] in ("configmaps", "nodes") else method
         kind = f"{verb} {'/'.join(p for p in parts[2:] if not p.startswith(('gpu-', 'screener-')))}"
         kinds.setdefault(kind, []).append(seconds)
     for kind, xs in sorted(kinds.items()):
