@@ -220,6 +220,45 @@ def test_the_budget_holds_claims_and_recounts_the_fleet():
         store.close()
 
 
+def test_a_claim_that_loses_a_race_reads_the_slot_names_not_the_budget_again():
+    """A slot taken since the budget was read (here one no list shows: it carries no labels) is
+    a 409 on create; the claimer asks the slot, then which names are taken, as a Table without
+    objects, not the whole budget again (issue 36.6: the lists were most of a mass failure's
+    bytes), and takes the next free slot."""
+    with KubeAPI() as api:
+        names = fleet(api, 20)  # budget 2
+        store = make_store(api)
+        store.budget_view()  # the record
+        body = kf.slot_configmap(0, "gpu-racer", "quarantined", NOW, namespace=NS)
+        body["metadata"].pop("labels")
+        api._store_configmap(NS, body["metadata"]["name"], body, None)
+        api.clear_calls()
+        assert apply_event(store, names[0], confirmed(), now=NOW).state == S.QUARANTINED
+        assert slots(api) == {"gpu-racer": "screener-budget-slot-0",
+                               names[0]: "screener-budget-slot-1"}
+        cms = [(c.verb, c.name, c.status, c.kind) for c in api.calls if c.resource == "configmaps"]
+        at = cms.index(("create", "", 409, "Status"))  # the name is in the body, not the path
+        assert cms[at + 1:at + 3] == [("get", "screener-budget-slot-0", 200, "ConfigMap"),
+                                      ("list", "", 200, "Table")], cms
+        assert [c for c in cms if c[3] == "ConfigMapList"] == [("list", "", 200, "ConfigMapList")]
+        table = [c for c in api.calls if c.kind == "Table"][0]
+        assert table.cached
+        store.close()
+
+
+def test_the_names_of_a_plain_list_are_read_as_a_tables():
+    """A server that answers the Table request with the plain list (the Accept header offers
+    it as the fallback) gives the same names; a Table without a name column is an error."""
+    from screener.stores.kube.calls import KubeApiError, _names
+    items = [{"metadata": {"name": "screener-budget-slot-3"}}, {"metadata": {"name": "b"}}]
+    assert _names({"kind": "ConfigMapList", "items": items}) == ["screener-budget-slot-3", "b"]
+    assert _names({"kind": "Table", "columnDefinitions": [{"name": "Data", "format": ""},
+                                                          {"name": "Name", "format": "name"}],
+                   "rows": [{"cells": [3, "screener-budget-slot-3"]}]}) == ["screener-budget-slot-3"]
+    with pytest.raises(KubeApiError, match="without a name column"):
+        _names({"kind": "Table", "columnDefinitions": [{"name": "Data"}], "rows": []})
+
+
 def test_node_status_of_the_fleet_is_one_paginated_list(tmp_path):
     from click.testing import CliRunner
 

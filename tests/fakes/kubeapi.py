@@ -30,7 +30,9 @@ configmaps; a ConfigMap PUT without one is an unconditional update), a POST of a
 other lists (spec.taints has no merge key); lists page with limit/continue in name order (with
 metadata.remainingItemCount when no selector is given); a node list asked for with
 `Accept: application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1` returns only
-metadata; label selectors take `k=v`, `k!=v`, `k` and `!k`; Status objects as error bodies. A list
+metadata; a configmap list asked for `as=Table` returns a meta.k8s.io/v1 Table with the columns
+kubectl prints (Name, Data, Age) and, per row, the object as includeObject says (None, Metadata: the
+default, or Object); label selectors take `k=v`, `k!=v`, `k` and `!k`; Status objects as error bodies. A list
 with resourceVersion=0 is served "from the cache", as kube-apiserver (through v1.32) serves it:
 any version, `limit` ignored, everything in one page without a continue token (Call.cached records
 it).
@@ -90,6 +92,7 @@ class Call:
     cached: bool = False  # a list served from the cache (resourceVersion=0)
     agent: str = ""  # the client's User-Agent (benchmarks set one per simulated daemon)
     group: str = ""  # the API group ("" for the core group, e.g. "resource.k8s.io")
+    kind: str = ""  # the kind of the answer's body ("ConfigMapList", "Table", "Status", ...)
 
 
 class ApiError(Exception):
@@ -266,6 +269,29 @@ def json_patch(doc: Any, ops: Any) -> Any:
         else:
             raise ApiError(400, "BadRequest", f"unknown json patch op {kind!r}")
     return doc
+
+
+def _table(page: list[dict[str, Any]], meta: dict[str, Any], include: str) -> dict[str, Any]:
+    """A configmap list as the API server converts it for `Accept: ...;as=Table`."""
+    if include not in ("None", "Metadata", "Object"):
+        raise ApiError(400, "BadRequest", f'includeObject: Unsupported value: "{include}": supported '
+                       'values: "None", "Metadata", "Object"')
+    columns = [{"name": "Name", "type": "string", "format": "name", "description": "", "priority": 0},
+               {"name": "Data", "type": "string", "format": "", "description": "", "priority": 0},
+               {"name": "Age", "type": "string", "format": "", "description": "", "priority": 0}]
+    rows = []
+    for cm in page:
+        obj: Any = None
+        if include == "Metadata":
+            obj = {"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1",
+                   "metadata": copy.deepcopy(cm["metadata"])}
+        elif include == "Object":
+            obj = copy.deepcopy(cm)
+        rows.append({"cells": [cm["metadata"]["name"],
+                               len(cm.get("data") or {}) + len(cm.get("binaryData") or {}), "0s"],
+                     "object": obj})
+    return {"kind": "Table", "apiVersion": "meta.k8s.io/v1", "metadata": meta,
+            "columnDefinitions": columns, "rows": rows}
 
 
 def _match_labels(labels: dict[str, str], selector: str) -> bool:
@@ -577,7 +603,8 @@ class KubeAPI:
                                    call.namespace, code, len(body), len(data),
                                    time.perf_counter() - started,
                                    cached=call.verb == "list" and q.get("resourceVersion") == "0",
-                                   agent=headers.get("User-Agent") or "", group=call.group))
+                                   agent=headers.get("User-Agent") or "", group=call.group,
+                                   kind=str(out.get("kind") or "") if isinstance(out, dict) else ""))
             delay = max([d for v, r, d in self._slow if v in (None, call.verb)
                          and r in (None, call.resource)], default=0.0)
         if delay:
@@ -681,6 +708,8 @@ class KubeAPI:
             items = [cm for (n, _), cm in self.configmaps.items() if n == ns and
                      _match_labels(cm["metadata"].get("labels") or {}, q.get("labelSelector", ""))]
             page, meta = self._page(items, q)
+            if "as=Table" in (headers.get("Accept") or ""):
+                return 200, _table(page, meta, q.get("includeObject") or "Metadata"), None
             return 200, {"kind": "ConfigMapList", "apiVersion": "v1", "metadata": meta,
                          "items": [copy.deepcopy(c) for c in page]}, None
         if call.verb == "create":

@@ -5,18 +5,18 @@ Every request carries a connect and a read timeout, and every logical call (its 
 ends within `KubeTimeouts.call_s` of total time, whatever the server does: each attempt's timeouts
 are cut to the time the call has left, and a watchdog shuts down the call's sockets at its
 deadline, so a server that drips its answer a byte at a time cannot stretch it (a read timeout
-alone is per recv; deadline.py says why nothing less bounds total time). An API server that
-accepts connections and never answers (black-holed, overloaded, a half-dead load balancer) or
-answers too slowly costs a bounded wait, after which the caller spools what it was writing and the
-daemon's tick goes on. `wind_down(s)` caps every call, those in flight included, to s seconds
-from now: the daemon's SIGTERM, so the pod ends within its grace period. After a call ran out of time the API is
-taken as unreachable for `unreachable_s`: calls in that window fail at once instead of each
-waiting its own timeout, so one tick does not spend minutes on a dead server. Refused and reset
-connections fail fast by themselves and do not open that window (it would hold back the first
-pass after the server is back); but within a daemon pass, once a call has had no answer through
-all its retries, each later call of the pass tries once, without the backoff: a closed port cost
-a pass `call_s` per call (45 s against a real server, issue 36.4), now about one `call_s`. The
-next pass retries in full.
+alone is per recv; deadline.py says why nothing less bounds total time). An API server that accepts
+connections and never answers (black-holed, overloaded, a half-dead load balancer) or answers too
+slowly costs a bounded wait, after which the caller spools what it was writing and the daemon's
+tick goes on. `wind_down(s)` caps every call, those in flight included, to s seconds from now: the
+daemon's SIGTERM, so the pod ends within its grace period. After a call ran out of time the API is
+taken as unreachable for `unreachable_s`: calls in that window fail at once instead of each waiting
+its own timeout, so one tick does not spend minutes on a dead server. Refused and reset connections
+fail fast by themselves and do not open that window (it would hold back the first pass after the
+server is back); but within a daemon pass, once a call has had no answer through all its retries,
+each later call of the pass tries once, without the backoff: a closed port cost a pass `call_s` per
+call (45 s against a real server, issue 36.4), now about one `call_s`. The next pass retries in
+full.
 
 Within a daemon pass (`one_pass`) an object is read once: a Node or a ConfigMap read, or written,
 in the pass is answered from what the pass last saw of it, until a write to it fails (409: someone
@@ -24,8 +24,8 @@ else changed it; 404: it is gone), which drops it so the next read asks the serv
 consistency every decision already lives with: each write carries the resourceVersion it was
 decided on as precondition, so a copy that went stale in the pass costs one conflict and a fresh
 read, never a lost change. Lists are not kept (the budget's is a cache read already, and a claim
-that lost a race must list again). Outside a pass, and on other threads, every read asks the
-server.
+that lost a race must look again: at the slots' names only, `cm_names`). Outside a pass, and on
+other threads, every read asks the server.
 
 Transient answers (5xx, 429, connection failures, timeouts) are retried with exponential backoff
 and jitter (RetryPolicy; sleep and randomness injectable); 4xx answers are the caller's business,
@@ -57,6 +57,8 @@ log = logging.getLogger("screener.stores.kube")
 TRANSIENT_STATUS = frozenset({0, 429, 500, 502, 503, 504})
 # Ask for PartialObjectMetadataList: names, labels and annotations, not the Nodes' status.
 META_ACCEPT = "application/json;as=PartialObjectMetadataList;v=v1;g=meta.k8s.io,application/json"
+# Ask for a Table without objects: each object's name and printed columns, nothing else.
+TABLE_ACCEPT = "application/json;as=Table;v=v1;g=meta.k8s.io,application/json"
 MERGE_PATCH = "application/merge-patch+json"
 
 
@@ -368,6 +370,42 @@ class ApiCaller:
         extra = {"resource_version": "0"} if cached else {}
         return self.pages(what, self.api.list_namespaced_config_map, self.namespace,
                           label_selector=label_selector, **extra)
+
+    def cm_names(self, what: str, label_selector: str, *, cached: bool = False) -> list[str]:
+        """Names of the ConfigMaps cm_list would give, and nothing else of them: a Table with
+        no objects (includeObject=None), a fifteenth of the list's bytes for the budget's slots,
+        whose managedFields alone are half of each. A server that answers with the plain list
+        instead (it may: the Accept header offers it) is read the same."""
+        client = self.api.api_client
+        names: list[str] = []
+        token: Optional[str] = None
+        while True:
+            query: list[tuple[str, Any]] = [("labelSelector", label_selector),
+                                            ("includeObject", "None"), ("limit", self.page_size)]
+            if cached:
+                query.append(("resourceVersion", "0"))
+            if token:
+                query.append(("continue", token))
+            data = self.call(what, client.call_api,
+                             f"/api/v1/namespaces/{self.namespace}/configmaps", "GET", {}, query,
+                             {"Accept": TABLE_ACCEPT}, auth_settings=["BearerToken"],
+                             response_types_map={}, _return_http_data_only=True) or {}
+            names.extend(_names(data))
+            token = (data.get("metadata") or {}).get("continue")
+            if not token:
+                return names
+
+
+def _names(data: Mapping[str, Any]) -> list[str]:
+    """Object names of a Table (the column of format "name") or of a plain list."""
+    if data.get("kind") != "Table":
+        return [str((i.get("metadata") or {}).get("name") or "") for i in data.get("items") or []]
+    columns = [c.get("format") for c in data.get("columnDefinitions") or []]
+    if "name" not in columns:
+        raise KubeApiError("the Kubernetes API answered a Table without a name column", 0)
+    at = columns.index("name")
+    return [str(cells[at]) for r in data.get("rows") or []
+            if len(cells := r.get("cells") or []) > at]
 
 
 def missing_namespace(namespace: str, what: str) -> str:

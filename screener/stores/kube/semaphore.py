@@ -71,6 +71,11 @@ class Semaphore(Generic[C]):
                 out[claim.index] = Place(claim, str((cm.get("metadata") or {}).get("uid") or ""))
         return out
 
+    def names(self) -> list[str]:
+        """The names of the pool's places as the API server's cache shows them (a moment behind):
+        which places look taken, for a pick after a lost race, at a fraction of a list's bytes."""
+        return self.calls.cm_names(f"list the {self.what}' names", self.selector, cached=True)
+
     def take(self, body: Mapping[str, Any]) -> Optional[C]:
         """Claim the place `body` names by creating it: the claim as the server stored it, None
         when the name is taken (by another claimer, or by our own earlier create whose answer
