@@ -31,10 +31,18 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from fakes.kill9 import Campaign, TappedAPI  # noqa: E402
+from fakes.kill9 import Campaign, CampaignTooLong, TappedAPI  # noqa: E402
 
 
 def main() -> int:
+    try:
+        return campaign()
+    except CampaignTooLong as e:
+        print(f"bench_kill9: {e}", file=sys.stderr)
+        return 2
+
+
+def campaign() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kills", type=int, default=100)
     p.add_argument("--seed", type=int, default=None)

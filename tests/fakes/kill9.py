@@ -33,6 +33,7 @@ from fakes.kubeapi import KubeAPI
 from screener.audit.alarms import write_alarm_file
 from screener.stores.kube import formats as kf
 from screener.alarmfile import AlarmRecord
+from screener.settings.lifecycle import DEFAULT_POLICY
 from screener.types import (CONDITION_TYPE, LABEL_STATE, TAINT_STATE_KEY,
                             SuspectNode)
 
@@ -137,6 +138,10 @@ def audit(api: Any, node: str) -> Audit:
                  events=events, slots=slots)
 
 
+class CampaignTooLong(Exception):
+    """The campaign would take more nodes out than the budget allows."""
+
+
 @dataclass
 class Figures:
     """What a campaign did and found."""
@@ -224,6 +229,11 @@ class Campaign:
                 kubernetes.client.CoreV1Api(client).create_namespaced_config_map(
                     NAMESPACE, kf.BudgetRecord(fleet=fleet, counted=time.time())
                     .configmap(NAMESPACE))
+        # Each node keeps its quarantine, so a campaign gets as many as the budget holds; past it
+        # a node is held in suspect by design, which an audit must not read as a half transition.
+        record = api.configmap(NAMESPACE, kf.BUDGET_CONFIGMAP)
+        counted = kf.BudgetRecord.from_configmap(record).fleet if record else 0
+        self.room = DEFAULT_POLICY.budget_limit(counted)
         self.figures = Figures()
 
     def env(self, node: str) -> dict[str, str]:
@@ -310,10 +320,17 @@ class Campaign:
             self.figures.doubles += 1
 
     def run(self, kills: int, *, kills_per: int = 2, fresh: bool = False) -> Figures:
+        if kills > self.room:
+            raise CampaignTooLong(f"{kills} kills need at least {kills} quarantines; the budget "
+                                  f"holds {self.room}: count the budget for more nodes")
         t0 = time.monotonic()
         with Spawner(fresh=fresh) as spawner:
             index = 0
             while self.figures.kills < kills:
+                if index >= self.room:
+                    raise CampaignTooLong(
+                        f"the budget holds {self.room} quarantines and {self.figures.kills} of "
+                        f"{kills} kills landed in them: count the budget for more nodes")
                 self.node(spawner, index, kills_per)
                 index += 1
         self.figures.seconds = time.monotonic() - t0
