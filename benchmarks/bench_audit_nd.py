@@ -5,7 +5,8 @@ FSDP2 x TP (dp 3 x tp 2, a TP group per node, sequence parallel as torchtitan ru
 with loss parallel, with activation checkpointing, with bf16 mixed precision, with per-block
 torch.compile (and TP without sequence parallel, which leaves the norms' weights off the TP
 mesh: refused in one line); HSDP x TP (2 x 2 x 2, four nodes); pipeline parallel x FSDP2 (pp 2 x dp 3, a
-pipeline per node) under GPipe, 1F1B, and 1F1B with activation checkpointing. Audits at every
+pipeline per node) under GPipe, 1F1B, and 1F1B with activation checkpointing; pipeline parallel x
+FSDP2 x TP (pp 2 x dp 3 x tp 2, the SwiGLU split in each stage, a TP pair per node). Audits at every
 step, the weight check (shard record, vote) at every step.
 
 - healthy: --steps audited steps per setup: alarms, numeric failures and errors must be 0;
@@ -43,7 +44,7 @@ KINDS = ("forward", "forward_persistent", "gradient", "weight")
 def faults_for(setup: str, world: int, kinds: tuple[str, ...] = KINDS) -> list[Any]:
     import nd_workers
 
-    pp = setup in nd_workers.PP_SETUPS
+    pp = setup in nd_workers.PP_SETUPS + nd_workers.PPTP_SETUPS
     out = []
     for rank in range(world):
         for kind in kinds:
@@ -87,7 +88,7 @@ def run(setups: list[str], fault_setups: list[str], steps: int, *, kinds: tuple[
     from ddp_util import run_ranks
 
     result: dict[str, Any] = {"healthy": {}, "faults": []}
-    for group in ("tp", "hsdp", "pp"):
+    for group in ("tp", "hsdp", "pp", "pptp"):
         mine = [s for s in setups if nd_workers.group_of(s) == group]
         mine_faults = [(s, f) for s in fault_setups if nd_workers.group_of(s) == group
                        for f in faults_for(s, len(nd_workers.NODES[group]), kinds)

@@ -37,7 +37,8 @@ VOCAB, D, HEADS, SEQ, BATCH, LAYERS = 32, 16, 4, 8, 2, 2
 TP_SETUPS = ("tp_sp", "tp_sp_lp", "tp_checkpoint", "tp_bf16", "tp_compile", "tp_no_sp")
 HSDP_SETUPS = ("hsdp_tp",)
 PP_SETUPS = ("pp_gpipe", "pp_1f1b", "pp_checkpoint")
-SETUPS = TP_SETUPS + HSDP_SETUPS + PP_SETUPS
+PPTP_SETUPS = ("pp_tp",)  # pp 2 x dp 3 x tp 2, 1F1B, the SwiGLU split inside each stage
+SETUPS = TP_SETUPS + HSDP_SETUPS + PP_SETUPS + PPTP_SETUPS
 # refused on purpose, in one line: TP without sequence parallel leaves the norms' weights plain
 # (on FSDP's dp mesh only, unlike every TP-placed parameter)
 REFUSED = ("tp_no_sp",)
@@ -45,11 +46,14 @@ REFUSED = ("tp_no_sp",)
 # pipelines (pp x dp = 2 x 3): pipeline d on node d
 NODES = {"tp": ["n0", "n0", "n1", "n1", "n2", "n2"],
          "hsdp": ["n0", "n0", "n1", "n1", "n2", "n2", "n3", "n3"],
-         "pp": ["n0", "n1", "n2", "n0", "n1", "n2"]}
+         "pp": ["n0", "n1", "n2", "n0", "n1", "n2"],
+         # rank 6 s + 2 d + t: the dp row d (both stages, both TP ranks) on node d
+         "pptp": ["n0", "n0", "n1", "n1", "n2", "n2"] * 2}
 
 
 def group_of(setup: str) -> str:
-    return "tp" if setup in TP_SETUPS else "hsdp" if setup in HSDP_SETUPS else "pp"
+    return "tp" if setup in TP_SETUPS else "hsdp" if setup in HSDP_SETUPS else \
+        "pptp" if setup in PPTP_SETUPS else "pp"
 
 
 class Attention(nn.Module):
@@ -261,14 +265,15 @@ def train_pp(rank: int, world: int, *, setup: str, steps: int, alarm_dir: str,
     flip = (fault.rank, fault.step) if fault is not None and fault.kind == "weight" else None
     got = pipeline_workers.train(rank, world, pp=2, steps=steps, schedule=schedule,
                                  alarm_dir=alarm_dir, fault=pf, shard_flip=flip,
-                                 checkpointing=setup == "pp_checkpoint")
+                                 checkpointing=setup == "pp_checkpoint",
+                                 tp=2 if setup in PPTP_SETUPS else 1)
     got["error"] = got.pop("usage")
     return got
 
 
 def run_setup(rank: int, world: int, *, setup: str, steps: int, alarm_dir: str,
               fault: Optional[Fault] = None) -> dict[str, Any]:
-    train = train_pp if setup in PP_SETUPS else train_tp
+    train = train_pp if setup in PP_SETUPS + PPTP_SETUPS else train_tp
     out = train(rank, world, setup=setup, steps=steps, alarm_dir=alarm_dir, fault=fault)
     dist.barrier()
     out["files"] = [json.loads(p.read_text()) for p in sorted(Path(alarm_dir).glob("*.json"))]

@@ -121,13 +121,22 @@ class Fault:
 def train(rank: int, world: int, *, pp: int, steps: int, schedule: str = "gpipe",
           audit_every: int = 1, alarm_dir: str, fault: Optional[Fault] = None,
           checkpointing: bool = False, plain_stage: bool = False, ddp: bool = False,
-          weights_every: int = 1, shard_flip: Optional[tuple[int, int]] = None
+          weights_every: int = 1, shard_flip: Optional[tuple[int, int]] = None, tp: int = 1
           ) -> dict[str, Any]:
-    dp = world // pp
-    mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
+    dp = world // pp // tp
+    if tp > 1:  # rank s * dp * tp + d * tp + t; the TP partners of a stage share its batch
+        mesh = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    else:
+        mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
     s, d = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     model = Stage(s, pp, checkpointing=checkpointing)
     wrapped: nn.Module = model
+    if tp > 1:  # the SwiGLU split Megatron-style: gate and up by columns, down by rows
+        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                       parallelize_module)
+
+        parallelize_module(model.block, mesh["tp"], {
+            "gate": ColwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()})
     if ddp:
         wrapped = DistributedDataParallel(model, process_group=mesh["dp"].get_group(),
                                           static_graph=True)  # pipelining needs it (torch 2.13)
@@ -198,11 +207,32 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 }
 
 
-def everything(rank: int, world: int, *, root: str, only: Optional[list[str]] = None
-               ) -> dict[str, Any]:
+# pp 2 x dp 3 x tp 2 (rank 6 s + 2 d + t): the TP pair of a stage on one node
+TP_SCENARIOS: dict[str, dict[str, Any]] = {
+    "tp_healthy": dict(pp=2, tp=2, steps=3, schedule="1f1b"),
+    # rank 9 (stage 1, dp 1, tp 1; node n2): its up projection's output shard, exponent bit,
+    # at step 1: the RowwiseParallel all-reduce hands it to rank 8, its TP partner
+    "tp_forward_flip": dict(pp=2, tp=2, steps=2, schedule="gpipe",
+                            fault=Fault(9, 1, call=2, bit=30)),
+    # a weight-gradient bit of rank 2 (stage 0, dp 1, tp 0; node n2) at step 1: its partner's
+    # records stay clean, and the referee replays the pair as one all the same
+    "tp_backward_flip": dict(pp=2, tp=2, steps=2, schedule="gpipe",
+                             fault=Fault(2, 1, call=10, bit=20)),
+    # an exponent bit of rank 3's (stage 0, dp 1, tp 1; node n2) second matmul from
+    # step 1 on, its replays too: finite in its forward, it overflows in stage 1's backward
+    "tp_overflow": dict(pp=2, tp=2, steps=2, schedule="1f1b",
+                        fault=Fault(3, 1, call=2, bit=30, persistent=True)),
+    # a NaN from rank 2's (stage 0, dp 1, tp 0; node n2) first matmul at step 1, no audits
+    "tp_nan": dict(pp=2, tp=2, steps=2, schedule="gpipe", audit_every=0,
+                   fault=Fault(2, 1, call=1, bit=None, mode="nan")),
+}
+
+
+def everything(rank: int, world: int, *, root: str, only: Optional[list[str]] = None,
+               scenarios: Optional[dict[str, dict[str, Any]]] = None) -> dict[str, Any]:
     """Every scenario in one process group (starting ranks is the expensive part)."""
     out: dict[str, Any] = {}
-    for name, kwargs in SCENARIOS.items():
+    for name, kwargs in (SCENARIOS if scenarios is None else scenarios).items():
         if only and name not in only:
             continue
         directory = os.path.join(root, name)

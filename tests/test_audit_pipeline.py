@@ -9,6 +9,8 @@ pure below.
 
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 import torch
 
@@ -105,7 +107,141 @@ def test_a_stage_not_sharded_with_fully_shard_is_refused_in_one_line_on_every_ra
     assert "DDP per stage is not audited" in ddp and "static_graph" in ddp and "\n" not in ddp
 
 
+# ---- tensor parallel inside the stages (pp 2 x dp 3 x tp 2) -----------------------------------
+
+# rank 6 s + 2 d + t; pipeline 2 d + t; dp row d (both stages, both TP ranks) on node n{d+1}
+TP_NODES = ["n1", "n1", "n2", "n2", "n3", "n3"] * 2
+
+
+@pytest.fixture(scope="module")
+def tp_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("audit-pp-tp")
+    per_rank = run_ranks(pipeline_workers.everything, TP_NODES, timeout=540, root=str(root),
+                         scenarios=pipeline_workers.TP_SCENARIOS)
+    return {name: [r[name] for r in per_rank] for name in per_rank[0]}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_pipelines_with_tensor_parallel_stages_are_audited_without_an_alarm(tp_runs):
+    """Each TP group of pipelines replayed by another group, coordinate by coordinate (a shift
+    that crossed coordinates compared different shards: a NumericFailure on every healthy
+    step, before)."""
+    for o in tp_runs["tp_healthy"]:
+        assert (o["alarm"], o["numeric"], o["usage"], o["steps_done"]) == (None, None, None, 3)
+        assert o["counters"]["audits"] == 3 and o["counters"]["self_checks"] == 1, o
+        assert not o["files"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_flip_in_a_tensor_parallel_stage_is_settled_on_its_tp_group_and_node(tp_runs):
+    a = one_alarm(tp_runs["tp_forward_flip"])
+    assert (a["check"], a["step"], a["settled"], a["suspect_ranks"]) == ("ring_replay", 1, True,
+                                                                         [8, 9])
+    assert [n["node"] for n in a["suspect_nodes"]] == ["n2"]
+    cases = a["evidence"]["cases"]
+    assert sorted(c["owner_pipeline"] for c in cases) == [2, 3]  # the TP pair parted as one
+    assert all((c["verdict"], c["stage"]) == ("owner", 1) for c in cases)
+    assert {c["replayer_pipeline"] for c in cases} == {4, 5}
+    files = tp_runs["tp_forward_flip"][0]["files"]
+    assert [(f["node"], f["check"], f["settled"]) for f in files] == [("n2", "ring_replay", True)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_gradient_flip_on_one_tp_rank_is_refereed_with_its_partner_and_settled_on_it(tp_runs):
+    """Only rank 2's records part; the referee pipeline's TP partner replays the partner's
+    batch with it (left on its own batch, the pair's all-reduce mixed two steps and the referee
+    agreed with nobody: unsettled)."""
+    a = one_alarm(tp_runs["tp_backward_flip"])
+    assert (a["check"], a["step"], a["settled"], a["suspect_ranks"]) == ("ring_replay", 1, True,
+                                                                         [2])
+    (case,) = a["evidence"]["cases"]
+    assert (case["owner_pipeline"], case["verdict"], case["stage"], case["part"]) == \
+        (2, "owner", 0, "backward")
+    assert [f["node"] for f in tp_runs["tp_backward_flip"][0]["files"]] == ["n2"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_nan_that_appears_downstream_of_its_cause_is_named_where_the_runs_part(tp_runs):
+    """At an audit step the records carry fingerprints: the finite replay parts from the step at
+    stage 0's forward, upstream of the first NaN/Inf (stage 1's backward, whose ranks were named
+    before)."""
+    a = one_alarm(tp_runs["tp_overflow"])
+    assert (a["check"], a["step"], a["settled"], a["suspect_ranks"]) == ("nonfinite_local", 1,
+                                                                         True, [2, 3])
+    assert {(c["stage"], c["part"]) for c in a["evidence"]["cases"]} == {(0, "forward")}
+    assert [n["node"] for n in a["suspect_nodes"]] == ["n2"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_one_gpu_per_node_tp_stages_are_replayed_at_their_own_coordinate():
+    """Every rank on a node of its own: the nearest node-disjoint pipeline is the TP partner's
+    (another shard), which the replay must skip; before, every healthy step ended in a
+    NumericFailure naming four nodes."""
+    with tempfile.TemporaryDirectory() as root:
+        per_rank = run_ranks(pipeline_workers.everything, [f"n{r}" for r in range(12)],
+                             timeout=540, root=root,
+                             scenarios={"tp_healthy": pipeline_workers.TP_SCENARIOS["tp_healthy"]})
+    for o in (r["tp_healthy"] for r in per_rank):
+        assert (o["alarm"], o["numeric"], o["usage"], o["steps_done"]) == (None, None, None, 3)
+        assert o["counters"]["audits"] == 3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_nan_in_a_tensor_parallel_stage_is_confirmed_with_its_partner_replayed(tp_runs):
+    a = one_alarm(tp_runs["tp_nan"])
+    assert (a["check"], a["step"], a["settled"]) == ("nonfinite_local", 1, True)
+    assert a["suspect_ranks"] == [2, 3] and [n["node"] for n in a["suspect_nodes"]] == ["n2"]
+    assert all(c["replay_finite"] and c["stage"] == 0 for c in a["evidence"]["cases"])
+    assert [f["node"] for f in tp_runs["tp_nan"][0]["files"]] == ["n2"]
+
+
 # ---- the rule, pure --------------------------------------------------------------------------
+
+def tp_grid(pp, dp, tp):
+    """Pipelines of a (pp, dp, tp) mesh: rank s * dp * tp + d * tp + t."""
+    at = lambda s, d, t: s * dp * tp + d * tp + t  # noqa: E731
+    entries = [(at(s, d, t), s, pp, [at(u, d, t) for u in range(pp)])
+               for s in range(pp) for d in range(dp) for t in range(tp)]
+    groups = {at(s, d, t): [at(s, d, u) for u in range(tp)]
+              for s in range(pp) for d in range(dp) for t in range(tp)}
+    got = Pipelines.from_groups(entries, tp=groups)
+    assert isinstance(got, Pipelines), got
+    return got
+
+
+def test_a_replay_moves_a_tp_group_of_pipelines_onto_a_group_coordinate_by_coordinate():
+    pipes = tp_grid(2, 2, 2)
+    assert pipes.groups == ((0, 1), (0, 1), (2, 3), (2, 3))
+    assert pipes.close([2]) == [2, 3] and pipes.close([0, 3]) == [0, 1, 2, 3]
+    assert pipes.aligned(2) and not pipes.aligned(1) and not pipes.aligned(3)
+    # one GPU per node: shift 1 is node-disjoint but pairs TP coordinate 0 with 1
+    alone = plan(pipes, lambda r: f"n{r}")
+    assert not isinstance(alone, str) and (alone.shift, alone.referee_shift) == (2, None)
+    three = plan(tp_grid(2, 3, 2), lambda r: f"n{(r % 6) // 2}")
+    assert not isinstance(three, str) and (three.shift, three.referee_shift) == (2, 4)
+    # two pipelines' worth of TP pairs on one node column: nothing to shift them onto
+    stuck = plan(tp_grid(2, 1, 2), lambda r: f"n{r}")
+    assert isinstance(stuck, str)
+
+
+def test_tp_groups_that_cross_stages_or_change_partners_are_refused_with_the_reason():
+    entries = [(0, 0, 2, [0, 2]), (1, 0, 2, [1, 3]), (2, 1, 2, [0, 2]), (3, 1, 2, [1, 3])]
+    across = Pipelines.from_groups(entries, tp={0: [0, 2], 2: [0, 2], 1: [1, 3], 3: [1, 3]})
+    assert isinstance(across, str) and "spans stages" in across
+    entries = [(s * 4 + d, s, 2, [d, 4 + d]) for s in range(2) for d in range(4)]
+    changing = Pipelines.from_groups(entries, tp={0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3],
+                                                  4: [4, 6], 6: [4, 6], 5: [5, 7], 7: [5, 7]})
+    assert isinstance(changing, str) and "from stage to stage" in changing
+    plain = Pipelines.from_groups(entries, tp={r: [r] for r in range(8)})
+    assert isinstance(plain, Pipelines) and plain.groups == ()
+
+
 
 def grid(pp, dp):
     """Pipelines of a (pp, dp) mesh: stage s of pipeline d is rank s * dp + d."""

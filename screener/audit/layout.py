@@ -38,7 +38,7 @@ import torch.distributed as dist
 from screener.audit.alarms import AuditUsageError
 from screener.audit.topology import Topology, gather_topology
 
-__all__ = ["Layout", "describe", "agreement", "join", "SUPPORTED"]
+__all__ = ["Layout", "describe", "agreement", "join", "SUPPORTED", "tensor_parallel_group"]
 
 SUPPORTED = ("audited: DDP, FSDP2 (Shard(0) on a 1-D mesh), HSDP ((Replicate(), Shard(0)) on "
              "a 2-D mesh), FSDP2 x tensor parallel (FSDP's Shard(0) then the TP placement, on "
@@ -167,6 +167,30 @@ def _hsdp_then_tp(p: Any) -> bool:
     return (type(rep).__name__ == "Replicate"
             and type(dp).__name__ in ("Shard", "_StridedShard") and getattr(dp, "dim", None) == 0
             and type(tp).__name__ in ("Shard", "Replicate"))
+
+
+def tensor_parallel_group(named: Sequence[tuple[str, Any]], rank: int
+                          ) -> "tuple[int, ...] | str":
+    """The ranks of `rank`'s tensor-parallel group in a module sharded with fully_shard (the last
+    dim of the FSDP x TP or HSDP x TP mesh its split parameters live on: (rank,) when none is
+    split), or why the parameters do not say one group (split on different meshes)."""
+    found: Optional[tuple[str, tuple[int, ...]]] = None
+    for name, p in named:
+        if not _is_dtensor(p):
+            continue
+        width = len(p.placements)
+        if not ((width == 2 and _fsdp_then_tp(p)) or (width == 3 and _hsdp_then_tp(p))):
+            continue
+        mesh = p.device_mesh.mesh
+        rows = mesh.reshape(-1, mesh.shape[-1]).tolist()
+        group = next((tuple(int(r) for r in row) for row in rows if rank in row), None)
+        if group is None:
+            return f"parameter {name}'s mesh does not hold rank {rank}"
+        if found is not None and found[1] != group:
+            return (f"parameters {found[0]} and {name} are split over different tensor-parallel "
+                    f"groups ({_spans(found[1])} and {_spans(group)})")
+        found = found or (name, group)
+    return found[1] if found is not None else (rank,)
 
 
 def _spans(ranks: Sequence[int]) -> str:

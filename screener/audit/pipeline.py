@@ -29,8 +29,10 @@ finite is located along the step's data flow (the first stage whose forward outp
 whose backward output, went NaN/Inf), and that pipeline's step is replayed by another pipeline
 on other nodes (a lockstep round, below): finite there names the rank at that stage
 ("nonfinite_local", settled); not finite there is the data or the model (NumericFailure, exit 76).
-A reduced gradient that is not finite from finite inputs: "nonfinite_reduced", unsettled, the
-stage's data-parallel ranks the candidates.
+At an audit step the records carry fingerprints, and the rank named is the one where the
+finite replay first parts from the step (upstream of the first NaN/Inf when a huge finite value
+overflowed downstream). A reduced gradient that is not finite from finite inputs:
+"nonfinite_reduced", unsettled, the stage's data-parallel ranks the candidates.
 
 Check 2 (audit steps): pipeline d + shift replays pipeline d's step (its inputs travel to the
 replayer's first stage, its target to the replayer's last, every rank's RNG state to the rank
@@ -47,6 +49,10 @@ The shard record (check_weights, every weights_every steps after optimizer.step(
 fingerprints its own weight shards, and the next check_gradients compares them with the shards
 then (a column of the head): a shard that changed in between, with no optimizer step, is named
 on its rank ("weights", settled). No stage has a replica under FSDP2, so there is no vote.
+
+Tensor parallel inside the stages (parallelize_module over a "tp" mesh dimension, then
+fully_shard over "dp"): a stage's TP ranks belong to pipelines that compute as one; every round
+moves whole TP groups of pipelines, coordinate onto coordinate (pipeline_plan.py).
 
 Audited schedules: ScheduleGPipe and Schedule1F1B (one stage per rank; both run the backward of
 micro-batch 0 first and accumulate in micro-batch order, and the replay runs the same schedule).
@@ -78,6 +84,7 @@ from screener.audit.capture import StateCodec, StepState, capture, restored
 from screener.audit.collective import comm_device, exchange
 from screener.audit.config import AuditConfig
 from screener.audit.fsdp_tap import fsdp_module_class, install_recorders, scan
+from screener.audit.layout import tensor_parallel_group
 from screener.audit.pipeline_plan import R_BWD, R_FINITE, R_FWD, R_GRAD, R_LOSS, R_STATUS, \
     RECORD, PipelinePlan, Pipelines, first_difference, first_nonfinite, plan, settle_pipelines
 from screener.audit.protocol import Schedule, Walk
@@ -213,13 +220,18 @@ class PipelineAuditor(AuditorBase):
         self._comm = comm_device(None, self.device)
         self._codec = StateCodec(self.device)
         group = dist.get_process_group_ranks(stage.group) if stage is not None else []
+        tp = tensor_parallel_group(list(self.module.named_parameters()), self.rank)
+        if isinstance(tp, str):
+            refusal = refusal or f"screener.audit: pipeline parallel: {tp}"
+            tp = (self.rank,)
         mine = json.dumps([int(getattr(stage, "stage_index", -1)),
-                           int(getattr(stage, "num_stages", 0)), [int(g) for g in group]])
+                           int(getattr(stage, "num_stages", 0)), [int(g) for g in group],
+                           [int(r) for r in tp]])
         self.topology = gather_topology(None, device=self.device, layout=mine, refusal=refusal)
         me = self.topology.info(self.rank)
         self.hostname, self.node = me.hostname, me.node
         self.plan = self._agree([i.refusal for i in self.topology.infos],
-                                [(i.rank, *json.loads(i.layout or "[-1, 0, []]"))
+                                [(i.rank, *json.loads(i.layout or "[-1, 0, [], []]"))
                                  for i in self.topology.infos])
         refuse_placement(self.device, [i.threads for i in self.topology.infos])
         self.pipelines = self.plan.pipelines
@@ -250,7 +262,8 @@ class PipelineAuditor(AuditorBase):
         if why:
             raise AuditUsageError(why)
         pipes = Pipelines.from_groups([(int(r), int(s), int(n), list(g))
-                                       for r, s, n, g in entries])
+                                       for r, s, n, g, _ in entries],
+                                      tp={int(r): [int(x) for x in t] for r, _, _, _, t in entries})
         if isinstance(pipes, str):
             raise AuditUsageError(f"screener.audit: pipeline parallel: {pipes}")
         got = plan(pipes, self.topology.node_of)
@@ -348,7 +361,10 @@ class PipelineAuditor(AuditorBase):
         if bool(got[:, _H_DRIFT].any()):
             self._drift(step, got, drifted)
         if not bool(own[:, R_FINITE:R_FINITE + 3].all()):
-            self._nonfinite(walk, step, own, state, batch)
+            # an audit step's records carry fingerprints: the replay can say where the two runs
+            # parted, which can be upstream of the first NaN/Inf (a huge finite value)
+            fingerprinted = audit and bool((own[:, R_STATUS] == OK).all())
+            self._nonfinite(walk, step, own, state, batch, fingerprinted)
         if not bool(got[:, _H_REDUCED].all()):
             self._reduced(step, got)
         if not audit:
@@ -462,7 +478,7 @@ class PipelineAuditor(AuditorBase):
             return
         referees: Optional[torch.Tensor] = None
         if self.plan.referee_shift is not None:
-            moves = {d: self.plan.referee(d) for d in mismatched}
+            moves = {d: self.plan.referee(d) for d in self.pipelines.close(mismatched)}
             referees = self._exchange(walk, "referee_ship", "referee",
                                       {d: q for d, q in moves.items() if q is not None},
                                       batch, states, sizes, data)
@@ -516,14 +532,18 @@ class PipelineAuditor(AuditorBase):
     # ---- check 1 ----------------------------------------------------------------------------
 
     def _nonfinite(self, walk: Walk, step: int, own: torch.Tensor, state: StepState,
-                   batch: Any) -> None:
+                   batch: Any, fingerprinted: bool = False) -> None:
         """A NaN/Inf somewhere: where it first appeared in each flagged pipeline, and whether a
-        replay by another pipeline reproduces it there."""
+        replay by another pipeline reproduces it there. fingerprinted: the step's records carry
+        fingerprints (an audit step), so where a finite replay first parts from the step is
+        where it went wrong (an exponent flip in stage 0's forward may overflow only in stage
+        1's backward)."""
         n = self.pipelines.count
         found = {d: first_nonfinite(self._pipeline_rows(own, d)) for d in range(n)}
         flagged = {d: w for d, w in found.items() if w is not None}
         data, sizes, states = self._offer(walk, "confirm_offer", batch, state)
-        moves = {d: self.plan.replayer(d) for d in flagged}
+        # a flagged pipeline's TP partners are replayed with it (not judged): they compute as one
+        moves = {d: self.plan.replayer(d) for d in self.pipelines.close(list(flagged))}
         replays = self._exchange(walk, "confirm_ship", "confirm", moves, batch, states, sizes,
                                  data)
         reproduced: list[int] = []
@@ -532,6 +552,10 @@ class PipelineAuditor(AuditorBase):
         for d, (stage, part) in sorted(flagged.items()):
             q = moves[d]
             again = first_nonfinite(self._pipeline_rows(replays, q))
+            parted = first_difference(self._pipeline_rows(own, d), self._pipeline_rows(replays, q)) \
+                if fingerprinted and again is None else None
+            if parted is not None:
+                stage, part = parted
             rank = self.pipelines.rows[d][stage]
             cases.append({"pipeline": d, "stage": stage, "part": part, "rank": rank,
                           "replayer_pipeline": q, "replay_finite": again is None})

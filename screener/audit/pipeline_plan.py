@@ -11,6 +11,13 @@ smallest shift that puts every stage of the replayer on another node than the sa
 owner; the referee is pipeline d + referee_shift, on a third node at every stage. A layout where
 no such shift exists is refused at construction (`plan`).
 
+Tensor parallel inside the stages: the ranks of a stage's TP group are stages of different
+pipelines that compute as one (their all-reduces join them), a TP group of pipelines, each at
+its TP coordinate. A replay moves a whole group onto another group, coordinate onto coordinate
+(a shift is taken only when it maps every group onto a group that way), and a round that
+replays one pipeline replays its whole group: a pipeline at another coordinate computes
+another shard, and a partner left on its own batch would mix two steps in one all-reduce.
+
 Where it started (`first_difference`): each rank records, per step, a fingerprint of what its
 stage sent forward (its outputs, every micro-batch, in order; on the last stage with the losses),
 of what it sent back (the gradients of its inputs) and of its own weight gradient. Along the data
@@ -43,6 +50,23 @@ class Pipelines:
     """rows[d][s]: the global rank of stage s in pipeline d (pipelines ordered by first rank)."""
 
     rows: tuple[tuple[int, ...], ...]
+    # groups[d]: the pipelines computing with pipeline d as one (its stages' tensor-parallel
+    # partners, in TP coordinate order); empty without tensor parallel
+    groups: tuple[tuple[int, ...], ...] = ()
+
+    def group(self, d: int) -> tuple[int, ...]:
+        return self.groups[d] if self.groups else (d,)
+
+    def close(self, pipelines: Sequence[int]) -> list[int]:
+        """The pipelines and their whole tensor-parallel groups."""
+        return sorted({q for d in pipelines for q in self.group(d)})
+
+    def aligned(self, shift: int) -> bool:
+        """Whether moving every pipeline by `shift` maps each TP group onto a group, coordinate
+        onto coordinate."""
+        n = self.count
+        return all(self.group((d + shift) % n) == tuple((q + shift) % n for q in self.group(d))
+                   for d in range(n))
 
     @property
     def count(self) -> int:
@@ -60,10 +84,11 @@ class Pipelines:
         raise KeyError(rank)
 
     @classmethod
-    def from_groups(cls, entries: Sequence[tuple[int, int, int, Sequence[int]]]
-                    ) -> "Pipelines | str":
+    def from_groups(cls, entries: Sequence[tuple[int, int, int, Sequence[int]]],
+                    tp: Optional[dict[int, Sequence[int]]] = None) -> "Pipelines | str":
         """From every rank's (rank, stage index, stage count, its pipeline group's ranks in group
-        order): the pipelines, or why they do not form a (stage, data-parallel) grid."""
+        order) and tensor-parallel group (tp, by rank; absent: none): the pipelines, or why they
+        do not form a (stage, data-parallel[, tensor-parallel]) grid."""
         counts = {n for _, _, n, _ in entries}
         if len(counts) != 1:
             return f"the ranks disagree on the number of stages ({sorted(counts)})"
@@ -84,7 +109,26 @@ class Pipelines:
         ranks = [r for row in rows for r in row]
         if len(ranks) != len(set(ranks)) or len(ranks) != len(entries):
             return "the pipeline groups overlap or leave ranks out"
-        return cls(tuple(sorted(rows, key=lambda row: row[0])))
+        pipes = cls(tuple(sorted(rows, key=lambda row: row[0])))
+        if not tp or all(len(g) == 1 for g in tp.values()):
+            return pipes
+        groups: list[tuple[int, ...]] = []
+        for d, row in enumerate(pipes.rows):
+            seen: set[tuple[int, ...]] = set()
+            for s, rank in enumerate(row):
+                where = [pipes.where(int(r)) for r in tp.get(rank, (rank,))]
+                if any(t != s for _, t in where):
+                    return (f"rank {rank}'s tensor-parallel group spans stages "
+                            f"({sorted({t for _, t in where})}): TP inside one stage is audited")
+                seen.add(tuple(q for q, _ in where))
+            if len(seen) != 1:
+                return (f"pipeline {d}'s stages have tensor-parallel partners in different "
+                        f"pipelines from stage to stage ({sorted(seen)}): each pipeline at one "
+                        f"TP coordinate throughout is audited")
+            groups.append(seen.pop())
+        if any(d not in g for d, g in enumerate(groups)):
+            return "a pipeline is missing from its own tensor-parallel group"
+        return cls(pipes.rows, tuple(groups))
 
 
 @dataclass(frozen=True)
@@ -123,13 +167,14 @@ def plan(pipes: Pipelines, node_of: Callable[[int], str]) -> "PipelinePlan | str
         return all(node_of(pipes.rows[d][s]) != node_of(pipes.rows[o][s])
                    for s in range(pipes.stages) for o in others)
 
-    shift = next((k for k in range(1, n) if all(apart((d + k) % n, [d]) for d in range(n))),
-                 None)
+    shift = next((k for k in range(1, n) if pipes.aligned(k)
+                  and all(apart((d + k) % n, [d]) for d in range(n))), None)
     if shift is None:
         return ("no pipeline can replay another with every stage on another node (each stage's "
-                "data-parallel ranks share one node): spread each stage's ranks over two or "
-                "more nodes")
-    referee = next((j for j in range(1, n) if j != shift and all(
+                "data-parallel ranks share one node" + (", or no shift maps tensor-parallel "
+                "groups onto groups" if pipes.groups else "") + "): spread each stage's ranks "
+                "over two or more nodes")
+    referee = next((j for j in range(1, n) if j != shift and pipes.aligned(j) and all(
         apart((d + j) % n, [d, (d + shift) % n]) for d in range(n))), None)
     return PipelinePlan(pipes, shift, referee)
 
