@@ -23,7 +23,7 @@ between blocks), --loss-parallel (the head's logits left sharded on the vocabula
 cross-entropy and its backward under loss_parallel()), --compile (torch.compile of every block,
 after TP and before fully_shard, as torchtitan does).
 
-Pipeline parallel (--pp 2, with --tp 1): the blocks are cut into stages (stage 0 with the
+Pipeline parallel (--pp 2): the blocks are cut into stages (stage 0 with the
 embedding, the last with the norm and the head), each stage sharded with fully_shard over the
 ranks that hold it (mesh["dp"]), torch.distributed.pipelining runs --schedule (gpipe or 1f1b,
 --microbatches) over mesh["pp"], and the Auditor is given the schedule: Auditor(schedule). Ranks
@@ -33,6 +33,14 @@ as stages, a pipeline per node, and the audit replays pipeline d on pipeline d +
     screener launch -- torchrun --nproc-per-node 6 examples/train_nd.py --nodes 3 --tp 1 \
         --pp 2 --inject flip:rank=3,step=5
     # ... ALARM: SDC alarm ring_replay at step 5: rank 3 on hyperpod-i-00000000000000002 ...
+
+With --tp 2 as well (pp x tp inside each pipeline: ranks dp-major, then stage, then TP rank), each
+block of a stage is split Megatron-style (attention and SwiGLU column- then row-wise) over
+mesh["tp"]; the audit replays a TP group of pipelines on another group, coordinate by coordinate.
+
+    screener launch -- torchrun --nproc-per-node 12 examples/train_nd.py --nodes 3 --tp 2 \
+        --pp 2 --inject flip:rank=7,step=5
+    # ... ALARM: SDC alarm ring_replay at step 5: rank 6, rank 7 on hyperpod-i-00000000000000002 ...
 
 Faults (--inject KIND[:rank=R,step=S]): one element of rank R's token embedding output (the
 residual stream entering block 0; under --pp, the residual stream entering rank R's stage) at
@@ -75,9 +83,8 @@ from screener.types import ALARM_DIR_ENV, NODE_NAME_ENV
 
 KINDS = ("none", "flip", "nan")
 VOCAB, DIM, HEADS, HIDDEN, LAYERS, SEQ, BATCH = 64, 32, 4, 64, 2, 16, 2
-PIPELINE = (f"--pp: pipeline parallel with tensor parallel is not audited (the pipeline audit "
-            f"needs each stage sharded with fully_shard alone); run --pp 2 with --tp 1, "
-            f"{LAYERS} blocks split evenly over the stages")
+PIPELINE = (f"--pp: the {LAYERS} blocks split evenly over the stages: --pp 2 (or 1, no "
+            f"pipeline)")
 
 
 # ---- the model: Llama in small -----------------------------------------------------------------
@@ -270,7 +277,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="simulate this many nodes (sets NODE_NAME per rank); 0 keeps NODE_NAME")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (the mesh's tp)")
     p.add_argument("--pp", type=int, default=1,
-                   help="pipeline stages (2, with --tp 1): pipeline parallel x FSDP2")
+                   help="pipeline stages (2): pipeline parallel x FSDP2 (x TP with --tp 2)")
     p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b",
                    help="the pipeline schedule under --pp")
     p.add_argument("--microbatches", type=int, default=2, help="micro-batches per step (--pp)")
@@ -343,16 +350,27 @@ def train_pipeline(args: argparse.Namespace) -> int:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    if world % args.pp:
-        print(f"--pp {args.pp}: the {world} ranks do not split into pipelines of {args.pp}",
-              file=sys.stderr, flush=True)
+    tp = max(1, args.tp)
+    if world % (args.pp * tp):
+        print(f"--pp {args.pp} --tp {tp}: the {world} ranks do not split into pipelines of "
+              f"{args.pp} stages of {tp} ranks", file=sys.stderr, flush=True)
         return 2
-    mesh = init_device_mesh("cpu", (world // args.pp, args.pp), mesh_dim_names=("dp", "pp"))
+    if tp > 1:  # dp-major, then the stage, then the TP rank: a stage's TP group side by side
+        mesh = init_device_mesh("cpu", (world // (args.pp * tp), args.pp, tp),
+                                mesh_dim_names=("dp", "pp", "tp"))
+    else:
+        mesh = init_device_mesh("cpu", (world // args.pp, args.pp), mesh_dim_names=("dp", "pp"))
     dp, s = mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank()
     first, last = s == 0, s == args.pp - 1
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = stage_of(Llama(), s, args.pp)
     for block in model.layers.values():
+        if tp > 1:  # Megatron's split inside each block; norms, embedding and head left whole
+            parallelize_module(block, mesh["tp"], {
+                "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
+                "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel()})
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     stage = PipelineStage(model, s, args.pp, torch.device("cpu"), group=mesh["pp"].get_group())
@@ -362,8 +380,8 @@ def train_pipeline(args: argparse.Namespace) -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     auditor = Auditor(schedule, audit_every=args.audit_every, weights_every=args.weights_every)
     say(f"topology: {json.dumps(auditor.topology.to_dict()['nodes'])}")
-    say(f"mesh (dp, pp) = {tuple(mesh.mesh.shape)}; pipelines {mesh.mesh.tolist()}; "
-        f"{args.schedule}, {args.microbatches} micro-batches")
+    say(f"mesh ({', '.join(mesh.mesh_dim_names or ())}) = {tuple(mesh.mesh.shape)}; "
+        f"pipelines {mesh.mesh.tolist()}; {args.schedule}, {args.microbatches} micro-batches")
     inject = args.inject
     try:
         for step in range(args.steps):
@@ -451,7 +469,7 @@ def train(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    if args.pp < 1 or (args.pp > 1 and (args.tp != 1 or LAYERS % args.pp)):
+    if args.pp < 1 or LAYERS % args.pp:
         # before any process group: one line, exit 2 (a usage error)
         print(PIPELINE, file=sys.stderr, flush=True)
         return 2

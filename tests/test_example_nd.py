@@ -2,7 +2,7 @@
 FSDP2 x tensor parallel on a (dp, tp) mesh, a TP group per simulated node (its healthy steps
 are the audit tests' SP+LP runs, tests/test_audit_tensor_parallel.py). One bit flipped in rank 3's
 embedding output at an audit step ends in exit 75, the alarm naming rank 3's TP group on its node, one alarm file there; under --pp 2 (pipeline parallel x FSDP2, a
-pipeline per node) it names rank 3 at its stage. --pp with --tp > 1 is refused in one line.
+pipeline per node) it names rank 3 at its stage. under --pp 2 --tp 2 it names the TP pair at its stage.
 """
 
 from __future__ import annotations
@@ -70,9 +70,28 @@ def test_a_flip_under_pipeline_parallel_exits_75_naming_the_rank_at_its_stage(tm
 
 
 @pytest.mark.slow
-def test_pipeline_with_tensor_parallel_in_the_nd_example_is_refused_in_one_line():
-    proc = subprocess.run([sys.executable, str(EXAMPLE), "--pp", "2", "--tp", "2"],
+@pytest.mark.timeout(300)
+def test_a_flip_under_pipeline_and_tensor_parallel_exits_75_naming_the_tp_pair_at_its_stage(
+        tmp_path):
+    """--pp 2 --tp 2: twelve ranks, a dp row (both stages, each a TP pair) per node; rank 7 is
+    stage 1 of dp row 1, TP rank 1, on the second node: its partner, rank 6, computes with it."""
+    proc = _launch(tmp_path, 12, "--nodes", "3", "--tp", "2", "--pp", "2", "--steps", "3",
+                   "--audit-every", "2", "--inject", "flip:rank=7,step=2")
+    out = proc.stdout
+    assert proc.returncode == 75, out + proc.stderr[-3000:]
+    assert "mesh (dp, pp, tp) = (3, 2, 2)" in out, out
+    node = "hyperpod-i-00000000000000002"
+    assert (f"ALARM: SDC alarm ring_replay at step 2: rank 6, rank 7 on {node} "
+            f"(i-00000000000000002) (settled)") in out, out + proc.stderr[-3000:]
+    (f,) = (tmp_path / "alarms").iterdir()
+    rec = AlarmRecord.from_dict(json.loads(f.read_text()))
+    assert (rec.check, rec.suspect_ranks, rec.node) == ("ring_replay", (6, 7), node)
+
+
+@pytest.mark.slow
+def test_stages_that_do_not_split_the_blocks_evenly_are_refused_in_one_line():
+    proc = subprocess.run([sys.executable, str(EXAMPLE), "--pp", "3"],
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [proc.stderr.strip()]
-    assert proc.stderr.startswith("--pp: pipeline parallel with tensor parallel is not audited")
+    assert proc.stderr.startswith("--pp: the 2 blocks split evenly over the stages")
