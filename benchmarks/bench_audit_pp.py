@@ -5,8 +5,8 @@
 Six gloo ranks, pp 2 x dp 3 (a pipeline per simulated node), the Llama-style stages of
 tests/pipeline_workers.py at d_model 128, seq 64, batch 8 (4 micro-batches), FSDP2 per stage.
 Three copies of the job train in the same process group: plain (the schedule alone), the
-Auditor with no audit due (check 1 and the shard record every step: the cost of a step without
-an audit) and the Auditor auditing every step (a replay through the schedule and the
+Auditor with no audit due (check 1, the spike sentinel and the shard record every step: the
+cost of a step without an audit) and the Auditor auditing every step (a replay through the schedule and the
 comparison). Rounds interleave the three (the order reversed every other round); printed: the
 median per-step time of each and the median of the paired ratios to plain, with the quartiles.
 """
@@ -34,6 +34,7 @@ def _rank(rank: int, world: int, *, rounds: int, steps: int, schedule: str) -> d
 
     import pipeline_workers as pw
     from screener.audit import Auditor
+    from screener.audit.sentinel import SentinelConfig
 
     for k, v in SHAPE.items():  # the workers' module constants: a bigger model than the tests'
         setattr(pw, k, v)
@@ -48,9 +49,11 @@ def _rank(rank: int, world: int, *, rounds: int, steps: int, schedule: str) -> d
         fully_shard(model, mesh=mesh["dp"])
         stage = PipelineStage(model, s, pp, torch.device("cpu"), group=mesh["pp"].get_group())
         sched = cls(stage, n_microbatches=pw.MICRO, loss_fn=pw.loss_fn)
+        # the sentinel's warm-up (the steps audited while it has no baseline) inside the
+        # untimed warm-up run below, so that "no audit due" times steps without an audit
         auditor = None if kind == "plain" else Auditor(
             sched, audit_every=1 if kind == "audit" else 10 ** 6, weights_every=100,
-            self_check_every=0)
+            self_check_every=0, sentinel=SentinelConfig(warmup=max(3, steps)))
         jobs[kind] = {"model": model, "sched": sched, "auditor": auditor, "step": 1,
                       "opt": torch.optim.AdamW(model.parameters(), lr=1e-4)}
 

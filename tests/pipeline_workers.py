@@ -27,6 +27,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.nn.parallel import DistributedDataParallel
 
 from screener.audit import Auditor, AuditUsageError, NumericFailure, SDCAlarm
+from screener.audit.sentinel import SentinelConfig
 from screener.known_answer.engine import faults
 
 VOCAB, D, HEADS, SEQ, BATCH, MICRO = 32, 16, 2, 8, 4, 2
@@ -109,20 +110,24 @@ class Fault:
     bit: Optional[int] = 30
     mode: str = "flip"
     persistent: bool = False
+    factor: float = 2.0  # mode "scale"
+    value: float = 0.0  # mode "set"
+    every_call: bool = False  # every call from `call` on, in its step alone (not persistent)
 
     def at(self, r: int, s: int) -> Optional[contextlib.AbstractContextManager]:
         if r == self.rank and (s == self.step or (self.persistent and s >= self.step)):
             return faults.inject(faults.FaultSpec(self.op, call=self.call, element=self.element,
                                                   bit=self.bit, mode=self.mode,
-                                                  persistent=self.persistent))
+                                                  persistent=self.persistent or self.every_call,
+                                                  factor=self.factor, value=self.value))
         return None
 
 
 def train(rank: int, world: int, *, pp: int, steps: int, schedule: str = "gpipe",
           audit_every: int = 1, alarm_dir: str, fault: Optional[Fault] = None,
           checkpointing: bool = False, plain_stage: bool = False, ddp: bool = False,
-          weights_every: int = 1, shard_flip: Optional[tuple[int, int]] = None, tp: int = 1
-          ) -> dict[str, Any]:
+          weights_every: int = 1, shard_flip: Optional[tuple[int, int]] = None, tp: int = 1,
+          sentinel: Optional[SentinelConfig] = None) -> dict[str, Any]:
     dp = world // pp // tp
     if tp > 1:  # rank s * dp * tp + d * tp + t; the TP partners of a stage share its batch
         mesh = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
@@ -151,7 +156,7 @@ def train(rank: int, world: int, *, pp: int, steps: int, schedule: str = "gpipe"
                            "numeric": None, "usage": None, "steps_done": 0, "counters": {}}
     try:
         auditor = Auditor(sched, audit_every=audit_every, weights_every=weights_every,
-                          alarm_dir=alarm_dir, job="pp")
+                          alarm_dir=alarm_dir, job="pp", sentinel=sentinel)
     except AuditUsageError as e:
         out["usage"] = str(e)
         return out
@@ -202,6 +207,18 @@ SCENARIOS: dict[str, dict[str, Any]] = {
                 fault=Fault(3, 1, call=2, bit=None, mode="nan")),
     # a flip in rank 5's stored shard (stage 1, pipeline 2, node n3) after step 0's update
     "shard_flip": dict(pp=2, steps=2, audit_every=0, shard_flip=(5, 0)),
+    # the spike sentinel between audits (audits: the 3 warm-up steps; step 0 self-checks)
+    "spike_healthy": dict(pp=2, steps=8, audit_every=100, sentinel=SentinelConfig(warmup=3)),
+    # every matmul output of rank 1 (stage 0, pipeline 1, node n2) x 1e4 in step 5's schedule
+    # step alone: its reruns are clean (the gradient spikes; transient)
+    "spike_transient": dict(pp=2, steps=8, audit_every=100, sentinel=SentinelConfig(warmup=3),
+                            fault=Fault(1, 5, call=1, bit=None, mode="scale", factor=1e4,
+                                        every_call=True)),
+    # the same on rank 4 (stage 1, pipeline 1, node n2) from step 5 on, its replays too (the
+    # loss spikes; persistent)
+    "spike_persistent": dict(pp=2, steps=8, audit_every=100, sentinel=SentinelConfig(warmup=3),
+                             fault=Fault(4, 5, call=1, bit=None, mode="scale", factor=1e4,
+                                         persistent=True)),
     "plain_stage": dict(pp=2, steps=1, plain_stage=True),
     "ddp_stage": dict(pp=2, steps=1, ddp=True),
 }

@@ -98,6 +98,44 @@ def test_a_flip_in_a_stored_shard_is_named_by_its_own_record(runs):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+def test_the_sentinel_watches_the_steps_between_audits_without_an_alarm(runs):
+    for o in runs["spike_healthy"]:
+        assert (o["alarm"], o["numeric"], o["steps_done"]) == (None, None, 8)
+        assert o["counters"]["audits"] == 3  # the warm-up guard: steps 0-2
+        assert o["counters"].get("sentinel_fired", 0) == 0 and not o["files"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_transient_spike_between_audits_is_rerun_replayed_and_named_on_its_pipeline(runs):
+    """The step's gradient jumps on rank 1; its pipeline's rerun and the two replays agree on
+    another value: a fault of that step alone. Between audits the records carry no
+    fingerprints, so the pipeline is named: here one node."""
+    a = one_alarm(runs["spike_transient"])
+    assert (a["check"], a["step"], a["settled"], a["suspect_ranks"]) == ("spike_rerun", 5, True,
+                                                                         [1, 4])
+    ev = a["evidence"]
+    assert (ev["verdict"], ev["spike"]["what"], ev["suspect"]) == ("transient", "grad", 1)
+    assert (ev["confirmer_pipeline"], ev["referee_pipeline"]) == (2, 0)
+    assert [n["node"] for n in a["suspect_nodes"]] == ["n2"]
+    assert [f["node"] for f in runs["spike_transient"][0]["files"]] == ["n2"]
+    assert all(o["steps_done"] == 5 for o in runs["spike_transient"])  # step 5 not applied
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_persistent_spike_is_pinned_to_the_stage_where_the_rerun_parts_from_the_replay(runs):
+    a = one_alarm(runs["spike_persistent"])
+    assert (a["check"], a["step"], a["settled"], a["suspect_ranks"]) == ("spike_rerun", 5, True,
+                                                                         [4])
+    ev = a["evidence"]
+    assert (ev["verdict"], ev["spike"]["what"]) == ("persistent", "loss")
+    assert ev["cases"] == [{"pipeline": 1, "verdict": "owner", "stage": 1}]
+    assert [f["node"] for f in runs["spike_persistent"][0]["files"]] == ["n2"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_a_stage_not_sharded_with_fully_shard_is_refused_in_one_line_on_every_rank(runs):
     lines = {o["usage"] for o in runs["plain_stage"]}
     assert len(lines) == 1

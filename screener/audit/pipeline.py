@@ -61,8 +61,17 @@ zero-bubble, DualPipeV), a stage not sharded with fully_shard (DDP per stage: to
 runs it only with static_graph=True, under which DDP reduces in some micro-batches' backward and
 not once per step, so no hook sees a step's gradient whole), a grid
 where no pipeline can replay another with every stage on another node. Not run under pipeline
-parallel: a weight vote (no stage has a replica under FSDP2), the spike sentinel and the
-redo of a bad reduction; nothing between audits but check 1.
+parallel: a weight vote (no stage has a replica under FSDP2) and the redo of a bad reduction.
+
+The spike sentinel (steps without an audit, after its warm-up; the warm-up steps are audited):
+the last stage's loss and every rank's largest local gradient magnitude (in the head) against
+the baselines; on a spike the suspect's pipeline (with its TP group) reruns its step while the
+next pipeline on other nodes and the referee pipeline replay it and every other pipeline reruns
+its own, one lockstep round. All reproduce it: the data. The rerun reproduces it and the replays
+agree on another value: persistent, named at the stage where the rerun parts from the replay
+(both carry fingerprints). The rerun agrees with the replays: a fault of that step alone, whose
+records carry no fingerprints to say the stage: the pipeline's ranks are named, settled when
+they share one node.
 """
 
 from __future__ import annotations
@@ -85,12 +94,14 @@ from screener.audit.collective import comm_device, exchange
 from screener.audit.config import AuditConfig
 from screener.audit.fsdp_tap import fsdp_module_class, install_recorders, scan
 from screener.audit.layout import tensor_parallel_group
-from screener.audit.pipeline_plan import R_BWD, R_FINITE, R_FWD, R_GRAD, R_LOSS, R_STATUS, \
+from screener.audit.pipeline_plan import R_BWD, R_FINITE, R_FWD, R_GRAD, R_LOSS, R_MAG, R_STATUS, \
     RECORD, PipelinePlan, Pipelines, first_difference, first_nonfinite, plan, settle_pipelines
 from screener.audit.protocol import Schedule, Walk
 from screener.audit.refusals import refuse_placement, refuse_unreplayable
 from screener.audit.reporting import History, Reporter
-from screener.audit.ring import loss_bits
+from screener.audit.ring import bits_to_float, loss_bits
+from screener.audit.attribution import SpikeWatch, refuse_irreproducible
+from screener.audit.sentinel import Sentinel, SentinelConfig, Spike, rerun_verdict
 from screener.audit.sharded_rounds import decode_batch, encode_batch
 from screener.audit.topology import gather_topology, job_name
 from screener.fingerprint import fingerprints
@@ -110,7 +121,8 @@ _H_REDUCED, _H_DRIFT = RECORD, RECORD + 1
 # replay; an audit step's states, batches, replay and self-replay; on a mismatch the referees'
 # batches and replay. Every p2p round ("*_ship") is entered by every rank.
 PIPELINE_STEP = Schedule("check_gradients (pipeline parallel)", (
-    "head", "confirm_offer", "confirm_ship", "confirm", "audit_states", "audit_ship", "replay",
+    "head", "confirm_offer", "confirm_ship", "confirm", "rerun_offer", "rerun_ship", "rerun",
+    "audit_states", "audit_ship", "replay",
     "self_replay", "referee_ship", "referee"), fixed=("head",))
 
 
@@ -159,9 +171,10 @@ class _StageRecord:
             self.bwd = _fold(self.bwd, grad)
 
     def row(self, losses: Sequence[Any], grad_fps: Optional[torch.Tensor], grad_finite: bool,
-            status: int) -> torch.Tensor:
+            status: int, mag: float = 0.0) -> torch.Tensor:
         out = torch.zeros(RECORD, dtype=torch.int64)
         out[R_STATUS] = status
+        out[R_MAG] = loss_bits(float(mag))
         loss_ok = True
         if losses:
             stacked = torch.stack([torch.as_tensor(x).detach().reshape(()).float()
@@ -194,13 +207,14 @@ class PipelineAuditor(AuditorBase):
     def __init__(self, schedule: Any, *, audit_every: int = 50, weights_every: int = 100,
                  self_check_every: int = 20,
                  job: Optional[str] = None, alarm_dir: Optional[str | os.PathLike[str]] = None,
-                 start_step: Optional[int] = None, **unsupported: Any) -> None:
+                 start_step: Optional[int] = None, sentinel: Optional[SentinelConfig] = None,
+                 **unsupported: Any) -> None:
         given = sorted(k for k, v in unsupported.items() if v is not None)
         if given:
             raise AuditUsageError(f"screener.audit: pipeline parallel takes no {', '.join(given)} "
                                   f"(the replays run the job's schedule, so no loss_fn or "
-                                  f"batch_fn; no GradScaler, accumulation_steps, sentinel or "
-                                  f"custom topology under pipeline parallel yet)")
+                                  f"batch_fn; no GradScaler, accumulation_steps or custom "
+                                  f"topology under pipeline parallel yet)")
         self.config = AuditConfig(audit_every=audit_every, weights_every=weights_every,
                                   self_check_every=self_check_every,
                                   job=job_name() if job is None else job,
@@ -243,7 +257,12 @@ class PipelineAuditor(AuditorBase):
         self.history = History()
         self.reporter = Reporter(self.topology, self.rank, self.world_size, job=self.config.job,
                                  alarm_dir=self.config.alarm_dir)
-        self.cadence = Cadence(audit_every, weights_every, self_check_every, True, self.counters)
+        self.sentinel = Sentinel(sentinel)
+        guard = self.sentinel.config.warmup if self.sentinel.config.enabled else 0
+        # the first steps are audited while the sentinel has no baseline (cadence.py)
+        self.cadence = Cadence(audit_every, weights_every, self_check_every, True, self.counters,
+                               guard=guard)
+        self.spikes = SpikeWatch(self.sentinel, self.reporter, self.counters)
         self._tap, self.module_names = install_recorders(self.module)
         self._tap.record = start_step is None or self.is_audit_step(start_step)
         self._record = _StageRecord(self._tap.record)
@@ -342,7 +361,7 @@ class PipelineAuditor(AuditorBase):
         state = self._state if self._state is not None else StepState(None, None, None)
         self._state = None
         recorded, fps = tap.recorded, tap.fps.clone()
-        local_ok, reduced_ok = tap.local_finite, tap.reduced_finite
+        local_ok, reduced_ok, local_mag = tap.local_finite, tap.reduced_finite, tap.local_mag
         tap.reset()
         tap.record = self.is_audit_step(step + 1)
         self.counters["steps"] += 1
@@ -351,7 +370,7 @@ class PipelineAuditor(AuditorBase):
         status = NO_BATCH if (needs_batch and batch is None) else \
             OK if (recorded or not audit) else NOT_RECORDED
         row = record.row(list(losses or []) if self.last else [], fps if recorded else None,
-                         local_ok, status)
+                         local_ok, status, local_mag)
         walk = PIPELINE_STEP.walk(None, self._comm, step)
         drifted = self._drifted()
         head = torch.cat([row, torch.tensor([int(reduced_ok), int(bool(drifted))],
@@ -367,6 +386,16 @@ class PipelineAuditor(AuditorBase):
             self._nonfinite(walk, step, own, state, batch, fingerprinted)
         if not bool(got[:, _H_REDUCED].all()):
             self._reduced(step, got)
+        losses_now = [abs(bits_to_float(int(x))) for x in own[:, R_LOSS]]
+        mags = [bits_to_float(int(x)) for x in own[:, R_MAG]]
+        if audit:  # the replay below judges this step: its values only join the baselines
+            self.sentinel.accept("loss", max(losses_now))
+            self.sentinel.accept("grad", max(mags))
+        elif self.spikes.step(step, losses_now, mags, max(mags),
+                              lambda spike, suspect: self._spike(walk, step, spike, suspect, own,
+                                                                 state, batch),
+                              list(self.module.parameters())):
+            return  # a spike of the data's, its gradients dropped (on_data="skip")
         if not audit:
             return
         statuses = [int(x) for x in own[:, R_STATUS]]
@@ -391,16 +420,15 @@ class PipelineAuditor(AuditorBase):
     def _pipeline_rows(self, got: torch.Tensor, d: int) -> list[list[int]]:
         return [self._row_of(got, r) for r in self.pipelines.rows[d]]
 
-    def _ship(self, walk: Walk, round_: str, moves: dict[int, int], data: Optional[torch.Tensor],
-              sizes: dict[int, int]) -> dict[int, Any]:
+    def _ship(self, walk: Walk, round_: str, moves: Sequence[tuple[int, int]],
+              data: Optional[torch.Tensor], sizes: dict[int, int]) -> dict[int, Any]:
         """Point to point: each owner pipeline's end-stage batch to the pipeline replaying it
-        (moves: owner pipeline -> replaying pipeline); returns this rank's, by owner rank."""
+        (moves: (owner pipeline, replaying pipeline) pairs); returns this rank's, by owner."""
         walk.enter(round_)
         pairs: list[tuple[int, Optional[int]]] = []
         if self.first or self.last:
             s = self.stage_index
-            pairs = [(self.pipelines.rows[d][s], self.pipelines.rows[q][s])
-                     for d, q in moves.items()]
+            pairs = [(self.pipelines.rows[d][s], self.pipelines.rows[q][s]) for d, q in moves]
         inbox = exchange(pairs, self.rank, data, sizes, walk.comm)
         self.counters["batch_bytes_received"] += sum(t.numel() for t in inbox.values())
         return {o: decode_batch(t, self.device) for o, t in inbox.items()}
@@ -435,15 +463,15 @@ class PipelineAuditor(AuditorBase):
                 for b, v in buffers:
                     b.copy_(v)
         self.counters["replays"] += 1
-        return record.row(losses, tap.replay_fps.clone(), tap.replay_finite, OK)
+        return record.row(losses, tap.replay_fps.clone(), tap.replay_finite, OK, tap.replay_mag)
 
-    def _exchange(self, walk: Walk, ship: str, round_: str, moves: dict[int, int], batch: Any,
-                  states: dict[int, StepState], sizes: dict[int, int],
+    def _exchange(self, walk: Walk, ship: str, round_: str, moves: Sequence[tuple[int, int]],
+                  batch: Any, states: dict[int, StepState], sizes: dict[int, int],
                   data: Optional[torch.Tensor]) -> torch.Tensor:
         """Ship the owners' batches, replay (this pipeline: its owner in `moves`, else its own
         step) and gather every rank's replay row."""
         inbox = self._ship(walk, ship, moves, data, sizes)
-        owner = next((d for d, q in moves.items() if q == self.pipe), self.pipe)
+        owner = next((d for d, q in moves if q == self.pipe), self.pipe)
         owner_rank = self.pipelines.rows[owner][self.stage_index]
         mine = batch if owner == self.pipe else inbox.get(owner_rank)
         row = self._replay(mine, states[owner_rank])
@@ -466,7 +494,8 @@ class PipelineAuditor(AuditorBase):
         data, sizes, states = self._offer(walk, "audit_states", batch, state)
         n = self.pipelines.count
         ring = {d: self.plan.replayer(d) for d in range(n)}
-        replays = self._exchange(walk, "audit_ship", "replay", ring, batch, states, sizes, data)
+        replays = self._exchange(walk, "audit_ship", "replay", list(ring.items()), batch, states,
+                                 sizes, data)
         if self.cadence.self_check_due:
             again = walk.gather("self_replay", self._replay(batch, state))
             self._judge_self(step, own, again)
@@ -480,7 +509,7 @@ class PipelineAuditor(AuditorBase):
         if self.plan.referee_shift is not None:
             moves = {d: self.plan.referee(d) for d in self.pipelines.close(mismatched)}
             referees = self._exchange(walk, "referee_ship", "referee",
-                                      {d: q for d, q in moves.items() if q is not None},
+                                      [(d, q) for d, q in moves.items() if q is not None],
                                       batch, states, sizes, data)
         self._conclude(step, mismatched, own, replays, referees)
 
@@ -529,6 +558,76 @@ class PipelineAuditor(AuditorBase):
             first_suspect_step=self.history.window_start(self.history.last_clean_audit, step),
             key=self.reporter.key("ring_replay", step)))
 
+    # ---- the spike sentinel, between audits ---------------------------------------------------
+
+    def _spike(self, walk: Walk, step: int, spike: Spike, suspect: int, own: torch.Tensor,
+               state: StepState, batch: Any) -> str:
+        """A spike at a step without an audit, before the update: the suspect's pipeline (with
+        its TP group) reruns its step, the next pipeline on other nodes replays it and the
+        referee pipeline too, every other pipeline reruns its own, all in one lockstep round.
+        Returns "data"; raises SDCAlarm("spike_rerun") for a fault."""
+        d, stage = self.pipelines.where(suspect)
+        group = self.pipelines.close([d])
+        helpers = [h for h in (self.plan.shift, self.plan.referee_shift) if h is not None]
+        n = self.pipelines.count
+        pairs = [(x, (x + k) % n) for k in helpers for x in group]
+        data, sizes, states = self._offer(walk, "rerun_offer", batch, state)
+        got = self._exchange(walk, "rerun_ship", "rerun", pairs, batch, states, sizes, data)
+        q, j = self.plan.replayer(d), self.plan.referee(d)
+        index = self.topology.index_of
+
+        def at(rows: torch.Tensor, p: int) -> tuple[int, int, int, int]:
+            r = rows[index(self.pipelines.rows[p][stage])]
+            fp = fingerprints([r[R_LOSS:R_FINITE].clone()])[0]
+            return int(r[R_LOSS]), int(r[R_MAG]), int(fp[0]), int(fp[1])
+
+        # the pipelines that reran their own steps must have reproduced them
+        busy = set(group) | {y for _, y in pairs}
+        others = [r for p in range(n) if p not in busy for r in self.pipelines.rows[p]]
+        refuse_irreproducible(self.reporter, step, suspect, [
+            r for r in others if int(got[index(r), R_MAG]) != int(own[index(r), R_MAG])])
+        original = (int(own[index(suspect), R_LOSS]), int(own[index(suspect), R_MAG]))
+        verdict = rerun_verdict(original, at(got, d),
+                                [at(got, q), None if j is None else at(got, j)])
+        if verdict == "data":
+            return "data"
+        named: list[int] = []
+        cases: list[dict[str, Any]] = []
+        if verdict == "persistent":  # where the pipeline's rerun parts from its replays
+            for p in group:
+                qq, jj = self.plan.replayer(p), self.plan.referee(p)
+                said, where = settle_pipelines(
+                    self._pipeline_rows(got, p), self._pipeline_rows(got, qq),
+                    None if jj is None else self._pipeline_rows(got, jj))
+                cases.append({"pipeline": p, "verdict": said, "stage": where})
+                if said == "owner" and where is not None:
+                    named.append(self.pipelines.rows[p][where])
+        elif verdict == "transient":  # the step alone: somewhere in the group's pipelines
+            ranks = sorted(r for p in group for r in self.pipelines.rows[p])
+            if len({self.topology.node_of(r) for r in ranks}) == 1:
+                named = ranks
+            cases.append({"pipelines": group, "why": "the rerun and the replays agree and "
+                          "differ from the step: a fault of that step alone, at a stage its "
+                          "records cannot say (no fingerprints between audits)"})
+        proven = bool(others) or self.counters["self_checks"] > 0
+        named = sorted(set(named))
+        settled = bool(named) and j is not None and proven
+        evidence = {"parallelism": "pipeline", "spike": spike.to_dict(), "suspect": suspect,
+                    "stage": stage, "verdict": verdict, "confirmer_pipeline": q,
+                    "referee_pipeline": j, "cases": cases, "reproduced_by": others,
+                    "loss": {"original": bits_to_float(original[0]),
+                             "rerun": bits_to_float(at(got, d)[0])},
+                    "largest_gradient": {"original": bits_to_float(original[1]),
+                                         "rerun": bits_to_float(at(got, d)[1])}}
+        candidates = sorted(set(named) | {self.pipelines.rows[p][stage] for p in group} |
+                            {self.pipelines.rows[y][stage] for _, y in pairs})
+        self.reporter.alarm(SDCAlarm(
+            "spike_rerun", step, named if settled else (),
+            self.topology.suspect_nodes(named) if settled else (), settled, evidence,
+            candidate_ranks=named if settled else candidates, first_suspect_step=step,
+            key=self.reporter.key("spike_rerun", step)))
+        return "unattributed"  # not reached: alarm raises
+
     # ---- check 1 ----------------------------------------------------------------------------
 
     def _nonfinite(self, walk: Walk, step: int, own: torch.Tensor, state: StepState,
@@ -544,8 +643,8 @@ class PipelineAuditor(AuditorBase):
         data, sizes, states = self._offer(walk, "confirm_offer", batch, state)
         # a flagged pipeline's TP partners are replayed with it (not judged): they compute as one
         moves = {d: self.plan.replayer(d) for d in self.pipelines.close(list(flagged))}
-        replays = self._exchange(walk, "confirm_ship", "confirm", moves, batch, states, sizes,
-                                 data)
+        replays = self._exchange(walk, "confirm_ship", "confirm", list(moves.items()), batch,
+                                 states, sizes, data)
         reproduced: list[int] = []
         suspects: list[int] = []
         cases: list[dict[str, Any]] = []

@@ -36,13 +36,13 @@ from typing import Callable, Optional, Sequence
 
 __all__ = ["Pipelines", "PipelinePlan", "plan", "first_difference", "first_nonfinite",
            "settle_pipelines", "R_STATUS", "R_LOSS", "R_FWD", "R_BWD", "R_GRAD", "R_FINITE",
-           "RECORD"]
+           "R_MAG", "RECORD"]
 
 # One rank's record of a step (an int64 row): status, loss bits (last stage, else 0), the
-# forward, backward and gradient fingerprints (2 words each), and finiteness flags (forward,
-# backward, local gradient; 1 = finite).
-R_STATUS, R_LOSS, R_FWD, R_BWD, R_GRAD, R_FINITE = 0, 1, 2, 4, 6, 8
-RECORD = 11
+# forward, backward and gradient fingerprints (2 words each), finiteness flags (forward,
+# backward, local gradient; 1 = finite) and the local gradient's largest magnitude (bits).
+R_STATUS, R_LOSS, R_FWD, R_BWD, R_GRAD, R_FINITE, R_MAG = 0, 1, 2, 4, 6, 8, 11
+RECORD = 12
 
 
 @dataclass(frozen=True)
