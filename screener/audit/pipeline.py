@@ -587,8 +587,8 @@ class PipelineAuditor(AuditorBase):
         refuse_irreproducible(self.reporter, step, suspect, [
             r for r in others if int(got[index(r), R_MAG]) != int(own[index(r), R_MAG])])
         original = (int(own[index(suspect), R_LOSS]), int(own[index(suspect), R_MAG]))
-        verdict = rerun_verdict(original, at(got, d),
-                                [at(got, q), None if j is None else at(got, j)])
+        rerun = at(got, d)
+        verdict = rerun_verdict(original, rerun, [at(got, q), None if j is None else at(got, j)])
         if verdict == "data":
             return "data"
         named: list[int] = []
@@ -616,9 +616,9 @@ class PipelineAuditor(AuditorBase):
                     "stage": stage, "verdict": verdict, "confirmer_pipeline": q,
                     "referee_pipeline": j, "cases": cases, "reproduced_by": others,
                     "loss": {"original": bits_to_float(original[0]),
-                             "rerun": bits_to_float(at(got, d)[0])},
+                             "rerun": bits_to_float(rerun[0])},
                     "largest_gradient": {"original": bits_to_float(original[1]),
-                                         "rerun": bits_to_float(at(got, d)[1])}}
+                                         "rerun": bits_to_float(rerun[1])}}
         candidates = sorted(set(named) | {self.pipelines.rows[p][stage] for p in group} |
                             {self.pipelines.rows[y][stage] for _, y in pairs})
         self.reporter.alarm(SDCAlarm(
